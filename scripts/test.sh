@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install what is missing, build, and run the whole test suite:
+#  1. the Release build (CUDA kernels compiled when nvcc is present) and all its tests; GPU tests
+#     (ctest label gpu) skip with a reason when no GPU is present;
+#  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc)
+bash scripts/setup.sh
+echo "== build (Release) =="
+bash scripts/build.sh build
+echo "== tests (Release) =="
+(cd build && ctest --output-on-failure -j"$jobs" --timeout 900)
+echo "== build (ASan + UBSan, CPU) =="
+bash scripts/build.sh build-asan -DHLM_CUDA=OFF -DHLM_SANITIZE=ON -DHLM_BUILD_BENCH=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo
+echo "== tests (ASan + UBSan, CPU) =="
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+(cd build-asan && ctest --output-on-failure -j"$jobs" -L cpu --timeout 1800)

@@ -1,0 +1,97 @@
+#include "core/device.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "core/error.h"
+
+#ifdef HLM_HAVE_CUDA
+#include <cuda_runtime.h>
+#define HLM_CUDA_CHECK(expr)                                                                 \
+  do {                                                                                       \
+    cudaError_t err_ = (expr);                                                               \
+    HLM_CHECK(err_ == cudaSuccess, "CUDA error in {}: {}", #expr, cudaGetErrorString(err_)); \
+  } while (0)
+#endif
+
+namespace hlm {
+
+int cuda_device_count() {
+#ifdef HLM_HAVE_CUDA
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return n;
+  }();
+  return count;
+#else
+  return 0;
+#endif
+}
+
+bool cuda_available() {
+  return cuda_device_count() > 0;
+}
+
+void* device_alloc(Device d, size_t nbytes) {
+  if (nbytes == 0) nbytes = 1;
+  if (d == Device::cpu) {
+    void* p = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+#ifdef HLM_HAVE_CUDA
+  HLM_CHECK(cuda_available(), "a CUDA tensor was requested but no CUDA device is available");
+  void* p = nullptr;
+  HLM_CUDA_CHECK(cudaMalloc(&p, nbytes));
+  return p;
+#else
+  HLM_FAIL("a CUDA tensor was requested but this build has no CUDA support");
+#endif
+}
+
+void device_free(Device d, void* p) {
+  if (!p) return;
+  if (d == Device::cpu) {
+    std::free(p);
+    return;
+  }
+#ifdef HLM_HAVE_CUDA
+  cudaFree(p);
+#endif
+}
+
+void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes) {
+  if (nbytes == 0) return;
+  if (dd == Device::cpu && sd == Device::cpu) {
+    std::memcpy(dst, src, nbytes);
+    return;
+  }
+#ifdef HLM_HAVE_CUDA
+  HLM_CUDA_CHECK(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault));
+#else
+  HLM_FAIL("device copy to or from CUDA in a build without CUDA support");
+#endif
+}
+
+void device_memset_zero(Device d, void* p, size_t nbytes) {
+  if (d == Device::cpu) {
+    std::memset(p, 0, nbytes);
+    return;
+  }
+#ifdef HLM_HAVE_CUDA
+  HLM_CUDA_CHECK(cudaMemset(p, 0, nbytes));
+#endif
+}
+
+void device_synchronize() {
+#ifdef HLM_HAVE_CUDA
+  if (cuda_available()) HLM_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+}
+
+}  // namespace hlm

@@ -1,0 +1,22 @@
+// Device memory and device queries. CUDA calls live behind these functions so that the rest of the
+// library compiles the same with and without CUDA.
+#pragma once
+
+#include <cstddef>
+
+#include "core/dtype.h"
+
+namespace hlm {
+
+// Number of usable CUDA devices (0 in a CPU-only build or when no GPU/driver is present).
+int cuda_device_count();
+bool cuda_available();
+
+void* device_alloc(Device d, size_t nbytes);  // 64-byte aligned on the CPU; never returns null
+void device_free(Device d, void* p);
+// Copy nbytes between any two devices (synchronous).
+void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
+void device_memset_zero(Device d, void* p, size_t nbytes);
+void device_synchronize();
+
+}  // namespace hlm

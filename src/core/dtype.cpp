@@ -1,0 +1,159 @@
+#include "core/dtype.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+
+namespace hlm {
+
+size_t dtype_size(DType dt) {
+  switch (dt) {
+    case DType::f64:
+    case DType::i64:
+      return 8;
+    case DType::f32:
+    case DType::i32:
+      return 4;
+    case DType::bf16:
+    case DType::f16:
+      return 2;
+    case DType::e4m3:
+    case DType::e5m2:
+    case DType::u8:
+      return 1;
+  }
+  HLM_FAIL("unknown dtype {}", int(dt));
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::f64:
+      return "f64";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::e4m3:
+      return "e4m3";
+    case DType::e5m2:
+      return "e5m2";
+    case DType::i64:
+      return "i64";
+    case DType::i32:
+      return "i32";
+    case DType::u8:
+      return "u8";
+  }
+  return "?";
+}
+
+DType parse_dtype(std::string_view n) {
+  if (n == "f64" || n == "float64" || n == "fp64") return DType::f64;
+  if (n == "f32" || n == "float32" || n == "fp32" || n == "float") return DType::f32;
+  if (n == "bf16" || n == "bfloat16") return DType::bf16;
+  if (n == "f16" || n == "float16" || n == "fp16" || n == "half") return DType::f16;
+  if (n == "e4m3" || n == "float8_e4m3fn" || n == "fp8_e4m3") return DType::e4m3;
+  if (n == "e5m2" || n == "float8_e5m2" || n == "fp8_e5m2") return DType::e5m2;
+  if (n == "i64" || n == "int64") return DType::i64;
+  if (n == "i32" || n == "int32") return DType::i32;
+  if (n == "u8" || n == "uint8") return DType::u8;
+  HLM_FAIL("unknown dtype '{}': expected one of f64, f32, bf16, f16, e4m3, e5m2, i64, i32, u8",
+           std::string(n));
+}
+
+bool is_floating(DType dt) {
+  return dt != DType::i64 && dt != DType::i32 && dt != DType::u8;
+}
+
+const char* device_name(Device d) {
+  return d == Device::cpu ? "cpu" : "cuda";
+}
+
+namespace {
+
+double load(const void* p, DType dt, size_t i) {
+  switch (dt) {
+    case DType::f64:
+      return static_cast<const double*>(p)[i];
+    case DType::f32:
+      return static_cast<const float*>(p)[i];
+    case DType::bf16:
+      return bf16_to_float(static_cast<const bf16*>(p)[i]);
+    case DType::f16:
+      return f16_to_float(static_cast<const f16*>(p)[i]);
+    case DType::e4m3:
+      return fp8_to_float(static_cast<const uint8_t*>(p)[i], Fp8Format::e4m3);
+    case DType::e5m2:
+      return fp8_to_float(static_cast<const uint8_t*>(p)[i], Fp8Format::e5m2);
+    case DType::i64:
+      return double(static_cast<const int64_t*>(p)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(p)[i];
+    case DType::u8:
+      return static_cast<const uint8_t*>(p)[i];
+  }
+  return 0;
+}
+
+// Store a value. Rounding to a narrow float goes through f32 first except for f64 -> f32 itself,
+// which is one correctly rounded step; f64 -> bf16 is double-rounded only when the f64 value is
+// not an f32 value, which the library never relies on.
+void store(void* p, DType dt, size_t i, double v) {
+  switch (dt) {
+    case DType::f64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case DType::f32:
+      static_cast<float*>(p)[i] = float(v);
+      break;
+    case DType::bf16:
+      static_cast<bf16*>(p)[i] = float_to_bf16(float(v));
+      break;
+    case DType::f16:
+      static_cast<f16*>(p)[i] = float_to_f16(float(v));
+      break;
+    case DType::e4m3:
+      static_cast<uint8_t*>(p)[i] = float_to_fp8(float(v), Fp8Format::e4m3);
+      break;
+    case DType::e5m2:
+      static_cast<uint8_t*>(p)[i] = float_to_fp8(float(v), Fp8Format::e5m2);
+      break;
+    case DType::i64:
+      static_cast<int64_t*>(p)[i] = int64_t(v);
+      break;
+    case DType::i32:
+      static_cast<int32_t*>(p)[i] = int32_t(v);
+      break;
+    case DType::u8:
+      static_cast<uint8_t*>(p)[i] = uint8_t(v);
+      break;
+  }
+}
+
+}  // namespace
+
+void convert_elements(const void* src, DType sdt, void* dst, DType ddt, size_t n) {
+  if (sdt == ddt) {
+    std::memcpy(dst, src, n * dtype_size(sdt));
+    return;
+  }
+  if (sdt == DType::i64 && ddt == DType::i32) {
+    auto s = static_cast<const int64_t*>(src);
+    auto d = static_cast<int32_t*>(dst);
+    for (size_t i = 0; i < n; ++i) d[i] = int32_t(s[i]);
+    return;
+  }
+  if (sdt == DType::i32 && ddt == DType::i64) {
+    auto s = static_cast<const int32_t*>(src);
+    auto d = static_cast<int64_t*>(dst);
+    for (size_t i = 0; i < n; ++i) d[i] = s[i];
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) store(dst, ddt, i, load(src, sdt, i));
+}
+
+}  // namespace hlm

@@ -1,0 +1,65 @@
+#include "layers/module.h"
+
+namespace hlm {
+
+std::vector<std::pair<std::string, Param*>> Module::named_parameters(const std::string& prefix) {
+  std::vector<std::pair<std::string, Param*>> out;
+  for (auto& p : params_) out.emplace_back(prefix + p->name, p.get());
+  for (auto& [name, child] : children_) {
+    auto sub = child->named_parameters(prefix + name + ".");
+    out.insert(out.end(), sub.begin(), sub.end());
+  }
+  return out;
+}
+
+Param* Module::find_parameter(const std::string& full_name) {
+  for (auto& [n, p] : named_parameters())
+    if (n == full_name) return p;
+  return nullptr;
+}
+
+int64_t Module::parameter_count() {
+  int64_t n = 0;
+  for (auto& [name, p] : named_parameters()) n += p->value.numel();
+  return n;
+}
+
+void Module::to_dtype(DType dt) {
+  HLM_CHECK(is_floating(dt), "to_dtype: {} is not a floating dtype", dtype_name(dt));
+  for (auto& [name, p] : named_parameters()) {
+    const DType target = p->keep_fp32 ? DType::f32 : dt;
+    // keep_fp32 parameters follow an f64 cast (FP64 reference runs) but never go below f32.
+    const DType t = (p->keep_fp32 && dt == DType::f64) ? DType::f64 : target;
+    if (p->value.dtype() != t) p->value = p->value.to(t);
+    p->grad = Tensor();
+  }
+}
+
+void Module::zero_grad() {
+  for (auto& [name, p] : named_parameters()) {
+    const DType gd = grad_dtype_for(p->value.dtype());
+    if (!p->grad.defined() || p->grad.shape() != p->value.shape() || p->grad.dtype() != gd ||
+        p->grad.device() != p->value.device())
+      p->grad = Tensor::zeros(p->value.shape(), gd, p->value.device());
+    else
+      p->grad.zero_();
+  }
+}
+
+Param& Module::add_param(const std::string& name, Tensor value, bool keep_fp32,
+                         bool no_weight_decay) {
+  for (auto& p : params_) HLM_CHECK(p->name != name, "parameter '{}' registered twice", name);
+  auto p = std::make_unique<Param>();
+  p->name = name;
+  p->value = std::move(value);
+  p->keep_fp32 = keep_fp32;
+  p->no_weight_decay = no_weight_decay || keep_fp32;
+  params_.push_back(std::move(p));
+  return *params_.back();
+}
+
+void Module::add_child(const std::string& name, Module* child) {
+  children_.emplace_back(name, child);
+}
+
+}  // namespace hlm

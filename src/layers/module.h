@@ -1,0 +1,66 @@
+// Module: the parameter container every layer derives from.
+//
+// Conventions of every layer (DESIGN.md):
+//  - Explicit forward and backward, no autograd: forward(ctx, inputs, saved*) fills a named Saved
+//    struct with exactly what backward needs; backward(ctx, grads, saved) returns the activation
+//    gradients (written, =) and accumulates parameter gradients into Param::grad (+=).
+//  - Parameter names are the HF checkpoint names relative to the module (e.g. "q_proj.weight").
+//  - keep_fp32 parameters (A_log, dt_bias, mHC fn/base/scale, KPool ape, router bias) stay FP32
+//    through to_dtype(), the optimizer and checkpoints.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace hlm {
+
+struct Context {
+  bool training = true;    // false: forward need not fill Saved
+  bool recompute = false;  // selective recompute: Saved keeps only the layer input
+};
+
+struct Param {
+  std::string name;  // relative to the module that owns it
+  Tensor value;
+  Tensor grad;  // same shape; f64 for f64 values, else f32; accumulated (+=) by backward
+  bool keep_fp32 = false;
+  bool no_weight_decay = false;
+};
+
+class Module {
+ public:
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+  virtual ~Module() = default;
+
+  // (full name, param) for this module and its children, children prefixed with "child.".
+  std::vector<std::pair<std::string, Param*>> named_parameters(const std::string& prefix = "");
+  Param* find_parameter(const std::string& full_name);  // nullptr when absent
+  int64_t parameter_count();
+
+  // Cast every parameter except keep_fp32 ones to dt (floating dtypes); grads are re-allocated.
+  void to_dtype(DType dt);
+  // Allocate (if needed) and zero every gradient.
+  void zero_grad();
+
+ protected:
+  Param& add_param(const std::string& name, Tensor value, bool keep_fp32 = false,
+                   bool no_weight_decay = false);
+  void add_child(const std::string& name, Module* child);
+
+ private:
+  std::vector<std::unique_ptr<Param>> params_;
+  std::vector<std::pair<std::string, Module*>> children_;
+};
+
+// The gradient dtype that goes with a parameter dtype.
+inline DType grad_dtype_for(DType value_dt) {
+  return value_dt == DType::f64 ? DType::f64 : DType::f32;
+}
+
+}  // namespace hlm

@@ -1,0 +1,113 @@
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/safetensors.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+std::vector<uint8_t> file_of(const std::string& header, size_t data_bytes) {
+  std::vector<uint8_t> b(8 + header.size() + data_bytes, 0);
+  for (int i = 0; i < 8; ++i) b[size_t(i)] = uint8_t(uint64_t(header.size()) >> (8 * i));
+  std::memcpy(b.data() + 8, header.data(), header.size());
+  return b;
+}
+
+TEST(CoreSafetensors, RoundTripEveryDtype) {
+  Rng rng(testing::test_seed());
+  safetensors::TensorMap m;
+  for (DType dt : {DType::f64, DType::f32, DType::bf16, DType::f16, DType::e4m3, DType::e5m2})
+    m[std::string("t_") + dtype_name(dt)] = randn({3, 5}, dt, rng);
+  m["ids64"] = Tensor::from_values({4}, {0, -1, 5, 1e12}, DType::i64);
+  m["ids32"] = Tensor::from_values({2, 2}, {1, 2, 3, -4}, DType::i32);
+  m["bytes"] = Tensor::from_values({3}, {0, 7, 255}, DType::u8);
+  m["scalar"] = Tensor::scalar(0.125, DType::f64);
+  m["empty"] = Tensor::empty({0, 4}, DType::f32);
+  const std::string path = ::testing::TempDir() + "/rt.safetensors";
+  safetensors::save(path, m, {{"format", "pt"}});
+  auto c = safetensors::load(path);
+  EXPECT_EQ(c.metadata.at("format"), "pt");
+  ASSERT_EQ(c.tensors.size(), m.size());
+  for (auto& [name, t] : m) {
+    const Tensor& u = c.tensors.at(name);
+    EXPECT_EQ(u.dtype(), t.dtype()) << name;
+    EXPECT_TRUE(testing::bit_equal(u, t)) << name;
+  }
+  // The data buffer starts 8-byte aligned and the header is valid JSON the reference accepts.
+  std::ifstream f(path, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ(n % 8, 0u);
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp." + std::to_string(::getpid())));
+}
+
+TEST(CoreSafetensors, KnownFileLayoutParses) {
+  // A file as the reference writer lays it out: two f32 values then one bf16.
+  const std::string h = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                        R"("b":{"dtype":"BF16","shape":[1],"data_offsets":[8,10]}})";
+  auto bytes = file_of(h, 10);
+  const float a[2] = {1.5f, -2.0f};
+  std::memcpy(bytes.data() + 8 + h.size(), a, 8);
+  bytes[8 + h.size() + 8] = 0x80, bytes[8 + h.size() + 9] = 0x3f;  // bf16 1.0
+  auto c = safetensors::parse(bytes, "mem");
+  EXPECT_EQ(c.tensors.at("a").to_f64_vector(), (std::vector<double>{1.5, -2.0}));
+  EXPECT_EQ(c.tensors.at("b").item(), 1.0);
+}
+
+TEST(CoreSafetensors, MalformedFilesGiveErrorsNotCrashes) {
+  auto bad = [](const std::vector<uint8_t>& b) {
+    EXPECT_THROW(safetensors::parse(b, "bad"), Error);
+  };
+  bad({1, 2, 3});                                                                 // too short
+  bad(file_of("{", 0));                                                           // bad JSON
+  bad(file_of("[1]", 0));                                                         // not object
+  bad(file_of(R"({"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 1));    // dtype
+  bad(file_of(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4));   // size
+  bad(file_of(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 2));   // past end
+  bad(file_of(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", 4));   // reversed
+  bad(file_of(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4));  // negative
+  bad(file_of(R"({"a":{"dtype":"F32","shape":[1]}})", 4));                        // no offsets
+  bad(file_of(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
+              R"("b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})",
+              4));  // overlap
+  bad(file_of(R"({"a":{"dtype":"F32","shape":[1099511627776,1099511627776],)"
+              R"("data_offsets":[0,4]}})",
+              4));  // overflowing shape
+  auto huge = file_of("{}", 0);
+  huge[7] = 0x7f;  // header length beyond the file
+  bad(huge);
+  // Every truncation of a valid file is rejected cleanly.
+  safetensors::TensorMap m;
+  m["x"] = Tensor::from_values({2, 2}, {1, 2, 3, 4}, DType::f32);
+  auto good = safetensors::serialize(m);
+  for (size_t len = 0; len < good.size(); ++len)
+    bad(std::vector<uint8_t>(good.begin(), good.begin() + long(len)));
+  EXPECT_THROW(safetensors::load("/nonexistent/x.safetensors"), Error);
+}
+
+// Random byte flips in the header: parse must either succeed or throw hlm::Error.
+TEST(CoreSafetensors, HeaderFuzzNeverCrashes) {
+  safetensors::TensorMap m;
+  m["w"] = Tensor::from_values({3}, {1, 2, 3}, DType::f32);
+  m["z"] = Tensor::from_values({2}, {4, 5}, DType::i64);
+  const auto good = safetensors::serialize(m);
+  Rng rng(testing::test_seed());
+  for (int trial = 0; trial < 3000; ++trial) {
+    auto b = good;
+    const int flips = 1 + int(rng.below(3));
+    for (int f = 0; f < flips; ++f) b[8 + rng.below(good.size() - 8)] = uint8_t(rng.below(256));
+    try {
+      safetensors::parse(b, "fuzz");
+    } catch (const Error&) {
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hlm

@@ -1,0 +1,53 @@
+// Shared test helpers: random inputs, comparisons with a worst-element report, finite differences,
+// and the tolerance table (one place for all dtypes).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "core/rng.h"
+#include "core/tensor.h"
+
+namespace hlm::testing {
+
+// Fresh random inputs per test: the seed mixes the test name, so every check gets its own data
+// but runs are reproducible.
+uint64_t test_seed();
+
+// Error metrics of `out` against `ref` (any dtypes, same shape, CPU).
+struct ErrorStats {
+  double max_abs = 0;  // max |out - ref|
+  double max_ulp = 0;  // max |out - ref| / (eps(dtype) * max(|ref|, tiny)) ("units of eps")
+  double rel_l2 = 0;   // ||out - ref|| / ||ref||
+  int64_t worst = -1;  // flat index of the worst element (by |out - ref|)
+  double worst_out = 0, worst_ref = 0;
+  int64_t nan_mismatch = 0;  // positions where exactly one of out/ref is NaN or Inf
+  std::string report(const Tensor& shape_of) const;
+};
+ErrorStats compare(const Tensor& out, const Tensor& ref);
+
+struct Tolerance {
+  double rel_l2;
+  double max_abs;
+};
+// The tolerance table: what an op computed in `dt` may differ from an FP64 reference.
+Tolerance tolerance_for(DType dt);
+
+// Asserts rel_l2 <= tol.rel_l2 and max_abs <= tol.max_abs and no NaN/Inf mismatch; prints the
+// worst element and its multi-index on failure.
+::testing::AssertionResult close(const Tensor& out, const Tensor& ref, Tolerance tol);
+::testing::AssertionResult bit_equal(const Tensor& a, const Tensor& b);
+
+// Central finite differences in FP64: for each element i of `x` (an f64 CPU tensor that `loss`
+// reads), d loss / d x_i ~ (loss(x + h e_i) - loss(x - h e_i)) / 2h; compared with `grad`.
+// `max_elems` limits the number of probed elements (chosen deterministically, spread out).
+::testing::AssertionResult grad_check(const std::function<double()>& loss, Tensor& x,
+                                      const Tensor& grad, double h = 1e-6, double tol = 1e-6,
+                                      int64_t max_elems = 64);
+
+// sum(a * b) in FP64 (any dtypes, same shape): the usual probe loss for gradient checks.
+double dot(const Tensor& a, const Tensor& b);
+
+}  // namespace hlm::testing
