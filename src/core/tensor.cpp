@@ -73,6 +73,24 @@ Tensor Tensor::empty(const Shape& shape, DType dt, Device dev) {
   return t;
 }
 
+Tensor Tensor::wrap(std::shared_ptr<Storage> storage, size_t byte_offset, const Shape& shape,
+                    DType dt) {
+  HLM_CHECK(storage != nullptr, "wrap: no storage");
+  const size_t es = dtype_size(dt);
+  HLM_CHECK(byte_offset % es == 0, "wrap: byte offset {} is not a multiple of the {}-byte element",
+            byte_offset, es);
+  HLM_CHECK(byte_offset + size_t(shape_numel(shape)) * es <= storage->nbytes,
+            "wrap: {} {} at byte {} exceeds the storage of {} bytes", dtype_name(dt),
+            shape_str(shape), byte_offset, storage->nbytes);
+  Tensor t;
+  t.storage_ = std::move(storage);
+  t.offset_ = int64_t(byte_offset / es);
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.dtype_ = dt;
+  return t;
+}
+
 Tensor Tensor::zeros(const Shape& shape, DType dt, Device dev) {
   Tensor t = empty(shape, dt, dev);
   t.zero_();

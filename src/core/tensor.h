@@ -47,6 +47,10 @@ class Tensor {
     return t;
   }
   static Tensor scalar(double v, DType dt) { return from_values({}, {v}, dt); }
+  // A contiguous view of existing storage starting `byte_offset` bytes in (a multiple of the
+  // element size); used by Arena to carve workspaces out of one allocation.
+  static Tensor wrap(std::shared_ptr<Storage> storage, size_t byte_offset, const Shape& shape,
+                     DType dt);
 
   // ---- properties ----
   bool defined() const { return storage_ != nullptr; }
