@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Gather the GPU test and benchmark binaries of a CUDA build with the non-system shared libraries
+# they need into one folder that can travel to the GPU machine. Usage: scripts/gpu_pack.sh BUILD PACK
+set -euo pipefail
+build=$1; pack=$2
+rm -rf "$pack"; mkdir -p "$pack/lib"
+for b in tests/hlm_gpu_tests bench/bench_kda_decode_gpu; do cp "$build/$b" "$pack/"; done
+# Libraries from Debian packages that a CUDA image may lack (the CUDA ones are on the machine).
+for b in "$pack"/hlm_gpu_tests "$pack"/bench_kda_decode_gpu; do
+  ldd "$b" | awk '/=> \//{print $3}' | grep -E 'fmt|openblas|gfortran|quadmath|benchmark|gomp' || true
+done | sort -u | while read -r lib; do cp -L "$lib" "$pack/lib/"; done
+du -sh "$pack"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the GPU machine: run the GPU tests and the GPU benchmarks of a CUDA build made beforehand
+# (scripts/build.sh build-cuda) and carried with its shared libraries (scripts/gpu_pack.sh).
+# Usage: scripts/gpu_run.sh PACK_DIR [OUT_DIR]
+set -uo pipefail
+pack=$1; out=${2:-/tmp}
+export LD_LIBRARY_PATH="$pack/lib:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+echo "== GPU tests =="
+"$pack/hlm_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|  OK|SKIPPED) |FAILED|error|Failure|rel_l2" | head -60
+echo "== bench: KDA decode (ours) =="
+"$pack/bench_kda_decode_gpu" 2>&1 | tee "$out/bench_kda_decode.log"
+if [ -d .whl ]; then
+  echo "== bench: KDA decode (FLA fused_recurrent_kda, anchor) =="
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 \
+    python3 bench/kda_decode_fla.py 2>&1 | tee "$out/bench_kda_decode_fla.log" | tail -8
+fi
