@@ -20,6 +20,14 @@ TEST(OpsCast, SaturationModes) {
   EXPECT_EQ(e5[1], -INFINITY);
   EXPECT_EQ(e5[3], INFINITY);
   EXPECT_THROW(ops::cast(Tensor::from_values({1}, {1}, DType::i32), DType::f32), Error);
+  // Infinities keep their sign in the 16-bit formats; overflow goes to inf in f16.
+  Tensor inf = Tensor::from_values({3}, {INFINITY, -INFINITY, 70000.0}, DType::f32);
+  for (DType dt : {DType::f16, DType::bf16}) {
+    auto r = ops::cast(inf, dt).to_f64_vector();
+    EXPECT_EQ(r[0], INFINITY) << dtype_name(dt);
+    EXPECT_EQ(r[1], -INFINITY) << dtype_name(dt);
+  }
+  EXPECT_EQ(ops::cast(inf, DType::f16).to_f64_vector()[2], INFINITY);
 }
 
 }  // namespace
