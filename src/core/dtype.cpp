@@ -137,6 +137,7 @@ void store(void* p, DType dt, size_t i, double v) {
 }  // namespace
 
 void convert_elements(const void* src, DType sdt, void* dst, DType ddt, size_t n) {
+  if (n == 0) return;
   if (sdt == ddt) {
     std::memcpy(dst, src, n * dtype_size(sdt));
     return;

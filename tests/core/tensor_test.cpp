@@ -66,6 +66,15 @@ TEST(CoreTensor, DtypeConversionRoundsToNearestEven) {
   EXPECT_EQ(ids.to(DType::i32).to_f64_vector(), (std::vector<double>{7, -3}));
 }
 
+TEST(CoreTensor, EmptyTensorsAreContiguousAndCopy) {
+  Tensor e = Tensor::empty({3, 0, 4}, DType::f32);
+  EXPECT_TRUE(e.is_contiguous());
+  EXPECT_EQ(e.view({0, 4}).shape(), (Shape{0, 4}));
+  Tensor c = e.to(DType::bf16);
+  EXPECT_EQ(c.numel(), 0);
+  EXPECT_TRUE(e.transpose(0, 2).is_contiguous());
+}
+
 TEST(CoreTensor, FillZeroAndChecks) {
   Tensor t = Tensor::empty({2, 3}, DType::f32);
   t.transpose(0, 1).fill_(1.5);
