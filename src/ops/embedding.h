@@ -1,0 +1,16 @@
+// Embedding lookup: out[..., :] = table[ids[...], :].
+// table [V, D] (forward: any dtype, rows copied bit-exactly; backward: f32 or f64), ids of any
+// shape, i64 or i32, each in [0, V) (else an error naming the position and the id).
+// Backward accumulates dtable[ids[t], :] += dy[t, :] sequentially over tokens (deterministic).
+#pragma once
+
+#include "core/tensor.h"
+
+namespace hlm::ops {
+
+// Returns [ids..., D] in the table's dtype.
+Tensor embedding_forward(const Tensor& table, const Tensor& ids);
+// dy [ids..., D]; dtable [V, D] += the scattered rows.
+void embedding_backward(const Tensor& dy, const Tensor& ids, Tensor& dtable);
+
+}  // namespace hlm::ops

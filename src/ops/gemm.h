@@ -1,0 +1,21 @@
+// GEMM: C = alpha * op(A) op(B) + beta * C on 2-D tensors (CPU: OpenBLAS; f32 and f64).
+//   op(A) is A [M, K] or, with trans_a, A^T for A [K, M]; likewise op(B) is [K, N].
+//   A, B, C may be strided views whose last dimension is contiguous (row stride = leading dim).
+// Options: round_bf16 rounds both operands to bf16 first (FP32 accumulation), the numerics of a
+// bf16 tensor-core GEMM; the result is written in C's dtype.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace hlm::ops {
+
+struct GemmOptions {
+  bool round_bf16 = false;
+};
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+          double alpha = 1.0, double beta = 0.0, GemmOptions opt = {});
+// New [M, N] tensor = op(A) op(B), dtype of A.
+Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, GemmOptions opt = {});
+
+}  // namespace hlm::ops

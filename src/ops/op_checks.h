@@ -1,0 +1,85 @@
+// Argument checks shared by the ops (internal to src/ops/): every op validates its inputs with
+// these before dispatching on the device, so a bad call throws hlm::Error naming the op, the
+// argument and what was expected.
+#pragma once
+
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace hlm::ops::detail {
+
+// The op runs on the CPU only for now: a CUDA tensor gets a clear error.
+inline void require_cpu(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.device() == Device::cpu, "{}: no CUDA implementation of {} yet ({} is {})", op, op,
+            what, t.describe());
+}
+
+// Defined, on the CPU, f32 or f64.
+inline void require_float(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  require_cpu(t, op, what);
+  HLM_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::f64, "{}: {} must be f32 or f64, got {}",
+            op, what, t.describe());
+}
+
+inline void require_same_dtype(const Tensor& t, const Tensor& ref, const char* op, const char* what,
+                               const char* ref_name) {
+  HLM_CHECK(t.dtype() == ref.dtype(), "{}: {} must have the dtype of {} ({}), got {}", op, what,
+            ref_name, dtype_name(ref.dtype()), t.describe());
+}
+
+inline void require_shape(const Tensor& t, const Shape& s, const char* op, const char* what) {
+  HLM_CHECK(t.shape() == s, "{}: {} must have shape {}, got {}", op, what, shape_str(s),
+            t.describe());
+}
+
+// Defined, on the CPU, integer (i64 or i32).
+inline void require_index(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  require_cpu(t, op, what);
+  HLM_CHECK(t.dtype() == DType::i64 || t.dtype() == DType::i32, "{}: {} must be i64 or i32, got {}",
+            op, what, t.describe());
+}
+
+// Index values of an i64 / i32 tensor (any strides) as int64.
+inline std::vector<int64_t> index_values(const Tensor& t) {
+  Tensor c = t.contiguous();
+  std::vector<int64_t> v(size_t(c.numel()));
+  if (c.dtype() == DType::i64) {
+    const int64_t* p = c.data<int64_t>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = p[i];
+  } else {
+    const int32_t* p = c.data<int32_t>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = p[i];
+  }
+  return v;
+}
+
+// The shape without its last dimension.
+inline Shape leading_shape(const Tensor& t) {
+  Shape s = t.shape();
+  if (!s.empty()) s.pop_back();
+  return s;
+}
+
+// Rows of a [..., D] tensor: the product of all dimensions but the last.
+inline int64_t leading_rows(const Tensor& t) {
+  return shape_numel(leading_shape(t));
+}
+
+// Calls f(T{}) with T = float or double for an f32 / f64 dtype (checked by require_float).
+template <class F>
+decltype(auto) dispatch_float(DType dt, F&& f) {
+  if (dt == DType::f64) return f(double{});
+  return f(float{});
+}
+
+// A tensor an op writes in place (accumulated gradients, rolling states) must be contiguous; an
+// empty tensor always qualifies.
+inline void require_contiguous(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.numel() == 0 || t.is_contiguous(), "{}: {} must be contiguous, got strides {} for {}",
+            op, what, shape_str(t.strides()), t.describe());
+}
+
+}  // namespace hlm::ops::detail
