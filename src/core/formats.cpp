@@ -9,7 +9,7 @@ namespace {
 // smallest normal exponent `emin` (subnormals below 2^emin), ties to even. Exact: every step is a
 // scaling by a power of two or an integer rounding of a value that fits a double.
 double round_to_grid(double a, int mbits, int emin) {
-  if (a == 0.0) return 0.0;
+  if (a == 0.0 || !std::isfinite(a)) return a;
   int e = std::ilogb(a);
   if (e < emin) e = emin;
   const double ulp = std::ldexp(1.0, e - mbits);
@@ -46,7 +46,8 @@ float f16_to_float(f16 h) {
 f16 float_to_f16(float f) {
   const uint32_t u = f32_bits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return f16::from_bits(uint16_t(sign | 0x7e00u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return f16::from_bits(0x7fffu);  // canonical NaN
+  if (std::isinf(f)) return f16::from_bits(uint16_t(sign | 0x7c00u));
   const double r = round_to_grid(std::fabs(double(f)), 10, -14);
   if (r > 65504.0) return f16::from_bits(uint16_t(sign | 0x7c00u));  // overflow (and inf) -> inf
   return f16::from_bits(uint16_t(sign | encode_on_grid(r, 10, -14, 15)));

@@ -1,7 +1,9 @@
 // Number formats: bf16, f16, fp8 E4M3 (e4m3fn) and E5M2, with exact conversions.
 //
-// Conventions (they match cuda_fp8.h / cuda_bf16.h and PyTorch bit for bit):
-//  - float -> bf16 / f16: round to nearest, ties to even; NaN stays NaN (quiet, sign kept).
+// Conventions (they match cuda_fp8.h / cuda_bf16.h / cuda_fp16.h bit for bit, and PyTorch except
+// for NaN payloads; verified in tests/core/formats_test.cpp):
+//  - float -> bf16 / f16: round to nearest, ties to even; NaN gives the canonical NaN 0x7fff of
+//    cuda_bf16.h / cuda_fp16.h (PyTorch writes 0x7fc0 / 0x7e00: same NaN, other payload bits).
 //  - float -> fp8: round to nearest even. Two saturation modes, as in cuda_fp8.h:
 //      Saturate::finite  (__NV_SATFINITE): |x| beyond the largest finite value, and +-inf, give
 //                        +-max (448 for E4M3, 57344 for E5M2). NaN gives NaN.
@@ -10,7 +12,8 @@
 //    E4M3: bias 7, max 448, no inf, NaN = 0x7f / 0xff. E5M2: bias 15, max 57344, inf 0x7c / 0xfc,
 //    NaN 0x7d..0x7f / 0xfd..0xff. A NaN input gives 0x7f in both formats (cuda_fp8.h canonicalises
 //    float NaN and drops its sign). Ties at the overflow edge follow cuda_fp8.h: 464 -> 448 in E4M3
-//    (PyTorch's non-saturating cast gives NaN there), 61440 overflows in E5M2.
+//    in both modes (a tie to the even code; PyTorch agrees), anything above 464 overflows (NaN
+//    with Saturate::none and in PyTorch, 448 with finite); 61440 overflows in E5M2.
 #pragma once
 
 #include <cstdint>
@@ -44,8 +47,8 @@ inline float bf16_to_float(bf16 h) {
 }
 inline bf16 float_to_bf16(float f) {
   uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16::from_bits(uint16_t((u >> 16) | 0x0040u));
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16::from_bits(0x7fffu);  // canonical NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                                       // round to nearest even
   return bf16::from_bits(uint16_t(u >> 16));
 }
 // Round a float to the nearest bf16 value and return it as a float.

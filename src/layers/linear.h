@@ -1,0 +1,57 @@
+// Linear: y = x W^T (+ b), W [out, in] (HF layout), x [T, in], y [T, out].
+// The GEMM precision comes from a policy (layers/precision.h): bf16 (operands rounded to bf16,
+// FP32 accumulation), fp32 / f64 (exact in the tensor dtype), or fp8_block (activations quantized
+// in 1x128 tiles, weights in 128x128 blocks, E4M3 forward; the backward GEMMs quantize the output
+// gradient in E4M3 or E5M2), emulated exactly on the CPU (quantize, dequantize, FP32 accumulation
+// per 128 K-elements).
+// Forward saves the input (and, for fp8, what the backward GEMMs need); backward writes dx and
+// accumulates dW (+= ) and db (+=). Output and dx have the dtype of x; the fp8_block contract
+// (quantization, padding of in/out/T to multiples of 128, FP32 accumulation order) is in
+// docs/fp8.md and linear.cpp.
+#pragma once
+
+#include <string>
+
+#include "layers/module.h"
+#include "layers/precision.h"
+#include "ops/fp8_quant.h"
+
+namespace hlm {
+
+class Linear : public Module {
+ public:
+  struct Saved {
+    Tensor x;  // the layer input [T, in] as given
+    // fp8_block only (empty under ctx.recompute, when backward re-quantizes W): the 128x128 E4M3
+    // quantization of W, zero-padded to [out, ceil(in/128)*128], that the forward GEMM used; the
+    // dgrad GEMM uses the same codes and scales (2-D blocks transpose exactly, spec 4.2).
+    ops::Fp8Tensor w_q;
+  };
+
+  Linear() = default;
+  // Parameters "weight" [out, in] (and "bias" [out]), initialised to zeros (fill weight().value
+  // to initialise). dt: parameter dtype (f64, f32 or bf16); x and dy: f64, f32 or bf16.
+  Linear(int64_t in_features, int64_t out_features, bool bias, GemmPrecision precision,
+         DType dt = DType::f32);
+  void init(int64_t in_features, int64_t out_features, bool bias, GemmPrecision precision,
+            DType dt = DType::f32);
+
+  Tensor forward(const Context& ctx, const Tensor& x, Saved* saved) const;
+  Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved);
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  const GemmPrecision& precision() const { return precision_; }
+  void set_precision(const GemmPrecision& p) { precision_ = p; }
+  Param& weight() { return *weight_; }
+  Param* bias() { return bias_; }
+  const Tensor& weight_value() const { return weight_->value; }
+
+ private:
+  int64_t in_ = 0, out_ = 0;
+  GemmPrecision precision_;
+  Param* weight_ = nullptr;
+  Param* bias_ = nullptr;
+};
+
+}  // namespace hlm

@@ -1,0 +1,286 @@
+// Precision policy (layers/precision.h): config parsing, per-module resolution, keep-in-FP32 names.
+#include "layers/precision.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace hlm {
+
+const char* gemm_kind_name(GemmKind k) {
+  switch (k) {
+    case GemmKind::native:
+      return "native";
+    case GemmKind::bf16:
+      return "bf16";
+    case GemmKind::fp8_block:
+      return "fp8_block";
+  }
+  return "?";
+}
+
+GemmKind parse_gemm_kind(const std::string& s) {
+  if (s == "native" || s == "fp32") return GemmKind::native;
+  if (s == "bf16") return GemmKind::bf16;
+  if (s == "fp8_block" || s == "fp8") return GemmKind::fp8_block;
+  HLM_FAIL("unknown GEMM precision '{}' (expected native, fp32, bf16, fp8_block or fp8)", s);
+}
+
+std::string precision_str(const GemmPrecision& p) {
+  if (p.kind != GemmKind::fp8_block) return gemm_kind_name(p.kind);
+  return fmt::format("fp8_block(grad {}{})", p.grad_format == Fp8Format::e4m3 ? "e4m3" : "e5m2",
+                     p.pow2_scales ? ", pow2" : "");
+}
+
+const char* module_role_name(ModuleRole r) {
+  switch (r) {
+    case ModuleRole::kda_proj:
+      return "kda_proj";
+    case ModuleRole::kda_gate:
+      return "kda_gate";
+    case ModuleRole::mla_proj:
+      return "mla_proj";
+    case ModuleRole::indexer_qk_proj:
+      return "indexer_qk_proj";
+    case ModuleRole::indexer_kpool:
+      return "indexer_kpool";
+    case ModuleRole::indexer_weights:
+      return "indexer_weights";
+    case ModuleRole::moe_expert:
+      return "moe_expert";
+    case ModuleRole::dense_mlp:
+      return "dense_mlp";
+    case ModuleRole::lm_head:
+      return "lm_head";
+    case ModuleRole::router:
+      return "router";
+    case ModuleRole::mhc:
+      return "mhc";
+    case ModuleRole::mtp:
+      return "mtp";
+    case ModuleRole::other:
+      return "other";
+  }
+  return "?";
+}
+
+namespace {
+
+std::vector<std::string> split_dots(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const size_t dot = s.find('.', start);
+    out.push_back(s.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+bool module_matches_pattern(const std::string& module_path, const std::string& pattern) {
+  std::string p = pattern;
+  if (p.size() >= 2 && p.compare(p.size() - 2, 2, ".*") == 0) {
+    p.resize(p.size() - 2);
+  } else if (!p.empty() && p.back() == '.') {
+    p.pop_back();
+  }
+  if (p.empty() || module_path.empty()) return false;
+  const auto pc = split_dots(p), mc = split_dots(module_path);
+  if (pc.size() > mc.size()) return false;
+  for (size_t start = 0; start + pc.size() <= mc.size(); ++start) {
+    bool all = true;
+    for (size_t i = 0; i < pc.size() && all; ++i) all = mc[start + i] == pc[i];
+    if (all) return true;
+  }
+  return false;
+}
+
+bool PrecisionPolicy::not_converted(const std::string& module_path) const {
+  for (const auto& m : modules_to_not_convert)
+    if (module_matches_pattern(module_path, m)) return true;
+  return false;
+}
+
+GemmPrecision PrecisionPolicy::resolve(const std::string& module_path, ModuleRole role) const {
+  GemmPrecision p;
+  const GemmKind no_fp8 = default_kind == GemmKind::native ? GemmKind::native : GemmKind::bf16;
+  switch (role) {
+    case ModuleRole::router:
+    case ModuleRole::mhc:
+      p.kind = GemmKind::native;
+      return p;
+    case ModuleRole::lm_head:
+    case ModuleRole::kda_gate:
+    case ModuleRole::indexer_weights:
+    case ModuleRole::mtp:
+      p.kind = no_fp8;
+      return p;
+    default:
+      break;
+  }
+  if (default_kind != GemmKind::fp8_block) {
+    p.kind = default_kind;
+    return p;
+  }
+  bool disabled = false;
+  switch (role) {
+    case ModuleRole::kda_proj:
+      disabled = kda_disable_fp8;
+      break;
+    case ModuleRole::mla_proj:
+      disabled = mla_proj_disable_quantization;
+      break;
+    case ModuleRole::indexer_qk_proj:
+      disabled = dsa_indexer_qk_proj_disable_quantization;
+      break;
+    case ModuleRole::indexer_kpool:
+      disabled = !dsa_indexer_kpool_use_quantization;
+      break;
+    default:
+      break;
+  }
+  if (disabled || not_converted(module_path)) {
+    p.kind = GemmKind::bf16;
+    return p;
+  }
+  p.kind = GemmKind::fp8_block;
+  p.grad_format = grad_format;
+  p.pow2_scales = pow2_scales;
+  return p;
+}
+
+namespace {
+
+const char* json_type(const nlohmann::json& v) {
+  return v.type_name();
+}
+
+bool read_bool(const nlohmann::json& j, const char* key, bool current) {
+  if (!j.contains(key)) return current;
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_boolean(), "precision config: '{}' must be true or false, got {} {}", key,
+            json_type(v), v.dump());
+  return v.get<bool>();
+}
+
+const nlohmann::json* read_string(const nlohmann::json& j, const char* key) {
+  if (!j.contains(key)) return nullptr;
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_string(), "precision config: '{}' must be a string, got {} {}", key, json_type(v),
+            v.dump());
+  return &v;
+}
+
+}  // namespace
+
+PrecisionPolicy PrecisionPolicy::from_json(const nlohmann::json& j) {
+  HLM_CHECK(j.is_object(), "precision config: expected a JSON object, got {}", json_type(j));
+  PrecisionPolicy p;
+  if (auto* v = read_string(j, "gemm_precision")) {
+    const std::string s = v->get<std::string>();
+    HLM_CHECK(s == "native" || s == "fp32" || s == "bf16" || s == "fp8_block" || s == "fp8",
+              "precision config: 'gemm_precision' is '{}', expected native, fp32, bf16, fp8_block "
+              "or fp8",
+              s);
+    p.default_kind = parse_gemm_kind(s);
+  }
+  bool have_format = false;
+  if (auto* v = read_string(j, "fp8_format")) {
+    const std::string s = v->get<std::string>();
+    HLM_CHECK(s == "e4m3" || s == "hybrid",
+              "precision config: 'fp8_format' is '{}', expected e4m3 or hybrid (E4M3 forward, "
+              "E5M2 gradients)",
+              s);
+    p.grad_format = s == "hybrid" ? Fp8Format::e5m2 : Fp8Format::e4m3;
+    have_format = true;
+  }
+  if (auto* v = read_string(j, "fp8_grad_format")) {
+    const std::string s = v->get<std::string>();
+    HLM_CHECK(s == "e4m3" || s == "e5m2",
+              "precision config: 'fp8_grad_format' is '{}', expected e4m3 or e5m2", s);
+    const Fp8Format g = s == "e5m2" ? Fp8Format::e5m2 : Fp8Format::e4m3;
+    HLM_CHECK(!have_format || g == p.grad_format,
+              "precision config: 'fp8_grad_format' {} contradicts 'fp8_format' {}", s,
+              j.at("fp8_format").get<std::string>());
+    p.grad_format = g;
+  }
+  p.pow2_scales = read_bool(j, "fp8_pow2_scales", p.pow2_scales);
+  p.kda_disable_fp8 = read_bool(j, "kda_disable_fp8", p.kda_disable_fp8);
+  p.mla_proj_disable_quantization =
+      read_bool(j, "mla_proj_disable_quantization", p.mla_proj_disable_quantization);
+  p.dsa_indexer_qk_proj_disable_quantization = read_bool(
+      j, "dsa_indexer_qk_proj_disable_quantization", p.dsa_indexer_qk_proj_disable_quantization);
+  p.dsa_indexer_kpool_use_quantization =
+      read_bool(j, "dsa_indexer_kpool_use_quantization", p.dsa_indexer_kpool_use_quantization);
+
+  if (j.contains("quantization_config") && !j.at("quantization_config").is_null()) {
+    const auto& q = j.at("quantization_config");
+    HLM_CHECK(q.is_object(), "precision config: 'quantization_config' must be an object, got {}",
+              json_type(q));
+    if (auto* m = read_string(q, "quant_method")) {
+      HLM_CHECK(m->get<std::string>() == "fp8",
+                "precision config: quantization_config.quant_method '{}' is not supported "
+                "(expected fp8)",
+                m->get<std::string>());
+    }
+    if (auto* f = read_string(q, "fmt")) {
+      HLM_CHECK(f->get<std::string>() == "e4m3",
+                "precision config: quantization_config.fmt '{}' is not supported (expected e4m3)",
+                f->get<std::string>());
+    }
+    if (q.contains("weight_block_size") && !q.at("weight_block_size").is_null()) {
+      const auto& b = q.at("weight_block_size");
+      const bool ok = b.is_array() && b.size() == 2 && b[0].is_number_integer() &&
+                      b[1].is_number_integer() && b[0].get<int64_t>() == 128 &&
+                      b[1].get<int64_t>() == 128;
+      HLM_CHECK(ok,
+                "precision config: quantization_config.weight_block_size must be [128, 128], "
+                "got {}",
+                b.dump());
+    }
+    if (q.contains("modules_to_not_convert") && !q.at("modules_to_not_convert").is_null()) {
+      const auto& m = q.at("modules_to_not_convert");
+      HLM_CHECK(m.is_array(),
+                "precision config: quantization_config.modules_to_not_convert must be a list of "
+                "strings, got {}",
+                json_type(m));
+      for (size_t i = 0; i < m.size(); ++i) {
+        HLM_CHECK(m[i].is_string() && !m[i].get<std::string>().empty(),
+                  "precision config: quantization_config.modules_to_not_convert[{}] must be a "
+                  "non-empty string, got {}",
+                  i, m[i].dump());
+        p.modules_to_not_convert.push_back(m[i].get<std::string>());
+      }
+    }
+  }
+  return p;
+}
+
+bool is_keep_fp32_name(const std::string& param_name) {
+  const auto parts = split_dots(param_name);
+  const std::string& last = parts.back();
+  if (last == "A_log" || last == "dt_bias" || last == "index_kpool_compress_ape" ||
+      last == "e_score_correction_bias" || last == "expert_bias" || last == "alpha_pre" ||
+      last == "alpha_post" || last == "alpha_res")
+    return true;
+  // hc_{attn|ffn|head}_{fn|base|scale}
+  for (const char* site : {"hc_attn_", "hc_ffn_", "hc_head_"}) {
+    const std::string s = site;
+    if (last.compare(0, s.size(), s) == 0) {
+      const std::string rest = last.substr(s.size());
+      if (rest == "fn" || rest == "base" || rest == "scale") return true;
+    }
+  }
+  // Megatron mHC: ...mapping_proj.weight / ...mapping_proj.bias
+  if (parts.size() >= 2 && parts[parts.size() - 2] == "mapping_proj" &&
+      (last == "weight" || last == "bias"))
+    return true;
+  return false;
+}
+
+}  // namespace hlm
