@@ -1,0 +1,118 @@
+// `hybridlm op kda` and `hybridlm op kda_gate`: the KDA core op and its decay gate on tensors from
+// a safetensors file, for cross-checking against FLA (chunk_kda / fused_recurrent_kda) or the CUDA
+// kernels (docs/kda.md).
+//   hybridlm op kda [--impl chunk|recurrent] [--backward] --in IN --out OUT
+//       IN: q, k [T,H,K]; v [T,HV,V]; g [T,HV,K] (log decay, activated); beta [T,HV] (in (0,1));
+//           cu_seqlens (I64 or I32 [N+1]); optional initial_state [N,HV,K,V] ([K,V] layout),
+//           scale (F64 scalar; default K^-1/2); with --backward: do [T,HV,V], optional dht.
+//           F32 or F64 (q, k used as given: no L2 norm applied).
+//       OUT (F64 when the inputs are F64, else F32): o, final_state; with --backward also dq, dk,
+//           dv, dg, dbeta, dinitial_state.
+//   hybridlm op kda_gate [--lower-bound X] --in IN --out OUT
+//       IN: z [T,HV,K], A_log [HV] (optional with --lower-bound), dt_bias [HV*K] (optional).
+//       OUT: g [T,HV,K] (F64 when z is F64, else F32). Without --lower-bound: the standard gate.
+// Every error exits with status 2 and one line on stderr, and writes nothing.
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "ops/kda.h"
+
+namespace hlm::cli {
+namespace {
+
+struct KdaCliArgs {
+  std::string in, out, impl = "chunk";
+  bool backward = false;
+};
+
+void run_kda(const KdaCliArgs& c) {
+  const OpInputs in(c.in);
+  ops::KdaArgs a;
+  a.q = in.floating("q");
+  a.k = in.floating("k");
+  a.v = in.floating("v");
+  a.g = in.floating("g");
+  a.beta = in.floating("beta");
+  a.cu_seqlens = in.get("cu_seqlens");
+  if (in.has("initial_state")) a.initial_state = in.floating("initial_state");
+  if (in.has("scale")) {
+    const Tensor& s = in.get("scale");
+    HLM_CHECK(s.numel() == 1 && is_floating(s.dtype()),
+              "{}: 'scale' must be a floating scalar, got {}", in.path(), s.describe());
+    a.scale = s.item();
+    HLM_CHECK(a.scale > 0, "{}: 'scale' must be > 0, got {}", in.path(), a.scale);
+  }
+  const DType out_dt = a.q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const bool chunk = c.impl == "chunk";
+  safetensors::TensorMap out;
+  Tensor d_o, dht;
+  if (c.backward) {
+    d_o = in.floating("do");
+    if (in.has("dht")) dht = in.floating("dht");
+  }
+  auto fw = chunk ? ops::kda_chunk(a) : ops::kda_recurrent(a);
+  out["o"] = fw.o.to(out_dt);
+  out["final_state"] = fw.final_state.to(out_dt);
+  if (c.backward) {
+    auto g =
+        chunk ? ops::kda_chunk_backward(a, d_o, dht) : ops::kda_recurrent_backward(a, d_o, dht);
+    out["dq"] = g.dq.to(out_dt);
+    out["dk"] = g.dk.to(out_dt);
+    out["dv"] = g.dv.to(out_dt);
+    out["dg"] = g.dg.to(out_dt);
+    out["dbeta"] = g.dbeta.to(out_dt);
+    out["dinitial_state"] = g.dinitial_state.to(out_dt);
+  }
+  safetensors::save(c.out, out);
+}
+
+struct GateCliArgs {
+  std::string in, out;
+  std::optional<double> lower_bound;
+};
+
+void run_kda_gate(const GateCliArgs& c) {
+  const OpInputs in(c.in);
+  ops::KdaGateArgs a;
+  a.z = in.floating("z");
+  if (c.lower_bound) {
+    a.kind = ops::KdaGateKind::lower_bound;
+    a.lower_bound = *c.lower_bound;
+    if (in.has("A_log")) a.A_log = in.floating("A_log");
+  } else {
+    a.kind = ops::KdaGateKind::standard;
+    a.A_log = in.floating("A_log");
+  }
+  if (in.has("dt_bias")) a.dt_bias = in.floating("dt_bias");
+  safetensors::save(c.out, {{"g", ops::kda_gate(a)}});
+}
+
+std::function<void()> setup_kda(CLI::App& app) {
+  auto a = std::make_shared<KdaCliArgs>();
+  app.add_option("--in", a->in, "input safetensors (q, k, v, g, beta, cu_seqlens, ...)")
+      ->required();
+  app.add_option("--out", a->out, "output safetensors (o, final_state, grads)")->required();
+  app.add_option("--impl", a->impl, "chunk (C=64 WY form) or recurrent (FP64 step form)")
+      ->check(CLI::IsMember({"chunk", "recurrent"}));
+  app.add_flag("--backward", a->backward, "also compute the gradients from do (and dht)");
+  return [a] { run_kda(*a); };
+}
+
+std::function<void()> setup_kda_gate(CLI::App& app) {
+  auto a = std::make_shared<GateCliArgs>();
+  app.add_option("--in", a->in, "input safetensors (z, A_log, dt_bias)")->required();
+  app.add_option("--out", a->out, "output safetensors (g)")->required();
+  app.add_option("--lower-bound", a->lower_bound, "lower-bound gate with this bound, in [-5, 0)");
+  return [a] { run_kda_gate(*a); };
+}
+
+}  // namespace
+
+HLM_REGISTER_OP("kda", "KDA core op (chunk or FP64 recurrent), forward and optional backward",
+                setup_kda);
+HLM_REGISTER_OP("kda_gate", "KDA decay gate g from z, A_log, dt_bias", setup_kda_gate);
+
+}  // namespace hlm::cli

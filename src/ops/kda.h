@@ -1,0 +1,96 @@
+// Kimi Delta Attention core op (spec kda.md 1.3-1.6, 2, 3), CPU reference implementations.
+//
+// Per sequence and value head h (qk head h / (HV/H)), with state S in R^{K x V} ([K, V] layout):
+//   S <- Diag(exp(g_t)) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T (scale q_t)
+//
+// Two implementations with the same interface:
+//   kda_recurrent: the step form above, computed in FP64 whatever the input dtype; outputs are f64.
+//                  Its backward is the hand-derived reverse-time recurrence (FP64). The oracle.
+//   kda_chunk:     the chunked (C = 64) WY form of spec section 2, computed in the input dtype (f64
+//                  for f64 inputs, f32 otherwise, f32 accumulation); outputs in that dtype. It is
+//                  written as separate stages (gate cumsum, intra matrices, WY, state pass, output;
+//                  backward: recompute, dAv, reverse state pass, WY/dq/dk/dg, intra, reverse
+//                  cumsum) that each map onto one CUDA kernel. OpenMP over (chunk or sequence,
+//                  head); deterministic. The backward recomputes everything from the arguments
+//                  (FLA's default recompute mode), so it takes the same KdaArgs as the forward.
+//
+// Optional fused pre-processing (FLA's chunk_kda options), applied in the computation dtype:
+//   use_qk_l2norm: q, k <- x / sqrt(sum x^2 + 1e-6) (eps inside the sqrt), backward through it;
+//   beta_logits:   beta <- sigmoid(beta);
+//   gate != none:  g holds the raw gate input z and g <- kda_gate(z, A_log, dt_bias) (kda_gate.h).
+// Gradients returned are w.r.t. the tensors as passed (raw q, k, z, beta logits when fused).
+#pragma once
+
+#include <optional>
+
+#include "core/tensor.h"
+#include "ops/kda_gate.h"
+
+namespace hlm::ops {
+
+constexpr int64_t kKdaChunk = 64;   // chunk size C
+constexpr double kKdaL2Eps = 1e-6;  // inside the sqrt of the q/k L2 norm
+
+struct KdaArgs {
+  Tensor q;              // [T, H, K]   (scale is applied inside; raw when use_qk_l2norm)
+  Tensor k;              // [T, H, K]
+  Tensor v;              // [T, HV, V]  HV % H == 0
+  Tensor g;              // [T, HV, K]  log decay (<= 0), or the raw gate input z when gate is set
+  Tensor beta;           // [T, HV]     in (0, 1), or logits when beta_logits
+  Tensor initial_state;  // optional [N, HV, K, V] f32 or f64, [K, V] layout (undefined: zeros)
+  Tensor cu_seqlens;     // optional [N+1] i64 or i32, 0 = c_0 <= c_1 <= ... <= c_N = T
+                         // (undefined: one sequence of T tokens)
+  double scale = 0;      // <= 0: K^-1/2
+  bool use_qk_l2norm = false;
+  bool beta_logits = false;
+  std::optional<KdaGateKind> gate;  // set: g is z and the gate below is fused
+  Tensor A_log;                     // [HV] f32 (gate only)
+  Tensor dt_bias;                   // [HV*K] f32 (gate only, optional)
+  double lower_bound = -5.0;        // gate == lower_bound only, in [-5, 0)
+};
+
+struct KdaOutput {
+  Tensor o;            // [T, HV, V]
+  Tensor final_state;  // [N, HV, K, V] (f64 when computed in f64, else f32)
+};
+
+struct KdaGrads {
+  Tensor dq, dk;            // [T, H, K]
+  Tensor dv;                // [T, HV, V]
+  Tensor dg;                // [T, HV, K] (w.r.t. z when the gate is fused)
+  Tensor dbeta;             // [T, HV]    (w.r.t. the logits when beta_logits)
+  Tensor dinitial_state;    // [N, HV, K, V] (always defined: the gradient of a zero state)
+  Tensor dA_log, ddt_bias;  // [HV], [HV*K] when the gate is fused (and the tensor given)
+};
+
+KdaOutput kda_recurrent(const KdaArgs& a);
+// d_o: [T, HV, V]; d_final_state: optional [N, HV, K, V].
+KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state);
+
+KdaOutput kda_chunk(const KdaArgs& a);
+KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state);
+
+// Validated shapes of a call (throws hlm::Error naming the argument on any mismatch).
+struct KdaDims {
+  int64_t T, H, HV, K, V, N;
+  double scale;
+  std::vector<int64_t> cu;  // [N+1]
+};
+KdaDims kda_check(const KdaArgs& a, const char* op);
+
+// Shared by the CPU implementations (ops/cpu/kda_*.cpp); not a public interface.
+namespace kda_detail {
+// The inputs after the fused pre-processing, contiguous, in the computation dtype.
+struct Prepared {
+  Tensor q, k;            // [T, H, K] normalised when use_qk_l2norm (q not yet scaled)
+  Tensor q_rstd, k_rstd;  // [T, H] (use_qk_l2norm only)
+  Tensor g;               // [T, HV, K] log decay
+  Tensor beta;            // [T, HV] in (0, 1)
+  Tensor h0;              // [N, HV, K, V]
+};
+Prepared prepare(const KdaArgs& a, const KdaDims& d, DType dt);
+// In place: grads w.r.t. the prepared q, k, g, beta -> grads w.r.t. the arguments as passed.
+void finish_grads(const KdaArgs& a, const KdaDims& d, const Prepared& p, KdaGrads& g);
+}  // namespace kda_detail
+
+}  // namespace hlm::ops
