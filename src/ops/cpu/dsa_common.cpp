@@ -1,0 +1,114 @@
+#include <algorithm>
+#include <string>
+
+#include "ops/dsa_common.h"
+#include "ops/op_checks.h"
+#include "ops/seqlens.h"
+
+namespace hlm::ops::dsa_detail {
+
+std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t T, const char* op) {
+  detail::require_index(cu_seqlens, op, "cu_seqlens");
+  const std::string what = std::string(op) + ": cu_seqlens";
+  std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, T, what.c_str());
+  HLM_CHECK(!cu.empty(), "{}: cu_seqlens must be [N+1] with N >= 1 sequences, got {}", op,
+            cu_seqlens.describe());
+  return cu;
+}
+
+std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool) {
+  std::vector<int64_t> cp(cu.size(), 0);
+  for (size_t i = 1; i < cu.size(); ++i) cp[i] = cp[i - 1] + (cu[i] - cu[i - 1]) / pool;
+  return cp;
+}
+
+int64_t max_keys_per_doc(const std::vector<int64_t>& cu, int64_t pool) {
+  int64_t m = 0;
+  for (size_t i = 1; i < cu.size(); ++i) m = std::max(m, (cu[i] - cu[i - 1]) / pool);
+  return m;
+}
+
+void build_inverse(Pattern& p) {
+  const int64_t E = p.entries();
+  p.key_ptr.assign(size_t(p.nkeys + 1), 0);
+  for (int64_t e = 0; e < E; ++e) ++p.key_ptr[size_t(p.key[size_t(e)] + 1)];
+  for (int64_t r = 0; r < p.nkeys; ++r) p.key_ptr[size_t(r + 1)] += p.key_ptr[size_t(r)];
+  std::vector<int64_t> fill(p.key_ptr.begin(), p.key_ptr.end() - 1);
+  p.key_entry.assign(size_t(E), 0);
+  // Entries are stored query by query, each row in slot order, so a forward scan keeps each key's
+  // list in increasing (t, slot) order.
+  for (int64_t e = 0; e < E; ++e) p.key_entry[size_t(fill[size_t(p.key[size_t(e)])]++)] = e;
+}
+
+Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) {
+  Pattern p;
+  p.T = cu.back();
+  p.W = W;
+  const std::vector<int64_t> cp = pool_offsets(cu, pool);
+  p.nkeys = cp.back();
+  p.row_ptr.assign(size_t(p.T + 1), 0);
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
+      const int64_t n = (t - cu[d] + 1) / pool;
+      p.row_ptr[size_t(t + 1)] = n;
+    }
+  for (int64_t t = 0; t < p.T; ++t) p.row_ptr[size_t(t + 1)] += p.row_ptr[size_t(t)];
+  const int64_t E = p.row_ptr.back();
+  p.slot.resize(size_t(E));
+  p.key.resize(size_t(E));
+  p.query.resize(size_t(E));
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
+      int64_t e = p.row_ptr[size_t(t)];
+      const int64_t n = p.row_ptr[size_t(t + 1)] - e;
+      for (int64_t j = 0; j < n; ++j, ++e) {
+        p.slot[size_t(e)] = int32_t(j);
+        p.key[size_t(e)] = cp[d] + j;
+        p.query[size_t(e)] = t;
+      }
+    }
+  build_inverse(p);
+  return p;
+}
+
+Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
+                     const char* op, const char* what) {
+  detail::require_index(rows, op, what);
+  const int64_t T = cu.back();
+  HLM_CHECK(rows.dim() == 2 && rows.size(0) == T, "{}: {} must be [T = {}, W], got {}", op, what, T,
+            rows.describe());
+  const std::vector<int64_t> v = detail::index_values(rows);
+  const std::vector<int64_t> cp = pool_offsets(cu, pool);
+  Pattern p;
+  p.T = T;
+  p.W = rows.size(1);
+  p.nkeys = cp.back();
+  p.row_ptr.assign(size_t(T + 1), 0);
+  std::vector<int64_t> seen;
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
+      const int64_t lo = cp[d], hi = cp[d] + (t - cu[d] + 1) / pool;  // visible keys [lo, hi)
+      seen.clear();
+      for (int64_t j = 0; j < p.W; ++j) {
+        const int64_t r = v[size_t(t * p.W + j)];
+        if (r == -1) continue;
+        HLM_CHECK(r >= lo && r < hi,
+                  "{}: {}[{}, {}] = {} is not a causal {} of query {}'s document (expected -1 or "
+                  "a value in [{}, {}))",
+                  op, what, t, j, r, pool == 1 ? "token" : "pool", t, lo, hi);
+        p.slot.push_back(int32_t(j));
+        p.key.push_back(r);
+        p.query.push_back(t);
+        seen.push_back(r);
+      }
+      std::sort(seen.begin(), seen.end());
+      const auto dup = std::adjacent_find(seen.begin(), seen.end());
+      HLM_CHECK(dup == seen.end(), "{}: {} row {} holds index {} more than once", op, what, t,
+                dup == seen.end() ? 0 : *dup);
+      p.row_ptr[size_t(t + 1)] = int64_t(p.slot.size());
+    }
+  build_inverse(p);
+  return p;
+}
+
+}  // namespace hlm::ops::dsa_detail

@@ -1,0 +1,55 @@
+// Shared plumbing of the DSA ops (internal to src/ops/dsa_* and their tests): cu_seqlens
+// validation, KPool pool offsets, and the "pattern" every DSA op iterates over.
+//
+// A pattern lists, for each query t of a packed batch, the (slot, key row) pairs the op visits:
+// slot is the column in the op's [T, W] row layout, key row indexes the key tensor (a token for
+// token-level ops, a pool for KPool ops). Rows are visited in slot order. The inverse map lists,
+// for each key row, the entries that read it in increasing (t, slot) order: backward passes sum key
+// gradients through it in that fixed order, one key per thread, so no atomics are needed and the
+// result does not depend on the thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace hlm::ops::dsa_detail {
+
+// Validates cu_seqlens ([N+1], i32 or i64, cu[0] == 0, non-decreasing, cu[N] == T) and returns it.
+std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t T, const char* op);
+
+// Start of each document's pools in the global pool numbering: doc i has floor(L_i / P) complete
+// pools, numbered cu_pools[i] .. cu_pools[i+1]-1. (P = 1 gives cu_seqlens itself.)
+std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool);
+
+// Longest document (P = 1) or largest pool count of a document.
+int64_t max_keys_per_doc(const std::vector<int64_t>& cu, int64_t pool);
+
+struct Pattern {
+  int64_t T = 0, W = 0, nkeys = 0;
+  std::vector<int64_t> row_ptr;    // [T+1] entries of query t: row_ptr[t] .. row_ptr[t+1]-1
+  std::vector<int32_t> slot;       // [E] column in the [T, W] layout
+  std::vector<int64_t> key;        // [E] key row
+  std::vector<int64_t> query;      // [E] the query t of the entry
+  std::vector<int64_t> key_ptr;    // [nkeys+1] inverse map
+  std::vector<int64_t> key_entry;  // entries reading each key, in increasing (t, slot) order
+  int64_t entries() const { return int64_t(slot.size()); }
+};
+
+// Dense causal pattern: query t (document-relative position r) visits keys of its own document
+// whose last token is visible: with P = 1 the tokens s <= t (slot r' = s - doc start), with P > 1
+// the complete pools p < floor((r + 1) / P) (slot p, key row cu_pools[doc] + p). W must be at least
+// max_keys_per_doc.
+Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W);
+
+// Pattern of explicit key rows [T, W] (i32 or i64; -1 = empty slot, skipped). Every other entry
+// must be a causal key of the query's own document (as in causal_pattern) and appear at most once
+// in its row; anything else throws, naming `what`.
+Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
+                     const char* op, const char* what);
+
+// Builds the inverse map of a pattern whose forward part is filled.
+void build_inverse(Pattern& p);
+
+}  // namespace hlm::ops::dsa_detail

@@ -1,0 +1,79 @@
+// DSA lightning-indexer ops (spec dsa.md 2.2, 2.4, 4.3), CPU reference: scoring with its backward,
+// and top-k selection. Packed THD layout: every op restarts at each cu_seqlens boundary.
+//
+// Scoring (weights already scaled, i.e. w = weights_proj(h) * H_I^-1/2):
+//   I(t, s) = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s]),   scale = d_I^-1/2 by default,
+// for keys s visible to t within t's document. Keys are token keys ([T, d_I], pool = 1) or KPool
+// pooled keys ([NP, d_I], pool = P, numbered per document as in dsa_kpool.h): pool p of a document
+// is visible to t iff its last token is at or before t.
+// Computed in the input dtype (f64 for f64; f32 with f32 accumulation for f32): per entry the dot
+// product in channel order, then the head sum in head order. Deterministic (OpenMP over queries;
+// key gradients are gathered per key in increasing (t, slot) order).
+//
+// Row layouts of score tensors:
+//   dense ("causal"): [T, W], W >= max keys per document; column j of query t is the document's
+//     j-th key (the token doc_start + j, or the document's pool j); columns beyond the visible keys
+//     hold -inf.
+//   explicit rows ("at"): [T, W] key rows (i32/i64, -1 = empty); the score at an empty slot is
+//   -inf.
+// Index convention (all DSA ops): token indices are GLOBAL positions in the packed batch; pool ids
+// are global pool ids (pool_offsets in dsa_kpool.h).
+// Backward ignores d_scores at -inf (non-candidate) positions. Gradients are written (=), fresh
+// tensors in the input dtype.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace hlm::ops {
+
+struct IndexerScoreOptions {
+  int64_t pool = 1;  // 1: token keys; P > 1: KPool pooled keys
+  double scale = 0;  // inner scale on q.k; 0 means d_I^-1/2
+  bool relu = true;  // Megatron dsa_indexer_scoring_relu
+  // FP8 emulation of the scoring inputs (spec 2.2 step 4 / 2.4): q per (t, h) and k per key row
+  // are quantised to E4M3 with one scale per 128 channels (a shorter last block when d_I % 128 !=
+  // 0):
+  //   amax = max(max|x|, fp8_amax_floor) in f32; scale = amax / 448, or with fp8_pow2 the power of
+  //   two 2^ceil(log2(amax / 448)) (ue8m0, DS V3.2 / GLM); x8 = e4m3_satfinite(x / scale);
+  // and the scores are computed in the input dtype from the dequantised values x8 * scale (equal to
+  // the DeepGEMM form sum_h w q_scale ReLU(q8 . k8) k_scale up to rounding). The scale rule is
+  // fp8_scale_inv of ops/fp8_quant.h with the indexer's own amax floor (1e-4, spec 2.2; the GEMM
+  // contract uses 1e-12). Backward is straight-through: the gradient is that of the scores as a
+  // function of the dequantised values, passed to the unquantised q and k unchanged.
+  bool fp8 = false;
+  bool fp8_pow2 = true;
+  double fp8_amax_floor = 1e-4;
+};
+
+// q [T, H_I, d_I], k [T or NP, d_I], w [T, H_I], all f32 or all f64 -> scores [T, W] dense layout.
+// W = 0 picks the minimum width (max keys per document).
+Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& cu_seqlens,
+                      const IndexerScoreOptions& opt = {}, int64_t W = 0);
+
+// Scores at explicit key rows [T, W] (each a visible key of the query's document, no duplicates).
+Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w,
+                         const Tensor& cu_seqlens, const Tensor& rows,
+                         const IndexerScoreOptions& opt = {});
+
+struct IndexerScoreGrads {
+  Tensor dq;  // [T, H_I, d_I]
+  Tensor dk;  // like k
+  Tensor dw;  // [T, H_I]
+};
+// d_scores in the dense layout [T, W] of indexer_scores.
+IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
+                                          const Tensor& cu_seqlens, const Tensor& d_scores,
+                                          const IndexerScoreOptions& opt = {});
+IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
+                                             const Tensor& cu_seqlens, const Tensor& rows,
+                                             const Tensor& d_scores,
+                                             const IndexerScoreOptions& opt = {});
+
+// Top-k selection over dense-layout scores [T, W] (pool = 1: tokens; pool = P: pools).
+// Query t has n_t candidates (r + 1 tokens, or floor((r + 1) / P) pools, r = t - doc_start); the
+// min(k, n_t) best are selected by (higher score first, then lower index; NaN ranks below every
+// number), so when n_t <= k all candidates are selected whatever the scores. The row is written in
+// increasing index order followed by -1 padding: i32 [T, k] of global token (or pool) ids.
+Tensor topk_select(const Tensor& scores, const Tensor& cu_seqlens, int64_t k, int64_t pool = 1);
+
+}  // namespace hlm::ops

@@ -1,0 +1,44 @@
+// Sparse MLA attention over selected indices (spec dsa.md 3.1, absorbed MQA form of 1.4/1.5), CPU
+// reference, forward and backward.
+//
+// One KV head: the cache row kv[s] in R^{D_qk} ([c_kv ; k_pe], or just c_kv for NoPE) is the key of
+// every head, and its first d_v channels are the value. For query t with selected set
+// S_t = {indices[t, j] != -1} and head h:
+//   l_j   = scale * q[t, h] . kv[S_tj]                      (over all D_qk channels)
+//   lse   = log sum_j exp(l_j)                              (natural log; FlashMLA returns base 2:
+//                                                            lse2 = lse * log2(e))
+//   out   = sum_j exp(l_j - lse) * kv[S_tj][:d_v]
+// Computed in the input dtype (f32: f32 softmax and accumulation; f64: f64), the selected keys in
+// slot order. An empty row gives out = 0 and lse = -inf (and zero gradients).
+// Indices are global token positions (i32 or i64, -1 = empty); each must be a causal token of the
+// query's own document (cu_seqlens) and appear at most once per row, otherwise hlm::Error (FlashMLA
+// would count a duplicate twice; we refuse it).
+// Backward: D = dout . out;  dp_j = dout . v_j;  ds_j = p_j (dp_j - D);  dq = scale sum_j ds_j k_j;
+// dkv[s][:D_qk] = scale sum_{t,h,j: S_tj = s} ds q[t,h];  dkv[s][:d_v] += sum p dout[t,h].
+// dkv is gathered per key over its readers in increasing (t, slot) order: deterministic, no
+// atomics.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace hlm::ops {
+
+struct SparseAttentionOut {
+  Tensor out;  // [T, H, d_v]
+  Tensor lse;  // [T, H], natural log
+};
+
+// q [T, H, D_qk], kv [T, D_qk] (same dtype, f32 or f64), indices [T, W].
+SparseAttentionOut sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& indices,
+                                    const Tensor& cu_seqlens, int64_t d_v, double scale);
+
+struct SparseAttentionGrads {
+  Tensor dq;   // [T, H, D_qk]
+  Tensor dkv;  // [T, D_qk]
+};
+SparseAttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& kv,
+                                               const Tensor& indices, const Tensor& cu_seqlens,
+                                               int64_t d_v, double scale, const Tensor& out,
+                                               const Tensor& lse, const Tensor& d_out);
+
+}  // namespace hlm::ops
