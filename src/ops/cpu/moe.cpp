@@ -1,0 +1,655 @@
+// CPU implementation of the MoE router, load balancing and experts (ops/moe.h; spec 2.1-2.3).
+// Activation gradients are written (=), parameter gradients accumulate (+=). Per-expert work goes
+// through ops::gemm on the rows routed to that expert (gathered in ascending token order); every
+// combine and scatter-add runs in a fixed order (k ascending per token, then the shared expert).
+#include "ops/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "ops/activations.h"
+#include "ops/gemm.h"
+#include "ops/op_checks.h"
+#include "ops/seqlens.h"
+
+namespace hlm::ops {
+namespace {
+
+DType comp_dtype(const Tensor& x) {
+  return x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+Tensor as_dt(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t.contiguous() : t.to(dt);
+}
+template <class T>
+T sig(T x) {
+  return sigmoid_scalar<T>(x);
+}
+
+// acc[offset .. offset + g.numel()) += g (acc: contiguous f32/f64; g of the computation dtype T).
+template <class T>
+void accumulate_at(Tensor& acc, int64_t offset, const Tensor& g) {
+  const T* pg = g.data<T>();
+  const int64_t n = g.numel();
+  if (acc.dtype() == DType::f64) {
+    double* p = acc.data<double>() + offset;
+    for (int64_t i = 0; i < n; ++i) p[i] = double(p[i] + double(pg[i]));
+  } else {
+    float* p = acc.data<float>() + offset;
+    for (int64_t i = 0; i < n; ++i) p[i] = float(double(p[i]) + double(pg[i]));
+  }
+}
+
+void check_acc(const Tensor& acc, const Shape& s, const char* op, const char* what) {
+  HLM_CHECK(acc.defined(), "{}: gradient accumulator {} is undefined (expected {})", op, what,
+            shape_str(s));
+  detail::require_float(acc, op, what);
+  detail::require_shape(acc, s, op, what);
+  HLM_CHECK(acc.is_contiguous(), "{}: gradient accumulator {} must be contiguous, got {}", op, what,
+            acc.describe());
+}
+
+// ---- router
+// ---------------------------------------------------------------------------------------
+void check_router_cfg(const MoeRouterConfig& c, const char* op) {
+  const int64_t E = c.n_experts;
+  HLM_CHECK(E >= 1, "{}: cfg.n_experts must be >= 1, got {}", op, E);
+  HLM_CHECK(c.top_k >= 1 && c.top_k <= E, "{}: cfg.top_k must be in [1, n_experts = {}], got {}",
+            op, E, c.top_k);
+  HLM_CHECK(c.n_group >= 1 && E % c.n_group == 0,
+            "{}: cfg.n_group must be >= 1 and divide n_experts = {}, got {}", op, E, c.n_group);
+  HLM_CHECK(c.topk_group >= 1 && c.topk_group <= c.n_group,
+            "{}: cfg.topk_group must be in [1, n_group = {}], got {}", op, c.n_group, c.topk_group);
+  const int64_t gs = E / c.n_group;
+  if (c.n_group > 1)
+    HLM_CHECK(gs >= 2, "{}: groups must hold >= 2 experts (group score = top-2 sum), got {}", op,
+              gs);
+  HLM_CHECK(c.top_k <= c.topk_group * gs,
+            "{}: cfg.top_k = {} exceeds the experts of the kept groups (topk_group {} x {})", op,
+            c.top_k, c.topk_group, gs);
+  HLM_CHECK(c.routed_scaling_factor > 0 && std::isfinite(c.routed_scaling_factor),
+            "{}: cfg.routed_scaling_factor must be finite and > 0, got {}", op,
+            c.routed_scaling_factor);
+}
+
+void check_logits(const Tensor& logits, const MoeRouterConfig& c, const char* op) {
+  detail::require_float(logits, op, "logits");
+  HLM_CHECK(logits.dim() == 2 && logits.size(1) == c.n_experts,
+            "{}: logits must be [T, n_experts = {}], got {}", op, c.n_experts, logits.describe());
+}
+
+// Select top-k experts of one token. sel [E]; out idx [K].
+template <class T>
+void select_token(const T* sel, const MoeRouterConfig& c, int64_t* idx, std::vector<int64_t>& buf) {
+  const int64_t E = c.n_experts, G = c.n_group, gs = E / G;
+  // (score desc, index asc): the strict weak order used for groups and experts alike.
+  auto better = [](T a, int64_t ia, T b, int64_t ib) { return a > b || (a == b && ia < ib); };
+  buf.clear();
+  if (G > 1) {
+    std::vector<T> gscore(static_cast<size_t>(G));
+    for (int64_t g = 0; g < G; ++g) {
+      // top-2 sum of the group (index order breaks ties; the sum does not depend on it)
+      int64_t b1 = g * gs;
+      for (int64_t e = g * gs + 1; e < (g + 1) * gs; ++e)
+        if (better(sel[e], e, sel[b1], b1)) b1 = e;
+      int64_t b2 = -1;
+      for (int64_t e = g * gs; e < (g + 1) * gs; ++e)
+        if (e != b1 && (b2 < 0 || better(sel[e], e, sel[b2], b2))) b2 = e;
+      gscore[size_t(g)] = sel[b1] + sel[b2];
+    }
+    std::vector<int64_t> gi(static_cast<size_t>(G));
+    std::iota(gi.begin(), gi.end(), 0);
+    std::sort(gi.begin(), gi.end(), [&](int64_t a, int64_t b) {
+      return better(gscore[size_t(a)], a, gscore[size_t(b)], b);
+    });
+    for (int64_t q = 0; q < c.topk_group; ++q)
+      for (int64_t e = gi[size_t(q)] * gs; e < (gi[size_t(q)] + 1) * gs; ++e) buf.push_back(e);
+  } else {
+    buf.resize(static_cast<size_t>(E));
+    std::iota(buf.begin(), buf.end(), 0);
+  }
+  std::partial_sort(buf.begin(), buf.begin() + c.top_k, buf.end(),
+                    [&](int64_t a, int64_t b) { return better(sel[a], a, sel[b], b); });
+  for (int64_t k = 0; k < c.top_k; ++k) idx[k] = buf[size_t(k)];
+}
+
+template <class T>
+MoeRouterResult router_fwd(const Tensor& logits_in, const Tensor& bias_in, const MoeRouterConfig& c,
+                           const std::vector<int64_t>* replay) {
+  const DType dt = dtype_of<T>::value;
+  Tensor lc = as_dt(logits_in, dt);
+  Tensor bc = bias_in.defined() ? as_dt(bias_in, dt) : Tensor::zeros({c.n_experts}, dt);
+  const T *l = lc.data<T>(), *b = bc.data<T>();
+  const int64_t Tn = lc.size(0), E = c.n_experts, K = c.top_k;
+  MoeRouterResult r;
+  r.scores = Tensor::empty({Tn, E}, dt);
+  r.topk_idx = Tensor::empty({Tn, K}, DType::i64);
+  r.topk_weight = Tensor::empty({Tn, K}, dt);
+  T *s = r.scores.data<T>(), *w = r.topk_weight.data<T>();
+  int64_t* idx = r.topk_idx.data<int64_t>();
+#pragma omp parallel
+  {
+    std::vector<T> sel(static_cast<size_t>(E));
+    std::vector<int64_t> buf;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < Tn; ++t) {
+      T* st = s + t * E;
+      for (int64_t e = 0; e < E; ++e) {
+        st[e] = sig(l[t * E + e]);
+        sel[size_t(e)] = st[e] + b[e];
+      }
+      int64_t* it = idx + t * K;
+      if (replay)
+        for (int64_t k = 0; k < K; ++k) it[k] = (*replay)[size_t(t * K + k)];
+      else
+        select_token<T>(sel.data(), c, it, buf);
+      T sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += st[it[k]];
+      const T denom = c.norm_topk_prob ? sum + T(c.norm_eps) : T(1);
+      for (int64_t k = 0; k < K; ++k) w[t * K + k] = st[it[k]] / denom * T(c.routed_scaling_factor);
+    }
+  }
+  return r;
+}
+
+template <class T>
+Tensor router_bwd(const Tensor& logits_in, const MoeRouterResult& r, const MoeRouterConfig& c,
+                  const Tensor& dw_in) {
+  const DType dt = dtype_of<T>::value;
+  Tensor lc = as_dt(logits_in, dt), dwc = as_dt(dw_in, dt);
+  const std::vector<int64_t> idx = detail::index_values(r.topk_idx);
+  const T *l = lc.data<T>(), *dw = dwc.data<T>();
+  const int64_t Tn = lc.size(0), E = c.n_experts, K = c.top_k;
+  Tensor dl = Tensor::zeros({Tn, E}, dt);
+  T* d = dl.data<T>();
+  const T scale = T(c.routed_scaling_factor);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < Tn; ++t) {
+    const int64_t* it = idx.data() + t * K;
+    T sum = 0, gs = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const T sk = sig(l[t * E + it[k]]);
+      sum += sk;
+      gs += scale * dw[t * K + k] * sk;
+    }
+    const T denom = sum + T(c.norm_eps);
+    for (int64_t k = 0; k < K; ++k) {
+      const T x = l[t * E + it[k]];
+      const T g = scale * dw[t * K + k];
+      const T ds = c.norm_topk_prob ? g / denom - gs / (denom * denom) : g;
+      d[t * E + it[k]] += ds * sig(x) * sig(-x);
+    }
+  }
+  return dl;
+}
+
+void check_topk_idx(const Tensor& idx, int64_t Tn, int64_t E, const char* op, const char* what,
+                    std::vector<int64_t>& vals, bool distinct) {
+  detail::require_index(idx, op, what);
+  HLM_CHECK(idx.dim() == 2 && idx.size(0) == Tn && idx.size(1) >= 1,
+            "{}: {} must be [T = {}, K], got {}", op, what, Tn, idx.describe());
+  vals = detail::index_values(idx);
+  const int64_t K = idx.size(1);
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t v = vals[size_t(t * K + k)];
+      HLM_CHECK(v >= 0 && v < E, "{}: {}[{}, {}] = {} is outside [0, {})", op, what, t, k, v, E);
+      if (distinct)
+        for (int64_t q = 0; q < k; ++q)
+          HLM_CHECK(vals[size_t(t * K + q)] != v, "{}: {}[{}] repeats expert {}", op, what, t, v);
+    }
+}
+
+}  // namespace
+
+MoeRouterResult moe_router_forward(const Tensor& logits, const Tensor& bias,
+                                   const MoeRouterConfig& cfg, const Tensor& replay_idx) {
+  const char* op = "moe_router_forward";
+  check_router_cfg(cfg, op);
+  check_logits(logits, cfg, op);
+  if (bias.defined()) {
+    detail::require_float(bias, op, "bias");
+    detail::require_shape(bias, {cfg.n_experts}, op, "bias");
+  }
+  std::vector<int64_t> rv;
+  if (replay_idx.defined()) {
+    check_topk_idx(replay_idx, logits.size(0), cfg.n_experts, op, "replay_idx", rv, true);
+    HLM_CHECK(replay_idx.size(1) == cfg.top_k, "{}: replay_idx must be [T, top_k = {}], got {}", op,
+              cfg.top_k, replay_idx.describe());
+  }
+  const std::vector<int64_t>* rp = replay_idx.defined() ? &rv : nullptr;
+  return comp_dtype(logits) == DType::f64 ? router_fwd<double>(logits, bias, cfg, rp)
+                                          : router_fwd<float>(logits, bias, cfg, rp);
+}
+
+Tensor moe_router_backward(const Tensor& logits, const MoeRouterResult& r,
+                           const MoeRouterConfig& cfg, const Tensor& dweight) {
+  const char* op = "moe_router_backward";
+  check_router_cfg(cfg, op);
+  check_logits(logits, cfg, op);
+  std::vector<int64_t> iv;
+  check_topk_idx(r.topk_idx, logits.size(0), cfg.n_experts, op, "r.topk_idx", iv, false);
+  HLM_CHECK(r.topk_idx.size(1) == cfg.top_k, "{}: r.topk_idx must be [T, top_k = {}], got {}", op,
+            cfg.top_k, r.topk_idx.describe());
+  detail::require_float(dweight, op, "dweight");
+  detail::require_shape(dweight, r.topk_idx.shape(), op, "dweight");
+  return comp_dtype(logits) == DType::f64 ? router_bwd<double>(logits, r, cfg, dweight)
+                                          : router_bwd<float>(logits, r, cfg, dweight);
+}
+
+Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts) {
+  const char* op = "moe_expert_load";
+  HLM_CHECK(n_experts >= 1, "{}: n_experts must be >= 1, got {}", op, n_experts);
+  detail::require_index(topk_idx, op, "topk_idx");
+  HLM_CHECK(topk_idx.dim() == 2, "{}: topk_idx must be [T, K], got {}", op, topk_idx.describe());
+  std::vector<int64_t> v;
+  check_topk_idx(topk_idx, topk_idx.size(0), n_experts, op, "topk_idx", v, false);
+  Tensor load = Tensor::zeros({n_experts}, DType::i64);
+  int64_t* p = load.data<int64_t>();
+  for (int64_t e : v) ++p[e];
+  return load;
+}
+
+void moe_bias_update(Tensor& bias, const Tensor& load, double rate) {
+  const char* op = "moe_bias_update";
+  detail::require_float(bias, op, "bias");
+  HLM_CHECK(bias.dim() == 1, "{}: bias must be [E], got {}", op, bias.describe());
+  HLM_CHECK(load.defined() && load.is_cpu(), "{}: load must be a CPU tensor", op);
+  detail::require_shape(load, bias.shape(), op, "load");
+  const std::vector<double> l = load.to_f64_vector();
+  std::vector<double> b = bias.to_f64_vector();
+  const int64_t E = int64_t(l.size());
+  double mean = 0;
+  for (double v : l) mean += v;
+  mean /= double(E);
+  for (int64_t i = 0; i < E; ++i) {
+    const double diff = mean - l[size_t(i)];
+    const double sg = diff > 0 ? 1.0 : (diff < 0 ? -1.0 : 0.0);
+    // Update in the bias's own dtype: b + rate * sign, rounded once.
+    b[size_t(i)] = b[size_t(i)] + (bias.dtype() == DType::f32 ? double(float(rate)) : rate) * sg;
+  }
+  Tensor nb = Tensor::from_values(bias.shape(), b, DType::f64);
+  bias.copy_(nb);
+}
+
+// ---- sequence-wise aux loss ---------------------------------------------------------------------
+namespace {
+struct AuxArgs {
+  int64_t T, E, K;
+  std::vector<int64_t> cu, idx;
+  int64_t n_seq = 0;  // non-empty sequences
+};
+AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+                  const char* op) {
+  detail::require_float(logits, op, "logits");
+  HLM_CHECK(logits.dim() == 2, "{}: logits must be [T, E], got {}", op, logits.describe());
+  AuxArgs a;
+  a.T = logits.size(0);
+  a.E = logits.size(1);
+  check_topk_idx(topk_idx, a.T, a.E, op, "topk_idx", a.idx, false);
+  a.K = topk_idx.size(1);
+  a.cu = check_cu_seqlens(cu_seqlens, a.T);
+  for (size_t s = 0; s + 1 < a.cu.size(); ++s) a.n_seq += a.cu[s + 1] > a.cu[s] ? 1 : 0;
+  return a;
+}
+
+// Returns the loss; with dl non-null, also writes dlogits * dloss.
+template <class T>
+double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, double dloss) {
+  Tensor lc = as_dt(logits_in, dtype_of<T>::value);
+  const T* l = lc.data<T>();
+  const int64_t E = a.E, K = a.K;
+  T total = 0;
+  std::vector<T> f(static_cast<size_t>(E)), P(static_cast<size_t>(E)), s(static_cast<size_t>(E));
+  for (size_t q = 0; q + 1 < a.cu.size(); ++q) {
+    const int64_t t0 = a.cu[q], t1 = a.cu[q + 1], Ts = t1 - t0;
+    if (Ts == 0) continue;
+    std::fill(f.begin(), f.end(), T(0));
+    std::fill(P.begin(), P.end(), T(0));
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t k = 0; k < K; ++k) f[size_t(a.idx[size_t(t * K + k)])] += T(1);
+      T S = 0;
+      for (int64_t e = 0; e < E; ++e) S += (s[size_t(e)] = sig(l[t * E + e]));
+      for (int64_t e = 0; e < E; ++e) P[size_t(e)] += s[size_t(e)] / S;
+    }
+    const T fscale = T(E) / (T(K) * T(Ts));
+    T Ls = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      f[size_t(e)] *= fscale;
+      P[size_t(e)] /= T(Ts);
+      Ls += f[size_t(e)] * P[size_t(e)];
+    }
+    total += T(coeff) * Ls;
+    if (dl) {
+      // dL/ds_{e,t} = coeff / (N T_s S_t) (f_e - sum_i f_i s'_{i,t}); then * sigmoid'.
+      const T base = T(dloss) * T(coeff) / (T(a.n_seq) * T(Ts));
+      for (int64_t t = t0; t < t1; ++t) {
+        T S = 0;
+        for (int64_t e = 0; e < E; ++e) S += (s[size_t(e)] = sig(l[t * E + e]));
+        T fs = 0;
+        for (int64_t e = 0; e < E; ++e) fs += f[size_t(e)] * s[size_t(e)] / S;
+        for (int64_t e = 0; e < E; ++e) {
+          const T x = l[t * E + e];
+          dl[t * E + e] = base / S * (f[size_t(e)] - fs) * sig(x) * sig(-x);
+        }
+      }
+    }
+  }
+  return a.n_seq > 0 ? double(total) / double(a.n_seq) : 0.0;
+}
+}  // namespace
+
+double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+                        double coeff) {
+  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, "moe_seq_aux_loss");
+  return comp_dtype(logits) == DType::f64 ? aux_impl<double>(logits, a, coeff, nullptr, 0)
+                                          : aux_impl<float>(logits, a, coeff, nullptr, 0);
+}
+
+Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
+                                 const Tensor& cu_seqlens, double coeff, double dloss) {
+  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, "moe_seq_aux_loss_backward");
+  const DType dt = comp_dtype(logits);
+  Tensor dl = Tensor::zeros({a.T, a.E}, dt);
+  if (dt == DType::f64)
+    aux_impl<double>(logits, a, coeff, dl.data<double>(), dloss);
+  else
+    aux_impl<float>(logits, a, coeff, dl.data<float>(), dloss);
+  return dl;
+}
+
+// ---- clamped SwiGLU -----------------------------------------------------------------------------
+namespace {
+bool clamps(double limit) {
+  return limit > 0 && std::isfinite(limit);
+}
+template <class T>
+void swiglu_rows(const T* gu, T* h, int64_t rows, int64_t I, double limit) {
+  const bool c = clamps(limit);
+  const T lim = T(limit);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      T g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i];
+      if (c) g = std::min(g, lim), u = std::clamp(u, -lim, lim);
+      h[r * I + i] = g * sig(g) * u;
+    }
+}
+template <class T>
+void swiglu_rows_bwd(const T* gu, const T* dh, T* dgu, int64_t rows, int64_t I, double limit) {
+  const bool c = clamps(limit);
+  const T lim = T(limit);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const T g0 = gu[r * 2 * I + i], u0 = gu[r * 2 * I + I + i];
+      const bool gpass = !c || g0 <= lim, upass = !c || (u0 >= -lim && u0 <= lim);
+      const T g = c ? std::min(g0, lim) : g0, u = c ? std::clamp(u0, -lim, lim) : u0;
+      const T s = sig(g);
+      const T d = dh[r * I + i];
+      dgu[r * 2 * I + i] = gpass ? d * u * s * (T(1) + g * (T(1) - s)) : T(0);
+      dgu[r * 2 * I + I + i] = upass ? d * g * s : T(0);
+    }
+}
+}  // namespace
+
+Tensor swiglu_clamped_forward(const Tensor& gu, double limit) {
+  const char* op = "swiglu_clamped_forward";
+  detail::require_float(gu, op, "gu");
+  HLM_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "{}: gu must be [..., 2I], got {}", op,
+            gu.describe());
+  const int64_t I = gu.size(-1) / 2, rows = detail::leading_rows(gu);
+  Shape s = detail::leading_shape(gu);
+  s.push_back(I);
+  const DType dt = gu.dtype();
+  Tensor g = gu.contiguous();
+  Tensor h = Tensor::empty(s, dt);
+  if (dt == DType::f64)
+    swiglu_rows<double>(g.data<double>(), h.data<double>(), rows, I, limit);
+  else
+    swiglu_rows<float>(g.data<float>(), h.data<float>(), rows, I, limit);
+  return h;
+}
+
+Tensor swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit) {
+  const char* op = "swiglu_clamped_backward";
+  detail::require_float(gu, op, "gu");
+  HLM_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "{}: gu must be [..., 2I], got {}", op,
+            gu.describe());
+  const int64_t I = gu.size(-1) / 2, rows = detail::leading_rows(gu);
+  Shape s = detail::leading_shape(gu);
+  s.push_back(I);
+  detail::require_float(dh, op, "dh");
+  detail::require_shape(dh, s, op, "dh");
+  const DType dt = gu.dtype();
+  Tensor g = gu.contiguous(), d = as_dt(dh, dt);
+  Tensor dgu = Tensor::empty(gu.shape(), dt);
+  if (dt == DType::f64)
+    swiglu_rows_bwd<double>(g.data<double>(), d.data<double>(), dgu.data<double>(), rows, I, limit);
+  else
+    swiglu_rows_bwd<float>(g.data<float>(), d.data<float>(), dgu.data<float>(), rows, I, limit);
+  return dgu;
+}
+
+// ---- experts ------------------------------------------------------------------------------------
+namespace {
+struct ExpertDims {
+  int64_t T, D, E, I, K, Is;
+  bool shared;
+};
+
+ExpertDims check_experts(const Tensor& x, const MoeWeights& w, const char* op) {
+  detail::require_float(x, op, "x");
+  HLM_CHECK(x.dim() == 2, "{}: x must be [T, D], got {}", op, x.describe());
+  ExpertDims d{};
+  d.T = x.size(0);
+  d.D = x.size(1);
+  detail::require_float(w.gate_up, op, "w.gate_up");
+  HLM_CHECK(w.gate_up.dim() == 3 && w.gate_up.size(2) == d.D && w.gate_up.size(1) % 2 == 0 &&
+                w.gate_up.size(0) >= 1 && w.gate_up.size(1) >= 2,
+            "{}: w.gate_up must be [E, 2I, D = {}], got {}", op, d.D, w.gate_up.describe());
+  d.E = w.gate_up.size(0);
+  d.I = w.gate_up.size(1) / 2;
+  detail::require_float(w.down, op, "w.down");
+  detail::require_shape(w.down, {d.E, d.D, d.I}, op, "w.down");
+  d.shared = w.shared_gate_up.defined() || w.shared_down.defined();
+  if (d.shared) {
+    detail::require_float(w.shared_gate_up, op, "w.shared_gate_up");
+    HLM_CHECK(w.shared_gate_up.dim() == 2 && w.shared_gate_up.size(1) == d.D &&
+                  w.shared_gate_up.size(0) % 2 == 0 && w.shared_gate_up.size(0) >= 2,
+              "{}: w.shared_gate_up must be [2I_s, D = {}], got {}", op, d.D,
+              w.shared_gate_up.describe());
+    d.Is = w.shared_gate_up.size(0) / 2;
+    detail::require_float(w.shared_down, op, "w.shared_down");
+    detail::require_shape(w.shared_down, {d.D, d.Is}, op, "w.shared_down");
+  }
+  return d;
+}
+
+// Rows of `src` [N, C] (contiguous, dtype T) listed in `rows`, gathered into a new [n, C].
+template <class T>
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows, int64_t C) {
+  Tensor out = Tensor::empty({int64_t(rows.size()), C}, src.dtype());
+  const T* s = src.data<T>();
+  T* o = out.data<T>();
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::copy(s + rows[r] * C, s + rows[r] * C + C, o + int64_t(r) * C);
+  return out;
+}
+template <class T>
+void scatter_rows(const Tensor& src, const std::vector<int64_t>& rows, int64_t C, Tensor& dst) {
+  const T* s = src.data<T>();
+  T* o = dst.data<T>();
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::copy(s + int64_t(r) * C, s + int64_t(r) * C + C, o + rows[r] * C);
+}
+
+// Assignments a = t*K + k of each expert, ascending.
+std::vector<std::vector<int64_t>> assignments(const std::vector<int64_t>& idx, int64_t E) {
+  std::vector<std::vector<int64_t>> a(static_cast<size_t>(E));
+  for (size_t i = 0; i < idx.size(); ++i) a[size_t(idx[i])].push_back(int64_t(i));
+  return a;
+}
+
+template <class T>
+Tensor experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int64_t>& idx,
+                   const Tensor& tw_in, double limit, const ExpertDims& d, MoeSaved& s) {
+  const DType dt = dtype_of<T>::value;
+  const int64_t T_ = d.T, D = d.D, I = d.I, K = d.K;
+  Tensor x = as_dt(x_in, dt), tw = as_dt(tw_in, dt);
+  Tensor gu_w = as_dt(w.gate_up, dt), dn_w = as_dt(w.down, dt);
+  s.x = x;
+  s.limit = limit;
+  s.topk_idx = Tensor::empty({T_, K}, DType::i64);
+  std::copy(idx.begin(), idx.end(), s.topk_idx.data<int64_t>());
+  s.topk_weight = tw;
+  s.gu = Tensor::empty({T_ * K, 2 * I}, dt);
+  s.h = Tensor::empty({T_ * K, I}, dt);
+  s.eo = Tensor::empty({T_ * K, D}, dt);
+  const auto asg = assignments(idx, d.E);
+  for (int64_t e = 0; e < d.E; ++e) {
+    const auto& rows = asg[size_t(e)];
+    if (rows.empty()) continue;
+    std::vector<int64_t> toks(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) toks[r] = rows[r] / K;
+    Tensor xe = gather_rows<T>(x, toks, D);
+    Tensor gue = matmul(xe, false, gu_w.select(0, e), true);  // [n, 2I]
+    Tensor he = swiglu_clamped_forward(gue, limit);           // [n, I]
+    Tensor eoe = matmul(he, false, dn_w.select(0, e), true);  // [n, D]
+    scatter_rows<T>(gue, rows, 2 * I, s.gu);
+    scatter_rows<T>(he, rows, I, s.h);
+    scatter_rows<T>(eoe, rows, D, s.eo);
+  }
+  Tensor so;
+  if (d.shared && T_ > 0) {
+    s.sgu = matmul(x, false, as_dt(w.shared_gate_up, dt), true);
+    s.sh = swiglu_clamped_forward(s.sgu, limit);
+    so = matmul(s.sh, false, as_dt(w.shared_down, dt), true);
+  }
+  Tensor out = Tensor::empty({T_, D}, dt);
+  T* o = out.data<T>();
+  const T *eo = s.eo.data<T>(), *wt = tw.data<T>();
+  const T* sp = so.defined() ? so.data<T>() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t c = 0; c < D; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += wt[t * K + k] * eo[(t * K + k) * D + c];
+      if (sp) acc += sp[t * D + c];
+      o[t * D + c] = acc;
+    }
+  s.gu = s.gu.view({T_, K, 2 * I});
+  s.h = s.h.view({T_, K, I});
+  s.eo = s.eo.view({T_, K, D});
+  return out;
+}
+
+template <class T>
+MoeGrads experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in,
+                     MoeWeightGrads& g, const ExpertDims& d) {
+  const DType dt = dtype_of<T>::value;
+  const int64_t T_ = d.T, D = d.D, I = d.I, K = d.K;
+  Tensor dout = as_dt(dout_in, dt);
+  Tensor gu_w = as_dt(w.gate_up, dt), dn_w = as_dt(w.down, dt);
+  const std::vector<int64_t> idx = detail::index_values(s.topk_idx);
+  const T *dop = dout.data<T>(), *wt = s.topk_weight.data<T>(), *eo = s.eo.data<T>();
+  MoeGrads r;
+  r.dtopk_weight = Tensor::empty({T_, K}, dt);
+  T* dw = r.dtopk_weight.data<T>();
+  // Weighted output gradient per assignment: dO[a] = w_a dout_t.
+  Tensor dO = Tensor::empty({T_ * K, D}, dt);
+  T* dOp = dO.data<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t a = t * K + k;
+      T acc = 0;
+      for (int64_t c = 0; c < D; ++c) {
+        acc += dop[t * D + c] * eo[a * D + c];
+        dOp[a * D + c] = wt[a] * dop[t * D + c];
+      }
+      dw[a] = acc;
+    }
+  Tensor gu_all = s.gu.view({T_ * K, 2 * I}), h_all = s.h.view({T_ * K, I});
+  Tensor dxk = Tensor::zeros({T_ * K, D}, dt);
+  const auto asg = assignments(idx, d.E);
+  for (int64_t e = 0; e < d.E; ++e) {
+    const auto& rows = asg[size_t(e)];
+    if (rows.empty()) continue;
+    std::vector<int64_t> toks(rows.size());
+    for (size_t q = 0; q < rows.size(); ++q) toks[q] = rows[q] / K;
+    Tensor xe = gather_rows<T>(s.x, toks, D);
+    Tensor dOe = gather_rows<T>(dO, rows, D);
+    Tensor he = gather_rows<T>(h_all, rows, I);
+    Tensor gue = gather_rows<T>(gu_all, rows, 2 * I);
+    Tensor dhe = matmul(dOe, false, dn_w.select(0, e), false);   // [n, I]
+    Tensor ddn = matmul(dOe, true, he, false);                   // [D, I]
+    Tensor dgue = swiglu_clamped_backward(gue, dhe, s.limit);    // [n, 2I]
+    Tensor dgu = matmul(dgue, true, xe, false);                  // [2I, D]
+    Tensor dxe = matmul(dgue, false, gu_w.select(0, e), false);  // [n, D]
+    accumulate_at<T>(g.ddown, e * D * I, ddn);
+    accumulate_at<T>(g.dgate_up, e * 2 * I * D, dgu);
+    scatter_rows<T>(dxe, rows, D, dxk);
+  }
+  Tensor sdx;
+  if (d.shared && T_ > 0) {
+    Tensor sgu_w = as_dt(w.shared_gate_up, dt), sdn_w = as_dt(w.shared_down, dt);
+    Tensor dsh = matmul(dout, false, sdn_w, false);  // [T, Is]
+    accumulate_at<T>(g.dshared_down, 0, matmul(dout, true, s.sh, false));
+    Tensor dsgu = swiglu_clamped_backward(s.sgu, dsh, s.limit);
+    accumulate_at<T>(g.dshared_gate_up, 0, matmul(dsgu, true, s.x, false));
+    sdx = matmul(dsgu, false, sgu_w, false);
+  }
+  r.dx = Tensor::empty({T_, D}, dt);
+  T* dx = r.dx.data<T>();
+  const T* dk = dxk.data<T>();
+  const T* sp = sdx.defined() ? sdx.data<T>() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t c = 0; c < D; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += dk[(t * K + k) * D + c];
+      if (sp) acc += sp[t * D + c];
+      dx[t * D + c] = acc;
+    }
+  return r;
+}
+}  // namespace
+
+Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& topk_idx,
+                           const Tensor& topk_weight, double swiglu_limit, MoeSaved& saved) {
+  const char* op = "moe_experts_forward";
+  ExpertDims d = check_experts(x, w, op);
+  std::vector<int64_t> idx;
+  check_topk_idx(topk_idx, d.T, d.E, op, "topk_idx", idx, false);
+  d.K = topk_idx.size(1);
+  detail::require_float(topk_weight, op, "topk_weight");
+  detail::require_shape(topk_weight, topk_idx.shape(), op, "topk_weight");
+  return comp_dtype(x) == DType::f64
+             ? experts_fwd<double>(x, w, idx, topk_weight, swiglu_limit, d, saved)
+             : experts_fwd<float>(x, w, idx, topk_weight, swiglu_limit, d, saved);
+}
+
+MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
+                              MoeWeightGrads& g) {
+  const char* op = "moe_experts_backward";
+  HLM_CHECK(s.x.defined() && s.eo.defined(), "{}: saved state is empty (run the forward)", op);
+  ExpertDims d = check_experts(s.x, w, op);
+  d.K = s.topk_idx.size(1);
+  HLM_CHECK(s.gu.defined() && s.gu.shape() == Shape({d.T, d.K, 2 * d.I}),
+            "{}: saved state does not match the weights (gu {}, expected [{}, {}, {}])", op,
+            s.gu.describe(), d.T, d.K, 2 * d.I);
+  detail::require_float(dout, op, "dout");
+  detail::require_shape(dout, {d.T, d.D}, op, "dout");
+  check_acc(g.dgate_up, w.gate_up.shape(), op, "g.dgate_up");
+  check_acc(g.ddown, w.down.shape(), op, "g.ddown");
+  if (d.shared) {
+    check_acc(g.dshared_gate_up, w.shared_gate_up.shape(), op, "g.dshared_gate_up");
+    check_acc(g.dshared_down, w.shared_down.shape(), op, "g.dshared_down");
+  }
+  return comp_dtype(s.x) == DType::f64 ? experts_bwd<double>(s, w, dout, g, d)
+                                       : experts_bwd<float>(s, w, dout, g, d);
+}
+
+}  // namespace hlm::ops

@@ -1,0 +1,115 @@
+// The sigmoid-routed MoE of DeepSeek-V3 / GLM-5.3-Flash (spec/mhc_moe_fp8.md 2.1-2.3), CPU.
+//
+// Router ("noaux_tc"), per token, from the router logits l [E] (= x W_router^T, computed in FP32
+// by the caller):
+//   s      = sigmoid(l)
+//   s_sel  = s + bias                  (e_score_correction_bias: selection only, no gradient)
+//   groups (n_group > 1): view s_sel as [n_group, E / n_group]; group score = sum of its top-2
+//          entries; keep the topk_group best groups, the others are excluded
+//   idx    = top_k of s_sel over the kept experts; ties go to the lower index (groups likewise);
+//            idx is ordered by descending s_sel (then ascending index)
+//   w      = s[idx] (UNBIASED); norm_topk_prob: w = w / (sum w + 1e-20); w *= routed_scaling_factor
+// Routing replay (R3): given replay indices, idx = replay (no selection); w is computed the same
+// way from the scores, so the router still gets its gradient.
+//
+// Experts (SwiGLU with the GLM clamp, swiglu_limit > 0):
+//   g = min(gate, limit), u = clamp(up, -limit, limit), h = silu(g) * u, out = W_down h
+// gate_up [E, 2I, D] (rows 0..I-1 gate, I..2I-1 up; HF layout), down [E, D, I]. The shared expert
+// is one such FFN ([2I_s, D], [D, I_s]), always on, ungated.
+//   moe out_t = sum_{k = 0..K-1} w_{t,k} Expert_{idx_{t,k}}(x_t) + Shared(x_t)
+// summed in that fixed order (k ascending, then the shared expert): deterministic, no atomics.
+//
+// Precision: computed in FP64 when the main input is f64, else FP32. Activation gradients are
+// returned (=); parameter gradients accumulate (+=) into the caller's tensors (f32/f64).
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace hlm::ops {
+
+// ---- router
+// --------------------------------------------------------------------------------------
+struct MoeRouterConfig {
+  int64_t n_experts = 288;
+  int64_t top_k = 8;
+  int64_t n_group = 1;     // must divide n_experts; groups of >= 2 experts when n_group > 1
+  int64_t topk_group = 1;  // 1 <= topk_group <= n_group; top_k <= topk_group * E / n_group
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 2.5;
+  double norm_eps = 1e-20;  // in w / (sum w + norm_eps)
+};
+
+struct MoeRouterResult {
+  Tensor scores;       // [T, E] sigmoid(logits), computation dtype
+  Tensor topk_idx;     // [T, K] i64
+  Tensor topk_weight;  // [T, K] computation dtype
+};
+
+// logits [T, E] f32/f64; bias [E] (undefined = 0); replay_idx [T, K] i64/i32 (undefined = select).
+// Replay indices must be in [0, E) and distinct per token.
+MoeRouterResult moe_router_forward(const Tensor& logits, const Tensor& bias,
+                                   const MoeRouterConfig& cfg, const Tensor& replay_idx = {});
+// dlogits [T, E] from d topk_weight [T, K] (non-selected experts get 0).
+Tensor moe_router_backward(const Tensor& logits, const MoeRouterResult& r,
+                           const MoeRouterConfig& cfg, const Tensor& dweight);
+
+// Tokens routed to each expert: counts [E] (i64) from topk_idx [T, K].
+Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts);
+// Aux-loss-free bias update (after the optimizer step), in place on bias [E] (f32/f64):
+//   b_i += rate * sign(mean(load) - load_i)        (sign(0) = 0)
+// `load` [E] holds the (globally all-reduced) token counts, any numeric dtype.
+void moe_bias_update(Tensor& bias, const Tensor& load, double rate);
+
+// Sequence-wise aux loss (DeepSeek-V3), averaged over the non-empty sequences of cu_seqlens:
+//   per sequence of T_s tokens: f_i = E / (K T_s) * #{t : i in idx_t}, P_i = (1/T_s) sum_t
+//   s'_{i,t}, s'_{i,t} = s_{i,t} / sum_j s_{j,t} (ALL experts), L_s = coeff * sum_i f_i P_i.
+// f is a count (no gradient); the gradient flows to the logits through P.
+double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+                        double coeff);
+// dlogits [T, E] of dloss * loss.
+Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
+                                 const Tensor& cu_seqlens, double coeff, double dloss = 1.0);
+
+// ---- clamped SwiGLU ---------------------------------------------------------------------------
+// gu [..., 2I] (gate | up) -> h [..., I]; limit <= 0 or infinite: no clamp (DeepSeek-V3).
+Tensor swiglu_clamped_forward(const Tensor& gu, double limit);
+// d gu [..., 2I] from dh [..., I]. The clamp passes the gradient where the input lies inside the
+// closed interval (gate <= limit; -limit <= up <= limit), zero outside.
+Tensor swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit);
+
+// ---- experts ------------------------------------------------------------------------------------
+struct MoeWeights {
+  Tensor gate_up;         // [E, 2I, D]
+  Tensor down;            // [E, D, I]
+  Tensor shared_gate_up;  // [2I_s, D] (undefined: no shared expert)
+  Tensor shared_down;     // [D, I_s]
+};
+struct MoeWeightGrads {  // accumulators (+=) of MoeWeights' shapes; shared ones only if used
+  Tensor dgate_up, ddown, dshared_gate_up, dshared_down;
+};
+
+struct MoeSaved {
+  Tensor x;            // [T, D]
+  Tensor topk_idx;     // [T, K] i64
+  Tensor topk_weight;  // [T, K]
+  Tensor gu;           // [T, K, 2I] expert pre-activations
+  Tensor h;            // [T, K, I]
+  Tensor eo;           // [T, K, D] each routed expert's output (unweighted)
+  Tensor sgu, sh;      // shared expert [T, 2I_s], [T, I_s]
+  double limit = 10.0;
+};
+
+// out [T, D] = sum_k w_k Expert_{idx_k}(x) + Shared(x). x [T, D]; topk_idx [T, K] i64/i32 in
+// [0, E); topk_weight [T, K].
+Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& topk_idx,
+                           const Tensor& topk_weight, double swiglu_limit, MoeSaved& saved);
+struct MoeGrads {
+  Tensor dx;            // [T, D]
+  Tensor dtopk_weight;  // [T, K]: <dout_t, Expert_{idx_k}(x_t)>
+};
+MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
+                              MoeWeightGrads& g);
+
+}  // namespace hlm::ops
