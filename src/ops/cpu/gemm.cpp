@@ -10,8 +10,9 @@
 // With beta == 0, C is not read (a NaN poison in C does not leak into the result).
 // With round_bf16, both operands are rounded to bf16 and multiplied with FP32 accumulation
 // (cblas_sgemm), as a bf16 tensor-core GEMM does; the result goes to C in C's dtype.
-// Determinism: OpenBLAS splits the work over M and N, never over K, so every C element is one
-// fixed-order dot product.
+// Determinism: with the same thread count, runs are bit-identical (OpenBLAS partitions threads over
+// M and N, not K; tests/ops/gemm_test.cpp checks two runs). Equality across different thread
+// counts is not promised: a different partition can move an element into an edge kernel.
 #include <cblas.h>
 
 #include <climits>
