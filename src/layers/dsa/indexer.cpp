@@ -1,0 +1,552 @@
+// DsaIndexer (layers/dsa/indexer.h): forward, selection, the KL loss and its analytic backward.
+//
+// Backward chain (spec 2.3 / 4.5), for the loss L of the chosen stage:
+//   dI                = ops::indexer_kl_loss(...).d_scores * grad_scale      [T, W]
+//   (dq, dkey, dw)    = ops::indexer_scores[_at]_backward(q, key, w, dI)
+//   d weights_proj(h) = dw * H_I^-1/2                          -> weights_proj.backward -> dh
+//   dq                <- Hd dq (Hd symmetric orthogonal: its own transpose), then RoPE^-1
+//                     -> wq_b.backward -> dc_q
+//   P = 1:  dk        <- Hd dkey, then RoPE^-1
+//   P > 1:  dpooled   <- Hd dkey; (dk, dgate, dape) = ops::kpool_compress_backward(k, gate, ape,
+//           dpooled); dk <- RoPE^-1 dk; dgate -> gate.backward -> dh; ape.grad += dape
+//   LayerNorm backward (k_norm.weight/bias grads +=) -> d wk(h) -> wk.backward -> dh
+// dh sums its contributions in the fixed order weights_proj, wk, gate. RoPE^-1 is the rotation by
+// the negated angle (RoPE is orthogonal per pair). Parameter gradients accumulate (+=) in the
+// gradient dtype (f32, or f64 for f64 parameters); dh and dc_q are written (=).
+#include "layers/dsa/indexer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "core/rng.h"
+#include "ops/dsa_kpool.h"
+#include "ops/layernorm.h"
+#include "ops/seqlens.h"
+
+namespace hlm {
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+namespace {
+
+bool is_pow2(int64_t n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
+
+}  // namespace
+
+void IndexerConfig::validate() const {
+  auto positive = [](int64_t v, const char* name, const char* hf) {
+    HLM_CHECK(v >= 1, "IndexerConfig: {} ({}) must be >= 1, got {}", name, hf, v);
+  };
+  positive(hidden_size, "hidden_size", "hidden_size");
+  positive(q_lora_rank, "q_lora_rank", "q_lora_rank");
+  positive(n_heads, "n_heads", "index_n_heads");
+  positive(head_dim, "head_dim", "index_head_dim");
+  positive(topk, "topk", "index_topk");
+  HLM_CHECK(kpool >= 1, "IndexerConfig: kpool (index_kpool) must be >= 1, got {}", kpool);
+  HLM_CHECK(topk % kpool == 0,
+            "IndexerConfig: topk (index_topk) = {} must be divisible by kpool (index_kpool) = {}",
+            topk, kpool);
+  HLM_CHECK(!hadamard || is_pow2(head_dim),
+            "IndexerConfig: head_dim (index_head_dim) = {} must be a power of two for the "
+            "Hadamard rotation (hadamard = true)",
+            head_dim);
+  HLM_CHECK(rope_dim >= 0 && rope_dim % 2 == 0 && rope_dim <= head_dim,
+            "IndexerConfig: rope_dim (qk_rope_head_dim) must be even and in [0, head_dim = {}], "
+            "got {}",
+            head_dim, rope_dim);
+  HLM_CHECK(rope_dim == 0 || (std::isfinite(rope_theta) && rope_theta > 0),
+            "IndexerConfig: rope_theta must be a positive number when rope_dim > 0, got {}",
+            rope_theta);
+  HLM_CHECK(std::isfinite(k_norm_eps) && k_norm_eps > 0,
+            "IndexerConfig: k_norm_eps must be a positive number, got {}", k_norm_eps);
+  HLM_CHECK(dtype == DType::f64 || dtype == DType::f32 || dtype == DType::bf16,
+            "IndexerConfig: dtype must be f64, f32 or bf16, got {}", dtype_name(dtype));
+  HLM_CHECK(std::isfinite(init_std) && init_std >= 0,
+            "IndexerConfig: init_std must be a finite number >= 0, got {}", init_std);
+}
+
+int64_t IndexerConfig::index_width() const {
+  return (kpool > 1 && kpool_always_select_tail) ? topk + kpool - 1 : topk;
+}
+
+namespace {
+
+int64_t json_int(const nlohmann::json& j, const char* key, bool required, int64_t def) {
+  if (!j.contains(key) || j.at(key).is_null()) {
+    HLM_CHECK(!required, "indexer config: '{}' is required", key);
+    return def;
+  }
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_number_integer(), "indexer config: '{}' must be an integer, got {}", key,
+            v.dump());
+  return v.get<int64_t>();
+}
+
+bool json_bool(const nlohmann::json& j, const char* key, bool def) {
+  if (!j.contains(key) || j.at(key).is_null()) return def;
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_boolean(), "indexer config: '{}' must be true or false, got {}", key, v.dump());
+  return v.get<bool>();
+}
+
+}  // namespace
+
+IndexerConfig IndexerConfig::from_hf_json(const nlohmann::json& j) {
+  HLM_CHECK(j.is_object(), "indexer config: expected a JSON object, got {}", j.type_name());
+  IndexerConfig c;
+  c.hidden_size = json_int(j, "hidden_size", true, 0);
+  c.q_lora_rank = json_int(j, "q_lora_rank", true, 0);
+  c.n_heads = json_int(j, "index_n_heads", true, 0);
+  c.head_dim = json_int(j, "index_head_dim", true, 0);
+  c.topk = json_int(j, "index_topk", true, 0);
+  c.rope_dim = json_int(j, "qk_rope_head_dim", false, 0);
+  if (j.contains("rope_theta") && !j.at("rope_theta").is_null()) {
+    HLM_CHECK(j.at("rope_theta").is_number(),
+              "indexer config: 'rope_theta' must be a number, got {}", j.at("rope_theta").dump());
+    c.rope_theta = j.at("rope_theta").get<double>();
+  }
+  c.rope_interleave = json_bool(j, "indexer_rope_interleave", true);
+  c.kpool = json_int(j, "index_kpool", false, 1);
+  c.kpool_always_select_tail = json_bool(j, "index_kpool_always_select_tail", true);
+  const bool compress = json_bool(j, "index_kpool_compress", true);
+  HLM_CHECK(compress || c.kpool <= 1,
+            "indexer config: 'index_kpool_compress' = false with index_kpool = {} is not supported "
+            "(only compressed pools are implemented)",
+            c.kpool);
+  c.validate();
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise helpers (contiguous f32 / f64 CPU tensors)
+
+namespace {
+
+template <class F>
+void dispatch(DType dt, F&& f) {
+  if (dt == DType::f64)
+    f(double{});
+  else if (dt == DType::f32)
+    f(float{});
+  else
+    HLM_FAIL("DsaIndexer: internal compute tensor must be f32 or f64, got {}", dtype_name(dt));
+}
+
+// A contiguous tensor of dtype dt holding t's values (t itself when it already is one).
+Tensor as_dt(const Tensor& t, DType dt) {
+  Tensor c = t.dtype() == dt ? t : t.to(dt);
+  return c.contiguous();
+}
+
+// A fresh contiguous copy in dtype dt (for in-place transforms).
+Tensor copy_as(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t.clone() : t.to(dt).contiguous();
+}
+
+void scale_inplace(Tensor& x, double s) {
+  dispatch(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* p = x.data<T>();
+    const T f = T(s);
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) p[i] *= f;
+  });
+}
+
+// a += b (same shape and dtype, contiguous), one addition per element.
+void add_inplace(Tensor& a, const Tensor& b) {
+  HLM_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype(),
+            "DsaIndexer: internal add of {} and {}", a.describe(), b.describe());
+  const Tensor bc = b.contiguous();
+  dispatch(a.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* pa = a.data<T>();
+    const T* pb = bc.data<T>();
+    for (int64_t i = 0, n = a.numel(); i < n; ++i) pa[i] += pb[i];
+  });
+}
+
+// Param::grad += g (allocated as zeros of grad_dtype_for(value) when undefined).
+void accumulate_grad(Param& p, const Tensor& g) {
+  const DType gd = grad_dtype_for(p.value.dtype());
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd);
+  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
+                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
+            "DsaIndexer: gradient of '{}' is {}, expected a contiguous f32/f64 {}", p.name,
+            p.grad.describe(), shape_str(p.value.shape()));
+  HLM_CHECK(g.shape() == p.value.shape(), "DsaIndexer: gradient for '{}' has shape {}, expected {}",
+            p.name, shape_str(g.shape()), shape_str(p.value.shape()));
+  add_inplace(p.grad, as_dt(g, p.grad.dtype()));
+}
+
+// Normalised Walsh-Hadamard transform of each length-d row of x (in place): x <- H_d x / sqrt(d),
+// H_d the Sylvester matrix (H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]); butterflies with stride
+// 1, 2, 4, ... then one multiplication by 1/sqrt(d) rounded to the dtype.
+void hadamard_rows(Tensor& x, int64_t d) {
+  const int64_t rows = x.numel() / d;
+  dispatch(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* p = x.data<T>();
+    const T norm = T(1.0 / std::sqrt(double(d)));
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      T* v = p + r * d;
+      for (int64_t len = 1; len < d; len <<= 1)
+        for (int64_t i = 0; i < d; i += 2 * len)
+          for (int64_t j = i; j < i + len; ++j) {
+            const T a = v[j], b = v[j + len];
+            v[j] = a + b;
+            v[j + len] = a - b;
+          }
+      for (int64_t j = 0; j < d; ++j) v[j] *= norm;
+    }
+  });
+}
+
+// RoPE on channels [0, dr) of x [T, nh, d] (in place), position pos[t]:
+//   angle_i = pos * theta^(-2i / dr), i < dr / 2 (computed in f64, cos / sin rounded to the dtype)
+//   pair (a, b) -> (a cos - b sin, a sin + b cos), or with inverse the rotation by -angle;
+//   pairs (2i, 2i + 1) when interleaved, (i, i + dr / 2) otherwise (NeoX).
+void rope_inplace(Tensor& x, int64_t nh, int64_t d, const std::vector<int64_t>& pos, int64_t dr,
+                  double theta, bool interleave, bool inverse) {
+  if (dr == 0) return;
+  const int64_t T = int64_t(pos.size()), half = dr / 2;
+  dispatch(x.dtype(), [&](auto tag) {
+    using TT = decltype(tag);
+    TT* p = x.data<TT>();
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < half; ++i) {
+        const double ang = double(pos[size_t(t)]) * std::pow(theta, -2.0 * double(i) / double(dr));
+        const TT c = TT(std::cos(ang)), s = TT(inverse ? -std::sin(ang) : std::sin(ang));
+        const int64_t ia = interleave ? 2 * i : i, ib = interleave ? 2 * i + 1 : i + half;
+        for (int64_t h = 0; h < nh; ++h) {
+          TT* v = p + (t * nh + h) * d;
+          const TT a = v[ia], b = v[ib];
+          v[ia] = a * c - b * s;
+          v[ib] = a * s + b * c;
+        }
+      }
+  });
+}
+
+std::vector<int64_t> positions_of(const std::vector<int64_t>& cu) {
+  std::vector<int64_t> pos(size_t(cu.back()));
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) pos[size_t(t)] = t - cu[n];
+  return pos;
+}
+
+void check_input(const Tensor& x, int64_t width, const char* name, const char* what) {
+  HLM_CHECK(x.defined(), "DsaIndexer::forward: {} is undefined", name);
+  HLM_CHECK(x.is_cpu(), "DsaIndexer::forward: {} must be a CPU tensor, got {}", name, x.describe());
+  HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
+            "DsaIndexer::forward: {} must be f64, f32 or bf16, got {}", name, x.describe());
+  HLM_CHECK(x.dim() == 2 && x.size(1) == width,
+            "DsaIndexer::forward: {} must be [T, {} = {}], got {}", name, what, width,
+            x.describe());
+}
+
+Tensor init_normal(const Shape& shape, DType dt, uint64_t seed, uint64_t stream, double std) {
+  Rng rng(seed, stream);
+  Tensor t = randn(shape, DType::f64, rng, std);
+  return t.to(dt);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Module
+
+DsaIndexer::DsaIndexer(const IndexerConfig& cfg, const PrecisionPolicy& policy,
+                       const std::string& path)
+    : cfg_(cfg), path_(path) {
+  cfg_.validate();
+  const int64_t D = cfg_.hidden_size, H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool;
+  const DType dt = cfg_.dtype;
+  auto sub = [&](const char* name) {
+    return path_.empty() ? std::string(name) : path_ + "." + name;
+  };
+
+  wq_b_.init(cfg_.q_lora_rank, H * d, false,
+             policy.resolve(sub("wq_b"), ModuleRole::indexer_qk_proj), dt);
+  wk_.init(D, d, false, policy.resolve(sub("wk"), ModuleRole::indexer_qk_proj), dt);
+  GemmPrecision wp = policy.resolve(sub("weights_proj"), ModuleRole::indexer_weights);
+  if (cfg_.weights_proj_fp32) wp = GemmPrecision{};  // native: exact FP32 (f64 in f64 mode)
+  weights_proj_.init(D, H, false, wp, dt);
+  add_child("wq_b", &wq_b_);
+  add_child("wk", &wk_);
+  auto param = [&](const std::string& name, Tensor v) -> Param& {
+    const bool keep = is_keep_fp32_name(name);
+    return add_param(name, std::move(v), keep, keep);
+  };
+  k_norm_w_ = &param("k_norm.weight", Tensor::full({d}, 1.0, dt));
+  k_norm_b_ = &param("k_norm.bias", Tensor::zeros({d}, dt));
+  k_norm_b_->no_weight_decay = true;
+  add_child("weights_proj", &weights_proj_);
+
+  wq_b_.weight().value = init_normal({H * d, cfg_.q_lora_rank}, dt, cfg_.seed, 1, cfg_.init_std);
+  wk_.weight().value = init_normal({d, D}, dt, cfg_.seed, 2, cfg_.init_std);
+  weights_proj_.weight().value = init_normal({H, D}, dt, cfg_.seed, 3, cfg_.init_std);
+
+  if (P > 1) {
+    gate_ =
+        &param("index_kpool_compress_gate", init_normal({d, D}, dt, cfg_.seed, 4, cfg_.init_std));
+    // keep_fp32 through is_keep_fp32_name ("index_kpool_compress_ape"); f64 in f64 mode.
+    const DType adt = dt == DType::f64 ? DType::f64 : DType::f32;
+    ape_ = &param("index_kpool_compress_ape", Tensor::zeros({P, d}, adt));
+    gate_lin_.init(D, d, false,
+                   policy.resolve(sub("index_kpool_compress_gate"), ModuleRole::indexer_kpool), dt);
+  }
+  fp8_scoring_ = cfg_.fp8_scoring || (P > 1 && policy.dsa_indexer_kpool_use_quantization);
+}
+
+DType DsaIndexer::compute_dtype() const {
+  return wq_b_.weight_value().dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+ops::IndexerScoreOptions DsaIndexer::score_options() const {
+  ops::IndexerScoreOptions o;
+  o.pool = cfg_.kpool;
+  o.relu = cfg_.scoring_relu;
+  o.fp8 = fp8_scoring_;
+  o.fp8_pow2 = cfg_.fp8_pow2_scales;
+  return o;
+}
+
+void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Tensor& cu_seqlens,
+                               bool select, Saved& s) const {
+  check_input(h_in, cfg_.hidden_size, "h", "hidden_size");
+  check_input(cq_in, cfg_.q_lora_rank, "c_q", "q_lora_rank");
+  const int64_t T = h_in.size(0);
+  HLM_CHECK(cq_in.size(0) == T, "DsaIndexer::forward: c_q has {} rows, h has {}", cq_in.size(0), T);
+  const std::vector<int64_t> cu =
+      ops::check_cu_seqlens(cu_seqlens, T, "DsaIndexer::forward: cu_seqlens");
+  const std::vector<int64_t> pos = positions_of(cu);
+  const DType cdt = compute_dtype();
+  const int64_t H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool, dr = cfg_.rope_dim;
+  const Context lin_ctx{true, false};
+
+  s.h = as_dt(h_in, cdt);
+  s.c_q = as_dt(cq_in, cdt);
+  s.cu_seqlens = cu_seqlens;
+  s.recomputed = false;
+
+  // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
+  s.q = wq_b_.forward(lin_ctx, s.c_q, &s.wq_b).contiguous().view({T, H, d});
+  rope_inplace(s.q, H, d, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
+  if (cfg_.hadamard) hadamard_rows(s.q, d);
+
+  // k = LayerNorm(wk(h)) [T, d] (FP32 / f64 compute), RoPE.
+  s.k_lin = wk_.forward(lin_ctx, s.h, &s.wk).contiguous();
+  const auto ln = ops::layernorm_forward(s.k_lin, as_dt(k_norm_w_->value, cdt),
+                                         as_dt(k_norm_b_->value, cdt), cfg_.k_norm_eps);
+  s.k = ln.y;
+  s.k_mean = ln.mean;
+  s.k_rstd = ln.rstd;
+  rope_inplace(s.k, 1, d, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
+
+  // Keys for scoring: token keys (P = 1) or Hadamard of the pooled keys (P > 1).
+  Tensor keys;
+  if (P == 1) {
+    if (cfg_.hadamard) hadamard_rows(s.k, d);
+    keys = s.k;
+  } else {
+    gate_lin_.weight().value = gate_->value;
+    s.gate_out = gate_lin_.forward(lin_ctx, s.h, &s.gate).contiguous();
+    s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, cdt), cu_seqlens);
+    if (cfg_.hadamard) hadamard_rows(s.pooled, d);
+    keys = s.pooled;
+  }
+
+  // w = weights_proj(h) * H^-1/2.
+  s.w = weights_proj_.forward(lin_ctx, s.h, &s.weights_proj).contiguous();
+  scale_inplace(s.w, 1.0 / std::sqrt(double(H)));
+
+  s.scores = ops::indexer_scores(s.q, keys, s.w, cu_seqlens, score_options());
+  if (!select) return;
+  if (P == 1) {
+    s.indices = ops::topk_select(s.scores, cu_seqlens, cfg_.topk, 1);
+    s.pools = Tensor();
+  } else {
+    ops::KPoolSelection sel =
+        ops::kpool_select(s.scores, cu_seqlens, cfg_.topk, P, cfg_.kpool_always_select_tail);
+    s.indices = sel.indices;
+    s.pools = sel.pools;
+  }
+}
+
+DsaIndexer::Output DsaIndexer::forward(const Context& ctx, const Tensor& h, const Tensor& c_q,
+                                       const Tensor& cu_seqlens, Saved* saved) const {
+  Saved s;
+  run_internals(h, c_q, cu_seqlens, true, s);
+  Output out{s.indices, s.pools, s.scores, s.w};
+  if (saved != nullptr && ctx.training) {
+    if (ctx.recompute) {
+      Saved r;
+      r.h = s.h;
+      r.c_q = s.c_q;
+      r.cu_seqlens = s.cu_seqlens;
+      r.indices = s.indices;
+      r.pools = s.pools;
+      r.recomputed = true;
+      *saved = std::move(r);
+    } else {
+      *saved = std::move(s);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loss
+
+const DsaIndexer::Saved& DsaIndexer::full_saved(const Saved& saved, Saved& local) const {
+  HLM_CHECK(saved.h.defined() && saved.c_q.defined() && saved.indices.defined(),
+            "DsaIndexer loss: Saved is empty (run forward with ctx.training and a Saved*)");
+  if (!saved.recomputed) {
+    HLM_CHECK(saved.q.defined() && saved.scores.defined(),
+              "DsaIndexer loss: Saved has no intermediates and is not marked recomputed");
+    return saved;
+  }
+  run_internals(saved.h, saved.c_q, saved.cu_seqlens, false, local);
+  local.indices = saved.indices;
+  local.pools = saved.pools;
+  return local;
+}
+
+DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
+                                           const IndexerLossOptions& opt) const {
+  const DType cdt = compute_dtype();
+  const int64_t T = s.h.size(0), P = cfg_.kpool;
+  const bool dense = opt.stage == IndexerLossStage::dense;
+  HLM_CHECK(target.defined() && target.is_cpu() &&
+                (target.dtype() == DType::f64 || target.dtype() == DType::f32),
+            "DsaIndexer loss: target must be an f32 or f64 CPU tensor, got {}",
+            target.defined() ? target.describe() : "undefined");
+  HLM_CHECK(std::isfinite(opt.coeff) && std::isfinite(opt.grad_scale),
+            "DsaIndexer loss: coeff and grad_scale must be finite, got {} and {}", opt.coeff,
+            opt.grad_scale);
+  const Tensor tok = as_dt(target, cdt);
+  LossEval ev;
+  const ops::IndexerScoreOptions so = score_options();
+  if (dense) {
+    ev.scores = s.scores;
+    if (P == 1) {
+      HLM_CHECK(tok.shape() == s.scores.shape(),
+                "DsaIndexer loss (dense): target must be [T, W] = {} in the dense causal token "
+                "layout (ops::attention_target with W = 0), got {}",
+                shape_str(s.scores.shape()), target.describe());
+      ev.target = tok;
+    } else {
+      HLM_CHECK(tok.dim() == 2 && tok.size(0) == T,
+                "DsaIndexer loss (dense): target must be [T = {}, W] in the dense causal token "
+                "layout, got {}",
+                T, target.describe());
+      ev.target = ops::kpool_pool_target_dense(tok, s.cu_seqlens, P, s.scores.size(1));
+    }
+  } else {
+    HLM_CHECK(tok.dim() == 2 && tok.size(0) == T && tok.size(1) == cfg_.index_width(),
+              "DsaIndexer loss (sparse): target must be [T = {}, {}] aligned with the selection "
+              "(ops::attention_target_at over Output::indices), got {}",
+              T, cfg_.index_width(), target.describe());
+    if (P == 1) {
+      ev.target = tok;
+      ev.scores = ops::indexer_scores_at(s.q, s.k, s.w, s.cu_seqlens, s.indices, so);
+    } else {
+      ev.target = ops::kpool_pool_target_sparse(tok, s.pools, P);
+      ev.scores = ops::indexer_scores_at(s.q, s.pooled, s.w, s.cu_seqlens, s.pools, so);
+    }
+  }
+  ev.kl = ops::indexer_kl_loss(ev.scores, ev.target, opt.coeff, opt.reduction);
+  return ev;
+}
+
+IndexerLossResult DsaIndexer::loss_value(const Context& ctx, const Tensor& target,
+                                         const IndexerLossOptions& opt, const Saved& saved) const {
+  Saved local;
+  const Saved& s = full_saved(saved, local);
+  const LossEval ev = eval_loss(s, target, opt);
+  IndexerLossResult r;
+  r.loss = ev.kl.loss;
+  r.rows = ev.kl.rows;
+  return r;
+}
+
+IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& target,
+                                            const IndexerLossOptions& opt, const Saved& saved) {
+  Saved local;
+  const Saved& s = full_saved(saved, local);
+  const LossEval ev = eval_loss(s, target, opt);
+  IndexerLossResult r;
+  r.loss = ev.kl.loss;
+  r.rows = ev.kl.rows;
+
+  const int64_t T = s.h.size(0), H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool;
+  const DType cdt = compute_dtype();
+  const std::vector<int64_t> pos = positions_of(ops::check_cu_seqlens(s.cu_seqlens, T));
+  const Context lin_ctx{true, false};
+  const ops::IndexerScoreOptions so = score_options();
+  const bool dense = opt.stage == IndexerLossStage::dense;
+
+  Tensor ds = ev.kl.d_scores.contiguous();
+  if (opt.grad_scale != 1.0) {
+    ds = ds.clone();
+    scale_inplace(ds, opt.grad_scale);
+  }
+  const Tensor& keys = P == 1 ? s.k : s.pooled;
+  ops::IndexerScoreGrads g;
+  if (dense)
+    g = ops::indexer_scores_backward(s.q, keys, s.w, s.cu_seqlens, ds, so);
+  else
+    g = ops::indexer_scores_at_backward(s.q, keys, s.w, s.cu_seqlens, P == 1 ? s.indices : s.pools,
+                                        ds, so);
+
+  // Head weights.
+  Tensor dwp = copy_as(g.dw, cdt);
+  scale_inplace(dwp, 1.0 / std::sqrt(double(H)));
+  Tensor dh = weights_proj_.backward(lin_ctx, dwp, s.weights_proj).contiguous();
+
+  // Queries: Hadamard^T = Hadamard, RoPE^-1, wq_b.
+  Tensor dq = copy_as(g.dq, cdt);
+  if (cfg_.hadamard) hadamard_rows(dq, d);
+  rope_inplace(dq, H, d, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
+  r.dc_q = wq_b_.backward(lin_ctx, dq.view({T, H * d}), s.wq_b).contiguous();
+
+  // Keys.
+  Tensor dk;
+  Tensor dh_gate;
+  if (P == 1) {
+    dk = copy_as(g.dk, cdt);
+    if (cfg_.hadamard) hadamard_rows(dk, d);
+  } else {
+    Tensor dpooled = copy_as(g.dk, cdt);
+    if (cfg_.hadamard) hadamard_rows(dpooled, d);
+    const ops::KPoolCompressGrads cg = ops::kpool_compress_backward(
+        s.k, s.gate_out, as_dt(ape_->value, cdt), s.cu_seqlens, dpooled);
+    dk = copy_as(cg.dk, cdt);
+    gate_lin_.weight().value = gate_->value;
+    if (!gate_->grad.defined())
+      gate_->grad = Tensor::zeros(gate_->value.shape(), grad_dtype_for(gate_->value.dtype()));
+    gate_lin_.weight().grad = gate_->grad;
+    dh_gate = gate_lin_.backward(lin_ctx, cg.dgate, s.gate).contiguous();
+    accumulate_grad(*ape_, cg.dape);
+  }
+  rope_inplace(dk, 1, d, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
+  Tensor dlnw = Tensor::zeros({d}, cdt), dlnb = Tensor::zeros({d}, cdt);
+  const Tensor dklin = ops::layernorm_backward(dk, s.k_lin, as_dt(k_norm_w_->value, cdt), s.k_mean,
+                                               s.k_rstd, dlnw, dlnb);
+  accumulate_grad(*k_norm_w_, dlnw);
+  accumulate_grad(*k_norm_b_, dlnb);
+  add_inplace(dh, as_dt(wk_.backward(lin_ctx, dklin, s.wk), cdt));
+  if (dh_gate.defined()) add_inplace(dh, as_dt(dh_gate, cdt));
+  r.dh = dh;
+  (void)ctx;
+  return r;
+}
+
+}  // namespace hlm
