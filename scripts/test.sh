@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+# ctest runs tests in parallel and each test's OpenMP regions use every core: threads that spin
+# while they wait would steal the cores of the other tests.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 bash scripts/setup.sh
 echo "== build (Release) =="
 bash scripts/build.sh build
