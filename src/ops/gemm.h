@@ -1,8 +1,13 @@
-// GEMM: C = alpha * op(A) op(B) + beta * C on 2-D tensors (CPU: OpenBLAS; f32 and f64).
+// GEMM: C = alpha * op(A) op(B) + beta * C on 2-D tensors (CPU; f32 and f64).
 //   op(A) is A [M, K] or, with trans_a, A^T for A [K, M]; likewise op(B) is [K, N].
 //   A, B, C may be strided views whose last dimension is contiguous (row stride = leading dim).
 // Options: round_bf16 rounds both operands to bf16 first (FP32 accumulation), the numerics of a
 // bf16 tensor-core GEMM; the result is written in C's dtype.
+// Backends (ops/cpu/gemm.cpp): `invariant` (default) is our own kernel, each element one
+// sequential sum over k, so every row of C has the same bits whatever the number of rows and the
+// thread count (batch invariance: a packed batch equals its sequences one by one); `blas` is
+// OpenBLAS (faster on large products, not batch invariant). The environment variable
+// HLM_GEMM=invariant|blas picks the initial backend.
 #pragma once
 
 #include "core/tensor.h"
@@ -12,6 +17,11 @@ namespace hlm::ops {
 struct GemmOptions {
   bool round_bf16 = false;
 };
+
+enum class GemmBackend { invariant, blas };
+GemmBackend gemm_backend();
+void set_gemm_backend(GemmBackend b);
+const char* gemm_backend_name(GemmBackend b);
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
           double alpha = 1.0, double beta = 0.0, GemmOptions opt = {});

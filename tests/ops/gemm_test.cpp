@@ -2,6 +2,9 @@
 // f64, odd sizes, strided and transposed views, alpha / beta, the bf16 rounding option, bad input.
 #include <cmath>
 #include <limits>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "ops/gemm.h"
 #include "testing.h"
@@ -40,22 +43,33 @@ Tensor operand(int64_t rows, int64_t cols, bool trans, DType dt, Rng& rng) {
   return trans ? randn({cols, rows}, dt, rng) : randn({rows, cols}, dt, rng);
 }
 
+// Runs the enclosing test body once per backend and restores the default afterwards.
+struct BackendScope {
+  ops::GemmBackend saved = ops::gemm_backend();
+  explicit BackendScope(ops::GemmBackend b) { ops::set_gemm_backend(b); }
+  ~BackendScope() { ops::set_gemm_backend(saved); }
+};
+
 TEST(OpsGemm, AllTransposeCombosOddSizes) {
-  Rng rng(test_seed());
-  const int64_t sizes[][3] = {{1, 1, 1}, {7, 5, 3}, {33, 17, 65}, {64, 1, 9}, {1, 63, 130}};
-  for (DType dt : {DType::f32, DType::f64})
-    for (auto& s : sizes)
-      for (int ta = 0; ta < 2; ++ta)
-        for (int tb = 0; tb < 2; ++tb) {
-          const int64_t m = s[0], n = s[1], k = s[2];
-          Tensor a = operand(m, k, ta, dt, rng), b = operand(k, n, tb, dt, rng);
-          Tensor c = randn({m, n}, dt, rng);
-          Tensor ref = gemm_ref(a, ta, b, tb, c, 0.75, -1.25);
-          ops::gemm(a, ta, b, tb, c, 0.75, -1.25);
-          EXPECT_TRUE(close(c, ref, tolerance_for(dt)))
-              << dtype_name(dt) << " m=" << m << " n=" << n << " k=" << k << " ta=" << ta
-              << " tb=" << tb;
-        }
+  for (ops::GemmBackend backend : {ops::GemmBackend::invariant, ops::GemmBackend::blas}) {
+    SCOPED_TRACE(ops::gemm_backend_name(backend));
+    BackendScope scope(backend);
+    Rng rng(test_seed());
+    const int64_t sizes[][3] = {{1, 1, 1}, {7, 5, 3}, {33, 17, 65}, {64, 1, 9}, {1, 63, 130}};
+    for (DType dt : {DType::f32, DType::f64})
+      for (auto& s : sizes)
+        for (int ta = 0; ta < 2; ++ta)
+          for (int tb = 0; tb < 2; ++tb) {
+            const int64_t m = s[0], n = s[1], k = s[2];
+            Tensor a = operand(m, k, ta, dt, rng), b = operand(k, n, tb, dt, rng);
+            Tensor c = randn({m, n}, dt, rng);
+            Tensor ref = gemm_ref(a, ta, b, tb, c, 0.75, -1.25);
+            ops::gemm(a, ta, b, tb, c, 0.75, -1.25);
+            EXPECT_TRUE(close(c, ref, tolerance_for(dt)))
+                << dtype_name(dt) << " m=" << m << " n=" << n << " k=" << k << " ta=" << ta
+                << " tb=" << tb;
+          }
+  }
 }
 
 TEST(OpsGemm, MatmulShapeAndDtype) {
@@ -168,6 +182,50 @@ TEST(OpsGemm, Deterministic) {
   Tensor a = randn({130, 257}, DType::f32, rng), b = randn({257, 99}, DType::f32, rng);
   Tensor c1 = ops::matmul(a, false, b, false), c2 = ops::matmul(a, false, b, false);
   EXPECT_TRUE(testing::bit_equal(c1, c2));
+}
+
+// The invariant backend's contract: each element is the sequential sum over k (bit-equal to a
+// naive float loop), so rows do not depend on how many rows the product has or on the threads.
+TEST(OpsGemm, InvariantBackendIsBatchAndThreadInvariant) {
+  BackendScope scope(ops::GemmBackend::invariant);
+  Rng rng(test_seed());
+  const int64_t m = 130, k = 300, n = 77;
+  for (int tb = 0; tb < 2; ++tb) {
+    Tensor a = randn({m, k}, DType::f32, rng), b = operand(k, n, tb, DType::f32, rng);
+    Tensor full = ops::matmul(a, false, b, tb);
+    // The same rows computed as separate, smaller products (a packed batch split in sequences).
+    int64_t row = 0;
+    for (int64_t len : {70, 1, 3, 56}) {
+      Tensor part = ops::matmul(a.slice(0, row, row + len), false, b, tb);
+      EXPECT_TRUE(testing::bit_equal(part, full.slice(0, row, row + len).contiguous()))
+          << "rows " << row << ".." << row + len;
+      row += len;
+    }
+    ASSERT_EQ(row, m);
+    // The sequential sum, element by element.
+    const float* pa = a.data<float>();
+    const Tensor bc = b.contiguous();
+    const float* pb = bc.data<float>();
+    const float* pc = full.data<float>();
+    int64_t mismatches = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        float s = 0;
+        for (int64_t p = 0; p < k; ++p) s += pa[i * k + p] * (tb ? pb[j * k + p] : pb[p * n + j]);
+        mismatches += s != pc[i * n + j];
+      }
+    EXPECT_EQ(mismatches, 0);
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    Tensor one = ops::matmul(a, false, b, tb);
+    omp_set_num_threads(3);
+    Tensor three = ops::matmul(a, false, b, tb);
+    omp_set_num_threads(threads);
+    EXPECT_TRUE(testing::bit_equal(one, full));
+    EXPECT_TRUE(testing::bit_equal(three, full));
+#endif
+  }
 }
 
 TEST(OpsGemm, BadInputs) {

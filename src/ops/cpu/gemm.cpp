@@ -10,12 +10,24 @@
 // With beta == 0, C is not read (a NaN poison in C does not leak into the result).
 // With round_bf16, both operands are rounded to bf16 and multiplied with FP32 accumulation
 // (cblas_sgemm), as a bf16 tensor-core GEMM does; the result goes to C in C's dtype.
-// Determinism: with the same thread count, runs are bit-identical (OpenBLAS partitions threads over
-// M and N, not K; tests/ops/gemm_test.cpp checks two runs). Equality across different thread
-// counts is not promised: a different partition can move an element into an edge kernel.
+//
+// Two backends (gemm_backend(), set by set_gemm_backend or HLM_GEMM=invariant|blas):
+//   invariant (default): our own kernel. Every element is one strictly sequential sum over k,
+//     C[m, n] = alpha * (((a_m0 b_0n + a_m1 b_1n) + a_m2 b_2n) + ...) + beta * C[m, n],
+//     so a row of C depends only on its row of op(A) and on op(B): the same bits whatever the
+//     number of rows M (a packed batch equals its sequences run one by one, through every Linear)
+//     and whatever the thread count (threads split rows). Vectorised across n, never across k.
+//   blas: OpenBLAS. Faster on large products; bit-identical run to run at a fixed thread count,
+//     but its kernels depend on M and on the thread partition (edge tiles, small-matrix paths), so
+//     rows of a 70-row product can differ in the last bit from the same rows of a 130-row one.
 #include <cblas.h>
 
+#include <algorithm>
+#include <atomic>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "ops/gemm.h"
 #include "ops/op_checks.h"
@@ -68,11 +80,77 @@ CBLAS_TRANSPOSE tr(bool t) {
   return t ? CblasTrans : CblasNoTrans;
 }
 
+// The invariant kernel: C = alpha * op(A) op(B) + beta * C, row-major C [m, n] with leading
+// dimension ldc. op(B) is packed once into a contiguous row-major [k, n] buffer; then each block of
+// kRows rows and kCols columns accumulates over k in order, the inner loop running across columns.
+template <class T>
+void invariant_gemm(const BlasMat& a, const BlasMat& b, T* c, int64_t ldc, int64_t m, int64_t n,
+                    int64_t k, double alpha, double beta) {
+  constexpr int64_t kRows = 4, kCols = 256;
+  const T* pb = static_cast<const T*>(b.ptr);
+  std::vector<T> packed;
+  if (b.trans || b.ld != n) {
+    packed.resize(size_t(k) * size_t(n));
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t j = 0; j < n; ++j)
+        packed[size_t(kk * n + j)] = b.trans ? pb[j * b.ld + kk] : pb[kk * b.ld + j];
+    pb = packed.data();
+  }
+  const T* pa = static_cast<const T*>(a.ptr);
+  auto a_at = [&](int64_t i, int64_t kk) {
+    return a.trans ? pa[kk * a.ld + i] : pa[i * a.ld + kk];
+  };
+  const T ta = T(alpha), tb = T(beta);
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+#pragma omp parallel for schedule(static) if (m * n * k > (int64_t(1) << 16))
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    const int64_t i0 = rb * kRows, rows = std::min(kRows, m - i0);
+    T acc[kRows][kCols];
+    for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+      const int64_t cols = std::min(kCols, n - j0);
+      for (int64_t r = 0; r < rows; ++r) std::fill(acc[r], acc[r] + cols, T(0));
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const T* brow = pb + kk * n + j0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const T av = a_at(i0 + r, kk);
+          T* ar = acc[r];
+#pragma omp simd
+          for (int64_t j = 0; j < cols; ++j) ar[j] += av * brow[j];
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* crow = c + (i0 + r) * ldc + j0;
+        if (beta == 0.0) {
+          for (int64_t j = 0; j < cols; ++j) crow[j] = ta * acc[r][j];
+        } else {
+          for (int64_t j = 0; j < cols; ++j) crow[j] = ta * acc[r][j] + tb * crow[j];
+        }
+      }
+    }
+  }
+}
+
+GemmBackend backend_from_env() {
+  const char* e = std::getenv("HLM_GEMM");
+  if (e == nullptr || *e == 0 || std::strcmp(e, "invariant") == 0) return GemmBackend::invariant;
+  if (std::strcmp(e, "blas") == 0) return GemmBackend::blas;
+  HLM_FAIL("HLM_GEMM must be \"invariant\" or \"blas\", got \"{}\"", e);
+}
+
+std::atomic<GemmBackend>& backend_slot() {
+  static std::atomic<GemmBackend> slot{backend_from_env()};
+  return slot;
+}
+
 // C = alpha * op(A) op(B) + beta * C for row-major C of dtype T (T = float or double), with A and
-// B of dtype T too.
+// B of dtype T too, on the selected backend.
 template <class T>
 void blas_gemm(const BlasMat& a, const BlasMat& b, T* c, int ldc, int64_t m, int64_t n, int64_t k,
                double alpha, double beta) {
+  if (gemm_backend() == GemmBackend::invariant) {
+    invariant_gemm<T>(a, b, c, ldc, m, n, k, alpha, beta);
+    return;
+  }
   if constexpr (std::is_same_v<T, float>) {
     cblas_sgemm(CblasRowMajor, tr(a.trans), tr(b.trans), int(m), int(n), int(k), float(alpha),
                 static_cast<const float*>(a.ptr), a.ld, static_cast<const float*>(b.ptr), b.ld,
@@ -138,6 +216,16 @@ void gemm_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, in
 }
 
 }  // namespace
+
+GemmBackend gemm_backend() {
+  return backend_slot().load(std::memory_order_relaxed);
+}
+void set_gemm_backend(GemmBackend b) {
+  backend_slot().store(b, std::memory_order_relaxed);
+}
+const char* gemm_backend_name(GemmBackend b) {
+  return b == GemmBackend::invariant ? "invariant" : "blas";
+}
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
           double beta, GemmOptions opt) {
