@@ -6,7 +6,8 @@ std::vector<std::pair<std::string, Param*>> Module::named_parameters(const std::
   std::vector<std::pair<std::string, Param*>> out;
   for (auto& p : params_) out.emplace_back(prefix + p->name, p.get());
   for (auto& [name, child] : children_) {
-    auto sub = child->named_parameters(prefix + name + ".");
+    // An empty child name adds no component: the child's parameters sit beside the parent's.
+    auto sub = child->named_parameters(name.empty() ? prefix : prefix + name + ".");
     out.insert(out.end(), sub.begin(), sub.end());
   }
   return out;

@@ -280,6 +280,11 @@ bool is_keep_fp32_name(const std::string& param_name) {
   if (parts.size() >= 2 && parts[parts.size() - 2] == "mapping_proj" &&
       (last == "weight" || last == "bias"))
     return true;
+  // transformers' glm5_next mHC: ...{attn|ffn}_hc.{fn|base|scale}
+  if (parts.size() >= 2 &&
+      (parts[parts.size() - 2] == "attn_hc" || parts[parts.size() - 2] == "ffn_hc") &&
+      (last == "fn" || last == "base" || last == "scale"))
+    return true;
   return false;
 }
 

@@ -103,6 +103,7 @@ class PrecisionPolicy {
 // by checkpoint name (full or relative); the last dot-separated component decides:
 //   KDA   A_log, dt_bias                                         (spec kda.md 1.1)
 //   mHC   hc_{attn|ffn|head}_{fn|base|scale}                     (spec mhc_moe_fp8.md 1.3)
+//         transformers: {attn|ffn}_hc.{fn|base|scale}
 //         Megatron: alpha_pre, alpha_post, alpha_res, and mapping_proj.{weight|bias}
 //   KPool index_kpool_compress_ape                               (spec dsa.md 4.1)
 //   MoE   e_score_correction_bias (Megatron: expert_bias)        (spec mhc_moe_fp8.md 2.1)

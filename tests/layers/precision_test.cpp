@@ -213,21 +213,34 @@ TEST(PrecisionPolicy, FromJsonErrorsNameTheKey) {
 }
 
 TEST(PrecisionKeepFp32, Names) {
-  for (const char* n :
-       {"A_log", "model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
-        "model.layers.0.hc_attn_fn", "model.layers.0.hc_attn_base", "model.layers.0.hc_attn_scale",
-        "model.layers.44.hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "hc_head_fn",
-        "model.layers.3.self_attn.indexer.index_kpool_compress_ape",
-        "model.layers.5.mlp.gate.e_score_correction_bias",
-        "decoder.layers.0.mlp.router.expert_bias",
-        "decoder.layers.0.self_attention_hc.mapping_proj.weight", "x.mapping_proj.bias",
-        "x.alpha_pre", "x.alpha_post", "x.alpha_res"})
+  for (const char* n : {"A_log",
+                        "model.layers.0.self_attn.A_log",
+                        "model.layers.0.self_attn.dt_bias",
+                        "model.layers.0.hc_attn_fn",
+                        "model.layers.0.hc_attn_base",
+                        "model.layers.0.hc_attn_scale",
+                        "model.layers.44.hc_ffn_fn",
+                        "hc_ffn_base",
+                        "hc_ffn_scale",
+                        "hc_head_fn",
+                        "model.layers.3.self_attn.indexer.index_kpool_compress_ape",
+                        "model.layers.5.mlp.gate.e_score_correction_bias",
+                        "decoder.layers.0.mlp.router.expert_bias",
+                        "decoder.layers.0.self_attention_hc.mapping_proj.weight",
+                        "x.mapping_proj.bias",
+                        "x.alpha_pre",
+                        "x.alpha_post",
+                        "x.alpha_res",
+                        "model.layers.0.attn_hc.fn",
+                        "model.layers.0.attn_hc.base",
+                        "model.layers.7.ffn_hc.scale"})
     EXPECT_TRUE(is_keep_fp32_name(n)) << n;
   for (const char* n :
        {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight",
         "model.layers.3.self_attn.indexer.index_kpool_compress_gate", "A_log_x", "hc_attn_fnx",
         "hc_attn", "model.layers.5.mlp.gate.weight", "dt_bias.weight.x", "lm_head.weight",
-        "model.embed_tokens.weight", "mapping_proj.scale"})
+        "model.embed_tokens.weight", "mapping_proj.scale", "model.layers.0.attn_hc.weight",
+        "model.layers.0.mlp.fn", "attn_hc_fn"})
     EXPECT_FALSE(is_keep_fp32_name(n)) << n;
 }
 

@@ -1,0 +1,176 @@
+// DenseMlp (layers/mlp.h): clamped SwiGLU over three Linear GEMMs.
+//
+// Forward:  gu = [x Wg^T | x Wu^T];  h = swiglu_clamped(gu, L);  y = h Wd^T
+// Backward: dh = dy Wd (down_proj.backward, dWd += dy^T h)
+//           dgu = swiglu_clamped_backward(gu, dh, L)            (zero where the clamp is active)
+//           dx = gate_proj.backward(dg) + up_proj.backward(du)  (added in that order; dW +=)
+#include "layers/mlp.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+
+#include "core/rng.h"
+#include "ops/moe.h"
+
+namespace hlm {
+
+namespace {
+
+DType compute_dtype(DType x_dt) {
+  return x_dt == DType::f64 ? DType::f64 : DType::f32;
+}
+
+Tensor as_dtype(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t.contiguous() : t.to(dt);
+}
+
+// The Philox stream of a parameter: FNV-1a of its full name.
+uint64_t name_stream(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+void init_normal(Tensor& value, uint64_t seed, const std::string& full_name, double std) {
+  Rng rng(seed, name_stream(full_name));
+  rng.fill_normal(value, 0.0, std);  // FP64 draws, one rounding to the parameter dtype
+}
+
+// a + b elementwise (same shape, contiguous, dtype T), in that order.
+Tensor add(const Tensor& a, const Tensor& b) {
+  Tensor out = Tensor::empty(a.shape(), a.dtype());
+  const int64_t n = a.numel();
+  if (a.dtype() == DType::f64) {
+    const double *pa = a.data<double>(), *pb = b.data<double>();
+    double* o = out.data<double>();
+    for (int64_t i = 0; i < n; ++i) o[i] = pa[i] + pb[i];
+  } else {
+    const float *pa = a.data<float>(), *pb = b.data<float>();
+    float* o = out.data<float>();
+    for (int64_t i = 0; i < n; ++i) o[i] = pa[i] + pb[i];
+  }
+  return out;
+}
+
+int64_t json_int(const nlohmann::json& j, const char* key, const char* what) {
+  HLM_CHECK(j.contains(key), "{}: config key '{}' is required", what, key);
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_number_integer(), "{}: config key '{}' must be an integer, got {}", what, key,
+            v.dump());
+  return v.get<int64_t>();
+}
+
+double json_double(const nlohmann::json& j, const char* key, double dflt, const char* what) {
+  if (!j.contains(key) || j.at(key).is_null()) return dflt;
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_number(), "{}: config key '{}' must be a number, got {}", what, key, v.dump());
+  return v.get<double>();
+}
+
+}  // namespace
+
+void DenseMlpConfig::validate() const {
+  HLM_CHECK(hidden_size >= 1, "DenseMlpConfig.hidden_size must be >= 1, got {}", hidden_size);
+  HLM_CHECK(intermediate_size >= 1, "DenseMlpConfig.intermediate_size must be >= 1, got {}",
+            intermediate_size);
+  HLM_CHECK(!std::isnan(swiglu_limit), "DenseMlpConfig.swiglu_limit must not be NaN");
+  HLM_CHECK(dtype == DType::f64 || dtype == DType::f32 || dtype == DType::bf16,
+            "DenseMlpConfig.dtype must be f64, f32 or bf16, got {}", dtype_name(dtype));
+  HLM_CHECK(std::isfinite(init_std) && init_std >= 0,
+            "DenseMlpConfig.init_std must be finite and >= 0, got {}", init_std);
+}
+
+DenseMlpConfig DenseMlpConfig::from_hf_json(const nlohmann::json& j) {
+  const char* what = "DenseMlpConfig::from_hf_json";
+  HLM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", what, j.type_name());
+  DenseMlpConfig c;
+  c.hidden_size = json_int(j, "hidden_size", what);
+  c.intermediate_size = json_int(j, "intermediate_size", what);
+  c.swiglu_limit = json_double(j, "swiglu_limit", 0.0, what);
+  c.init_std = json_double(j, "initializer_range", 0.02, what);
+  c.validate();
+  return c;
+}
+
+DenseMlp::DenseMlp(const DenseMlpConfig& cfg, const PrecisionPolicy& policy,
+                   const std::string& path, ModuleRole role)
+    : cfg_(cfg), path_(path), role_(role) {
+  cfg_.validate();
+  const int64_t D = cfg_.hidden_size, I = cfg_.intermediate_size;
+  const std::string pre = path_.empty() ? "" : path_ + ".";
+  gate_.init(D, I, false, policy.resolve(pre + "gate_proj", role), cfg_.dtype);
+  up_.init(D, I, false, policy.resolve(pre + "up_proj", role), cfg_.dtype);
+  down_.init(I, D, false, policy.resolve(pre + "down_proj", role), cfg_.dtype);
+  add_child("gate_proj", &gate_);
+  add_child("up_proj", &up_);
+  add_child("down_proj", &down_);
+  for (auto& [name, p] : named_parameters())
+    init_normal(p->value, cfg_.seed, pre + name, cfg_.init_std);
+}
+
+void DenseMlp::run_forward(const Context& ctx, const Tensor& xc, Saved& s, Tensor* y) const {
+  const int64_t T = xc.size(0), I = cfg_.intermediate_size;
+  const bool keep = ctx.training;
+  const Tensor g = gate_.forward(ctx, xc, keep ? &s.gate : nullptr);
+  const Tensor u = up_.forward(ctx, xc, keep ? &s.up : nullptr);
+  Tensor gu = Tensor::empty({T, 2 * I}, xc.dtype());
+  gu.slice(1, 0, I).copy_(g);
+  gu.slice(1, I, 2 * I).copy_(u);
+  const Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);
+  Tensor out = down_.forward(ctx, h, keep ? &s.down : nullptr);
+  if (keep) s.gu = gu;
+  if (y) *y = out;
+}
+
+Tensor DenseMlp::forward(const Context& ctx, const Tensor& x, Saved* saved) const {
+  HLM_CHECK(x.defined() && x.is_cpu(), "DenseMlp({}): x must be a defined CPU tensor", path_);
+  HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
+            "DenseMlp({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
+  HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
+            "DenseMlp({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
+  const Tensor xc = as_dtype(x, compute_dtype(x.dtype()));
+  const bool keep = saved && ctx.training;
+  Saved local;
+  Saved& s = keep ? *saved : local;
+  s = Saved{};
+  Tensor y;
+  run_forward(keep ? ctx : Context{false, false}, xc, s, &y);
+  if (keep) {
+    s.x = xc;
+    s.x_dtype = x.dtype();
+    if (ctx.recompute) {
+      // Keep only the input: g, u and h are recomputed by backward.
+      s.gate = s.up = s.down = Linear::Saved{};
+      s.gu = Tensor();
+      s.recomputed = true;
+    }
+  }
+  return y.dtype() == x.dtype() ? y : y.to(x.dtype());
+}
+
+Tensor DenseMlp::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
+  HLM_CHECK(saved.x.defined(),
+            "DenseMlp({})::backward: Saved is empty (run forward with ctx.training)", path_);
+  const int64_t T = saved.x.size(0), I = cfg_.intermediate_size;
+  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({T, cfg_.hidden_size}),
+            "DenseMlp({})::backward: dy must be floating [{}, {}], got {}", path_, T,
+            cfg_.hidden_size, dy.defined() ? dy.describe() : "undefined");
+  const Saved* s = &saved;
+  Saved re;
+  if (saved.recomputed) {
+    re.x = saved.x;
+    re.x_dtype = saved.x_dtype;
+    run_forward(Context{true, false}, saved.x, re, nullptr);
+    s = &re;
+  }
+  const DType cdt = saved.x.dtype();
+  const Tensor dh = down_.backward(ctx, as_dtype(dy, cdt), s->down);
+  const Tensor dgu = ops::swiglu_clamped_backward(s->gu, dh, cfg_.swiglu_limit);
+  const Tensor dx_g = gate_.backward(ctx, dgu.slice(1, 0, I).contiguous(), s->gate);
+  const Tensor dx_u = up_.backward(ctx, dgu.slice(1, I, 2 * I).contiguous(), s->up);
+  const Tensor dx = add(as_dtype(dx_g, cdt), as_dtype(dx_u, cdt));
+  return saved.x_dtype == cdt ? dx : dx.to(saved.x_dtype);
+}
+
+}  // namespace hlm

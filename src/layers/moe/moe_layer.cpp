@@ -1,0 +1,456 @@
+// MoeLayer (layers/moe/moe_layer.h): router, routed experts through per-expert Linear workers,
+// shared expert, fixed-order combine, aux loss, bias update.
+//
+// Forward (per token t, assignments a = t*K + k):
+//   logits = x W_r^T;  (idx, w) = router(logits, bias)
+//   eo[a]  = down_e(swiglu_clamped(gate_up_e(x_t)))            e = idx[a]; expert rows ascending
+//   y_t    = sum_k w[a] eo[a]  (+ shared(x_t))                  k ascending, then the shared expert
+// Backward:
+//   dw[a]  = <dy_t, eo[a]>;  dO[a] = w[a] dy_t
+//   per expert: dh = down_e.backward(dO_e); dgu = swiglu_clamped_backward(gu_e, dh);
+//               dx_e = gate_up_e.backward(dgu)                  (d W_e += through the aliased
+//               grads)
+//   dlogits = router_backward(dw) (+ d_aux * aux_backward);     dx_r = gate.backward(dlogits)
+//   dx_t   = sum_k dx_e[a] + dx_shared_t + dx_r_t               (in that order)
+#include "layers/moe/moe_layer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstring>
+
+#include "core/rng.h"
+#include "ops/seqlens.h"
+
+namespace hlm {
+
+namespace {
+
+uint64_t name_stream(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+void init_normal(Tensor& value, uint64_t seed, const std::string& full_name, double std) {
+  Rng rng(seed, name_stream(full_name));
+  rng.fill_normal(value, 0.0, std);  // FP64 draws, one rounding to the parameter dtype
+}
+
+Tensor as_dtype(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t.contiguous() : t.to(dt);
+}
+
+Tensor& ensure_grad(Param& p, const std::string& where) {
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), grad_dtype_for(p.value.dtype()));
+  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
+                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
+            "{}: gradient of '{}' is {}, expected contiguous f32/f64 {}", where, p.name,
+            p.grad.describe(), shape_str(p.value.shape()));
+  return p.grad;
+}
+
+// Rows `rows` of a contiguous [N, C] tensor, gathered into a new [rows.size(), C] (same dtype).
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {
+  const int64_t C = src.size(1);
+  Tensor out = Tensor::empty({int64_t(rows.size()), C}, src.dtype());
+  const size_t rb = size_t(C) * src.element_size();
+  const auto* s = static_cast<const unsigned char*>(src.raw());
+  auto* o = static_cast<unsigned char*>(out.raw());
+  for (size_t r = 0; r < rows.size(); ++r) std::memcpy(o + r * rb, s + size_t(rows[r]) * rb, rb);
+  return out;
+}
+
+// dst[rows[r], :] = src[r, :] (both contiguous, one dtype).
+void scatter_rows(const Tensor& src, const std::vector<int64_t>& rows, Tensor& dst) {
+  const size_t rb = size_t(dst.size(1)) * dst.element_size();
+  const auto* s = static_cast<const unsigned char*>(src.raw());
+  auto* o = static_cast<unsigned char*>(dst.raw());
+  for (size_t r = 0; r < rows.size(); ++r) std::memcpy(o + size_t(rows[r]) * rb, s + r * rb, rb);
+}
+
+std::vector<int64_t> index_vector(const Tensor& idx) {
+  const Tensor c = idx.dtype() == DType::i64 ? idx.contiguous() : idx.to(DType::i64);
+  const int64_t* p = c.data<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+// y[t] = sum_k w[t, k] eo[t*K + k] (+ shared[t]), k ascending then the shared expert.
+template <class T>
+Tensor combine(const Tensor& eo, const Tensor& w, const Tensor& shared, int64_t Tn, int64_t K,
+               int64_t D) {
+  Tensor out = Tensor::empty({Tn, D}, eo.dtype());
+  const T *pe = eo.data<T>(), *pw = w.data<T>();
+  const T* ps = shared.defined() ? shared.data<T>() : nullptr;
+  T* o = out.data<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t c = 0; c < D; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += pw[t * K + k] * pe[(t * K + k) * D + c];
+      if (ps) acc += ps[t * D + c];
+      o[t * D + c] = acc;
+    }
+  return out;
+}
+
+// dw[a] = <dy_t, eo[a]>, dO[a] = w[a] dy_t.
+template <class T>
+void combine_backward(const Tensor& dy, const Tensor& eo, const Tensor& w, Tensor& dw, Tensor& dO,
+                      int64_t Tn, int64_t K, int64_t D) {
+  const T *pd = dy.data<T>(), *pe = eo.data<T>(), *pw = w.data<T>();
+  T *pdw = dw.data<T>(), *pdO = dO.data<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t a = t * K + k;
+      T acc = 0;
+      for (int64_t c = 0; c < D; ++c) {
+        acc += pd[t * D + c] * pe[a * D + c];
+        pdO[a * D + c] = pw[a] * pd[t * D + c];
+      }
+      pdw[a] = acc;
+    }
+}
+
+// dx[t] = sum_k dxk[t*K + k] + ds[t] + dr[t] (undefined ds: none).
+template <class T>
+Tensor sum_dx(const Tensor& dxk, const Tensor& ds, const Tensor& dr, int64_t Tn, int64_t K,
+              int64_t D) {
+  Tensor out = Tensor::empty({Tn, D}, dxk.dtype());
+  const T *pk = dxk.data<T>(), *pr = dr.data<T>();
+  const T* ps = ds.defined() ? ds.data<T>() : nullptr;
+  T* o = out.data<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t c = 0; c < D; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += pk[(t * K + k) * D + c];
+      if (ps) acc += ps[t * D + c];
+      o[t * D + c] = acc + pr[t * D + c];
+    }
+  return out;
+}
+
+template <class T>
+void add_in_place(Tensor& a, const Tensor& b) {
+  T* pa = a.data<T>();
+  const T* pb = b.data<T>();
+  for (int64_t i = 0; i < a.numel(); ++i) pa[i] += pb[i];
+}
+
+int64_t json_int(const nlohmann::json& j, const char* key, int64_t dflt, bool required,
+                 const char* what) {
+  if (!j.contains(key) || j.at(key).is_null()) {
+    HLM_CHECK(!required, "{}: config key '{}' is required", what, key);
+    return dflt;
+  }
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_number_integer(), "{}: config key '{}' must be an integer, got {}", what, key,
+            v.dump());
+  return v.get<int64_t>();
+}
+
+double json_double(const nlohmann::json& j, const char* key, double dflt, const char* what) {
+  if (!j.contains(key) || j.at(key).is_null()) return dflt;
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_number(), "{}: config key '{}' must be a number, got {}", what, key, v.dump());
+  return v.get<double>();
+}
+
+bool json_bool(const nlohmann::json& j, const char* key, bool dflt, const char* what) {
+  if (!j.contains(key) || j.at(key).is_null()) return dflt;
+  const auto& v = j.at(key);
+  HLM_CHECK(v.is_boolean(), "{}: config key '{}' must be true or false, got {}", what, key,
+            v.dump());
+  return v.get<bool>();
+}
+
+}  // namespace
+
+// ---- config ---------------------------------------------------------------------------------
+
+void MoeConfig::validate() const {
+  const char* c = "MoeConfig";
+  HLM_CHECK(hidden_size >= 1, "{}.hidden_size must be >= 1, got {}", c, hidden_size);
+  HLM_CHECK(n_experts >= 1, "{}.n_experts must be >= 1, got {}", c, n_experts);
+  HLM_CHECK(top_k >= 1 && top_k <= n_experts, "{}.top_k must be in [1, n_experts = {}], got {}", c,
+            n_experts, top_k);
+  HLM_CHECK(n_group >= 1 && n_experts % n_group == 0,
+            "{}.n_group must be >= 1 and divide n_experts = {}, got {}", c, n_experts, n_group);
+  HLM_CHECK(n_group == 1 || n_experts / n_group >= 2,
+            "{}.n_group = {} leaves groups of {} expert(s); the group score (top-2 sum) needs >= 2",
+            c, n_group, n_experts / n_group);
+  HLM_CHECK(topk_group >= 1 && topk_group <= n_group,
+            "{}.topk_group must be in [1, n_group = {}], got {}", c, n_group, topk_group);
+  HLM_CHECK(top_k <= topk_group * (n_experts / n_group),
+            "{}.top_k = {} exceeds the experts of the kept groups (topk_group {} x {})", c, top_k,
+            topk_group, n_experts / n_group);
+  HLM_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0,
+            "{}.routed_scaling_factor must be finite and > 0, got {}", c, routed_scaling_factor);
+  HLM_CHECK(moe_intermediate_size >= 1, "{}.moe_intermediate_size must be >= 1, got {}", c,
+            moe_intermediate_size);
+  HLM_CHECK(n_shared_experts >= 0, "{}.n_shared_experts must be >= 0, got {}", c, n_shared_experts);
+  HLM_CHECK(!std::isnan(swiglu_limit), "{}.swiglu_limit must not be NaN", c);
+  HLM_CHECK(std::isfinite(aux_loss_coeff) && aux_loss_coeff >= 0,
+            "{}.aux_loss_coeff must be finite and >= 0, got {}", c, aux_loss_coeff);
+  HLM_CHECK(dtype == DType::f64 || dtype == DType::f32 || dtype == DType::bf16,
+            "{}.dtype must be f64, f32 or bf16, got {}", c, dtype_name(dtype));
+  HLM_CHECK(std::isfinite(init_std) && init_std >= 0, "{}.init_std must be finite and >= 0, got {}",
+            c, init_std);
+}
+
+ops::MoeRouterConfig MoeConfig::router_config() const {
+  ops::MoeRouterConfig r;
+  r.n_experts = n_experts;
+  r.top_k = top_k;
+  r.n_group = n_group;
+  r.topk_group = topk_group;
+  r.norm_topk_prob = norm_topk_prob;
+  r.routed_scaling_factor = routed_scaling_factor;
+  return r;
+}
+
+DenseMlpConfig MoeConfig::shared_config() const {
+  DenseMlpConfig s;
+  s.hidden_size = hidden_size;
+  s.intermediate_size = moe_intermediate_size * std::max<int64_t>(n_shared_experts, 1);
+  s.swiglu_limit = swiglu_limit;
+  s.dtype = dtype;
+  s.seed = seed;
+  s.init_std = init_std;
+  return s;
+}
+
+MoeConfig MoeConfig::from_hf_json(const nlohmann::json& j) {
+  const char* what = "MoeConfig::from_hf_json";
+  HLM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", what, j.type_name());
+  MoeConfig c;
+  c.hidden_size = json_int(j, "hidden_size", 0, true, what);
+  c.n_experts = json_int(j, "n_routed_experts", 0, true, what);
+  c.top_k = json_int(j, "num_experts_per_tok", 0, true, what);
+  c.moe_intermediate_size = json_int(j, "moe_intermediate_size", 0, true, what);
+  c.n_group = json_int(j, "n_group", 1, false, what);
+  c.topk_group = json_int(j, "topk_group", 1, false, what);
+  c.norm_topk_prob = json_bool(j, "norm_topk_prob", true, what);
+  c.routed_scaling_factor = json_double(j, "routed_scaling_factor", 2.5, what);
+  c.n_shared_experts = json_int(j, "n_shared_experts", 1, false, what);
+  c.swiglu_limit = json_double(j, "swiglu_limit", 0.0, what);
+  c.aux_loss_coeff = json_double(j, "router_aux_loss_coef", 0.0, what);
+  c.init_std = json_double(j, "initializer_range", 0.02, what);
+  c.validate();
+  return c;
+}
+
+// ---- router gate ------------------------------------------------------------------------------
+
+void MoeRouterGate::init_gate(int64_t hidden, int64_t n_experts, DType dt) {
+  init(hidden, n_experts, false, GemmPrecision{GemmKind::native}, dt);
+  weight().keep_fp32 = true;  // the router runs in FP32: its weight survives bf16 casts
+  corr_bias_ = &add_param("e_score_correction_bias", Tensor::zeros({n_experts}, dt), true, true);
+}
+
+// ---- layer ------------------------------------------------------------------------------------
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const std::string& path)
+    : cfg_(cfg), path_(path) {
+  cfg_.validate();
+  const int64_t D = cfg_.hidden_size, E = cfg_.n_experts, I = cfg_.moe_intermediate_size;
+  const std::string pre = path_.empty() ? "" : path_ + ".";
+  const DType keep_dt = cfg_.dtype == DType::f64 ? DType::f64 : DType::f32;
+  gate_up_ = &add_param("experts.gate_up_proj", Tensor::zeros({E, 2 * I, D}, cfg_.dtype));
+  down_ = &add_param("experts.down_proj", Tensor::zeros({E, D, I}, cfg_.dtype));
+  gate_.init_gate(D, E, keep_dt);
+  const GemmPrecision rp = policy.resolve(pre + "gate", ModuleRole::router);
+  HLM_CHECK(rp.kind == GemmKind::native, "MoeLayer({}): the router must resolve to native, got {}",
+            path_, precision_str(rp));
+  gate_.set_precision(rp);
+  add_child("gate", &gate_);
+  if (cfg_.n_shared_experts > 0) {
+    shared_ = std::make_unique<DenseMlp>(cfg_.shared_config(), policy, pre + "shared_experts",
+                                         ModuleRole::moe_expert);
+    add_child("shared_experts", shared_.get());
+  }
+  const GemmPrecision ep = policy.resolve(pre + "experts", ModuleRole::moe_expert);
+  gate_up_w_.init(D, 2 * I, false, ep, cfg_.dtype);
+  down_w_.init(I, D, false, ep, cfg_.dtype);
+  alias_workers(-1, false);  // drop the workers' own (zero) weights
+  init_normal(gate_.weight().value, cfg_.seed, pre + "gate.weight", cfg_.init_std);
+  init_normal(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std);
+  init_normal(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std);
+}
+
+DType MoeLayer::compute_dtype(DType x_dt) const {
+  return x_dt == DType::f64 ? DType::f64 : DType::f32;
+}
+
+void MoeLayer::alias_workers(int64_t e, bool with_grads) const {
+  if (e < 0) {  // release: hold no reference to the parameters between uses
+    gate_up_w_.weight().value = down_w_.weight().value = Tensor();
+    gate_up_w_.weight().grad = down_w_.weight().grad = Tensor();
+    return;
+  }
+  gate_up_w_.weight().value = gate_up_->value.select(0, e);
+  down_w_.weight().value = down_->value.select(0, e);
+  if (with_grads) {
+    gate_up_w_.weight().grad = gate_up_->grad.select(0, e);
+    down_w_.weight().grad = down_->grad.select(0, e);
+  } else {
+    gate_up_w_.weight().grad = Tensor();
+    down_w_.weight().grad = Tensor();
+  }
+}
+
+void MoeLayer::run_router(const Context& ctx, const Tensor& xc, const Tensor& replay,
+                          Saved& s) const {
+  s.logits = gate_.forward(ctx, xc, ctx.training ? &s.router : nullptr);
+  s.route = ops::moe_router_forward(s.logits, gate_.correction_bias_value(), cfg_.router_config(),
+                                    replay);
+  s.topk_idx = s.route.topk_idx;
+}
+
+void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const {
+  const int64_t Tn = xc.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
+  const std::vector<int64_t> idx = index_vector(s.topk_idx);
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
+  for (size_t a = 0; a < idx.size(); ++a) rows[size_t(idx[a])].push_back(int64_t(a));
+  s.eo = Tensor::empty({Tn * K, D}, xc.dtype());
+  s.experts.assign(static_cast<size_t>(E), ExpertSaved{});
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& r = rows[size_t(e)];
+    if (r.empty()) continue;
+    std::vector<int64_t> toks(r.size());
+    for (size_t q = 0; q < r.size(); ++q) toks[q] = r[q] / K;
+    ExpertSaved& es = s.experts[size_t(e)];
+    alias_workers(e, false);
+    const Tensor gu = gate_up_w_.forward(ctx, gather_rows(xc, toks),
+                                         ctx.training ? &es.gate_up : nullptr);    // [n, 2I]
+    const Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);           // [n, I]
+    const Tensor eo = down_w_.forward(ctx, h, ctx.training ? &es.down : nullptr);  // [n, D]
+    scatter_rows(eo, r, s.eo);
+    if (ctx.training) {
+      es.rows = r;
+      es.gu = gu;
+    }
+  }
+  alias_workers(-1, false);
+}
+
+MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                                   Saved* saved, const Tensor& replay_idx) const {
+  HLM_CHECK(x.defined() && x.is_cpu(), "MoeLayer({}): x must be a defined CPU tensor", path_);
+  HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
+            "MoeLayer({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
+  HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
+            "MoeLayer({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
+  const int64_t Tn = x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
+  const DType cdt = compute_dtype(x.dtype());
+  const Tensor xc = as_dtype(x, cdt);
+  Tensor cu = cu_seqlens.defined() ? cu_seqlens : ops::cu_seqlens_from_lengths({Tn});
+  if (cu_seqlens.defined()) {
+    const std::vector<int64_t> v = ops::check_cu_seqlens(cu_seqlens, Tn, "MoeLayer cu_seqlens");
+    cu = Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
+  }
+  const bool keep = saved && ctx.training;
+  const Context fctx = keep ? ctx : Context{false, false};
+  Saved local;
+  Saved& s = keep ? *saved : local;
+  s = Saved{};
+  run_router(fctx, xc, replay_idx, s);
+  run_experts(fctx, xc, s);
+  Tensor ys;
+  if (shared_) ys = shared_->forward(fctx, xc, keep ? &s.shared : nullptr);
+  Tensor y = cdt == DType::f64 ? combine<double>(s.eo, s.route.topk_weight, ys, Tn, K, D)
+                               : combine<float>(s.eo, s.route.topk_weight, ys, Tn, K, D);
+  Output out;
+  out.y = x.dtype() == cdt ? y : y.to(x.dtype());
+  out.topk_idx = s.route.topk_idx;
+  out.topk_weight = s.route.topk_weight;
+  out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
+  if (cfg_.aux_loss_coeff > 0)
+    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, cu, cfg_.aux_loss_coeff);
+  if (keep) {
+    s.x = xc;
+    s.x_dtype = x.dtype();
+    s.cu_seqlens = cu;
+    if (ctx.recompute) {
+      s.router = Linear::Saved{};
+      s.logits = Tensor();
+      s.route = ops::MoeRouterResult{};
+      s.eo = Tensor();
+      s.experts.clear();
+      s.recomputed = true;
+    }
+  }
+  return out;
+}
+
+Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& saved, double d_aux) {
+  HLM_CHECK(saved.x.defined() && saved.topk_idx.defined(),
+            "MoeLayer({})::backward: Saved is empty (run forward with ctx.training)", path_);
+  const int64_t Tn = saved.x.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
+  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({Tn, D}),
+            "MoeLayer({})::backward: dy must be floating [{}, {}], got {}", path_, Tn, D,
+            dy.defined() ? dy.describe() : "undefined");
+  HLM_CHECK(std::isfinite(d_aux), "MoeLayer({})::backward: d_aux must be finite, got {}", path_,
+            d_aux);
+  const DType cdt = saved.x.dtype();
+  // Under recompute: rerun the router (replaying the saved selection) and the experts.
+  Saved re;
+  if (saved.recomputed) {
+    const Context rctx{true, false};
+    run_router(rctx, saved.x, saved.topk_idx, re);
+    run_experts(rctx, saved.x, re);
+  }
+  const Saved& R = saved.recomputed ? re : saved;
+  HLM_CHECK(R.eo.defined() && int64_t(R.experts.size()) == E,
+            "MoeLayer({})::backward: Saved holds no expert state", path_);
+  const std::string where = fmt::format("MoeLayer({})::backward", path_);
+  ensure_grad(*gate_up_, where);
+  ensure_grad(*down_, where);
+
+  const Tensor dyc = as_dtype(dy, cdt);
+  Tensor dw = Tensor::empty({Tn, K}, cdt), dO = Tensor::empty({Tn * K, D}, cdt);
+  if (cdt == DType::f64)
+    combine_backward<double>(dyc, R.eo, R.route.topk_weight, dw, dO, Tn, K, D);
+  else
+    combine_backward<float>(dyc, R.eo, R.route.topk_weight, dw, dO, Tn, K, D);
+
+  Tensor dxk = Tensor::empty({Tn * K, D}, cdt);
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertSaved& es = R.experts[size_t(e)];
+    if (es.rows.empty()) continue;
+    alias_workers(e, true);
+    const Tensor dh = down_w_.backward(ctx, gather_rows(dO, es.rows), es.down);     // [n, I]
+    const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);  // [n, 2I]
+    const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                   // [n, D]
+    scatter_rows(as_dtype(dxe, cdt), es.rows, dxk);
+  }
+  alias_workers(-1, false);
+
+  Tensor dxs;
+  if (shared_) dxs = as_dtype(shared_->backward(ctx, dyc, saved.shared), cdt);
+
+  const ops::MoeRouterConfig rc = cfg_.router_config();
+  Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, dw);
+  if (cfg_.aux_loss_coeff > 0 && d_aux != 0) {
+    const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.cu_seqlens,
+                                                     cfg_.aux_loss_coeff, d_aux);
+    if (cdt == DType::f64)
+      add_in_place<double>(dl, da);
+    else
+      add_in_place<float>(dl, da);
+  }
+  const Tensor dxr = as_dtype(gate_.backward(ctx, dl, R.router), cdt);
+  Tensor dx = cdt == DType::f64 ? sum_dx<double>(dxk, dxs, dxr, Tn, K, D)
+                                : sum_dx<float>(dxk, dxs, dxr, Tn, K, D);
+  return saved.x_dtype == cdt ? dx : dx.to(saved.x_dtype);
+}
+
+void MoeLayer::update_bias(const Tensor& counts, double rate) {
+  HLM_CHECK(std::isfinite(rate), "MoeLayer({})::update_bias: rate must be finite, got {}", path_,
+            rate);
+  ops::moe_bias_update(gate_.correction_bias().value, counts, rate);
+}
+
+}  // namespace hlm

@@ -1,0 +1,190 @@
+// MoeLayer: the sigmoid-routed MoE block of DeepSeek-V3 / GLM-5.3-Flash (spec
+// mhc_moe_fp8.md 2.1-2.3, HF Glm5NextTextMoE), the parameter-owning module over ops/moe.h. CPU
+// reference.
+//
+// Forward, per token x [D] (the sublayer input after post_attention_layernorm):
+//   logits = x W_router^T                       FP32 (FP64 in f64 mode), native GEMM, [E]
+//   route  = ops::moe_router_forward(logits, e_score_correction_bias, cfg)
+//            s = sigmoid(logits); selection on s + bias (group-limited when n_group > 1); top-k;
+//            w = s[idx] (unbiased), renormalised (norm_topk_prob), * routed_scaling_factor
+//            replay (R3): the given indices replace the selection; w is computed the same way
+//   routed = sum_{k=0..K-1} w_k E_{idx_k}(x)    E_e(x) = down_e(swiglu_clamped(gate_up_e x, L))
+//   y      = routed + Shared(x)                 shared expert: DenseMlp, always on, ungated
+//   (combined in that fixed order, k ascending then the shared expert: deterministic)
+// Also returned: the per-expert token counts [E] (for the aux-loss-free bias update, after the
+// caller all-reduces them) and, when aux_loss_coeff > 0, the sequence-wise aux loss
+// (ops::moe_seq_aux_loss over cu_seqlens; DeepSeek-V3 L_bal = alpha sum_i f_i P_i, per sequence,
+// averaged over the non-empty sequences).
+//
+// Backward (explicit, no autograd): dx = routed path (k ascending) + shared expert + router, added
+// in that order per element. d w_k = <dy, E_{idx_k}(x)>; the router gets d logits through the
+// renormalisation and sigmoid (ops::moe_router_backward) plus, with aux_loss_coeff > 0, d_aux times
+// the aux loss gradient; x gets the router path too (it is not detached). Activation gradients are
+// written (=, in x's dtype); parameter gradients accumulate (+=) into Param::grad. The router bias
+// has no gradient (its grad stays zero): it moves only through update_bias().
+// Under ctx.recompute only x, the selection (topk_idx) and cu_seqlens are kept (and the shared
+// expert's input); backward recomputes the router (replaying the saved selection) and the experts
+// bit for bit.
+//
+// Parameters (HF glm5_next names relative to the module path, e.g. "model.layers.3.mlp"):
+//   gate.weight                     [E, D]     router; keep_fp32 (FP32 through bf16 casts)
+//   gate.e_score_correction_bias    [E]        keep_fp32, no weight decay, no gradient, init 0
+//   experts.gate_up_proj            [E, 2I, D] fused per expert: rows 0..I-1 gate, I..2I-1 up
+//   experts.down_proj               [E, D, I]
+//   shared_experts.{gate,up,down}_proj.weight  [I_s, D], [I_s, D], [D, I_s]; I_s = I * n_shared
+// Init: N(0, init_std) for every weight from cfg.seed (one Philox stream per parameter from its
+// full name); the bias 0.
+//
+// Precision: the router is a native FP32 Linear (role router, never FP8). The routed expert GEMMs
+// run the precision the policy resolves for path + ".experts" with role moe_expert, with exactly
+// the numerics of a Linear of that precision applied per expert to the expert's tokens (ascending
+// token order): a Linear worker whose weight (and gradient) alias the expert's slice of the fused
+// parameters. So native, bf16 (operands rounded to bf16, FP32 accumulation) and fp8_block (per
+// expert: E4M3 1x128 activation tiles, 128x128 weight blocks of the fused [2I, D] / [D, I]
+// matrix, gradients in the policy's format; wgrad tiles along that expert's tokens) are all
+// emulated on the CPU. The shared expert resolves path + ".shared_experts.*_proj" (role
+// moe_expert). Compute dtype f64 when x is f64, else f32 (bf16 x is converted once); y and dx
+// are rounded once to x's dtype.
+//
+// Packing: everything but the aux loss is per token, so a packed batch gives its sequences' rows
+// of y, dx, topk_idx and topk_weight (and counts that sum to the packed counts). The aux loss is
+// per sequence: the packed value is the mean of the sequences' values (its gradient 1/N of theirs).
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/linear.h"
+#include "layers/mlp.h"
+#include "layers/module.h"
+#include "layers/precision.h"
+#include "ops/moe.h"
+
+namespace hlm {
+
+struct MoeConfig {
+  int64_t hidden_size = 0;     // D
+  int64_t n_experts = 0;       // E = n_routed_experts
+  int64_t top_k = 0;           // K = num_experts_per_tok
+  int64_t n_group = 1;         // group-limited routing (GLM: 1 = off; DeepSeek-V3: 8)
+  int64_t topk_group = 1;      // groups kept (DeepSeek-V3: 4)
+  bool norm_topk_prob = true;  // renormalise the top-k weights
+  double routed_scaling_factor = 2.5;
+  int64_t moe_intermediate_size = 0;  // I of a routed expert
+  int64_t n_shared_experts = 1;       // shared expert width I * n_shared_experts; 0: none
+  double swiglu_limit = 10.0;         // GLM clamp (routed and shared); <= 0 or inf: none
+  double aux_loss_coeff = 0.0;        // sequence-wise aux loss alpha; 0: off (GLM bridge: 1e-3)
+  DType dtype = DType::f32;           // expert / shared parameter dtype: f64, f32 or bf16
+  uint64_t seed = 0;
+  double init_std = 0.02;
+
+  // Throws hlm::Error naming the first bad field (the router constraints of ops/moe.h included:
+  // top_k in [1, E], n_group divides E with >= 2 experts per group when > 1, topk_group in
+  // [1, n_group], top_k <= topk_group * E / n_group, routed_scaling_factor finite > 0).
+  void validate() const;
+  ops::MoeRouterConfig router_config() const;
+  DenseMlpConfig shared_config() const;  // the shared expert's DenseMlp config
+  // From an HF (text) config: hidden_size, n_routed_experts, num_experts_per_tok,
+  // moe_intermediate_size (required); n_group (1), topk_group (1), norm_topk_prob (true),
+  // routed_scaling_factor (2.5), n_shared_experts (1), swiglu_limit (absent: no clamp),
+  // router_aux_loss_coef (0; the bridge's moe_aux_loss_coeff), initializer_range (0.02).
+  static MoeConfig from_hf_json(const nlohmann::json& config);
+};
+
+// The router Linear ("gate"): weight [E, D] plus the selection bias e_score_correction_bias [E].
+class MoeRouterGate : public Linear {
+ public:
+  MoeRouterGate() = default;
+  void init_gate(int64_t hidden, int64_t n_experts, DType dt);  // native FP32 GEMM
+  Param& correction_bias() { return *corr_bias_; }
+  const Tensor& correction_bias_value() const { return corr_bias_->value; }
+
+ private:
+  Param* corr_bias_ = nullptr;
+};
+
+class MoeLayer : public Module {
+ public:
+  struct Output {
+    Tensor y;             // [T, D] in x's dtype
+    Tensor topk_idx;      // [T, K] i64 (descending biased score; replay: as given)
+    Tensor topk_weight;   // [T, K] compute dtype (renormalised, scaled)
+    Tensor counts;        // [E] i64 tokens per expert (this batch; all-reduce before update_bias)
+    double aux_loss = 0;  // coeff * seq aux loss (0 when aux_loss_coeff == 0)
+  };
+
+  struct ExpertSaved {
+    std::vector<int64_t> rows;    // assignments a = t*K + k routed to this expert, ascending
+    Linear::Saved gate_up, down;  // the expert's two GEMMs
+    Tensor gu;                    // [n_e, 2I] pre-activations, compute dtype
+  };
+
+  struct Saved {
+    // Always kept (also under ctx.recompute):
+    Tensor x;  // [T, D] compute dtype
+    DType x_dtype = DType::f32;
+    Tensor cu_seqlens;        // i64 [N+1] (a single sequence when none was given)
+    Tensor topk_idx;          // [T, K] i64, the selection
+    DenseMlp::Saved shared;   // the shared expert (its own recompute rule)
+    bool recomputed = false;  // true: the fields below are empty, backward recomputes them
+    Linear::Saved router;
+    Tensor logits;  // [T, E] compute dtype
+    ops::MoeRouterResult route;
+    Tensor eo;                         // [T * K, D] unweighted routed expert outputs
+    std::vector<ExpertSaved> experts;  // [E]
+  };
+
+  // Validates cfg; `path` is the module's full name (e.g. "model.layers.3.mlp"). Precisions are
+  // resolved from policy once here (see the top of this file).
+  MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const std::string& path);
+
+  // x [T, D] f64/f32/bf16; cu_seqlens [N+1] i32/i64 (used by the aux loss only; undefined: one
+  // sequence); replay_idx [T, K] i64/i32 (undefined: select). Fills *saved when saved &&
+  // ctx.training.
+  Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
+                 const Tensor& replay_idx = Tensor()) const;
+  // dy [T, D] (any floating dtype) -> dx [T, D] in x's dtype; parameter grads +=. d_aux is the
+  // gradient of the objective w.r.t. Output::aux_loss (1 when the trainer adds it to the loss,
+  // as Megatron's aux-loss scaler does; ignored when aux_loss_coeff == 0).
+  Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved, double d_aux = 1.0);
+
+  // Aux-loss-free balancing (spec 2.3), after the optimizer step: bias_i += rate *
+  // sign(mean(counts)
+  // - counts_i) (sign(0) = 0), rounded once to the bias dtype. counts [E], all-reduced over the
+  // global batch by the caller. Over-loaded experts go down, under-loaded ones up.
+  void update_bias(const Tensor& counts, double rate);
+
+  const MoeConfig& config() const { return cfg_; }
+  const std::string& path() const { return path_; }
+  const GemmPrecision& expert_precision() const { return gate_up_w_.precision(); }
+  MoeRouterGate& router() { return gate_; }
+  Param& correction_bias() { return gate_.correction_bias(); }
+  Param& experts_gate_up() { return *gate_up_; }
+  Param& experts_down() { return *down_; }
+  DenseMlp* shared_experts() { return shared_.get(); }
+
+ private:
+  DType compute_dtype(DType x_dt) const;
+  // The router (logits, route, topk_idx; the router Linear's Saved when ctx.training) and the
+  // routed experts (eo; per-expert Saved when ctx.training), into s.
+  void run_router(const Context& ctx, const Tensor& xc, const Tensor& replay, Saved& s) const;
+  void run_experts(const Context& ctx, const Tensor& xc, Saved& s) const;
+  // Point the workers at expert e (and its gradient slices); e < 0 releases them.
+  void alias_workers(int64_t e, bool with_grads) const;
+
+  MoeConfig cfg_;
+  std::string path_;
+  MoeRouterGate gate_;
+  std::unique_ptr<DenseMlp> shared_;
+  Param* gate_up_ = nullptr;  // experts.gate_up_proj
+  Param* down_ = nullptr;     // experts.down_proj
+  // Per-expert GEMM workers (not children: their weight / grad alias the fused parameters' slice
+  // of the expert being run, set before every use).
+  mutable Linear gate_up_w_, down_w_;
+};
+
+}  // namespace hlm
