@@ -1,0 +1,120 @@
+// `hybridlm forward`: run a checkpoint on a batch of token ids and write its hidden states (and
+// logits, and with --grad-probe the gradient of every parameter), the parity tool of
+// docs/parity.md.
+//
+//   hybridlm forward --model DIR --tokens IN.safetensors --out OUT.safetensors
+//                    [--grad-probe P.safetensors] [--dtype f32|f64]
+// IN: input_ids I64 [B, T] (each row a sequence) or [T] with cu_seqlens (I64/I32 [N+1]).
+// OUT: last_hidden_state F32 ([B, T, D] or [T, D]); logits F32 when the checkpoint has lm_head
+// (or ties it); with --grad-probe (tensor `probe`, shaped like last_hidden_state) the loss
+// sum(last_hidden_state * probe) is backpropagated and OUT also holds grad.NAME (F32) for every
+// parameter under its HF name. MTP weights in the checkpoint are ignored (the tool runs the main
+// stack); the MoE aux and indexer losses are not part of the probe loss.
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/command.h"
+#include "core/safetensors.h"
+#include "model/checkpoint.h"
+#include "model/hybrid_model.h"
+#include "ops/seqlens.h"
+
+namespace hlm::cli {
+namespace {
+
+struct ForwardArgs {
+  std::string model, tokens, out, probe, dtype = "f32";
+};
+
+void run_forward(const ForwardArgs& a) {
+  const ModelConfig cfg = ModelConfig::load(a.model);
+  HybridModelOptions opt;
+  opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
+  opt.mtp = false;
+  HybridModel model(cfg, opt);
+
+  // lm_head is optional in the checkpoint (a base-model save has none).
+  checkpoint::LoadOptions lo;
+  lo.allow_missing = true;
+  lo.ignore_layers_from = cfg.num_hidden_layers;
+  const checkpoint::LoadReport rep = checkpoint::load_module(a.model, model, lo);
+  bool have_head = cfg.tie_word_embeddings;
+  for (const std::string& m : rep.missing)
+    HLM_CHECK(m == "lm_head.weight", "forward: the checkpoint {} has no tensor {}", a.model, m);
+  if (rep.missing.empty()) have_head = true;
+
+  const safetensors::Contents in = safetensors::load(a.tokens);
+  auto it = in.tensors.find("input_ids");
+  HLM_CHECK(it != in.tensors.end(), "forward: {} has no tensor input_ids", a.tokens);
+  const Tensor ids = it->second;
+  HLM_CHECK(ids.dim() == 1 || ids.dim() == 2, "forward: input_ids must be [B, T] or [T], got {}",
+            ids.describe());
+  ModelInputs mi;
+  int64_t B = 1, T = 0;
+  if (ids.dim() == 2) {
+    B = ids.size(0);
+    T = ids.size(1);
+    mi.tokens = ids.contiguous().view({B * T}).to(DType::i64);
+    mi.cu_seqlens = ops::cu_seqlens_from_lengths(std::vector<int64_t>(size_t(B), T));
+  } else {
+    T = ids.size(0);
+    mi.tokens = ids.to(DType::i64);
+    auto cu = in.tensors.find("cu_seqlens");
+    if (cu != in.tensors.end()) mi.cu_seqlens = cu->second;
+  }
+  mi.logits = have_head;
+  mi.aux_losses = false;
+  const int64_t D = cfg.hidden_size;
+
+  const bool grads = !a.probe.empty();
+  Context ctx;
+  ctx.training = grads;
+  if (grads) model.zero_grad();
+  HybridModel::SavedPtr saved;
+  ModelOutput out = model.forward(ctx, mi, grads ? &saved : nullptr);
+
+  const Shape hshape = ids.dim() == 2 ? Shape{B, T, D} : Shape{T, D};
+  safetensors::TensorMap res;
+  res["last_hidden_state"] = out.hidden.to(DType::f32).view(hshape);
+  if (out.logits.defined()) {
+    const int64_t V = cfg.vocab_size;
+    res["logits"] = out.logits.to(DType::f32).view(ids.dim() == 2 ? Shape{B, T, V} : Shape{T, V});
+  }
+  if (grads) {
+    const safetensors::Contents pc = safetensors::load(a.probe);
+    auto p = pc.tensors.find("probe");
+    HLM_CHECK(p != pc.tensors.end(), "forward: {} has no tensor probe", a.probe);
+    HLM_CHECK(p->second.shape() == hshape, "forward: probe must have shape {}, got {}",
+              shape_str(hshape), p->second.describe());
+    model.backward(ctx, *saved, p->second.contiguous().view({B * T, D}));
+    for (auto& [name, param] : model.named_parameters()) {
+      if (!have_head && name == "lm_head.weight") continue;
+      res["grad." + name] = param->grad.to(DType::f32);
+    }
+  }
+  safetensors::save(a.out, res);
+  std::printf("forward: %s, %lld token(s) in %lld sequence(s), dtype %s%s -> %s\n", a.model.c_str(),
+              (long long)(B * T), (long long)(ids.dim() == 2 ? B : 1), a.dtype.c_str(),
+              grads ? ", with parameter gradients" : "", a.out.c_str());
+}
+
+std::function<void()> setup_forward(CLI::App& app) {
+  auto a = std::make_shared<ForwardArgs>();
+  app.add_option("--model", a->model, "checkpoint directory (config.json + safetensors)")
+      ->required();
+  app.add_option("--tokens", a->tokens, "safetensors with input_ids [B, T] or [T] + cu_seqlens")
+      ->required();
+  app.add_option("--out", a->out, "output safetensors")->required();
+  app.add_option("--grad-probe", a->probe,
+                 "safetensors with probe [like last_hidden_state]: also write grad.NAME");
+  app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
+  return [a] { run_forward(*a); };
+}
+
+}  // namespace
+
+HLM_REGISTER_COMMAND("forward",
+                     "run a checkpoint on token ids: hidden states, logits, parameter gradients",
+                     setup_forward);
+
+}  // namespace hlm::cli

@@ -1,0 +1,805 @@
+// HybridModel (model/hybrid_model.h): the decoder layer, the MTP block, the model's forward and
+// backward. Every step runs through the layer modules; this file only wires them and owns the
+// residual arithmetic of the MTP block, the embedding, the head and the losses.
+#include "model/hybrid_model.h"
+
+#include <cmath>
+
+#include "core/rng.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/mhc.h"
+#include "ops/seqlens.h"
+
+namespace hlm {
+
+namespace {
+
+// Per-layer seeds: the model seed mixed with the layer index and a role tag, so every module's
+// initialisation depends only on (seed, layer, role).
+uint64_t sub_seed(uint64_t seed, int64_t layer, uint64_t role) {
+  uint64_t x = seed ^ (0x9E3779B97F4A7C15ull * uint64_t(layer + 1)) ^ (role << 56);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  return x;
+}
+
+// out = a + b elementwise (same shape, f32 or f64, any strides: computed on contiguous copies).
+Tensor add(const Tensor& a, const Tensor& b) {
+  HLM_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype(),
+            "HybridModel: residual add of {} and {}", a.describe(), b.describe());
+  Tensor out = a.clone();
+  const Tensor bc = b.contiguous();
+  if (out.dtype() == DType::f64) {
+    double* o = out.data<double>();
+    const double* p = bc.data<double>();
+    for (int64_t i = 0; i < out.numel(); ++i) o[i] += p[i];
+  } else {
+    float* o = out.data<float>();
+    const float* p = bc.data<float>();
+    for (int64_t i = 0; i < out.numel(); ++i) o[i] += p[i];
+  }
+  return out;
+}
+
+void add_into(Tensor& acc, const Tensor& b) {
+  if (!acc.defined()) {
+    acc = b.clone();
+    return;
+  }
+  acc = add(acc, b);
+}
+
+Tensor normal_tensor(const Shape& shape, DType dt, uint64_t seed, uint64_t stream, double std) {
+  Tensor t = Tensor::empty(shape, DType::f64);
+  Rng rng(seed, stream);
+  rng.fill_normal(t, 0.0, std);
+  return t.to(dt);
+}
+
+// Positions i of each sequence whose successor i+1 is in the same sequence: next[i] = i + 1,
+// else -1.
+std::vector<int64_t> successors(const std::vector<int64_t>& cu) {
+  std::vector<int64_t> next(size_t(cu.back()), -1);
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t i = cu[n]; i + 1 < cu[n + 1]; ++i) next[size_t(i)] = i + 1;
+  return next;
+}
+
+}  // namespace
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::none:
+      return "none";
+    case Recompute::selective:
+      return "selective";
+    case Recompute::full:
+      return "full";
+  }
+  return "?";
+}
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::none;
+  if (s == "selective") return Recompute::selective;
+  if (s == "full") return Recompute::full;
+  HLM_FAIL("recompute must be \"none\", \"selective\" or \"full\", got \"{}\"", s);
+}
+
+// ---- layer configs from the model config --------------------------------------------------------
+
+KdaConfig kda_layer_config(const ModelConfig& c) {
+  KdaConfig k;
+  k.hidden_size = c.hidden_size;
+  k.num_heads = c.kda.num_heads;
+  k.num_v_heads = c.kda.num_v_heads;
+  k.head_k_dim = c.kda.head_dim;
+  k.head_v_dim = c.kda.v_head_dim;
+  k.conv_kernel = c.kda.conv_kernel;
+  k.decay_rank = c.kda.f_lora_rank;
+  k.output_gate_rank = c.kda.g_lora_rank;
+  k.output_gate_bias = c.kda.output_gate_bias;
+  if (c.kda.lower_bound) {
+    k.gate = ops::KdaGateKind::lower_bound;
+    k.lower_bound = *c.kda.lower_bound;
+  } else {
+    k.gate = ops::KdaGateKind::standard;
+  }
+  k.norm_eps = c.rms_norm_eps;
+  k.naming = KdaNaming::glm5_next_transformers;
+  return k;
+}
+
+namespace {
+MlaConfig mla_config(const ModelConfig& c, DType dt) {
+  MlaConfig m;
+  m.hidden_size = c.hidden_size;
+  m.num_heads = c.mla.num_heads;
+  m.q_lora_rank = c.mla.q_lora_rank;
+  m.kv_lora_rank = c.mla.kv_lora_rank;
+  m.qk_nope_head_dim = c.mla.qk_nope_head_dim;
+  m.qk_rope_head_dim = c.mla.qk_rope_head_dim;
+  m.v_head_dim = c.mla.v_head_dim;
+  m.rms_norm_eps = c.rms_norm_eps;
+  m.rope = !c.mla.use_nope;
+  m.rope_theta = c.mla.rope_theta;
+  if (!c.mla.rope_scaling.type.empty() && m.rotary()) {
+    YarnConfig y;
+    y.factor = c.mla.rope_scaling.factor;
+    y.original_max_position_embeddings =
+        double(c.mla.rope_scaling.original_max_position_embeddings);
+    y.beta_fast = c.mla.rope_scaling.beta_fast;
+    y.beta_slow = c.mla.rope_scaling.beta_slow;
+    y.mscale = c.mla.rope_scaling.mscale;
+    y.mscale_all_dim = c.mla.rope_scaling.mscale_all_dim;
+    m.yarn = y;
+  }
+  m.form = MlaForm::absorbed;
+  m.param_dtype = dt;
+  m.init_std = c.initializer_range;
+  return m;
+}
+
+bool power_of_two(int64_t x) {
+  return x > 0 && (x & (x - 1)) == 0;
+}
+}  // namespace
+
+DsaLayerConfig dsa_layer_config(const ModelConfig& c, DType dt, uint64_t seed) {
+  DsaLayerConfig d;
+  d.mla = mla_config(c, dt);
+  IndexerConfig ix;
+  ix.hidden_size = c.hidden_size;
+  ix.q_lora_rank = c.mla.q_lora_rank;
+  ix.n_heads = c.indexer.n_heads;
+  ix.head_dim = c.indexer.head_dim;
+  ix.topk = c.indexer.topk;
+  ix.rope_dim = c.mla.applies_rope() ? c.mla.qk_rope_head_dim : 0;
+  ix.rope_theta = c.mla.rope_theta;
+  ix.rope_interleave = c.indexer.rope_interleave;
+  ix.kpool = c.indexer.kpool;
+  ix.kpool_always_select_tail = c.indexer.kpool_always_select_tail;
+  // The rotation is orthonormal (scores are unchanged in exact arithmetic); it matters for the
+  // FP8 scoring path and needs a power-of-two width.
+  ix.hadamard = power_of_two(c.indexer.head_dim);
+  ix.dtype = dt;
+  ix.seed = seed;
+  ix.init_std = c.initializer_range;
+  d.indexer = ix;
+  d.stage = DsaStage::sparse;
+  d.indexer_loss = c.indexer.loss_coeff > 0;
+  d.indexer_loss_coeff = c.indexer.loss_coeff;
+  return d;
+}
+
+MoeConfig moe_layer_config(const ModelConfig& c, DType dt, uint64_t seed) {
+  MoeConfig m;
+  m.hidden_size = c.hidden_size;
+  m.n_experts = c.moe.n_routed_experts;
+  m.top_k = c.moe.num_experts_per_tok;
+  m.n_group = c.moe.n_group;
+  m.topk_group = c.moe.topk_group;
+  m.norm_topk_prob = c.moe.norm_topk_prob;
+  m.routed_scaling_factor = c.moe.routed_scaling_factor;
+  m.moe_intermediate_size = c.moe.moe_intermediate_size;
+  m.n_shared_experts = c.moe.n_shared_experts;
+  m.swiglu_limit = c.swiglu_limit;
+  m.aux_loss_coeff = c.moe.router_aux_loss_coef;
+  m.dtype = dt;
+  m.seed = seed;
+  m.init_std = c.initializer_range;
+  return m;
+}
+
+DenseMlpConfig dense_mlp_config(const ModelConfig& c, DType dt, uint64_t seed) {
+  DenseMlpConfig m;
+  m.hidden_size = c.hidden_size;
+  m.intermediate_size = c.intermediate_size;
+  m.swiglu_limit = c.swiglu_limit;
+  m.dtype = dt;
+  m.seed = seed;
+  m.init_std = c.initializer_range;
+  return m;
+}
+
+MhcSiteConfig mhc_site_config(const ModelConfig& c, DType dt, uint64_t seed) {
+  MhcSiteConfig m;
+  m.hidden_size = c.hidden_size;
+  m.hc_mult = c.mhc.hc_mult;
+  m.hc_eps = c.mhc.hc_eps;
+  m.norm_eps = c.rms_norm_eps;
+  m.sinkhorn_iters = c.mhc.sinkhorn_iters;
+  m.init = MhcInit::hf;
+  m.naming = MhcNaming::transformers;
+  m.init_std = c.initializer_range;
+  m.dtype = dt;
+  m.seed = seed;
+  return m;
+}
+
+// ---- the decoder layer --------------------------------------------------------------------------
+
+// One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
+// post_attention_layernorm, mlp). Also used without mHC (plain residual) when mhc is off.
+class DecoderLayer : public Module {
+ public:
+  struct Saved {
+    Tensor x;           // input streams [T, n, D] (always kept)
+    bool full = false;  // false under Recompute::full: backward re-runs the layer
+    MhcSite::Saved attn_site, ffn_site;
+    RmsNorm::Saved in_norm, post_norm;
+    KdaLayer::Saved kda;
+    DsaLayer::Saved dsa;
+    DenseMlp::Saved mlp;
+    MoeLayer::Saved moe;
+  };
+  struct Out {
+    double aux_loss = 0, indexer_loss = 0;
+    Tensor counts, topk;  // MoE only
+  };
+
+  DecoderLayer(const ModelConfig& c, int64_t index, const HybridModelOptions& o)
+      : index_(index), recompute_(o.recompute), mhc_(c.mhc.enabled) {
+    const std::string path = "model.layers." + std::to_string(index);
+    const DType dt = o.dtype;
+    const PrecisionPolicy& pol = c.precision;
+    if (mhc_) {
+      attn_hc_ = std::make_unique<MhcSite>(mhc_site_config(c, dt, sub_seed(o.seed, index, 1)),
+                                           MhcSiteKind::attn, pol, path);
+      ffn_hc_ = std::make_unique<MhcSite>(mhc_site_config(c, dt, sub_seed(o.seed, index, 2)),
+                                          MhcSiteKind::ffn, pol, path);
+      add_child("", attn_hc_.get());
+      add_child("", ffn_hc_.get());
+    }
+    in_norm_ = std::make_unique<RmsNorm>(RmsNormConfig{c.hidden_size, c.rms_norm_eps, dt},
+                                         path + ".input_layernorm");
+    post_norm_ = std::make_unique<RmsNorm>(RmsNormConfig{c.hidden_size, c.rms_norm_eps, dt},
+                                           path + ".post_attention_layernorm");
+    add_child("input_layernorm", in_norm_.get());
+    add_child("post_attention_layernorm", post_norm_.get());
+    const std::string attn_path = path + ".self_attn";
+    switch (c.layer_kind(index)) {
+      case LayerKind::kda:
+        kda_ = std::make_unique<KdaLayer>(kda_layer_config(c), pol, attn_path, dt);
+        kda_->init_weights(sub_seed(o.seed, index, 3), c.initializer_range);
+        add_child("self_attn", kda_.get());
+        break;
+      case LayerKind::dsa:
+      case LayerKind::mla: {
+        DsaLayerConfig d = dsa_layer_config(c, dt, sub_seed(o.seed, index, 4));
+        if (c.layer_kind(index) == LayerKind::mla) d.indexer.reset();
+        HLM_CHECK(c.layer_kind(index) == LayerKind::mla || c.indexer_kinds.empty() ||
+                      c.indexer_kinds[size_t(index)] == IndexerKind::full,
+                  "HybridModel: layer {}: shared indexers (indexer_types \"shared\") are not "
+                  "supported yet",
+                  index);
+        if (!d.indexer) d.indexer_loss = false;
+        dsa_ = std::make_unique<DsaLayer>(d, pol, attn_path);
+        dsa_->init_weights(sub_seed(o.seed, index, 5));
+        add_child("self_attn", dsa_.get());
+        break;
+      }
+    }
+    const std::string mlp_path = path + ".mlp";
+    if (c.mlp_kind(index) == MlpKind::moe) {
+      moe_ = std::make_unique<MoeLayer>(moe_layer_config(c, dt, sub_seed(o.seed, index, 6)), pol,
+                                        mlp_path);
+      add_child("mlp", moe_.get());
+    } else {
+      mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, dt, sub_seed(o.seed, index, 7)), pol,
+                                        mlp_path);
+      add_child("mlp", mlp_.get());
+    }
+  }
+
+  bool is_moe() const { return moe_ != nullptr; }
+  MoeLayer* moe() { return moe_.get(); }
+  DsaLayer* dsa() { return dsa_.get(); }
+
+  // X [T, n, D] -> X' [T, n, D].
+  Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
+                 const Tensor& replay) const {
+    if (ctx.training && s && recompute_ == Recompute::full) {
+      Saved local;
+      Tensor y = run(ctx, x, cu, &local, out, replay);
+      s->x = x;
+      s->full = false;
+      return y;
+    }
+    if (s) s->full = true;
+    Saved local;
+    return run(ctx, x, cu, s ? s : &local, out, replay);
+  }
+
+  // dX' -> dX; parameter grads +=. d_aux: weight of the MoE aux loss; indexer_scale: of the
+  // indexer loss.
+  Tensor backward(const Context& ctx, const Tensor& dx_out, Saved& s, const Tensor& cu,
+                  double d_aux, double indexer_scale, const Tensor& replay) {
+    if (!s.full) {
+      // Full recompute: re-run the layer (deterministic: the same selection and routing).
+      Saved again;
+      Out ignored;
+      run(ctx, s.x, cu, &again, &ignored, replay);
+      return run_backward(ctx, dx_out, again, d_aux, indexer_scale);
+    }
+    return run_backward(ctx, dx_out, s, d_aux, indexer_scale);
+  }
+
+ private:
+  Context sub_ctx(const Context& ctx) const {
+    Context c = ctx;
+    c.recompute = ctx.training && recompute_ == Recompute::selective;
+    return c;
+  }
+
+  Tensor run(const Context& ctx, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
+             const Tensor& replay) const {
+    const Context c = sub_ctx(ctx);
+    const bool train = ctx.training;
+    s->x = x;
+    const int64_t T = x.size(0), D = x.size(2);
+    // Attention site.
+    Tensor u = mhc_ ? attn_hc_->collapse(c, x, s->attn_site) : x.reshape({T, D});
+    Tensor a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
+    Tensor y;
+    if (kda_) {
+      y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
+    } else {
+      DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
+      y = o.y;
+      if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
+    }
+    Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
+    // FFN site.
+    Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
+    Tensor b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
+    Tensor f;
+    if (moe_) {
+      MoeLayer::Output o = moe_->forward(c, b, cu, train ? &s->moe : nullptr, replay);
+      f = o.y;
+      if (out) {
+        out->aux_loss = o.aux_loss;
+        out->counts = o.counts;
+        out->topk = o.topk_idx;
+      }
+    } else {
+      f = mlp_->forward(c, b, train ? &s->mlp : nullptr);
+    }
+    return mhc_ ? ffn_hc_->write_back(c, f, s->ffn_site) : add(x1, f.reshape({T, 1, D}));
+  }
+
+  Tensor run_backward(const Context& ctx, const Tensor& dx2, Saved& s, double d_aux,
+                      double indexer_scale) {
+    const Context c = sub_ctx(ctx);
+    const int64_t T = dx2.size(0), D = dx2.size(2);
+    // FFN site.
+    MhcSite::Partial p2;
+    Tensor dy2;
+    if (mhc_) {
+      p2 = ffn_hc_->backward_write_back(c, dx2, s.ffn_site);
+      dy2 = p2.dy;
+    } else {
+      dy2 = dx2.reshape({T, D});
+    }
+    Tensor db = moe_ ? moe_->backward(c, dy2, s.moe, d_aux) : mlp_->backward(c, dy2, s.mlp);
+    Tensor du2 = post_norm_->backward(c, db, s.post_norm);
+    Tensor dx1 = mhc_ ? ffn_hc_->backward_collapse(c, du2, s.ffn_site, p2)
+                      : add(dx2, du2.reshape({T, 1, D}));
+    // Attention site.
+    MhcSite::Partial p1;
+    Tensor dy1;
+    if (mhc_) {
+      p1 = attn_hc_->backward_write_back(c, dx1, s.attn_site);
+      dy1 = p1.dy;
+    } else {
+      dy1 = dx1.reshape({T, D});
+    }
+    Tensor da =
+        kda_ ? kda_->backward(c, dy1, s.kda).dx : dsa_->backward(c, dy1, s.dsa, indexer_scale);
+    Tensor du = in_norm_->backward(c, da, s.in_norm);
+    return mhc_ ? attn_hc_->backward_collapse(c, du, s.attn_site, p1)
+                : add(dx1, du.reshape({T, 1, D}));
+  }
+
+  int64_t index_;
+  Recompute recompute_;
+  bool mhc_;
+  std::unique_ptr<MhcSite> attn_hc_, ffn_hc_;
+  std::unique_ptr<RmsNorm> in_norm_, post_norm_;
+  std::unique_ptr<KdaLayer> kda_;
+  std::unique_ptr<DsaLayer> dsa_;
+  std::unique_ptr<DenseMlp> mlp_;
+  std::unique_ptr<MoeLayer> moe_;
+};
+
+// ---- the MTP block ------------------------------------------------------------------------------
+
+class MtpBlock : public Module {
+ public:
+  struct Saved {
+    Tensor x;  // [T, D] the block input m (as recompute keeps it)
+    RmsNorm::Saved enorm, hnorm, in_norm, post_norm, head_norm;
+    Linear::Saved eh;
+    DsaLayer::Saved dsa;
+    DenseMlp::Saved mlp;
+    MoeLayer::Saved moe;
+  };
+  struct Out {
+    double aux_loss = 0, indexer_loss = 0;
+    Tensor counts, topk;
+  };
+
+  MtpBlock(const ModelConfig& c, const HybridModelOptions& o) : recompute_(o.recompute) {
+    const int64_t L = c.num_hidden_layers, D = c.hidden_size;
+    const std::string path = "model.layers." + std::to_string(L);
+    const DType dt = o.dtype;
+    // keep_mtp_spec_in_bf16: the MTP block's own projection never runs FP8 (role mtp).
+    PrecisionPolicy pol = c.precision;
+    enorm_ = std::make_unique<RmsNorm>(RmsNormConfig{D, c.rms_norm_eps, dt}, path + ".enorm");
+    hnorm_ = std::make_unique<RmsNorm>(RmsNormConfig{D, c.rms_norm_eps, dt}, path + ".hnorm");
+    eh_.init(2 * D, D, false, pol.resolve(path + ".eh_proj", ModuleRole::mtp), dt);
+    eh_.weight().value =
+        normal_tensor({D, 2 * D}, dt, sub_seed(o.seed, L, 8), 0, c.initializer_range);
+    in_norm_ =
+        std::make_unique<RmsNorm>(RmsNormConfig{D, c.rms_norm_eps, dt}, path + ".input_layernorm");
+    post_norm_ = std::make_unique<RmsNorm>(RmsNormConfig{D, c.rms_norm_eps, dt},
+                                           path + ".post_attention_layernorm");
+    head_norm_ =
+        std::make_unique<RmsNorm>(RmsNormConfig{D, c.rms_norm_eps, dt}, path + ".shared_head.norm");
+    DsaLayerConfig d = dsa_layer_config(c, dt, sub_seed(o.seed, L, 4));
+    dsa_ = std::make_unique<DsaLayer>(d, pol, path + ".self_attn");
+    dsa_->init_weights(sub_seed(o.seed, L, 5));
+    if (c.mtp_mlp_kind() == MlpKind::moe) {
+      moe_ = std::make_unique<MoeLayer>(moe_layer_config(c, dt, sub_seed(o.seed, L, 6)), pol,
+                                        path + ".mlp");
+    } else {
+      mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, dt, sub_seed(o.seed, L, 7)), pol,
+                                        path + ".mlp");
+    }
+    add_child("enorm", enorm_.get());
+    add_child("hnorm", hnorm_.get());
+    add_child("eh_proj", &eh_);
+    add_child("input_layernorm", in_norm_.get());
+    add_child("self_attn", dsa_.get());
+    add_child("post_attention_layernorm", post_norm_.get());
+    if (moe_) add_child("mlp", moe_.get());
+    if (mlp_) add_child("mlp", mlp_.get());
+    add_child("shared_head.norm", head_norm_.get());
+  }
+
+  bool is_moe() const { return moe_ != nullptr; }
+  MoeLayer* moe() { return moe_.get(); }
+  DsaLayer* dsa() { return dsa_.get(); }
+
+  // e [T, D] (embedding of the next token, zeros where there is none), h [T, D] (the main
+  // stack's mean-contracted hidden) -> the normed output [T, D] for the shared head.
+  Tensor forward(const Context& ctx, const Tensor& e, const Tensor& h, const Tensor& cu, Saved* s,
+                 Out* out, const Tensor& replay) const {
+    Context c = ctx;
+    c.recompute = ctx.training && recompute_ == Recompute::selective;
+    const bool train = ctx.training && s;
+    const int64_t T = e.size(0), D = e.size(1);
+    Tensor en = enorm_->forward(c, e, train ? &s->enorm : nullptr);
+    Tensor hn = hnorm_->forward(c, h, train ? &s->hnorm : nullptr);
+    Tensor cat = Tensor::empty({T, 2 * D}, en.dtype());
+    cat.slice(1, 0, D).copy_(en);  // [e; h]: embedding first (spec 3)
+    cat.slice(1, D, 2 * D).copy_(hn);
+    Tensor m = eh_.forward(c, cat, train ? &s->eh : nullptr);
+    Tensor a = in_norm_->forward(c, m, train ? &s->in_norm : nullptr);
+    DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
+    if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
+    Tensor m2 = add(m, o.y);
+    Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
+    Tensor f;
+    if (moe_) {
+      MoeLayer::Output mo = moe_->forward(c, b, cu, train ? &s->moe : nullptr, replay);
+      f = mo.y;
+      if (out) {
+        out->aux_loss = mo.aux_loss;
+        out->counts = mo.counts;
+        out->topk = mo.topk_idx;
+      }
+    } else {
+      f = mlp_->forward(c, b, train ? &s->mlp : nullptr);
+    }
+    Tensor m3 = add(m2, f);
+    return head_norm_->forward(c, m3, train ? &s->head_norm : nullptr);
+  }
+
+  // d(output) -> (d e, d h); parameter grads +=.
+  std::pair<Tensor, Tensor> backward(const Context& ctx, const Tensor& dout, Saved& s, double d_aux,
+                                     double indexer_scale) {
+    Context c = ctx;
+    c.recompute = ctx.training && recompute_ == Recompute::selective;
+    const int64_t D = dout.size(1);
+    Tensor dm3 = head_norm_->backward(c, dout, s.head_norm);
+    Tensor db = moe_ ? moe_->backward(c, dm3, s.moe, d_aux) : mlp_->backward(c, dm3, s.mlp);
+    Tensor dm2 = add(dm3, post_norm_->backward(c, db, s.post_norm));
+    Tensor da = dsa_->backward(c, dm2, s.dsa, indexer_scale);
+    Tensor dm = add(dm2, in_norm_->backward(c, da, s.in_norm));
+    Tensor dcat = eh_.backward(c, dm, s.eh);
+    Tensor de = enorm_->backward(c, dcat.slice(1, 0, D).contiguous(), s.enorm);
+    Tensor dh = hnorm_->backward(c, dcat.slice(1, D, 2 * D).contiguous(), s.hnorm);
+    return {de, dh};
+  }
+
+ private:
+  Recompute recompute_;
+  std::unique_ptr<RmsNorm> enorm_, hnorm_, in_norm_, post_norm_, head_norm_;
+  Linear eh_;
+  std::unique_ptr<DsaLayer> dsa_;
+  std::unique_ptr<MoeLayer> moe_;
+  std::unique_ptr<DenseMlp> mlp_;
+};
+
+// ---- the model ----------------------------------------------------------------------------------
+
+struct HybridModel::Saved {
+  Tensor tokens, cu, targets;
+  std::vector<int64_t> cu_vec;
+  bool training = false;
+  bool aux = true;
+  std::vector<DecoderLayer::Saved> layers;
+  std::vector<Tensor> replay;  // per MoE layer (as given)
+  Tensor h;                    // [T, D] mean-contracted hidden (before model.norm)
+  RmsNorm::Saved norm;
+  Tensor hidden;
+  // main loss
+  bool has_lm = false;
+  bool has_processor = false;
+  Tensor d_hidden_processor;  // from the output processor
+  Linear::Saved head;
+  Tensor logits;
+  ops::CrossEntropyResult ce;
+  // MTP
+  bool has_mtp = false;
+  double mtp_scale = 0;
+  Tensor next_tokens;  // [T] i64 (0 where there is no next token)
+  Tensor next_valid;   // [T] u8
+  Tensor mtp_targets;  // [T] i64
+  MtpBlock::Saved mtp;
+  Linear::Saved mtp_head;
+  Tensor mtp_logits;
+  ops::CrossEntropyResult mtp_ce;
+};
+
+void HybridModel::SavedDeleter::operator()(Saved* s) const {
+  delete s;
+}
+
+HybridModel::HybridModel(const ModelConfig& config, const HybridModelOptions& options)
+    : cfg_(config), opt_(options) {
+  cfg_.validate();
+  HLM_CHECK(opt_.dtype == DType::f64 || opt_.dtype == DType::f32 || opt_.dtype == DType::bf16,
+            "HybridModel: dtype must be f64, f32 or bf16, got {}", dtype_name(opt_.dtype));
+  const int64_t V = cfg_.vocab_size, D = cfg_.hidden_size;
+  embed_ = &add_param("model.embed_tokens.weight",
+                      normal_tensor({V, D}, opt_.dtype, opt_.seed, 1, cfg_.initializer_range));
+  for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+    layers_.push_back(std::make_unique<DecoderLayer>(cfg_, l, opt_));
+    add_child("model.layers." + std::to_string(l), layers_.back().get());
+  }
+  norm_ = std::make_unique<RmsNorm>(RmsNormConfig{D, cfg_.rms_norm_eps, opt_.dtype}, "model.norm");
+  add_child("model.norm", norm_.get());
+  // The head: lm_head.weight [V, D], or the embedding's table when tied (a Linear outside the
+  // parameter tree whose weight is pointed at the embedding before each use).
+  lm_head_ = std::make_unique<Linear>(
+      D, V, false, cfg_.precision.resolve("lm_head", ModuleRole::lm_head), opt_.dtype);
+  if (cfg_.tie_word_embeddings) {
+    lm_head_->weight().value = embed_->value;
+  } else {
+    lm_head_->weight().value =
+        normal_tensor({V, D}, opt_.dtype, opt_.seed, 2, cfg_.initializer_range);
+    add_child("lm_head", lm_head_.get());
+  }
+  if (opt_.mtp && cfg_.mtp.num_layers > 0) {
+    HLM_CHECK(cfg_.mtp.num_layers == 1,
+              "HybridModel: num_nextn_predict_layers = {}: one MTP depth is supported",
+              cfg_.mtp.num_layers);
+    mtp_ = std::make_unique<MtpBlock>(cfg_, opt_);
+    add_child("model.layers." + std::to_string(cfg_.num_hidden_layers), mtp_.get());
+  }
+}
+
+HybridModel::~HybridModel() = default;
+
+DType HybridModel::compute_dtype() const {
+  return opt_.dtype == DType::f64 ? DType::f64 : DType::f32;
+}
+
+void HybridModel::set_dsa_stage(DsaStage stage) {
+  for (auto& l : layers_)
+    if (l->dsa()) l->dsa()->set_stage(stage);
+  if (mtp_) mtp_->dsa()->set_stage(stage);
+}
+
+int64_t HybridModel::num_moe_layers() const {
+  int64_t n = 0;
+  for (const auto& l : layers_) n += l->is_moe();
+  if (mtp_) n += mtp_->is_moe();
+  return n;
+}
+
+ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, SavedPtr* saved) const {
+  HLM_CHECK(in.tokens.defined() && in.tokens.dim() == 1 && in.tokens.size(0) >= 1,
+            "HybridModel::forward: tokens must be [T >= 1] token ids, got {}",
+            in.tokens.defined() ? in.tokens.describe() : "undefined");
+  const int64_t T = in.tokens.size(0), D = cfg_.hidden_size, V = cfg_.vocab_size;
+  const DType cdt = compute_dtype();
+  Tensor tokens = in.tokens.to(DType::i64);
+  Tensor cu =
+      in.cu_seqlens.defined() ? in.cu_seqlens.to(DType::i64) : ops::cu_seqlens_from_lengths({T});
+  const std::vector<int64_t> cu_vec =
+      ops::check_cu_seqlens(cu, T, "HybridModel::forward: cu_seqlens");
+  const bool has_targets = in.targets.defined();
+  if (has_targets)
+    HLM_CHECK(in.targets.dim() == 1 && in.targets.size(0) == T,
+              "HybridModel::forward: targets must be [{}], got {}", T, in.targets.describe());
+  const int64_t n_moe = num_moe_layers();
+  HLM_CHECK(in.replay.empty() || int64_t(in.replay.size()) == n_moe,
+            "HybridModel::forward: replay must hold one entry per MoE layer ({}), got {}", n_moe,
+            in.replay.size());
+  auto replay_of = [&](int64_t m) { return in.replay.empty() ? Tensor() : in.replay[size_t(m)]; };
+
+  const bool train = ctx.training && saved != nullptr;
+  std::unique_ptr<Saved> s(new Saved);
+  s->tokens = tokens;
+  s->cu = cu;
+  s->cu_vec = cu_vec;
+  s->training = ctx.training;
+  s->aux = in.aux_losses;
+  s->replay = in.replay;
+  s->layers.resize(layers_.size());
+
+  ModelOutput out;
+  Tensor e = ops::embedding_forward(embed_->value, tokens).to(cdt);
+  const int64_t n = cfg_.mhc.streams();
+  Tensor x = cfg_.mhc.enabled ? ops::mhc_expand(e, n) : e.reshape({T, 1, D});
+  int64_t moe_i = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    DecoderLayer::Out lo;
+    const Tensor rp = layers_[l]->is_moe() ? replay_of(moe_i) : Tensor();
+    x = layers_[l]->forward(ctx, x, cu, train ? &s->layers[l] : nullptr, &lo, rp);
+    if (layers_[l]->is_moe()) {
+      ++moe_i;
+      out.aux_loss += lo.aux_loss;
+      out.expert_counts.push_back(lo.counts);
+      out.expert_topk.push_back(lo.topk);
+    }
+    out.indexer_loss += lo.indexer_loss;
+  }
+  Tensor h = cfg_.mhc.enabled ? ops::mhc_mean_contract(x) : x.reshape({T, D});
+  s->h = h;
+  out.hidden = norm_->forward(ctx, h, train ? &s->norm : nullptr);
+  s->hidden = out.hidden;
+
+  if (cfg_.tie_word_embeddings) lm_head_->weight().value = embed_->value;
+  double objective = 0;
+  if (in.output_processor) {
+    Tensor dh = Tensor::zeros({T, D}, cdt);
+    out.lm_loss = in.output_processor(out.hidden, &dh);
+    s->has_processor = true;
+    s->d_hidden_processor = dh;
+    objective += out.lm_loss;
+  }
+  if ((in.logits || has_targets) && !in.output_processor) {
+    out.logits = lm_head_->forward(ctx, out.hidden, train ? &s->head : nullptr);
+    s->logits = out.logits;
+  }
+  if (has_targets && !in.output_processor) {
+    s->targets = in.targets.to(DType::i64);
+    s->ce = ops::cross_entropy_forward(out.logits, s->targets);
+    out.lm_loss = s->ce.loss;
+    out.lm_count = s->ce.count;
+    s->has_lm = true;
+    objective += out.lm_loss;
+  }
+
+  if (mtp_ && has_targets) {
+    // Inputs: the embedding of token i+1 (zeros at a sequence's last position); targets: the
+    // target of position i+1 (the token i+2), ignored where i+1 is outside the sequence.
+    const std::vector<int64_t> next = successors(cu_vec);
+    const int64_t* tok = tokens.data<int64_t>();
+    const int64_t* tgt = s->targets.data<int64_t>();
+    std::vector<int64_t> nt(size_t(T), 0), mt(size_t(T), -100);
+    std::vector<uint8_t> valid(size_t(T), 0);
+    for (int64_t i = 0; i < T; ++i)
+      if (next[size_t(i)] >= 0) {
+        nt[size_t(i)] = tok[next[size_t(i)]];
+        mt[size_t(i)] = tgt[next[size_t(i)]];
+        valid[size_t(i)] = 1;
+      }
+    s->next_tokens = Tensor::from_vector({T}, nt);
+    s->next_valid = Tensor::from_vector({T}, valid);
+    s->mtp_targets = Tensor::from_vector({T}, mt);
+    Tensor en = ops::embedding_forward(embed_->value, s->next_tokens).to(cdt);
+    for (int64_t i = 0; i < T; ++i)
+      if (!valid[size_t(i)]) en.select(0, i).zero_();
+    MtpBlock::Out mo;
+    Tensor o = mtp_->forward(ctx, en, h, cu, train ? &s->mtp : nullptr, &mo,
+                             mtp_->is_moe() ? replay_of(moe_i) : Tensor());
+    if (mtp_->is_moe()) {
+      out.aux_loss += mo.aux_loss;
+      out.expert_counts.push_back(mo.counts);
+      out.expert_topk.push_back(mo.topk);
+    }
+    out.indexer_loss += mo.indexer_loss;
+    out.mtp_logits = lm_head_->forward(ctx, o, train ? &s->mtp_head : nullptr);
+    s->mtp_logits = out.mtp_logits;
+    s->mtp_ce = ops::cross_entropy_forward(out.mtp_logits, s->mtp_targets);
+    out.mtp_loss = s->mtp_ce.loss;
+    out.mtp_count = s->mtp_ce.count;
+    s->has_mtp = true;
+    s->mtp_scale = cfg_.mtp.loss_scaling_factor;
+    objective += s->mtp_scale * out.mtp_loss;
+  }
+  if (in.aux_losses) objective += out.aux_loss + out.indexer_loss;
+  out.loss = objective;
+  if (train) *saved = SavedPtr(s.release());
+  return out;
+}
+
+void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tensor& d_extra) {
+  Saved& s = const_cast<Saved&>(saved_in);  // layer backward re-runs consume their Saved
+  HLM_CHECK(s.training, "HybridModel::backward: the forward did not run in training mode");
+  const int64_t T = s.tokens.size(0), D = cfg_.hidden_size;
+  const DType cdt = compute_dtype();
+  const double d_aux = s.aux ? 1.0 : 0.0;
+  if (cfg_.tie_word_embeddings) {
+    lm_head_->weight().value = embed_->value;
+    lm_head_->weight().grad = embed_->grad;
+  }
+  // Gradient of the hidden states (after model.norm).
+  Tensor d_hidden;
+  if (s.has_lm) {
+    Tensor dlogits = ops::cross_entropy_backward(s.logits, s.targets, s.ce, 1.0);
+    d_hidden = lm_head_->backward(ctx, dlogits, s.head);
+  }
+  if (s.has_processor) add_into(d_hidden, s.d_hidden_processor);
+  if (d_extra.defined()) {
+    HLM_CHECK(d_extra.dim() == 2 && d_extra.size(0) == T && d_extra.size(1) == D,
+              "HybridModel::backward: d_hidden must be [{}, {}], got {}", T, D, d_extra.describe());
+    add_into(d_hidden, d_extra.to(cdt));
+  }
+  if (!d_hidden.defined()) d_hidden = Tensor::zeros({T, D}, cdt);
+  Tensor dh = norm_->backward(ctx, d_hidden, s.norm);
+  // MTP: its loss reaches h, the embedding (through the next tokens) and its own block.
+  if (s.has_mtp) {
+    Tensor dlogits =
+        ops::cross_entropy_backward(s.mtp_logits, s.mtp_targets, s.mtp_ce, s.mtp_scale);
+    Tensor dout = lm_head_->backward(ctx, dlogits, s.mtp_head);
+    auto [de, dh_mtp] = mtp_->backward(ctx, dout, s.mtp, d_aux, d_aux);
+    dh = add(dh, dh_mtp);
+    const uint8_t* valid = s.next_valid.data<uint8_t>();
+    for (int64_t i = 0; i < T; ++i)
+      if (!valid[i]) de.select(0, i).zero_();
+    ops::embedding_backward(de, s.next_tokens, embed_->grad);
+  }
+  const int64_t n = cfg_.mhc.streams();
+  Tensor dx = cfg_.mhc.enabled ? ops::mhc_mean_contract_backward(dh, n) : dh.reshape({T, 1, D});
+  int64_t moe_i = num_moe_layers() - (mtp_ && mtp_->is_moe() ? 1 : 0);
+  for (size_t l = layers_.size(); l-- > 0;) {
+    Tensor rp;
+    if (layers_[l]->is_moe()) {
+      --moe_i;
+      if (!s.replay.empty()) rp = s.replay[size_t(moe_i)];
+    }
+    dx = layers_[l]->backward(ctx, dx, s.layers[l], s.cu, d_aux, d_aux, rp);
+  }
+  Tensor de = cfg_.mhc.enabled ? ops::mhc_expand_backward(dx) : dx.reshape({T, D});
+  ops::embedding_backward(de, s.tokens, embed_->grad);
+}
+
+void HybridModel::update_moe_bias(const std::vector<Tensor>& counts) {
+  HLM_CHECK(int64_t(counts.size()) == num_moe_layers(),
+            "HybridModel::update_moe_bias: {} count tensors for {} MoE layers", counts.size(),
+            num_moe_layers());
+  size_t i = 0;
+  for (auto& l : layers_)
+    if (l->is_moe()) l->moe()->update_bias(counts[i++], cfg_.moe.bias_update_rate);
+  if (mtp_ && mtp_->is_moe()) mtp_->moe()->update_bias(counts[i++], cfg_.moe.bias_update_rate);
+}
+
+}  // namespace hlm

@@ -1,0 +1,145 @@
+// HybridModel: the GLM-5.3-Flash family model (transformers' Glm5NextTextModel plus lm_head and
+// MTP), CPU, explicit forward and backward over packed THD batches.
+//
+//   e      = embed_tokens(tokens)                                      [T, D]
+//   X^0    = (e, e, ..., e)                        n mHC streams       [T, n, D]
+//   per decoder layer l (attention site, then FFN site; spec mhc_moe_fp8.md 1.3):
+//     u = attn_hc.collapse(X);  y = self_attn(input_layernorm(u));  X = attn_hc.write_back(y)
+//     u = ffn_hc.collapse(X);   y = mlp(post_attention_layernorm(u)); X = ffn_hc.write_back(y)
+//     self_attn: KDA ("linear_attention") or DSA ("deepseek_sparse_attention", MLA + indexer +
+//     sparse attention); mlp: dense SwiGLU or the sigmoid-routed MoE.
+//   h      = (1/n) sum_j X^L_j                     the mean output contract
+//   hidden = norm(h)                               last_hidden_state
+//   logits = lm_head(hidden)                       (tied to embed_tokens when configured)
+// Without mHC (mhc = false) every site is a plain pre-norm residual: X' = X + y.
+//
+// MTP (one depth, spec 3; checkpoint layer index L = num_hidden_layers): for position i of a
+// sequence, e' = embed(tokens[i+1]) (zeros at the last position),
+//   m = eh_proj([enorm(e'); hnorm(h_i)]),  m += self_attn(input_layernorm(m)),
+//   m += mlp(post_attention_layernorm(m)),  logits' = lm_head(shared_head.norm(m)),
+// predicting tokens[i+2] (the target of position i+1); a single-stream pre-norm block, DSA + MoE.
+//
+// Objective (training forward with targets):
+//   loss = CE(logits, targets) + mtp_loss_scaling_factor * CE(logits', targets shifted)
+//        + sum of the MoE sequence aux losses + sum of the DSA indexer KL losses
+// CE is the mean over non-ignored targets (-100). The indexer losses train only the indexers (their
+// inputs are detached); the aux losses reach only the routers. Each part is reported separately.
+//
+// Conventions (DESIGN.md): forward fills Saved; backward accumulates every parameter gradient (+=).
+// Recompute: none keeps every activation; selective passes ctx.recompute to the sublayers (each
+// keeps its input only); full keeps only each decoder layer's input streams and re-runs the layer
+// in backward. All three give bit-identical gradients.
+// Parameter names are the HF checkpoint names: model.embed_tokens.weight,
+// model.layers.{i}.{attn_hc,ffn_hc}.{fn,base,scale}, model.layers.{i}.input_layernorm.weight,
+// model.layers.{i}.self_attn.* (KDA: transformers' names, forget_gate.*; DSA: MLA + indexer.*),
+// model.layers.{i}.mlp.* (gate_proj/up_proj/down_proj, or gate.weight,
+// gate.e_score_correction_bias, experts.gate_up_proj, experts.down_proj, shared_experts.*),
+// model.norm.weight, lm_head.weight, and the MTP block under model.layers.{L}.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/dsa/dsa_layer.h"
+#include "layers/kda/kda_layer.h"
+#include "layers/linear.h"
+#include "layers/mhc/mhc_site.h"
+#include "layers/mlp.h"
+#include "layers/module.h"
+#include "layers/moe/moe_layer.h"
+#include "layers/norm.h"
+#include "model/config.h"
+
+namespace hlm {
+
+enum class Recompute : uint8_t { none, selective, full };
+const char* recompute_name(Recompute r);  // "none", "selective", "full"
+Recompute parse_recompute(const std::string& s);
+
+struct HybridModelOptions {
+  DType dtype = DType::f32;  // parameter dtype: f64 (reference runs), f32 or bf16
+  uint64_t seed = 0;         // deterministic initialisation
+  Recompute recompute = Recompute::none;
+  bool mtp = true;  // build the MTP block when the config has one
+};
+
+// The caller's own output projection and loss (Megatron's output_processor): given the final
+// hidden states [T, D] (after model.norm), return the loss and write d loss / d hidden into
+// *d_hidden ([T, D], f32 or f64). Used instead of lm_head + cross-entropy for the main loss.
+using OutputProcessor = std::function<double(const Tensor& hidden, Tensor* d_hidden)>;
+
+struct ModelInputs {
+  Tensor tokens;                     // [T] i64 / i32 token ids in [0, vocab)
+  Tensor cu_seqlens;                 // [N+1] (undefined: one sequence of T tokens)
+  Tensor targets;                    // [T] next-token targets, -100 ignored (undefined: no loss)
+  bool logits = true;                // compute logits (always when targets are given)
+  bool aux_losses = true;            // add the MoE aux and indexer losses to the objective
+  OutputProcessor output_processor;  // optional: replaces lm_head + CE for the main loss
+  // Routing replay: per MoE layer (main layers in order, then MTP), [T, K] indices or undefined.
+  std::vector<Tensor> replay;
+};
+
+struct ModelOutput {
+  Tensor hidden;      // [T, D] last_hidden_state, compute dtype
+  Tensor logits;      // [T, V] compute dtype (when computed)
+  Tensor mtp_logits;  // [T, V] (training forward with MTP)
+  double loss = 0;    // the whole objective
+  double lm_loss = 0, mtp_loss = 0, aux_loss = 0, indexer_loss = 0;
+  int64_t lm_count = 0, mtp_count = 0;  // targets counted by the two CE terms
+  // Per MoE layer (main layers in order, then MTP): tokens per expert [E] i64 and the selection.
+  std::vector<Tensor> expert_counts;
+  std::vector<Tensor> expert_topk;
+};
+
+class DecoderLayer;
+class MtpBlock;
+
+class HybridModel : public Module {
+ public:
+  struct Saved;  // defined in hybrid_model.cpp
+  struct SavedDeleter {
+    void operator()(Saved* s) const;
+  };
+  using SavedPtr = std::unique_ptr<Saved, SavedDeleter>;
+
+  HybridModel(const ModelConfig& config, const HybridModelOptions& options = {});
+  ~HybridModel() override;
+
+  const ModelConfig& config() const { return cfg_; }
+  const HybridModelOptions& options() const { return opt_; }
+  DType compute_dtype() const;         // f64 for f64 parameters, else f32
+  void set_dsa_stage(DsaStage stage);  // every DSA layer (warm-up / sparse indexer training)
+
+  // Forward. With saved != nullptr and ctx.training, *saved receives what backward needs.
+  ModelOutput forward(const Context& ctx, const ModelInputs& in, SavedPtr* saved = nullptr) const;
+  // Backward of the objective of the forward (when it had targets or an output processor), plus
+  // sum(hidden * d_hidden_extra) when d_hidden_extra is given ([T, D]): the grad-probe of the
+  // parity tool. Parameter gradients accumulate (+=).
+  void backward(const Context& ctx, const Saved& saved, const Tensor& d_hidden_extra = {});
+
+  // After the optimizer step: the aux-loss-free bias update of every MoE layer from the counts of
+  // the last forward (ModelOutput::expert_counts), rate = moe.bias_update_rate.
+  void update_moe_bias(const std::vector<Tensor>& counts);
+
+  int64_t num_moe_layers() const;
+
+ private:
+  ModelConfig cfg_;
+  HybridModelOptions opt_;
+  Param* embed_ = nullptr;
+  std::vector<std::unique_ptr<DecoderLayer>> layers_;
+  std::unique_ptr<RmsNorm> norm_;
+  std::unique_ptr<Linear> lm_head_;  // null when tied
+  std::unique_ptr<MtpBlock> mtp_;
+};
+
+// The layer configs the model builds from a ModelConfig (exposed for tests and tools).
+KdaConfig kda_layer_config(const ModelConfig& c);
+DsaLayerConfig dsa_layer_config(const ModelConfig& c, DType dt, uint64_t seed);
+MoeConfig moe_layer_config(const ModelConfig& c, DType dt, uint64_t seed);
+DenseMlpConfig dense_mlp_config(const ModelConfig& c, DType dt, uint64_t seed);
+MhcSiteConfig mhc_site_config(const ModelConfig& c, DType dt, uint64_t seed);
+
+}  // namespace hlm
