@@ -1,0 +1,202 @@
+// DsaLayer on the CPU (layers/dsa/dsa_layer.h): MLA stages + indexer selection + sparse attention,
+// forward and backward side by side.
+//
+// Forward:  p = project(x);  q_abs = absorb_query(p.q);  S = selection (indexer or causal);
+//           (o_lat, lse) = sparse_attention(q_abs, p.kv, S);  y = output(o_lat)
+//           [training, indexer loss] target = attention_target[_at](q_abs, p.kv[, S]) (detached);
+//           loss = indexer.loss_value(target)
+// Backward: do_lat = output_backward(dy);  (dq_abs, dkv) = sparse_attention_backward(.., S, ..);
+//           dq = absorb_query_backward(dq_abs);  dx = project_backward(dq, dkv);
+//           [loss] indexer.loss_backward(target, grad_scale): indexer parameters only (its input
+//           gradients dh, dc_q are dropped: the indexer's inputs are detached).
+#include "layers/dsa/dsa_layer.h"
+
+#include <cmath>
+
+#include "ops/dsa_indexer_loss.h"
+#include "ops/dsa_sparse_attention.h"
+#include "ops/seqlens.h"
+
+namespace hlm {
+
+void DsaLayerConfig::validate() const {
+  mla.validate();
+  HLM_CHECK(std::isfinite(indexer_loss_coeff) && indexer_loss_coeff >= 0,
+            "DsaLayerConfig.indexer_loss_coeff must be finite and >= 0, got {}",
+            indexer_loss_coeff);
+  if (!indexer) return;
+  indexer->validate();
+  HLM_CHECK(mla.q_lora_rank > 0,
+            "DsaLayerConfig: an indexer needs the MLA q latent c_q, but mla.q_lora_rank is 0");
+  HLM_CHECK(indexer->hidden_size == mla.hidden_size,
+            "DsaLayerConfig: indexer.hidden_size ({}) must equal mla.hidden_size ({})",
+            indexer->hidden_size, mla.hidden_size);
+  HLM_CHECK(indexer->q_lora_rank == mla.q_lora_rank,
+            "DsaLayerConfig: indexer.q_lora_rank ({}) must equal mla.q_lora_rank ({})",
+            indexer->q_lora_rank, mla.q_lora_rank);
+  HLM_CHECK((indexer->dtype == DType::f64) == (mla.param_dtype == DType::f64),
+            "DsaLayerConfig: indexer.dtype ({}) and mla.param_dtype ({}) must both be f64 or "
+            "both not",
+            dtype_name(indexer->dtype), dtype_name(mla.param_dtype));
+}
+
+namespace {
+
+MlaConfig checked_mla(const DsaLayerConfig& cfg) {
+  cfg.validate();
+  MlaConfig m = cfg.mla;
+  m.form = MlaForm::absorbed;
+  return m;
+}
+
+std::string join(const std::string& path, const char* name) {
+  return path.empty() ? std::string(name) : path + "." + name;
+}
+
+Tensor as_dt(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t : t.to(dt);
+}
+
+}  // namespace
+
+DsaLayer::DsaLayer(const DsaLayerConfig& cfg, const PrecisionPolicy& policy,
+                   const std::string& path)
+    : Mla(checked_mla(cfg), policy, path), lcfg_(cfg) {
+  lcfg_.mla.form = MlaForm::absorbed;
+  if (lcfg_.indexer) {
+    indexer_ = std::make_unique<DsaIndexer>(*lcfg_.indexer, policy, join(path, "indexer"));
+    add_child("indexer", indexer_.get());
+  }
+}
+
+DsaIndexer& DsaLayer::indexer() {
+  HLM_CHECK(indexer_ != nullptr, "DsaLayer::indexer: this layer has no indexer (dense mode)");
+  return *indexer_;
+}
+
+DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                                   Saved* saved) const {
+  HLM_CHECK(x.defined() && x.dim() == 2 && x.size(0) >= 1,
+            "DsaLayer::forward: x must be [T >= 1, {}], got {}", config().hidden_size,
+            x.defined() ? x.describe() : "undefined");
+  ops::check_cu_seqlens(cu_seqlens, x.size(0), "DsaLayer::forward: cu_seqlens");
+  const bool save = saved && ctx.training;
+  Saved local;
+  Saved* work = nullptr;
+  if (ctx.training) work = (save && !ctx.recompute) ? saved : &local;
+  Output out = forward_full(x, cu_seqlens, ctx.training, work, lcfg_.stage);
+  if (save) {
+    if (ctx.recompute) {
+      *saved = Saved{};
+      saved->x = x;
+      saved->cu_seqlens = cu_seqlens;
+      saved->stage = lcfg_.stage;
+      saved->has_loss = out.has_indexer_loss;
+    }
+    saved->full = !ctx.recompute;
+  }
+  return out;
+}
+
+DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const Tensor& cu_seqlens, bool training,
+                                        Saved* s, DsaStage stage) const {
+  Context c;
+  c.training = training && s != nullptr;
+  const int64_t T = x.size(0), rkv = config().kv_lora_rank;
+  const double scale = config().softmax_scale_value();
+  const std::vector<int64_t> cu = ops::check_cu_seqlens(cu_seqlens, T, "DsaLayer: cu_seqlens");
+  if (s) {
+    *s = Saved{};
+    s->x = x;
+    s->cu_seqlens = cu_seqlens;
+    s->stage = stage;
+    s->full = true;
+  }
+  Projected p = project(c, x, cu_seqlens, s ? &s->proj : nullptr);
+  const Tensor q_abs = absorb_query(p.q);
+
+  const bool want_loss = c.training && indexer_ && lcfg_.indexer_loss;
+  const bool run_indexer = indexer_ && (stage == DsaStage::sparse || want_loss);
+  DsaIndexer::Output sel;
+  if (run_indexer)
+    sel = indexer_->forward(c, x, p.c_q, cu_seqlens, want_loss ? &s->indexer : nullptr);
+  const Tensor indices =
+      (indexer_ && stage == DsaStage::sparse) ? sel.indices : Mla::causal_indices(cu, T);
+
+  ops::SparseAttentionOut att = ops::sparse_attention(q_abs, p.kv, indices, cu_seqlens, rkv, scale);
+  Output out;
+  out.y = as_dt(output(c, att.out, s ? &s->out : nullptr), x.dtype());
+  out.indices = indices;
+
+  if (want_loss) {
+    const bool dense = stage == DsaStage::dense_warmup;
+    const Tensor target =
+        dense ? ops::attention_target(q_abs, p.kv, cu_seqlens, scale)
+              : ops::attention_target_at(q_abs, p.kv, cu_seqlens, sel.indices, scale);
+    IndexerLossOptions lo;
+    lo.stage = dense ? IndexerLossStage::dense : IndexerLossStage::sparse;
+    lo.coeff = lcfg_.indexer_loss_coeff;
+    lo.reduction = lcfg_.indexer_loss_reduction;
+    const IndexerLossResult r = indexer_->loss_value(c, target, lo, s->indexer);
+    out.has_indexer_loss = true;
+    out.indexer_loss = r.loss;
+    out.indexer_loss_rows = r.rows;
+    s->has_loss = true;
+    s->target = target;
+  }
+  if (s) {
+    s->p = p;
+    s->q_abs = q_abs;
+    s->indices = indices;
+    s->lse = att.lse;
+  }
+  return out;
+}
+
+Tensor DsaLayer::backward(const Context& ctx, const Tensor& dy, const Saved& saved,
+                          double indexer_grad_scale) {
+  HLM_CHECK(saved.x.defined(),
+            "DsaLayer::backward: Saved is empty (run forward with ctx.training and a Saved first)");
+  HLM_CHECK(std::isfinite(indexer_grad_scale),
+            "DsaLayer::backward: indexer_grad_scale must be finite, got {}", indexer_grad_scale);
+  const int64_t T = saved.x.size(0), D = config().hidden_size;
+  HLM_CHECK(dy.defined() && dy.is_cpu() && dy.shape() == (Shape{T, D}) &&
+                (dy.dtype() == DType::f64 || dy.dtype() == DType::f32 || dy.dtype() == DType::bf16),
+            "DsaLayer::backward: dy must be an f64, f32 or bf16 CPU tensor [{}, {}], got {}", T, D,
+            dy.defined() ? dy.describe() : "undefined");
+  (void)ctx;
+  Tensor dx;
+  if (saved.full) {
+    dx = backward_full(dy, saved, indexer_grad_scale);
+  } else {
+    // Selective recompute: the same deterministic forward rebuilds every activation and the
+    // selection.
+    Saved full;
+    forward_full(saved.x, saved.cu_seqlens, true, &full, saved.stage);
+    dx = backward_full(dy, full, indexer_grad_scale);
+  }
+  return as_dt(dx, saved.x.dtype());
+}
+
+Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_grad_scale) {
+  Context c;
+  const int64_t rkv = config().kv_lora_rank;
+  const double scale = config().softmax_scale_value();
+  const Tensor dol = output_backward(c, as_dt(dy, compute_dtype()).contiguous(), s.out);
+  const ops::SparseAttentionGrads g = ops::sparse_attention_backward(
+      s.q_abs, s.p.kv, s.indices, s.cu_seqlens, rkv, scale, s.out.o_lat, s.lse, dol);
+  const Tensor dq = absorb_query_backward(g.dq, s.p.q);
+  Tensor dx = project_backward(c, dq, g.dkv, s.proj);
+  if (s.has_loss && indexer_grad_scale != 0) {
+    IndexerLossOptions lo;
+    lo.stage =
+        s.stage == DsaStage::dense_warmup ? IndexerLossStage::dense : IndexerLossStage::sparse;
+    lo.coeff = lcfg_.indexer_loss_coeff;
+    lo.reduction = lcfg_.indexer_loss_reduction;
+    lo.grad_scale = indexer_grad_scale;
+    indexer_->loss_backward(c, s.target, lo, s.indexer);  // dh, dc_q dropped: detached inputs
+  }
+  return dx;
+}
+
+}  // namespace hlm

@@ -1,0 +1,115 @@
+// DsaLayer: DeepSeek Sparse Attention = MLA (absorbed form) + the lightning indexer + top-k sparse
+// attention over exactly each query's selected tokens, with the indexer KL loss (spec/dsa.md
+// sections 1-4; docs/dsa.md "The MLA module and the DSA layer"). CPU, explicit forward and
+// backward.
+//
+// Conventions (DESIGN.md): forward(ctx, x, cu_seqlens, saved*) fills Saved (only the input under
+// ctx.recompute; backward then re-runs the forward, which selects the same indices because every
+// step is deterministic); backward writes dx (=) and accumulates parameter gradients (+=).
+//
+// Forward, x [T, D] packed with cu_seqlens:
+//   (c_q, q, kv) = MLA projections (Mla::project);  q_abs = Mla::absorb_query(q)
+//   selection S_t:
+//     no indexer                      every causal token of t's sequence (dense attention)
+//     stage dense_warmup              every causal token (the main attention stays dense; the
+//                                     indexer runs for its loss only)
+//     stage sparse                    DsaIndexer::forward(x, c_q).indices: top-k tokens, or KPool
+//                                     pools + tail; a sequence prefix of at most K tokens selects
+//                                     all its causal tokens, so short sequences are dense
+//   o_lat = ops::sparse_attention(q_abs, kv, S, d_v = r_kv, scale);  y = Mla::output(o_lat)
+// Indexer loss (training forward with an indexer and indexer_loss on; spec 2.3):
+//   target p* = ops::attention_target(q_abs, kv) over every causal token (dense warm-up) or
+//   ops::attention_target_at(q_abs, kv, S) over the selection (sparse stage): the head-summed,
+//   L1-normalised main-attention distribution, detached. The indexer compares its own scores with
+//   it (DsaIndexer::loss_value / loss_backward; KPool: pool level, docs/dsa.md).
+//   The indexer's inputs x and c_q are detached: its gradient flows only into its own
+//   parameters, and the LM gradient never reaches the indexer.
+// Backward: dy -> Mla::output_backward -> ops::sparse_attention_backward (same S) ->
+//   Mla::absorb_query_backward -> Mla::project_backward -> dx; then, when the forward computed
+//   the loss, DsaIndexer::loss_backward with grad_scale (Megatron's DSAIndexerLossAutoScaler:
+//   the loss's gradient enters with the LM loss scale) into the indexer parameters only.
+//
+// Parameter names (HF, relative to self_attn): the MLA names (q_a_proj.weight, ...) and
+// indexer.wq_b.weight, indexer.wk.weight, indexer.k_norm.{weight,bias},
+// indexer.weights_proj.weight (+ indexer.index_kpool_compress_gate / _ape with KPool).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "layers/dsa/indexer.h"
+#include "layers/dsa/mla.h"
+
+namespace hlm {
+
+enum class DsaStage : uint8_t {
+  dense_warmup,  // main attention over all causal tokens; indexer KL over all causal tokens
+  sparse,        // main attention over the selection; indexer KL over the selection
+};
+
+struct DsaLayerConfig {
+  MlaConfig mla;                         // form is ignored: the DSA layer runs absorbed
+  std::optional<IndexerConfig> indexer;  // none: dense causal attention, no indexer
+  DsaStage stage = DsaStage::sparse;
+  bool indexer_loss = true;  // compute the KL in the training forward (needs an indexer)
+  double indexer_loss_coeff = 1.0;
+  ops::KlReduction indexer_loss_reduction = ops::KlReduction::mean;
+
+  // mla.validate(), indexer->validate(), and the coupling: the indexer reads x and c_q, so
+  // indexer.hidden_size == mla.hidden_size, indexer.q_lora_rank == mla.q_lora_rank (> 0: an
+  // indexer needs the q latent); both in f64 or both not; coeff finite and >= 0.
+  void validate() const;
+};
+
+class DsaLayer : public Mla {
+ public:
+  struct Output {
+    Tensor y;        // [T, D], dtype of x
+    Tensor indices;  // i32 [T, W]: the set each query attended (global token ids, -1 padded)
+    bool has_indexer_loss = false;
+    double indexer_loss = 0;  // coeff * reduced KL (training forward only)
+    int64_t indexer_loss_rows = 0;
+  };
+  struct Saved {
+    Tensor x, cu_seqlens;  // always kept
+    bool full = false;     // false under ctx.recompute
+    DsaStage stage = DsaStage::sparse;
+    Mla::ProjSaved proj;
+    Mla::Projected p;
+    Tensor q_abs;    // [T, H, r_kv + d_r]
+    Tensor indices;  // the attended set
+    Tensor lse;      // [T, H]
+    Mla::OutSaved out;
+    bool has_loss = false;
+    DsaIndexer::Saved indexer;
+    Tensor target;  // detached token-level target of the indexer loss (its stage's layout)
+  };
+
+  // path: "model.layers.3.self_attn"; the indexer is path + ".indexer".
+  DsaLayer(const DsaLayerConfig& cfg, const PrecisionPolicy& policy,
+           const std::string& path = "self_attn");
+
+  const DsaLayerConfig& layer_config() const { return lcfg_; }
+  void set_stage(DsaStage s) { lcfg_.stage = s; }
+  bool has_indexer() const { return indexer_ != nullptr; }
+  DsaIndexer& indexer();  // throws when there is none
+  Mla& mla() { return *this; }
+
+  // x [T, D] (f64, f32 or bf16), cu_seqlens [N+1].
+  Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved) const;
+  // dy [T, D] -> dx (dtype of the saved x). indexer_grad_scale multiplies the indexer loss's
+  // gradient (the LM loss scale; 0 skips the indexer backward).
+  Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved,
+                  double indexer_grad_scale = 1.0);
+
+ private:
+  Output forward_full(const Tensor& x, const Tensor& cu_seqlens, bool training, Saved* s,
+                      DsaStage stage) const;
+  Tensor backward_full(const Tensor& dy, const Saved& s, double indexer_grad_scale);
+
+  DsaLayerConfig lcfg_;
+  std::unique_ptr<DsaIndexer> indexer_;
+};
+
+}  // namespace hlm

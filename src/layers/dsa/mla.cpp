@@ -1,0 +1,819 @@
+// MLA on the CPU (layers/dsa/mla.h): forward and backward side by side.
+//
+// Forward (expanded):
+//   x -> q_a_proj -> RMSNorm -> q_b_proj -> q [T, H, dqk] -> RoPE(q[..., d_n:])
+//   x -> kv_a_proj_with_mqa -> [lat ; kp]; c_kv = RMSNorm(lat); kp = RoPE(kp); kv = [c_kv ; kp]
+//   c_kv -> kv_b_proj -> per head [k_nope_h ; v_h];  k_h = [k_nope_h ; kp]
+//   o = causal softmax attention(q, k, v) per sequence;  y = o_proj(o)
+// Forward (absorbed): q_abs_h = [qn_h W_UK_h ; qp_h];  o_lat = sparse_attention(q_abs, kv, every
+//   causal token, d_v = r_kv);  o_h = o_lat_h W_UV_h^T;  y = o_proj(concat o_h).
+// Attention (per sequence, head h, query t, keys s <= t of t's sequence):
+//   l_s = scale q_t . k_s;  lse = log sum_s exp(l_s);  p_s = exp(l_s - lse);  o_t = sum_s p_s v_s
+// Backward:
+//   D_t = do_t . o_t;  ds_s = p_s (do_t . v_s - D_t)
+//   dq_t = scale sum_s ds_s k_s;  dk_s = scale sum_t ds_ts q_t;  dv_s = sum_t p_ts do_t
+//   RoPE backward: the transposed rotation;  RMSNorm and Linear backward from ops / Linear.
+//   Expanded: dkp = sum_h dk_h[d_n:] (head order); absorbed: dW_UK_h += qn_h^T dq_lat_h,
+//   dqn_h = dq_lat_h W_UK_h^T, dW_UV_h += do_h^T o_lat_h, do_lat_h = do_h W_UV_h.
+// Determinism: the expanded attention runs OpenMP over queries (forward, dq) and over keys (dk,
+// dv), each sum in index order; no atomics.
+#include "layers/dsa/mla.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+
+#include "core/rng.h"
+#include "ops/dsa_sparse_attention.h"
+#include "ops/gemm.h"
+#include "ops/rmsnorm.h"
+#include "ops/seqlens.h"
+
+namespace hlm {
+
+// ---- config -----------------------------------------------------------------------------------
+
+double yarn_get_mscale(double factor, double mscale) {
+  return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0;
+}
+
+void MlaConfig::validate() const {
+  auto positive = [](int64_t v, const char* name) {
+    HLM_CHECK(v > 0, "MlaConfig.{} must be > 0, got {}", name, v);
+  };
+  positive(hidden_size, "hidden_size");
+  positive(num_heads, "num_heads");
+  HLM_CHECK(q_lora_rank >= 0, "MlaConfig.q_lora_rank must be >= 0 (0: plain q_proj), got {}",
+            q_lora_rank);
+  positive(kv_lora_rank, "kv_lora_rank");
+  positive(qk_nope_head_dim, "qk_nope_head_dim");
+  HLM_CHECK(qk_rope_head_dim >= 0, "MlaConfig.qk_rope_head_dim must be >= 0, got {}",
+            qk_rope_head_dim);
+  positive(v_head_dim, "v_head_dim");
+  HLM_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0,
+            "MlaConfig.rms_norm_eps must be positive and finite, got {}", rms_norm_eps);
+  if (rotary()) {
+    HLM_CHECK(qk_rope_head_dim % 2 == 0,
+              "MlaConfig.qk_rope_head_dim must be even with rope on (interleaved pairs), got {}",
+              qk_rope_head_dim);
+    HLM_CHECK(std::isfinite(rope_theta) && rope_theta > 1,
+              "MlaConfig.rope_theta must be finite and > 1, got {}", rope_theta);
+  }
+  if (yarn) {
+    HLM_CHECK(rotary(),
+              "MlaConfig.yarn: YaRN rope scaling needs rotary channels (rope on and "
+              "qk_rope_head_dim > 0); got rope = {}, qk_rope_head_dim = {}",
+              rope, qk_rope_head_dim);
+    const YarnConfig& y = *yarn;
+    HLM_CHECK(std::isfinite(y.factor) && y.factor >= 1,
+              "MlaConfig.yarn.factor must be finite and >= 1, got {}", y.factor);
+    HLM_CHECK(
+        std::isfinite(y.original_max_position_embeddings) && y.original_max_position_embeddings > 0,
+        "MlaConfig.yarn.original_max_position_embeddings must be > 0, got {}",
+        y.original_max_position_embeddings);
+    HLM_CHECK(std::isfinite(y.beta_fast) && y.beta_fast > 0,
+              "MlaConfig.yarn.beta_fast must be > 0, got {}", y.beta_fast);
+    HLM_CHECK(std::isfinite(y.beta_slow) && y.beta_slow > 0,
+              "MlaConfig.yarn.beta_slow must be > 0, got {}", y.beta_slow);
+    HLM_CHECK(std::isfinite(y.mscale) && std::isfinite(y.mscale_all_dim),
+              "MlaConfig.yarn.mscale and mscale_all_dim must be finite, got {} and {}", y.mscale,
+              y.mscale_all_dim);
+    HLM_CHECK(std::isfinite(y.attention_factor) && y.attention_factor >= 0,
+              "MlaConfig.yarn.attention_factor must be >= 0 (0: derived), got {}",
+              y.attention_factor);
+  }
+  HLM_CHECK(std::isfinite(softmax_scale) && softmax_scale >= 0,
+            "MlaConfig.softmax_scale must be >= 0 (0: derived), got {}", softmax_scale);
+  HLM_CHECK(param_dtype == DType::f64 || param_dtype == DType::f32 || param_dtype == DType::bf16,
+            "MlaConfig.param_dtype must be f64, f32 or bf16, got {}", dtype_name(param_dtype));
+  HLM_CHECK(std::isfinite(init_std) && init_std >= 0, "MlaConfig.init_std must be >= 0, got {}",
+            init_std);
+}
+
+double MlaConfig::softmax_scale_value() const {
+  if (softmax_scale > 0) return softmax_scale;
+  double s = 1.0 / std::sqrt(double(qk_nope_head_dim + qk_rope_head_dim));
+  if (yarn && yarn->mscale_all_dim != 0) {
+    const double m = yarn_get_mscale(yarn->factor, yarn->mscale_all_dim);
+    s *= m * m;
+  }
+  return s;
+}
+
+std::vector<double> MlaConfig::rope_inv_freq() const {
+  if (!rotary()) return {};
+  const int64_t d = qk_rope_head_dim, half = d / 2;
+  std::vector<double> inv(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    inv[size_t(i)] = std::pow(rope_theta, -double(2 * i) / double(d));
+  if (!yarn) return inv;
+  const YarnConfig& y = *yarn;
+  // The pair index whose wavelength makes b full turns over the original context.
+  auto corr = [&](double b) {
+    return double(d) * std::log(y.original_max_position_embeddings / (2 * std::numbers::pi * b)) /
+           (2 * std::log(rope_theta));
+  };
+  const double low = std::max(std::floor(corr(y.beta_fast)), 0.0);
+  double high = std::min(std::ceil(corr(y.beta_slow)), double(d - 1));
+  if (high == low) high += 0.001;
+  for (int64_t i = 0; i < half; ++i) {
+    const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0);
+    inv[size_t(i)] = inv[size_t(i)] / y.factor * ramp + inv[size_t(i)] * (1 - ramp);
+  }
+  return inv;
+}
+
+double MlaConfig::rope_attention_factor() const {
+  if (!yarn) return 1.0;
+  if (yarn->attention_factor > 0) return yarn->attention_factor;
+  return yarn_get_mscale(yarn->factor, yarn->mscale) /
+         yarn_get_mscale(yarn->factor, yarn->mscale_all_dim);
+}
+
+namespace {
+
+const char* json_kind(const nlohmann::json& v) {
+  return v.type_name();
+}
+
+int64_t json_int(const nlohmann::json& j, const char* key, bool required, int64_t dflt) {
+  if (!j.contains(key) || j[key].is_null()) {
+    HLM_CHECK(!required, "MLA config: required key '{}' is missing", key);
+    return dflt;
+  }
+  const auto& v = j[key];
+  HLM_CHECK(v.is_number_integer(), "MLA config: '{}' must be an integer, got {} {}", key,
+            json_kind(v), v.dump());
+  return v.get<int64_t>();
+}
+
+double json_num(const nlohmann::json& j, const char* key, double dflt) {
+  if (!j.contains(key) || j[key].is_null()) return dflt;
+  const auto& v = j[key];
+  HLM_CHECK(v.is_number(), "MLA config: '{}' must be a number, got {} {}", key, json_kind(v),
+            v.dump());
+  return v.get<double>();
+}
+
+}  // namespace
+
+MlaConfig MlaConfig::from_hf_json(const nlohmann::json& j) {
+  HLM_CHECK(j.is_object(), "MLA config: expected a JSON object, got {}", json_kind(j));
+  MlaConfig c;
+  c.hidden_size = json_int(j, "hidden_size", true, 0);
+  c.num_heads = json_int(j, "num_attention_heads", true, 0);
+  c.q_lora_rank = json_int(j, "q_lora_rank", false, 0);
+  c.kv_lora_rank = json_int(j, "kv_lora_rank", true, 0);
+  c.qk_nope_head_dim = json_int(j, "qk_nope_head_dim", true, 0);
+  c.qk_rope_head_dim = json_int(j, "qk_rope_head_dim", true, 0);
+  c.v_head_dim = json_int(j, "v_head_dim", true, 0);
+  c.rms_norm_eps = json_num(j, "rms_norm_eps", c.rms_norm_eps);
+  c.rope_theta = json_num(j, "rope_theta", c.rope_theta);
+  if (j.contains("mla_use_nope") && !j["mla_use_nope"].is_null()) {
+    HLM_CHECK(j["mla_use_nope"].is_boolean(), "MLA config: 'mla_use_nope' must be a bool, got {}",
+              j["mla_use_nope"].dump());
+    c.rope = !j["mla_use_nope"].get<bool>();
+  }
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const auto& r = j["rope_scaling"];
+    HLM_CHECK(r.is_object(), "MLA config: 'rope_scaling' must be an object or null, got {}",
+              r.dump());
+    std::string type;
+    for (const char* k : {"type", "rope_type"})
+      if (r.contains(k)) {
+        HLM_CHECK(r[k].is_string(), "MLA config: 'rope_scaling.{}' must be a string, got {}", k,
+                  r[k].dump());
+        type = r[k].get<std::string>();
+      }
+    if (type == "yarn" || type == "deepseek_yarn") {
+      YarnConfig y;
+      y.factor = json_num(r, "factor", y.factor);
+      y.original_max_position_embeddings =
+          json_num(r, "original_max_position_embeddings", y.original_max_position_embeddings);
+      y.beta_fast = json_num(r, "beta_fast", y.beta_fast);
+      y.beta_slow = json_num(r, "beta_slow", y.beta_slow);
+      y.mscale = json_num(r, "mscale", y.mscale);
+      y.mscale_all_dim = json_num(r, "mscale_all_dim", y.mscale_all_dim);
+      y.attention_factor = json_num(r, "attention_factor", y.attention_factor);
+      c.yarn = y;
+    } else {
+      HLM_CHECK(type == "default" || type.empty(),
+                "MLA config: rope_scaling type '{}' is not supported (expected yarn, "
+                "deepseek_yarn or default)",
+                type);
+    }
+  }
+  c.validate();
+  return c;
+}
+
+// ---- helpers ----------------------------------------------------------------------------------
+
+namespace {
+
+Tensor as_dt(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t : t.to(dt);
+}
+
+std::string join(const std::string& path, const char* name) {
+  return path.empty() ? std::string(name) : path + "." + name;
+}
+
+Tensor& ensure_grad(Param& p) {
+  const DType gd = grad_dtype_for(p.value.dtype());
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd);
+  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.dtype() == gd,
+            "Mla: gradient of '{}' is {}, expected {} {}", p.name, p.grad.describe(),
+            dtype_name(gd), shape_str(p.value.shape()));
+  return p.grad;
+}
+
+ops::GemmOptions gemm_opt(const GemmPrecision& p) {
+  return ops::GemmOptions{p.kind != GemmKind::native};
+}
+
+// a += b (same shape, contiguous, f32 or f64).
+void add_into(Tensor& a, const Tensor& b) {
+  const Tensor bc = as_dt(b, a.dtype()).contiguous();
+  const int64_t n = a.numel();
+  if (a.dtype() == DType::f64) {
+    double* p = a.data<double>();
+    const double* q = bc.data<double>();
+    for (int64_t i = 0; i < n; ++i) p[i] += q[i];
+  } else {
+    float* p = a.data<float>();
+    const float* q = bc.data<float>();
+    for (int64_t i = 0; i < n; ++i) p[i] += q[i];
+  }
+}
+
+std::vector<int64_t> positions_of(const std::vector<int64_t>& cu, int64_t T) {
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) pos[size_t(t)] = t - cu[n];
+  return pos;
+}
+
+// Loops with less work than this (multiply-adds, roughly) run on one thread: a parallel region
+// costs more than it saves on tiny shapes, much more when the cores are shared.
+constexpr int64_t kParallelWork = 1 << 15;
+
+// Rotates channels [off, off + d_r) of every row of x ([T, n, L] contiguous) by the angle of the
+// row's position: interleaved pairs (2i, 2i + 1) with angle pos * inv_freq[i] (computed in F, as
+// the f32 reference implementations do), cos and sin scaled by `factor`:
+//   forward:  (a, b) -> (a c - b s, a s + b c);   inverse (= the transpose, for backward):
+//   (a, b) -> (a c + b s, -a s + b c).
+template <class F>
+void rope_rows(Tensor& x, int64_t off, int64_t d_r, const std::vector<int64_t>& pos,
+               const std::vector<double>& inv_freq, double factor, bool inverse) {
+  const int64_t T = x.size(0), n = x.dim() == 3 ? x.size(1) : 1, L = x.size(-1);
+  F* p = x.data<F>();
+  const int64_t half = d_r / 2;
+#pragma omp parallel for schedule(static) if (T * n * d_r > kParallelWork)
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<F> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i) {
+      const F ang = F(pos[size_t(t)]) * F(inv_freq[size_t(i)]);
+      cs[size_t(i)] = F(std::cos(double(ang))) * F(factor);
+      sn[size_t(i)] = F(std::sin(double(ang))) * F(factor);
+    }
+    for (int64_t h = 0; h < n; ++h) {
+      F* r = p + (t * n + h) * L + off;
+      for (int64_t i = 0; i < half; ++i) {
+        const F a = r[2 * i], b = r[2 * i + 1], c = cs[size_t(i)], s = sn[size_t(i)];
+        if (!inverse) {
+          r[2 * i] = a * c - b * s;
+          r[2 * i + 1] = a * s + b * c;
+        } else {
+          r[2 * i] = a * c + b * s;
+          r[2 * i + 1] = -a * s + b * c;
+        }
+      }
+    }
+  }
+}
+
+void rope(Tensor& x, int64_t off, int64_t d_r, const std::vector<int64_t>& pos,
+          const std::vector<double>& inv_freq, double factor, bool inverse) {
+  if (x.dtype() == DType::f64)
+    rope_rows<double>(x, off, d_r, pos, inv_freq, factor, inverse);
+  else
+    rope_rows<float>(x, off, d_r, pos, inv_freq, factor, inverse);
+}
+
+template <class F>
+inline F dotp(const F* a, const F* b, int64_t n) {
+  F s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+struct Docs {
+  std::vector<int64_t> start, end;  // [T] the token's sequence [start, end)
+};
+Docs docs_of(const std::vector<int64_t>& cu, int64_t T) {
+  Docs d{std::vector<int64_t>(size_t(T)), std::vector<int64_t>(size_t(T))};
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t)
+      d.start[size_t(t)] = cu[n], d.end[size_t(t)] = cu[n + 1];
+  return d;
+}
+
+// Multiply-adds of a causal attention pass: (query, key) pairs times `per_pair`.
+int64_t attention_work(const Docs& dc, int64_t per_pair) {
+  int64_t pairs = 0;
+  for (size_t t = 0; t < dc.start.size(); ++t) pairs += int64_t(t) - dc.start[t] + 1;
+  return pairs * per_pair;
+}
+
+// Causal multi-head attention with per-head keys and values (the expanded form).
+// q, k [T, H, Dk], v [T, H, Dv] contiguous -> o [T, H, Dv], lse [T, H].
+template <class F>
+void mha_forward(const Tensor& qt, const Tensor& kt, const Tensor& vt, const Docs& dc, F scale,
+                 Tensor& ot, Tensor& lset) {
+  const int64_t T = qt.size(0), H = qt.size(1), Dk = qt.size(2), Dv = vt.size(2);
+  const F* q = qt.data<F>();
+  const F* k = kt.data<F>();
+  const F* v = vt.data<F>();
+  F* o = ot.data<F>();
+  F* lse = lset.data<F>();
+  const int64_t work = attention_work(dc, H * (Dk + Dv));
+#pragma omp parallel for schedule(dynamic, 4) if (work > kParallelWork)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s0 = dc.start[size_t(t)], n = t - s0 + 1;
+    std::vector<F> l(static_cast<size_t>(n));
+    for (int64_t h = 0; h < H; ++h) {
+      const F* qr = q + (t * H + h) * Dk;
+      F m = -std::numeric_limits<F>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        l[size_t(j)] = scale * dotp(qr, k + ((s0 + j) * H + h) * Dk, Dk);
+        m = std::max(m, l[size_t(j)]);
+      }
+      F sum = 0;
+      for (int64_t j = 0; j < n; ++j) sum += (l[size_t(j)] = std::exp(l[size_t(j)] - m));
+      F* orow = o + (t * H + h) * Dv;
+      for (int64_t c = 0; c < Dv; ++c) orow[c] = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const F pj = l[size_t(j)] / sum;
+        const F* vr = v + ((s0 + j) * H + h) * Dv;
+        for (int64_t c = 0; c < Dv; ++c) orow[c] += pj * vr[c];
+      }
+      lse[t * H + h] = m + std::log(sum);
+    }
+  }
+}
+
+template <class F>
+void mha_backward(const Tensor& qt, const Tensor& kt, const Tensor& vt, const Tensor& ot,
+                  const Tensor& lset, const Tensor& dot_, const Docs& dc, F scale, Tensor& dqt,
+                  Tensor& dkt, Tensor& dvt) {
+  const int64_t T = qt.size(0), H = qt.size(1), Dk = qt.size(2), Dv = vt.size(2);
+  const F* q = qt.data<F>();
+  const F* k = kt.data<F>();
+  const F* v = vt.data<F>();
+  const F* o = ot.data<F>();
+  const F* lse = lset.data<F>();
+  const F* dout = dot_.data<F>();
+  F* dq = dqt.data<F>();
+  F* dk = dkt.data<F>();
+  F* dv = dvt.data<F>();
+  const int64_t work = attention_work(dc, H * (Dk + Dv));
+  std::vector<F> Dt(size_t(T * H));
+  for (int64_t i = 0; i < T * H; ++i) Dt[size_t(i)] = dotp(dout + i * Dv, o + i * Dv, Dv);
+    // dq: per query, keys in increasing order.
+#pragma omp parallel for schedule(dynamic, 4) if (work > kParallelWork)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s0 = dc.start[size_t(t)];
+    for (int64_t h = 0; h < H; ++h) {
+      const F* qr = q + (t * H + h) * Dk;
+      const F* dor = dout + (t * H + h) * Dv;
+      F* dqr = dq + (t * H + h) * Dk;
+      for (int64_t c = 0; c < Dk; ++c) dqr[c] = 0;
+      for (int64_t s = s0; s <= t; ++s) {
+        const F* kr = k + (s * H + h) * Dk;
+        const F p = std::exp(scale * dotp(qr, kr, Dk) - lse[t * H + h]);
+        const F ds = p * (dotp(dor, v + (s * H + h) * Dv, Dv) - Dt[size_t(t * H + h)]);
+        for (int64_t c = 0; c < Dk; ++c) dqr[c] += ds * kr[c];
+      }
+      for (int64_t c = 0; c < Dk; ++c) dqr[c] *= scale;
+    }
+  }
+  // dk, dv: per key, readers (queries t >= s of the same sequence) in increasing order.
+#pragma omp parallel for schedule(dynamic, 4) if (work > kParallelWork)
+  for (int64_t s = 0; s < T; ++s) {
+    const int64_t e = dc.end[size_t(s)];
+    for (int64_t h = 0; h < H; ++h) {
+      const F* kr = k + (s * H + h) * Dk;
+      const F* vr = v + (s * H + h) * Dv;
+      F* dkr = dk + (s * H + h) * Dk;
+      F* dvr = dv + (s * H + h) * Dv;
+      for (int64_t c = 0; c < Dk; ++c) dkr[c] = 0;
+      for (int64_t c = 0; c < Dv; ++c) dvr[c] = 0;
+      for (int64_t t = s; t < e; ++t) {
+        const F* qr = q + (t * H + h) * Dk;
+        const F* dor = dout + (t * H + h) * Dv;
+        const F p = std::exp(scale * dotp(qr, kr, Dk) - lse[t * H + h]);
+        const F ds = p * (dotp(dor, vr, Dv) - Dt[size_t(t * H + h)]);
+        for (int64_t c = 0; c < Dk; ++c) dkr[c] += ds * qr[c];
+        for (int64_t c = 0; c < Dv; ++c) dvr[c] += p * dor[c];
+      }
+      for (int64_t c = 0; c < Dk; ++c) dkr[c] *= scale;
+    }
+  }
+}
+
+// out[t, c] = sum_h src[t, h, off + c] in head order ([T, H, L] -> [T, n]).
+template <class F>
+void sum_heads(const Tensor& src, int64_t off, int64_t n, Tensor& out) {
+  const int64_t T = src.size(0), H = src.size(1), L = src.size(2);
+  const F* s = src.data<F>();
+  F* o = out.data<F>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < n; ++c) {
+      F acc = 0;
+      for (int64_t h = 0; h < H; ++h) acc += s[(t * H + h) * L + off + c];
+      o[t * n + c] = acc;
+    }
+}
+
+void check_x(const Tensor& x, int64_t D, const char* what) {
+  HLM_CHECK(x.defined() && x.is_cpu(), "{}: x must be a defined CPU tensor, got {}", what,
+            x.defined() ? x.describe() : "undefined");
+  HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
+            "{}: x must be f64, f32 or bf16, got {}", what, x.describe());
+  HLM_CHECK(x.dim() == 2 && x.size(1) == D, "{}: x must be [T, {}] (hidden_size), got {}", what, D,
+            x.describe());
+  HLM_CHECK(x.size(0) >= 1, "{}: x has no tokens ({})", what, x.describe());
+}
+
+void check_act(const Tensor& t, const Shape& s, const char* op, const char* what) {
+  HLM_CHECK(t.defined() && t.is_cpu(), "{}: {} must be a defined CPU tensor", op, what);
+  HLM_CHECK(t.dtype() == DType::f64 || t.dtype() == DType::f32 || t.dtype() == DType::bf16,
+            "{}: {} must be f64, f32 or bf16, got {}", op, what, t.describe());
+  HLM_CHECK(t.shape() == s, "{}: {} must have shape {}, got {}", op, what, shape_str(s),
+            t.describe());
+}
+
+}  // namespace
+
+// ---- the module -------------------------------------------------------------------------------
+
+Mla::Mla(const MlaConfig& cfg, const PrecisionPolicy& policy, const std::string& path)
+    : cfg_(cfg), path_(path) {
+  cfg_.validate();
+  const int64_t D = cfg_.hidden_size, H = cfg_.num_heads, rq = cfg_.q_lora_rank,
+                rkv = cfg_.kv_lora_rank, dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim,
+                dv = cfg_.v_head_dim;
+  const DType dt = cfg_.param_dtype;
+  auto prec = [&](const char* name) {
+    return policy.resolve(join(path_, name), ModuleRole::mla_proj);
+  };
+  if (rq > 0) {
+    q_norm_ = &add_param("q_a_layernorm.weight", Tensor::full({rq}, 1.0, dt), false, true);
+    q_a_proj_.init(D, rq, false, prec("q_a_proj"), dt);
+    add_child("q_a_proj", &q_a_proj_);
+    q_b_proj_.init(rq, H * (dn + dr), false, prec("q_b_proj"), dt);
+    add_child("q_b_proj", &q_b_proj_);
+  } else {
+    q_proj_.init(D, H * (dn + dr), false, prec("q_proj"), dt);
+    add_child("q_proj", &q_proj_);
+  }
+  kv_norm_ = &add_param("kv_a_layernorm.weight", Tensor::full({rkv}, 1.0, dt), false, true);
+  kv_a_proj_.init(D, rkv + dr, false, prec("kv_a_proj_with_mqa"), dt);
+  add_child("kv_a_proj_with_mqa", &kv_a_proj_);
+  kv_b_proj_.init(rkv, H * (dn + dv), false, prec("kv_b_proj"), dt);
+  add_child("kv_b_proj", &kv_b_proj_);
+  o_proj_.init(H * dv, D, false, prec("o_proj"), dt);
+  add_child("o_proj", &o_proj_);
+  inv_freq_ = cfg_.rope_inv_freq();
+  rope_factor_ = cfg_.rope_attention_factor();
+}
+
+DType Mla::compute_dtype() const {
+  return cfg_.param_dtype == DType::f64 ? DType::f64 : DType::f32;
+}
+
+void Mla::init_weights(uint64_t seed) {
+  // Only MLA's own parameters (a derived layer may own more children): norms first, then the
+  // projections in registration order, as named_parameters() lists them for a plain Mla.
+  std::vector<Param*> params;
+  if (q_norm_) params.push_back(q_norm_);
+  params.push_back(kv_norm_);
+  for (Linear* l : {&q_a_proj_, &q_b_proj_, &q_proj_, &kv_a_proj_, &kv_b_proj_, &o_proj_})
+    if (l->in_features() > 0) params.push_back(&l->weight());
+  for (size_t i = 0; i < params.size(); ++i) {
+    Param* p = params[i];
+    if (p == q_norm_ || p == kv_norm_) {
+      p->value.fill_(1.0);
+    } else {
+      Rng rng(seed, i);
+      rng.fill_normal(p->value, 0.0, cfg_.init_std);
+    }
+  }
+}
+
+Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {
+  int64_t W = 1;
+  for (size_t n = 0; n + 1 < cu.size(); ++n) W = std::max(W, cu[n + 1] - cu[n]);
+  Tensor idx = Tensor::full({T, W}, -1.0, DType::i32);
+  int32_t* p = idx.data<int32_t>();
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t)
+      for (int64_t s = cu[n]; s <= t; ++s) p[t * W + (s - cu[n])] = int32_t(s);
+  return idx;
+}
+
+Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                            ProjSaved* s) const {
+  check_x(x, cfg_.hidden_size, "Mla::project");
+  const int64_t T = x.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dqk = dn + dr;
+  const std::vector<int64_t> cu = ops::check_cu_seqlens(cu_seqlens, T, "Mla: cu_seqlens");
+  const bool save = s && ctx.training;
+  const DType cdt = compute_dtype();
+  const Tensor xc = as_dt(x, cdt).contiguous();
+  const std::vector<int64_t> pos = positions_of(cu, T);
+  Projected p;
+  Tensor q2;
+  if (cfg_.q_lora_rank > 0) {
+    const Tensor qa = q_a_proj_.forward(ctx, xc, save ? &s->q_a : nullptr);
+    ops::RmsNormResult nr = ops::rmsnorm_forward(qa, as_dt(q_norm_->value, cdt), cfg_.rms_norm_eps);
+    p.c_q = nr.y;
+    q2 = q_b_proj_.forward(ctx, p.c_q, save ? &s->q_b : nullptr);
+    if (save) s->q_a_out = qa, s->q_rstd = nr.rstd;
+  } else {
+    q2 = q_proj_.forward(ctx, xc, save ? &s->q_a : nullptr);
+  }
+  p.q = q2.contiguous().view({T, H, dqk});
+  if (cfg_.rotary()) rope(p.q, dn, dr, pos, inv_freq_, rope_factor_, false);
+
+  const Tensor kva = kv_a_proj_.forward(ctx, xc, save ? &s->kv_a : nullptr);
+  const Tensor lat = kva.slice(1, 0, rkv).contiguous();
+  ops::RmsNormResult nk = ops::rmsnorm_forward(lat, as_dt(kv_norm_->value, cdt), cfg_.rms_norm_eps);
+  p.kv = Tensor::empty({T, rkv + dr}, cdt);
+  p.kv.slice(1, 0, rkv).copy_(nk.y);
+  if (dr > 0) {
+    p.kv.slice(1, rkv, rkv + dr).copy_(kva.slice(1, rkv, rkv + dr));
+    if (cfg_.rotary()) rope(p.kv, rkv, dr, pos, inv_freq_, rope_factor_, false);
+  }
+  if (save) {
+    s->kv_lat_raw = lat;
+    s->kv_rstd = nk.rstd;
+    s->positions = pos;
+  }
+  return p;
+}
+
+Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor& dkv,
+                             const ProjSaved& s) {
+  const char* op = "Mla::project_backward";
+  HLM_CHECK(s.kv_rstd.defined(), "{}: ProjSaved is empty (project was not run with training)", op);
+  const int64_t T = s.kv_rstd.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dqk = dn + dr;
+  check_act(dq, {T, H, dqk}, op, "dq");
+  check_act(dkv, {T, rkv + dr}, op, "dkv");
+  const DType cdt = compute_dtype();
+  // q path
+  Tensor dqc = as_dt(dq, cdt).clone();
+  if (cfg_.rotary()) rope(dqc, dn, dr, s.positions, inv_freq_, rope_factor_, true);
+  Tensor dx;
+  if (cfg_.q_lora_rank > 0) {
+    const Tensor dcq = q_b_proj_.backward(ctx, dqc.view({T, H * dqk}), s.q_b);
+    Tensor& gw = ensure_grad(*q_norm_);
+    const Tensor dqa =
+        ops::rmsnorm_backward(dcq, s.q_a_out, as_dt(q_norm_->value, cdt), s.q_rstd, gw);
+    dx = q_a_proj_.backward(ctx, dqa, s.q_a);
+  } else {
+    dx = q_proj_.backward(ctx, dqc.view({T, H * dqk}), s.q_a);
+  }
+  // kv path
+  Tensor dkvc = as_dt(dkv, cdt).clone();
+  if (cfg_.rotary()) rope(dkvc, rkv, dr, s.positions, inv_freq_, rope_factor_, true);
+  Tensor& gkw = ensure_grad(*kv_norm_);
+  const Tensor dlat = ops::rmsnorm_backward(dkvc.slice(1, 0, rkv).contiguous(), s.kv_lat_raw,
+                                            as_dt(kv_norm_->value, cdt), s.kv_rstd, gkw);
+  Tensor dkva = Tensor::empty({T, rkv + dr}, cdt);
+  dkva.slice(1, 0, rkv).copy_(dlat);
+  if (dr > 0) dkva.slice(1, rkv, rkv + dr).copy_(dkvc.slice(1, rkv, rkv + dr));
+  const Tensor dx2 = kv_a_proj_.backward(ctx, dkva, s.kv_a);
+  dx = dx.contiguous();
+  add_into(dx, dx2);
+  return dx;
+}
+
+Tensor Mla::absorb_query(const Tensor& q) const {
+  const int64_t T = q.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
+  check_act(q, {T, H, dn + dr}, "Mla::absorb_query", "q");
+  const DType cdt = compute_dtype();
+  const Tensor qc = as_dt(q, cdt).contiguous();
+  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
+  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
+  Tensor qa = Tensor::empty({T, H, rkv + dr}, cdt);
+  for (int64_t h = 0; h < H; ++h) {
+    const Tensor wuk = w.slice(0, h * (dn + dv), h * (dn + dv) + dn);  // [d_n, r_kv]
+    Tensor out = qa.select(1, h).slice(1, 0, rkv);
+    ops::gemm(qc.select(1, h).slice(1, 0, dn), false, wuk, false, out, 1.0, 0.0, opt);
+    if (dr > 0)
+      qa.select(1, h).slice(1, rkv, rkv + dr).copy_(qc.select(1, h).slice(1, dn, dn + dr));
+  }
+  return qa;
+}
+
+Tensor Mla::absorb_query_backward(const Tensor& dq_abs, const Tensor& q) {
+  const char* op = "Mla::absorb_query_backward";
+  const int64_t T = q.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
+  check_act(q, {T, H, dn + dr}, op, "q");
+  check_act(dq_abs, {T, H, rkv + dr}, op, "dq_abs");
+  const DType cdt = compute_dtype();
+  const Tensor qc = as_dt(q, cdt).contiguous(), dqa = as_dt(dq_abs, cdt).contiguous();
+  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
+  Tensor& gw = ensure_grad(kv_b_proj_.weight());
+  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
+  Tensor dq = Tensor::empty({T, H, dn + dr}, cdt);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t r0 = h * (dn + dv);
+    const Tensor dlat = dqa.select(1, h).slice(1, 0, rkv);  // [T, r_kv]
+    Tensor dqn = dq.select(1, h).slice(1, 0, dn);
+    ops::gemm(dlat, false, w.slice(0, r0, r0 + dn), true, dqn, 1.0, 0.0, opt);
+    Tensor g = gw.slice(0, r0, r0 + dn);
+    ops::gemm(qc.select(1, h).slice(1, 0, dn), true, dlat, false, g, 1.0, 1.0, opt);
+    if (dr > 0)
+      dq.select(1, h).slice(1, dn, dn + dr).copy_(dqa.select(1, h).slice(1, rkv, rkv + dr));
+  }
+  return dq;
+}
+
+Tensor Mla::output(const Context& ctx, const Tensor& o_lat, OutSaved* s) const {
+  const int64_t T = o_lat.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim;
+  check_act(o_lat, {T, H, rkv}, "Mla::output", "o_lat");
+  const DType cdt = compute_dtype();
+  const Tensor ol = as_dt(o_lat, cdt).contiguous();
+  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
+  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
+  Tensor heads = Tensor::empty({T, H * dv}, cdt);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t r0 = h * (dn + dv) + dn;
+    Tensor out = heads.slice(1, h * dv, (h + 1) * dv);
+    ops::gemm(ol.select(1, h), false, w.slice(0, r0, r0 + dv), true, out, 1.0, 0.0, opt);
+  }
+  const bool save = s && ctx.training;
+  const Tensor y = o_proj_.forward(ctx, heads, save ? &s->o_proj : nullptr);
+  if (save) s->o_lat = ol;
+  return y;
+}
+
+Tensor Mla::output_backward(const Context& ctx, const Tensor& dy, const OutSaved& s) {
+  const char* op = "Mla::output_backward";
+  HLM_CHECK(s.o_lat.defined(), "{}: OutSaved is empty (output was not run with training)", op);
+  const int64_t T = s.o_lat.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim;
+  check_act(dy, {T, cfg_.hidden_size}, op, "dy");
+  const DType cdt = compute_dtype();
+  const Tensor dheads = o_proj_.backward(ctx, as_dt(dy, cdt).contiguous(), s.o_proj);
+  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
+  Tensor& gw = ensure_grad(kv_b_proj_.weight());
+  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
+  Tensor dol = Tensor::empty({T, H, rkv}, cdt);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t r0 = h * (dn + dv) + dn;
+    const Tensor dh = dheads.slice(1, h * dv, (h + 1) * dv);
+    Tensor out = dol.select(1, h);
+    ops::gemm(dh, false, w.slice(0, r0, r0 + dv), false, out, 1.0, 0.0, opt);
+    Tensor g = gw.slice(0, r0, r0 + dv);
+    ops::gemm(dh, true, s.o_lat.select(1, h), false, g, 1.0, 1.0, opt);
+  }
+  return dol;
+}
+
+Tensor Mla::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                    Saved* saved) const {
+  check_x(x, cfg_.hidden_size, "Mla::forward");
+  const std::vector<int64_t> cu =
+      ops::check_cu_seqlens(cu_seqlens, x.size(0), "Mla::forward: cu_seqlens");
+  const bool save = saved && ctx.training;
+  Saved* full = nullptr;
+  if (save) {
+    *saved = Saved{};
+    saved->x = x;
+    saved->cu_seqlens = cu_seqlens;
+    saved->form = cfg_.form;
+    saved->full = !ctx.recompute;
+    if (saved->full) full = saved;
+  }
+  const Tensor y = forward_full(x, cu, cu_seqlens, full, cfg_.form);
+  return as_dt(y, x.dtype());
+}
+
+Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const Tensor& cu_t,
+                         Saved* s, MlaForm form) const {
+  Context c;
+  c.training = s != nullptr;
+  const int64_t T = x.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim,
+                dqk = dn + dr;
+  const DType cdt = compute_dtype();
+  const double scale = cfg_.softmax_scale_value();
+  Projected p = project(c, x, cu_t, s ? &s->proj : nullptr);
+  Tensor y;
+  if (form == MlaForm::expanded) {
+    const Tensor kvb =
+        kv_b_proj_.forward(c, p.kv.slice(1, 0, rkv).contiguous(), s ? &s->kv_b : nullptr)
+            .contiguous()
+            .view({T, H, dn + dv});
+    Tensor k = Tensor::empty({T, H, dqk}, cdt), v = Tensor::empty({T, H, dv}, cdt);
+    k.slice(2, 0, dn).copy_(kvb.slice(2, 0, dn));
+    v.copy_(kvb.slice(2, dn, dn + dv));
+    for (int64_t h = 0; h < H && dr > 0; ++h)
+      k.select(1, h).slice(1, dn, dqk).copy_(p.kv.slice(1, rkv, rkv + dr));
+    Tensor attn = Tensor::empty({T, H, dv}, cdt), lse = Tensor::empty({T, H}, cdt);
+    const Docs dc = docs_of(cu, T);
+    if (cdt == DType::f64)
+      mha_forward<double>(p.q, k, v, dc, scale, attn, lse);
+    else
+      mha_forward<float>(p.q, k, v, dc, float(scale), attn, lse);
+    y = o_proj_.forward(c, attn.view({T, H * dv}), s ? &s->o_proj : nullptr);
+    if (s) s->k = k, s->v = v, s->attn = attn, s->lse = lse;
+  } else {
+    const Tensor qa = absorb_query(p.q);
+    const Tensor idx = causal_indices(cu, T);
+    ops::SparseAttentionOut r = ops::sparse_attention(qa, p.kv, idx, cu_t, rkv, scale);
+    y = output(c, r.out, s ? &s->out : nullptr);
+    if (s) s->q_abs = qa, s->indices = idx, s->lse = r.lse;
+  }
+  if (s) s->p = p;
+  return y;
+}
+
+Tensor Mla::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
+  HLM_CHECK(saved.x.defined(),
+            "Mla::backward: Saved is empty (run forward with ctx.training and a Saved first)");
+  const int64_t T = saved.x.size(0);
+  check_act(dy, {T, cfg_.hidden_size}, "Mla::backward", "dy");
+  const Tensor dyc = as_dt(dy, compute_dtype()).contiguous();
+  Tensor dx;
+  if (saved.full) {
+    dx = backward_full(dyc, saved);
+  } else {
+    // Selective recompute: rebuild every activation from the saved input, then run backward.
+    Saved full;
+    full.x = saved.x;
+    full.cu_seqlens = saved.cu_seqlens;
+    full.form = saved.form;
+    full.full = true;
+    const std::vector<int64_t> cu =
+        ops::check_cu_seqlens(saved.cu_seqlens, T, "Mla::backward: cu_seqlens");
+    forward_full(saved.x, cu, saved.cu_seqlens, &full, saved.form);
+    dx = backward_full(dyc, full);
+  }
+  (void)ctx;
+  return as_dt(dx, saved.x.dtype());
+}
+
+Tensor Mla::backward_full(const Tensor& dy, const Saved& s) {
+  Context c;
+  const int64_t T = s.x.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
+                dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim,
+                dqk = dn + dr;
+  const DType cdt = compute_dtype();
+  const double scale = cfg_.softmax_scale_value();
+  if (s.form == MlaForm::expanded) {
+    const Tensor dattn = o_proj_.backward(c, dy, s.o_proj).contiguous().view({T, H, dv});
+    Tensor dq = Tensor::empty({T, H, dqk}, cdt), dk = Tensor::empty({T, H, dqk}, cdt),
+           dvv = Tensor::empty({T, H, dv}, cdt);
+    const std::vector<int64_t> cu =
+        ops::check_cu_seqlens(s.cu_seqlens, T, "Mla::backward: cu_seqlens");
+    const Docs dc = docs_of(cu, T);
+    if (cdt == DType::f64)
+      mha_backward<double>(s.p.q, s.k, s.v, s.attn, s.lse, dattn, dc, scale, dq, dk, dvv);
+    else
+      mha_backward<float>(s.p.q, s.k, s.v, s.attn, s.lse, dattn, dc, float(scale), dq, dk, dvv);
+    Tensor dkvb = Tensor::empty({T, H, dn + dv}, cdt);
+    dkvb.slice(2, 0, dn).copy_(dk.slice(2, 0, dn));
+    dkvb.slice(2, dn, dn + dv).copy_(dvv);
+    const Tensor dckv = kv_b_proj_.backward(c, dkvb.view({T, H * (dn + dv)}), s.kv_b);
+    Tensor dkv = Tensor::empty({T, rkv + dr}, cdt);
+    dkv.slice(1, 0, rkv).copy_(dckv);
+    if (dr > 0) {
+      Tensor dkp = Tensor::empty({T, dr}, cdt);
+      if (cdt == DType::f64)
+        sum_heads<double>(dk, dn, dr, dkp);
+      else
+        sum_heads<float>(dk, dn, dr, dkp);
+      dkv.slice(1, rkv, rkv + dr).copy_(dkp);
+    }
+    return project_backward(c, dq, dkv, s.proj);
+  }
+  const Tensor dol = output_backward(c, dy, s.out);
+  const ops::SparseAttentionGrads g = ops::sparse_attention_backward(
+      s.q_abs, s.p.kv, s.indices, s.cu_seqlens, rkv, scale, s.out.o_lat, s.lse, dol);
+  const Tensor dq = absorb_query_backward(g.dq, s.p.q);
+  return project_backward(c, dq, g.dkv, s.proj);
+}
+
+}  // namespace hlm
