@@ -127,7 +127,14 @@ const std::set<std::string> kIgnoredKeys = {"architectures",
                                             "tokenizer_class",
                                             "attn_implementation",
                                             "experts_implementation",
-                                            "keys_to_ignore_at_inference"};
+                                            "keys_to_ignore_at_inference",
+                                            // written by transformers' save_pretrained
+                                            "output_router_logits",
+                                            "chunk_size_feed_forward",
+                                            "is_encoder_decoder",
+                                            "id2label",
+                                            "label2id",
+                                            "problem_type"};
 
 // The keys PrecisionPolicy::from_json reads (layers/precision.h).
 const char* const kPrecisionKeys[] = {"gemm_precision",

@@ -1,0 +1,84 @@
+"""Reference side of the parity check against transformers' Glm5NextTextModel (eager).
+
+  python3 hf_parity.py DIR [--seed S] [--batch B] [--seq T] [--dtype float64|float32]
+
+DIR/config.json is a glm5_next / glm5_next_text config (as `hybridlm` writes it). The script builds
+the model with that config, draws every parameter at random (so no zero or one initialisation can
+hide a mismatch), saves it with save_pretrained into DIR (model.safetensors), draws input_ids [B, T]
+and a probe shaped like last_hidden_state, and writes
+  DIR/tokens.safetensors  input_ids I64 [B, T]
+  DIR/probe.safetensors   probe F32 [B, T, D]
+  DIR/ref.safetensors     last_hidden_state F32 [B, T, D] and grad.NAME F32 for every parameter,
+                          the gradients of sum(last_hidden_state * probe)
+The forward runs in --dtype (float64 by default, a sharper reference than float32).
+Then `hybridlm forward --model DIR --tokens DIR/tokens.safetensors --grad-probe DIR/probe.safetensors
+--out DIR/ours.safetensors` and `compare.py DIR/ref.safetensors DIR/ours.safetensors` finish the check.
+"""
+import argparse, json, os
+
+import torch
+from safetensors.torch import save_file
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+ap = argparse.ArgumentParser()
+ap.add_argument("dir")
+ap.add_argument("--seed", type=int, default=1234)
+ap.add_argument("--batch", type=int, default=2)
+ap.add_argument("--seq", type=int, default=80)
+ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+args = ap.parse_args()
+dtype = getattr(torch, args.dtype)
+
+with open(os.path.join(args.dir, "config.json")) as f:
+    cfg = json.load(f)
+if cfg.get("model_type") == "glm5_next" and "text_config" in cfg:
+    cfg = cfg["text_config"]
+cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+# Our compact forms -> the per-layer lists transformers reads.
+L = cfg["num_hidden_layers"]
+if "layer_pattern" in cfg:
+    cfg["layer_types"] = ["linear_attention" if c == "K" else "deepseek_sparse_attention"
+                          for c in cfg.pop("layer_pattern")]
+if "mlp_layer_types" not in cfg and "first_k_dense_replace" in cfg:
+    k = cfg.pop("first_k_dense_replace")
+    cfg["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (L - k)
+cfg.setdefault("indexer_types", ["full"] * L)
+cfg.setdefault("pad_token_id", None)  # transformers' default (154820) is outside a small vocab
+with open(os.path.join(args.dir, "config.ours.json"), "w") as f:
+    json.dump(cfg | {"model_type": "glm5_next_text"}, f, indent=1)
+config = Glm5NextTextConfig(**cfg)
+config._attn_implementation = "eager"
+config._experts_implementation = "eager"  # the reference loop (grouped_mm has no float64)
+
+torch.manual_seed(args.seed)
+model = Glm5NextTextModel(config).to(dtype)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty_like(p).uniform_(-0.5, 0.5))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
+        elif p.dim() == 1 and ("norm" in name or name.endswith("scale")):
+            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        elif name.endswith("e_score_correction_bias"):
+            p.copy_(0.05 * torch.randn_like(p))
+        else:
+            p.copy_(0.02 * torch.randn_like(p) * (1.0 if p.dim() > 1 else 5.0))
+# save_pretrained rewrites DIR/config.json with every field the model used (HF's full form).
+model.save_pretrained(args.dir, safe_serialization=True)
+
+ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+out = model(input_ids=ids).last_hidden_state
+probe = torch.randn_like(out)
+loss = (out * probe).sum()
+loss.backward()
+save_file({"input_ids": ids.to(torch.int64).contiguous()}, os.path.join(args.dir, "tokens.safetensors"))
+save_file({"probe": probe.float().contiguous()}, os.path.join(args.dir, "probe.safetensors"))
+ref = {"last_hidden_state": out.detach().float().contiguous()}
+for name, p in model.named_parameters():
+    if p.grad is not None:
+        ref["grad." + name] = p.grad.float().contiguous()
+save_file(ref, os.path.join(args.dir, "ref.safetensors"))
+print(f"reference: {sum(p.numel() for p in model.parameters())} parameters, B={args.batch} "
+      f"T={args.seq}, dtype {args.dtype}, |h| = {out.norm().item():.6g}")
