@@ -3,13 +3,17 @@
 // docs/parity.md.
 //
 //   hybridlm forward --model DIR --tokens IN.safetensors --out OUT.safetensors
-//                    [--grad-probe P.safetensors] [--dtype f32|f64]
+//                    [--grad-probe P.safetensors] [--dtype f32|f64] [--dsa-indices S.safetensors]
 // IN: input_ids I64 [B, T] (each row a sequence) or [T] with cu_seqlens (I64/I32 [N+1]).
 // OUT: last_hidden_state F32 ([B, T, D] or [T, D]); logits F32 when the checkpoint has lm_head
 // (or ties it); with --grad-probe (tensor `probe`, shaped like last_hidden_state) the loss
 // sum(last_hidden_state * probe) is backpropagated and OUT also holds grad.NAME (F32) for every
 // parameter under its HF name. MTP weights in the checkpoint are ignored (the tool runs the main
 // stack); the MoE aux and indexer losses are not part of the probe loss.
+// --dsa-indices: the token set each query of DSA layer i attends, tensor "layers.<i>" I32/I64
+// [B, T, W] with positions local to the row (or [T, W] global ids for [T] input), -1 padded: the
+// reference's selection replayed (top-k ties may be broken differently by another
+// implementation; replaying the selection compares everything else exactly).
 #include <cstdio>
 #include <filesystem>
 
@@ -23,7 +27,7 @@ namespace hlm::cli {
 namespace {
 
 struct ForwardArgs {
-  std::string model, tokens, out, probe, dtype = "f32";
+  std::string model, tokens, out, probe, dtype = "f32", dsa_indices;
 };
 
 void run_forward(const ForwardArgs& a) {
@@ -64,6 +68,30 @@ void run_forward(const ForwardArgs& a) {
   }
   mi.logits = have_head;
   mi.aux_losses = false;
+  if (!a.dsa_indices.empty()) {
+    const safetensors::Contents sel = safetensors::load(a.dsa_indices);
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      if (cfg.layer_kind(l) != LayerKind::dsa) continue;
+      auto f = sel.tensors.find("layers." + std::to_string(l));
+      if (f == sel.tensors.end()) {
+        mi.dsa_indices.emplace_back();
+        continue;
+      }
+      Tensor t = f->second.to(DType::i64).contiguous();
+      if (t.dim() == 3) {  // [B, T, W], local positions -> global ids
+        HLM_CHECK(t.size(0) == B && t.size(1) == T,
+                  "forward: {} layers.{} must be [{}, {}, W], got {}", a.dsa_indices, l, B, T,
+                  t.describe());
+        const int64_t W = t.size(2);
+        int64_t* p = t.data<int64_t>();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < T * W; ++i)
+            if (p[b * T * W + i] >= 0) p[b * T * W + i] += b * T;
+        t = t.view({B * T, W});
+      }
+      mi.dsa_indices.push_back(t);
+    }
+  }
   const int64_t D = cfg.hidden_size;
 
   const bool grads = !a.probe.empty();
@@ -108,6 +136,8 @@ std::function<void()> setup_forward(CLI::App& app) {
   app.add_option("--grad-probe", a->probe,
                  "safetensors with probe [like last_hidden_state]: also write grad.NAME");
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
+  app.add_option("--dsa-indices", a->dsa_indices,
+                 "safetensors with layers.<i> [B, T, W]: replay these DSA selections");
   return [a] { run_forward(*a); };
 }
 

@@ -227,6 +227,7 @@ class DecoderLayer : public Module {
  public:
   struct Saved {
     Tensor x;           // input streams [T, n, D] (always kept)
+    Tensor given;       // the DSA selection given to the forward (kept for the re-run)
     bool full = false;  // false under Recompute::full: backward re-runs the layer
     MhcSite::Saved attn_site, ffn_site;
     RmsNorm::Saved in_norm, post_norm;
@@ -238,6 +239,7 @@ class DecoderLayer : public Module {
   struct Out {
     double aux_loss = 0, indexer_loss = 0;
     Tensor counts, topk;  // MoE only
+    Tensor indices;       // DSA only: the attended sets
   };
 
   DecoderLayer(const ModelConfig& c, int64_t index, const HybridModelOptions& o)
@@ -269,12 +271,11 @@ class DecoderLayer : public Module {
       case LayerKind::dsa:
       case LayerKind::mla: {
         DsaLayerConfig d = dsa_layer_config(c, dt, sub_seed(o.seed, index, 4));
-        if (c.layer_kind(index) == LayerKind::mla) d.indexer.reset();
-        HLM_CHECK(c.layer_kind(index) == LayerKind::mla || c.indexer_kinds.empty() ||
-                      c.indexer_kinds[size_t(index)] == IndexerKind::full,
-                  "HybridModel: layer {}: shared indexers (indexer_types \"shared\") are not "
-                  "supported yet",
-                  index);
+        // Dense MLA layers and "shared" DSA layers (which attend the previous DSA layer's
+        // selection) have no indexer of their own.
+        shared_ = c.layer_kind(index) == LayerKind::dsa && !c.indexer_kinds.empty() &&
+                  c.indexer_kinds[size_t(index)] == IndexerKind::shared;
+        if (c.layer_kind(index) == LayerKind::mla || shared_) d.indexer.reset();
         if (!d.indexer) d.indexer_loss = false;
         dsa_ = std::make_unique<DsaLayer>(d, pol, attn_path);
         dsa_->init_weights(sub_seed(o.seed, index, 5));
@@ -297,20 +298,23 @@ class DecoderLayer : public Module {
   bool is_moe() const { return moe_ != nullptr; }
   MoeLayer* moe() { return moe_.get(); }
   DsaLayer* dsa() { return dsa_.get(); }
+  bool is_dsa() const { return dsa_ != nullptr; }
+  bool shares_selection() const { return shared_; }
 
-  // X [T, n, D] -> X' [T, n, D].
+  // X [T, n, D] -> X' [T, n, D]. given: the DSA selection to attend (undefined: the layer's own).
   Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
-                 const Tensor& replay) const {
+                 const Tensor& replay, const Tensor& given) const {
     if (ctx.training && s && recompute_ == Recompute::full) {
       Saved local;
-      Tensor y = run(ctx, x, cu, &local, out, replay);
+      Tensor y = run(ctx, x, cu, &local, out, replay, given);
       s->x = x;
+      s->given = given;
       s->full = false;
       return y;
     }
     if (s) s->full = true;
     Saved local;
-    return run(ctx, x, cu, s ? s : &local, out, replay);
+    return run(ctx, x, cu, s ? s : &local, out, replay, given);
   }
 
   // dX' -> dX; parameter grads +=. d_aux: weight of the MoE aux loss; indexer_scale: of the
@@ -321,7 +325,7 @@ class DecoderLayer : public Module {
       // Full recompute: re-run the layer (deterministic: the same selection and routing).
       Saved again;
       Out ignored;
-      run(ctx, s.x, cu, &again, &ignored, replay);
+      run(ctx, s.x, cu, &again, &ignored, replay, s.given);
       return run_backward(ctx, dx_out, again, d_aux, indexer_scale);
     }
     return run_backward(ctx, dx_out, s, d_aux, indexer_scale);
@@ -335,7 +339,7 @@ class DecoderLayer : public Module {
   }
 
   Tensor run(const Context& ctx, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
-             const Tensor& replay) const {
+             const Tensor& replay, const Tensor& given) const {
     const Context c = sub_ctx(ctx);
     const bool train = ctx.training;
     s->x = x;
@@ -347,9 +351,12 @@ class DecoderLayer : public Module {
     if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
     } else {
-      DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
+      DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
       y = o.y;
-      if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
+      if (out) {
+        if (o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
+        out->indices = o.indices;
+      }
     }
     Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
     // FFN site.
@@ -406,6 +413,7 @@ class DecoderLayer : public Module {
   int64_t index_;
   Recompute recompute_;
   bool mhc_;
+  bool shared_ = false;
   std::unique_ptr<MhcSite> attn_hc_, ffn_hc_;
   std::unique_ptr<RmsNorm> in_norm_, post_norm_;
   std::unique_ptr<KdaLayer> kda_;
@@ -657,11 +665,33 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   Tensor e = ops::embedding_forward(embed_->value, tokens).to(cdt);
   const int64_t n = cfg_.mhc.streams();
   Tensor x = cfg_.mhc.enabled ? ops::mhc_expand(e, n) : e.reshape({T, 1, D});
-  int64_t moe_i = 0;
+  int64_t n_dsa = 0;
+  for (const auto& l : layers_) n_dsa += l->is_dsa();
+  HLM_CHECK(in.dsa_indices.empty() || int64_t(in.dsa_indices.size()) == n_dsa,
+            "HybridModel::forward: dsa_indices must hold one entry per DSA layer ({}), got {}",
+            n_dsa, in.dsa_indices.size());
+  int64_t moe_i = 0, dsa_i = 0;
+  Tensor prev_sel;  // the last DSA layer's attended sets ("shared" indexer layers reuse them)
   for (size_t l = 0; l < layers_.size(); ++l) {
     DecoderLayer::Out lo;
     const Tensor rp = layers_[l]->is_moe() ? replay_of(moe_i) : Tensor();
-    x = layers_[l]->forward(ctx, x, cu, train ? &s->layers[l] : nullptr, &lo, rp);
+    Tensor given;
+    if (layers_[l]->is_dsa()) {
+      if (!in.dsa_indices.empty()) given = in.dsa_indices[size_t(dsa_i)];
+      if (!given.defined() && layers_[l]->shares_selection()) {
+        HLM_CHECK(prev_sel.defined(),
+                  "HybridModel: layer {} shares the selection of a previous DSA layer, but "
+                  "there is none before it",
+                  l);
+        given = prev_sel;
+      }
+    }
+    x = layers_[l]->forward(ctx, x, cu, train ? &s->layers[l] : nullptr, &lo, rp, given);
+    if (layers_[l]->is_dsa()) {
+      ++dsa_i;
+      prev_sel = lo.indices;
+      out.dsa_indices.push_back(lo.indices);
+    }
     if (layers_[l]->is_moe()) {
       ++moe_i;
       out.aux_loss += lo.aux_loss;

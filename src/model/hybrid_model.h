@@ -79,6 +79,11 @@ struct ModelInputs {
   OutputProcessor output_processor;  // optional: replaces lm_head + CE for the main loss
   // Routing replay: per MoE layer (main layers in order, then MTP), [T, K] indices or undefined.
   std::vector<Tensor> replay;
+  // Selection replay: per DSA layer of the main stack (in order), the token set each query
+  // attends ([T, W] global ids, -1 padded; DsaLayer::forward given_indices) or undefined (the
+  // layer's own indexer). A layer whose indexer_types entry is "shared" attends the previous DSA
+  // layer's set.
+  std::vector<Tensor> dsa_indices;
 };
 
 struct ModelOutput {
@@ -91,6 +96,7 @@ struct ModelOutput {
   // Per MoE layer (main layers in order, then MTP): tokens per expert [E] i64 and the selection.
   std::vector<Tensor> expert_counts;
   std::vector<Tensor> expert_topk;
+  std::vector<Tensor> dsa_indices;  // per DSA layer of the main stack: the attended sets
 };
 
 class DecoderLayer;

@@ -276,6 +276,37 @@ TEST(HybridModel, OutputProcessorReplacesTheHead) {
   EXPECT_NEAR(out.lm_loss, testing::dot(out.hidden, probe), 1e-12);
 }
 
+// Replaying the model's own DSA selections reproduces it bit for bit; a "shared" DSA layer attends
+// the previous DSA layer's sets; a non-causal given index is refused.
+TEST(HybridModel, DsaSelectionReplayAndSharedIndexers) {
+  Rng rng(test_seed());
+  const Batch b = random_batch({30, 19}, 24, rng);
+  Context eval;
+  eval.training = false;
+  {
+    HybridModel m(tiny_config(), {.dtype = DType::f32, .seed = 9});
+    const ModelOutput own = m.forward(eval, inputs_of(b, true));
+    ASSERT_EQ(own.dsa_indices.size(), 1u);
+    ModelInputs in = inputs_of(b, true);
+    in.dsa_indices = own.dsa_indices;
+    const ModelOutput again = m.forward(eval, in);
+    EXPECT_TRUE(testing::bit_equal(again.hidden, own.hidden));
+    Tensor bad = own.dsa_indices[0].to(DType::i64);
+    bad.data<int64_t>()[0] = 5;  // query 0 cannot attend token 5
+    in.dsa_indices = {bad};
+    EXPECT_THROW(m.forward(eval, in), Error);
+  }
+  nlohmann::json j = tiny_json();
+  j["layer_pattern"] = "KDD";
+  j["indexer_types"] = {"full", "full", "shared"};
+  const ModelConfig cfg = ModelConfig::from_json(j, "shared indexer config");
+  HybridModel m(cfg, {.dtype = DType::f32, .seed = 4});
+  EXPECT_EQ(m.find_parameter("model.layers.2.self_attn.indexer.wq_b.weight"), nullptr);
+  const ModelOutput out = m.forward(eval, inputs_of(b, true));
+  ASSERT_EQ(out.dsa_indices.size(), 2u);
+  EXPECT_TRUE(testing::bit_equal(out.dsa_indices[1], out.dsa_indices[0]));
+}
+
 TEST(HybridModel, BadInputIsAClearError) {
   HybridModel m(tiny_config(), {.dtype = DType::f32, .seed = 1});
   Context eval;

@@ -10,6 +10,7 @@ and a probe shaped like last_hidden_state, and writes
   DIR/probe.safetensors   probe F32 [B, T, D]
   DIR/ref.safetensors     last_hidden_state F32 [B, T, D] and grad.NAME F32 for every parameter,
                           the gradients of sum(last_hidden_state * probe)
+  DIR/indices.safetensors layers.<i> I32 [B, T, W]: the token set each DSA layer attended
 The forward runs in --dtype (float64 by default, a sharper reference than float32).
 Then `hybridlm forward --model DIR --tokens DIR/tokens.safetensors --grad-probe DIR/probe.safetensors
 --out DIR/ours.safetensors` and `compare.py DIR/ref.safetensors DIR/ours.safetensors` finish the check.
@@ -69,12 +70,20 @@ with torch.no_grad():
 model.save_pretrained(args.dir, safe_serialization=True)
 
 ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+# Capture every indexer's selection (the DSA layers' attended token sets) for replay.
+selections = {}
+for i, layer in enumerate(model.layers):
+    ix = getattr(layer.self_attn, "indexer", None)
+    if ix is not None:
+        ix.register_forward_hook(
+            lambda mod, inp, out, i=i: selections.__setitem__(f"layers.{i}", out.to(torch.int32).contiguous()))
 out = model(input_ids=ids).last_hidden_state
 probe = torch.randn_like(out)
 loss = (out * probe).sum()
 loss.backward()
 save_file({"input_ids": ids.to(torch.int64).contiguous()}, os.path.join(args.dir, "tokens.safetensors"))
 save_file({"probe": probe.float().contiguous()}, os.path.join(args.dir, "probe.safetensors"))
+save_file(selections, os.path.join(args.dir, "indices.safetensors"))
 ref = {"last_hidden_state": out.detach().float().contiguous()}
 for name, p in model.named_parameters():
     if p.grad is not None:

@@ -11,6 +11,8 @@
 //           gradients dh, dc_q are dropped: the indexer's inputs are detached).
 #include "layers/dsa/dsa_layer.h"
 
+#include <algorithm>
+
 #include <cmath>
 
 #include "ops/dsa_indexer_loss.h"
@@ -75,7 +77,7 @@ DsaIndexer& DsaLayer::indexer() {
 }
 
 DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
-                                   Saved* saved) const {
+                                   Saved* saved, const Tensor& given_indices) const {
   HLM_CHECK(x.defined() && x.dim() == 2 && x.size(0) >= 1,
             "DsaLayer::forward: x must be [T >= 1, {}], got {}", config().hidden_size,
             x.defined() ? x.describe() : "undefined");
@@ -84,7 +86,7 @@ DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Te
   Saved local;
   Saved* work = nullptr;
   if (ctx.training) work = (save && !ctx.recompute) ? saved : &local;
-  Output out = forward_full(x, cu_seqlens, ctx.training, work, lcfg_.stage);
+  Output out = forward_full(x, cu_seqlens, ctx.training, work, lcfg_.stage, given_indices);
   if (save) {
     if (ctx.recompute) {
       *saved = Saved{};
@@ -92,14 +94,44 @@ DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Te
       saved->cu_seqlens = cu_seqlens;
       saved->stage = lcfg_.stage;
       saved->has_loss = out.has_indexer_loss;
+      saved->given = given_indices;
     }
     saved->full = !ctx.recompute;
   }
   return out;
 }
 
+// Checks a given selection: [T, W] integer, each entry -1 or a causal token of the query's own
+// sequence, no duplicates in a row. Returns it as i32.
+static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t>& cu, int64_t T) {
+  HLM_CHECK(given.dim() == 2 && given.size(0) == T && given.size(1) >= 1 &&
+                (given.dtype() == DType::i32 || given.dtype() == DType::i64),
+            "DsaLayer::forward: given_indices must be i32/i64 [{}, W >= 1], got {}", T,
+            given.describe());
+  const Tensor g = given.to(DType::i64).contiguous();
+  const int64_t W = g.size(1);
+  const int64_t* p = g.data<int64_t>();
+  for (size_t n = 0; n + 1 < cu.size(); ++n)
+    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+      std::vector<int64_t> row;
+      for (int64_t w = 0; w < W; ++w) {
+        const int64_t s = p[t * W + w];
+        if (s < 0) continue;
+        HLM_CHECK(s >= cu[n] && s <= t,
+                  "DsaLayer::forward: given_indices[{}, {}] = {} is not a causal token of the "
+                  "query's sequence [{}, {}]",
+                  t, w, s, cu[n], t);
+        row.push_back(s);
+      }
+      std::sort(row.begin(), row.end());
+      HLM_CHECK(std::adjacent_find(row.begin(), row.end()) == row.end(),
+                "DsaLayer::forward: given_indices row {} selects a token twice", t);
+    }
+  return g.to(DType::i32);
+}
+
 DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const Tensor& cu_seqlens, bool training,
-                                        Saved* s, DsaStage stage) const {
+                                        Saved* s, DsaStage stage, const Tensor& given) const {
   Context c;
   c.training = training && s != nullptr;
   const int64_t T = x.size(0), rkv = config().kv_lora_rank;
@@ -111,17 +143,20 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const Tensor& cu_seqlen
     s->cu_seqlens = cu_seqlens;
     s->stage = stage;
     s->full = true;
+    s->given = given;
   }
   Projected p = project(c, x, cu_seqlens, s ? &s->proj : nullptr);
   const Tensor q_abs = absorb_query(p.q);
 
   const bool want_loss = c.training && indexer_ && lcfg_.indexer_loss;
-  const bool run_indexer = indexer_ && (stage == DsaStage::sparse || want_loss);
+  const bool use_given = given.defined() && (stage == DsaStage::sparse || !indexer_);
+  const bool run_indexer = indexer_ && ((stage == DsaStage::sparse && !use_given) || want_loss);
   DsaIndexer::Output sel;
   if (run_indexer)
     sel = indexer_->forward(c, x, p.c_q, cu_seqlens, want_loss ? &s->indexer : nullptr);
-  const Tensor indices =
-      (indexer_ && stage == DsaStage::sparse) ? sel.indices : Mla::causal_indices(cu, T);
+  const Tensor indices = use_given ? check_given_indices(given, cu, T)
+                         : (indexer_ && stage == DsaStage::sparse) ? sel.indices
+                                                                   : Mla::causal_indices(cu, T);
 
   ops::SparseAttentionOut att = ops::sparse_attention(q_abs, p.kv, indices, cu_seqlens, rkv, scale);
   Output out;
@@ -172,7 +207,7 @@ Tensor DsaLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
     // Selective recompute: the same deterministic forward rebuilds every activation and the
     // selection.
     Saved full;
-    forward_full(saved.x, saved.cu_seqlens, true, &full, saved.stage);
+    forward_full(saved.x, saved.cu_seqlens, true, &full, saved.stage, saved.given);
     dx = backward_full(dy, full, indexer_grad_scale);
   }
   return as_dt(dx, saved.x.dtype());

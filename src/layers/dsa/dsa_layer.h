@@ -84,6 +84,7 @@ class DsaLayer : public Mla {
     bool has_loss = false;
     DsaIndexer::Saved indexer;
     Tensor target;  // detached token-level target of the indexer loss (its stage's layout)
+    Tensor given;   // given_indices as passed (kept for recompute)
   };
 
   // path: "model.layers.3.self_attn"; the indexer is path + ".indexer".
@@ -96,8 +97,13 @@ class DsaLayer : public Mla {
   DsaIndexer& indexer();  // throws when there is none
   Mla& mla() { return *this; }
 
-  // x [T, D] (f64, f32 or bf16), cu_seqlens [N+1].
-  Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved) const;
+  // x [T, D] (f64, f32 or bf16), cu_seqlens [N+1]. given_indices (optional, i32/i64 [T, W]):
+  // the set each query attends, replacing the indexer's selection in the sparse stage (index
+  // sharing between layers, selection replay); global token ids within the query's own sequence
+  // and causal, -1 padded, no duplicates. A layer without an indexer attends the given set when
+  // one is given. The indexer still runs for its loss (over its own selection).
+  Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
+                 const Tensor& given_indices = {}) const;
   // dy [T, D] -> dx (dtype of the saved x). indexer_grad_scale multiplies the indexer loss's
   // gradient (the LM loss scale; 0 skips the indexer backward).
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved,
@@ -105,7 +111,7 @@ class DsaLayer : public Mla {
 
  private:
   Output forward_full(const Tensor& x, const Tensor& cu_seqlens, bool training, Saved* s,
-                      DsaStage stage) const;
+                      DsaStage stage, const Tensor& given) const;
   Tensor backward_full(const Tensor& dy, const Saved& s, double indexer_grad_scale);
 
   DsaLayerConfig lcfg_;
