@@ -6,7 +6,8 @@
 //                    [--grad-probe P.safetensors] [--dtype f32|f64] [--dsa-indices S.safetensors]
 // IN: input_ids I64 [B, T] (each row a sequence) or [T] with cu_seqlens (I64/I32 [N+1]).
 // OUT: last_hidden_state F32 ([B, T, D] or [T, D]); logits F32 when the checkpoint has lm_head
-// (or ties it); with --grad-probe (tensor `probe`, shaped like last_hidden_state) the loss
+// (or ties it); dsa_indices.layers.<i> I32 [B, T, W] (row-local positions; [T, W] global ids
+// for [T] input): the token sets the DSA layers attended; with --grad-probe (tensor `probe`, shaped like last_hidden_state) the loss
 // sum(last_hidden_state * probe) is backpropagated and OUT also holds grad.NAME (F32) for every
 // parameter under its HF name. MTP weights in the checkpoint are ignored (the tool runs the main
 // stack); the MoE aux and indexer losses are not part of the probe loss.
@@ -107,6 +108,23 @@ void run_forward(const ForwardArgs& a) {
   if (out.logits.defined()) {
     const int64_t V = cfg.vocab_size;
     res["logits"] = out.logits.to(DType::f32).view(ids.dim() == 2 ? Shape{B, T, V} : Shape{T, V});
+  }
+  // The token sets the DSA layers attended, in the layout of --dsa-indices.
+  {
+    size_t d = 0;
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      if (cfg.layer_kind(l) != LayerKind::dsa || d >= out.dsa_indices.size()) continue;
+      Tensor t = out.dsa_indices[d++].to(DType::i64).contiguous();
+      if (ids.dim() == 2) {
+        const int64_t W = t.size(1);
+        int64_t* p = t.data<int64_t>();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < T * W; ++i)
+            if (p[b * T * W + i] >= 0) p[b * T * W + i] -= b * T;
+        t = t.view({B, T, W});
+      }
+      res["dsa_indices.layers." + std::to_string(l)] = t.to(DType::i32);
+    }
   }
   if (grads) {
     const safetensors::Contents pc = safetensors::load(a.probe);

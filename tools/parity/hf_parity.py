@@ -77,13 +77,33 @@ for i, layer in enumerate(model.layers):
     if ix is not None:
         ix.register_forward_hook(
             lambda mod, inp, out, i=i: selections.__setitem__(f"layers.{i}", out.to(torch.int32).contiguous()))
+# ... and the pool scores each indexer ranked (the argument of its topk), to look for ties.
+scores = {}
+_topk = torch.Tensor.topk
+current = {"layer": None}
+
+
+def recording_topk(t, k, *a, **kw):
+    if current["layer"] is not None:
+        scores[current["layer"]] = t.detach().double().contiguous()
+    return _topk(t, k, *a, **kw)
+
+
+for i, layer in enumerate(model.layers):
+    ix = getattr(layer.self_attn, "indexer", None)
+    if ix is not None:
+        ix.register_forward_pre_hook(lambda mod, inp, i=i: current.__setitem__("layer", f"layers.{i}"))
+        ix.register_forward_hook(lambda mod, inp, out: current.__setitem__("layer", None))
+torch.Tensor.topk = recording_topk
 out = model(input_ids=ids).last_hidden_state
+torch.Tensor.topk = _topk
 probe = torch.randn_like(out)
 loss = (out * probe).sum()
 loss.backward()
 save_file({"input_ids": ids.to(torch.int64).contiguous()}, os.path.join(args.dir, "tokens.safetensors"))
 save_file({"probe": probe.float().contiguous()}, os.path.join(args.dir, "probe.safetensors"))
 save_file(selections, os.path.join(args.dir, "indices.safetensors"))
+save_file(scores, os.path.join(args.dir, "pool_scores.safetensors"))
 ref = {"last_hidden_state": out.detach().float().contiguous()}
 for name, p in model.named_parameters():
     if p.grad is not None:
