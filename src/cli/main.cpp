@@ -66,10 +66,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!action) {
-    // No command: the built-in main job (see README). Until the trainer lands this is the
-    // demonstration registered as "demo".
+    // No command: the built-in main job (see README), `hybridlm train` on its defaults.
     for (auto& e : commands())
-      if (e.name == "demo") {
+      if (e.name == "train") {
         CLI::App tmp;
         action = e.setup(tmp);
       }

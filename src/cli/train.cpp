@@ -1,0 +1,157 @@
+// `hybridlm train`: trains a hybrid model on the CPU (train/trainer.h; docs/training.md, "The
+// training loop"). Without arguments: configs/train_mqar.json, the tiny GLM-5.3-Flash-shaped
+// hybrid on MQAR, into runs/mqar (runs/mqar-2, ... when that holds a run already).
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/ranges.h>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "train/trainer.h"
+
+namespace hlm::cli {
+namespace {
+namespace fs = std::filesystem;
+
+constexpr const char* kDefaultConfig = "configs/train_mqar.json";
+constexpr const char* kDefaultOut = "runs/mqar";
+
+struct TrainArgs {
+  std::string config, data, out, resume, device = "cpu";
+  std::optional<int64_t> steps, seed;
+  int64_t stop_after = 0;
+  std::vector<std::string> sets;
+  bool overwrite = false;
+};
+
+// The default training config: in the current directory, else beside the executable (build
+// directories sit in the repository: <repo>/build-x/hybridlm).
+std::string find_default_config() {
+  std::vector<fs::path> tried;
+  tried.push_back(kDefaultConfig);
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    fs::path d = exe.parent_path();
+    for (int up = 0; up < 3 && !d.empty(); ++up, d = d.parent_path()) {
+      tried.push_back(d / kDefaultConfig);
+      if (d == d.root_path()) break;
+    }
+  }
+  std::string list;
+  for (const auto& p : tried) {
+    if (fs::exists(p, ec)) return p.lexically_normal().string();
+    list += (list.empty() ? "" : ", ") + p.string();
+  }
+  throw Error(
+      fmt::format("the default training config {} was not found (looked at {}); pass "
+                  "--config FILE",
+                  kDefaultConfig, list));
+}
+
+bool holds_run(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / train::kTrainerStateFile, ec) ||
+         fs::exists(dir / train::kMetricsFile, ec);
+}
+
+void run_train(const TrainArgs& a) {
+  if (a.device == "cuda")
+    throw Error(
+        "--device cuda: the CUDA training path is not available yet; `hybridlm train` runs on "
+        "the CPU (--device cpu)");
+  if (a.device != "cpu")
+    throw Error(fmt::format("--device must be cpu or cuda, got '{}'", a.device));
+
+  train::TrainerOptions opts;
+  opts.stop_after = a.stop_after;
+  train::TrainConfig cfg;
+  if (!a.resume.empty()) {
+    if (!a.config.empty())
+      throw Error(
+          "--config and --resume exclude each other: a resumed run continues with the "
+          "checkpoint's training config (change settings with --set key=value)");
+    if (!a.out.empty() && fs::weakly_canonical(a.out) != fs::weakly_canonical(a.resume))
+      throw Error(
+          fmt::format("--out {} and --resume {} differ: a resumed run continues in its "
+                      "own directory",
+                      a.out, a.resume));
+    if (!a.data.empty())
+      throw Error("--data and --resume exclude each other: a resumed run keeps its data");
+    const train::TrainerCheckpoint ck = train::read_trainer_checkpoint(a.resume);
+    const train::SplitOverrides ov = train::split_overrides(a.sets);
+    if (!ov.model.empty())
+      throw Error(
+          fmt::format("--resume: the model of a checkpoint cannot change (model overrides: "
+                      "{}); only training settings can be set",
+                      fmt::join(ov.model, " ")));
+    std::vector<std::string> sets = a.sets;
+    if (a.steps) sets.push_back(fmt::format("steps={}", *a.steps));
+    if (a.seed) sets.push_back(fmt::format("seed={}", *a.seed));
+    cfg = train::make_train_config(ck.train_config, sets, a.resume + "/" + train::kTrainerStateFile,
+                                   "");
+    opts.out_dir = a.resume;
+    opts.resume = true;
+  } else {
+    const std::string path = a.config.empty() ? find_default_config() : a.config;
+    nlohmann::json j = train::read_train_config_file(path);
+    std::vector<std::string> sets = a.sets;
+    if (a.steps) sets.push_back(fmt::format("steps={}", *a.steps));
+    if (a.seed) sets.push_back(fmt::format("seed={}", *a.seed));
+    if (!a.data.empty()) {
+      // The data path is relative to the current directory (not to the config file).
+      sets.push_back("data=" + nlohmann::json(fs::absolute(a.data).string()).dump());
+    }
+    cfg = train::make_train_config(j, sets, path, fs::path(path).parent_path().string());
+    if (a.out.empty()) {
+      // The default directory: the first of runs/mqar, runs/mqar-2, ... that holds no run.
+      std::string out = kDefaultOut;
+      for (int i = 2; holds_run(out); ++i) out = fmt::format("{}-{}", kDefaultOut, i);
+      opts.out_dir = out;
+    } else {
+      if (holds_run(a.out) && !a.overwrite)
+        throw Error(
+            fmt::format("--out {} holds a training run already: pass --resume {} to "
+                        "continue it, --overwrite to replace it, or another --out",
+                        a.out, a.out));
+      opts.out_dir = a.out;
+    }
+  }
+  train::Trainer trainer(cfg, opts);
+  trainer.run();
+}
+
+std::function<void()> setup_train(CLI::App& app) {
+  auto a = std::make_shared<TrainArgs>();
+  app.add_option(
+      "--config", a->config,
+      "training config (JSON; default configs/train_mqar.json: the tiny hybrid on MQAR)");
+  app.add_option("--data", a->data,
+                 "training data: a UTF-8 text file (byte tokens) or a .bin of uint32 ids; MQAR "
+                 "when absent");
+  app.add_option("--steps", a->steps, "total optimizer steps (also the total when resuming)");
+  app.add_option("--out", a->out, "run directory (default runs/mqar, or runs/mqar-N when taken)");
+  app.add_option("--resume", a->resume, "continue the run in this directory to --steps total");
+  app.add_option("--seed", a->seed, "seed of the initialisation and the data");
+  app.add_option("--device", a->device, "cpu (cuda: not available yet)");
+  app.add_option("--set", a->sets,
+                 "key=value override (repeatable): a training key, or model.KEY / any model "
+                 "config field for the model")
+      ->take_all()
+      ->allow_extra_args(false);
+  app.add_option("--stop-after", a->stop_after,
+                 "stop with a checkpoint after this step, as if interrupted (resume later)");
+  app.add_flag("--overwrite", a->overwrite, "replace a run that --out holds already");
+  return [a] { run_train(*a); };
+}
+
+}  // namespace
+
+HLM_REGISTER_COMMAND("train", "train a hybrid model on the CPU (default: tiny hybrid on MQAR)",
+                     setup_train);
+
+}  // namespace hlm::cli

@@ -1,0 +1,1033 @@
+// The training loop (trainer.h; docs/training.md, "The training loop").
+#include "train/trainer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+#include "model/checkpoint.h"
+#include "ops/cross_entropy.h"
+
+namespace hlm::train {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- typed access to the training-config JSON ---------------------------------------------------
+
+std::string json_type(const json& v) {
+  return v.is_null() ? "null" : std::string(v.type_name());
+}
+
+int64_t get_int(const json& v, const std::string& key, const std::string& what) {
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return int64_t(d);
+  }
+  throw Error(
+      fmt::format("{}: '{}' must be an integer, got {} ({})", what, key, v.dump(), json_type(v)));
+}
+
+double get_double(const json& v, const std::string& key, const std::string& what) {
+  if (v.is_number()) return v.get<double>();
+  throw Error(
+      fmt::format("{}: '{}' must be a number, got {} ({})", what, key, v.dump(), json_type(v)));
+}
+
+bool get_bool(const json& v, const std::string& key, const std::string& what) {
+  if (v.is_boolean()) return v.get<bool>();
+  throw Error(fmt::format("{}: '{}' must be true or false, got {} ({})", what, key, v.dump(),
+                          json_type(v)));
+}
+
+std::string get_string(const json& v, const std::string& key, const std::string& what) {
+  if (v.is_string()) return v.get<std::string>();
+  throw Error(
+      fmt::format("{}: '{}' must be a string, got {} ({})", what, key, v.dump(), json_type(v)));
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
+  return s;
+}
+
+const std::vector<std::string>& mqar_keys() {
+  static const std::vector<std::string> k = {"vocab_size", "num_keys",       "min_pairs",
+                                             "max_pairs",  "query_fraction", "loss_on_all_tokens"};
+  return k;
+}
+
+DType parse_param_dtype(const std::string& s, const std::string& what) {
+  if (s == "f32" || s == "float32") return DType::f32;
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "f64" || s == "float64") return DType::f64;
+  throw Error(fmt::format("{}: 'dtype' must be \"f32\", \"bf16\" or \"f64\", got \"{}\"", what, s));
+}
+
+// A relative path: against base_dir when the file exists there, else as given (current directory).
+std::string resolve_path(const std::string& p, const std::string& base_dir) {
+  if (p.empty() || fs::path(p).is_absolute() || base_dir.empty()) return p;
+  const fs::path in_base = fs::path(base_dir) / p;
+  std::error_code ec;
+  if (fs::exists(in_base, ec)) return in_base.lexically_normal().string();
+  return p;
+}
+
+// Keys of two flat JSON objects whose values differ ("key: a -> b").
+std::vector<std::string> json_differences(const json& a, const json& b,
+                                          const std::set<std::string>& skip = {}) {
+  std::vector<std::string> out;
+  std::set<std::string> keys;
+  for (auto it = a.begin(); it != a.end(); ++it) keys.insert(it.key());
+  for (auto it = b.begin(); it != b.end(); ++it) keys.insert(it.key());
+  for (const auto& k : keys) {
+    if (skip.count(k)) continue;
+    const json va = a.contains(k) ? a[k] : json(), vb = b.contains(k) ? b[k] : json();
+    if (va != vb) out.push_back(fmt::format("{}: {} -> {}", k, va.dump(), vb.dump()));
+  }
+  return out;
+}
+
+std::string path_in(const std::string& dir, const char* name) {
+  return (fs::path(dir) / name).string();
+}
+
+// Leftover temporaries of an interrupted save (".<file>.tmp.<pid>.<n>", model/checkpoint.cpp).
+void remove_stale_temporaries(const std::string& dir) {
+  static const char* kOwned[] = {kTrainerStateFile, checkpoint::kSingleFile,
+                                 checkpoint::kConfigFile, kTrainConfigFile};
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    for (const char* f : kOwned)
+      if (name.rfind(std::string(".") + f + ".tmp.", 0) == 0) fs::remove(e.path(), ec);
+  }
+}
+
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  const Tensor x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
+}
+
+int64_t parse_meta_int(const safetensors::Metadata& m, const std::string& key,
+                       const std::string& what) {
+  auto it = m.find(key);
+  if (it == m.end()) throw Error(fmt::format("{}: metadata '{}' is missing", what, key));
+  try {
+    size_t pos = 0;
+    const long long v = std::stoll(it->second, &pos);
+    if (pos == it->second.size() && v >= 0) return int64_t(v);
+  } catch (const std::exception&) {
+  }
+  throw Error(fmt::format("{}: metadata '{}' must be a non-negative integer, got \"{}\"", what, key,
+                          it->second));
+}
+
+}  // namespace
+
+// ---- policies
+// -------------------------------------------------------------------------------------
+
+NonfinitePolicy parse_nonfinite_policy(const std::string& s) {
+  if (s == "stop") return NonfinitePolicy::stop;
+  if (s == "skip") return NonfinitePolicy::skip;
+  throw Error(fmt::format("'nonfinite' must be \"stop\" or \"skip\", got \"{}\"", s));
+}
+
+const char* nonfinite_policy_name(NonfinitePolicy p) {
+  return p == NonfinitePolicy::stop ? "stop" : "skip";
+}
+
+// ---- the training config ----------------------------------------------------------------------
+
+const std::vector<std::string>& train_config_keys() {
+  static const std::vector<std::string> k = {"model",
+                                             "dtype",
+                                             "recompute",
+                                             "mtp",
+                                             "steps",
+                                             "tokens_per_step",
+                                             "seed",
+                                             "schedule",
+                                             "lr",
+                                             "warmup_steps",
+                                             "min_lr_ratio",
+                                             "decay_steps",
+                                             "weight_decay",
+                                             "beta1",
+                                             "beta2",
+                                             "eps",
+                                             "grad_clip",
+                                             "eval_interval",
+                                             "eval_batches",
+                                             "log_interval",
+                                             "checkpoint_interval",
+                                             "dsa_dense_warmup_steps",
+                                             "nonfinite",
+                                             "data",
+                                             "seq_len",
+                                             "shuffle",
+                                             "mqar"};
+  return k;
+}
+
+TrainConfig TrainConfig::from_json(const json& j, const std::string& what,
+                                   const std::string& base_dir) {
+  if (!j.is_object())
+    throw Error(
+        fmt::format("{}: a training config must be a JSON object, got {}", what, json_type(j)));
+  const auto& known = train_config_keys();
+  TrainConfig c;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (!k.empty() && k[0] == '_') continue;  // "_comment" and the like
+    if (std::find(known.begin(), known.end(), k) == known.end())
+      throw Error(
+          fmt::format("{}: unknown key '{}' (known keys: {}; a model config field goes "
+                      "under \"model\" or is set with --set model.{}=...)",
+                      what, k, join(known), k));
+    if (k == "model_overrides") {
+      if (!v.is_array())
+        throw Error(
+            fmt::format("{}: 'model_overrides' must be a list of \"key=value\" strings, "
+                        "got {}",
+                        what, json_type(v)));
+      for (const auto& o : v)
+        if (!o.is_string() || o.get<std::string>().find('=') == std::string::npos)
+          throw Error(
+              fmt::format("{}: 'model_overrides' entries must be \"key=value\" strings, "
+                          "got {}",
+                          what, o.dump()));
+    } else if (k == "model") {
+      if (v.is_string()) {
+        const std::string p = resolve_path(v.get<std::string>(), base_dir);
+        c.model = read_json_file(p);
+        c.model_source = p;
+      } else if (v.is_object()) {
+        c.model = v;
+        c.model_source = "inline";
+      } else {
+        throw Error(fmt::format(
+            "{}: 'model' must be a model config path or an inline config object, got {}", what,
+            json_type(v)));
+      }
+    } else if (k == "dtype") {
+      c.dtype = parse_param_dtype(get_string(v, k, what), what);
+    } else if (k == "recompute") {
+      const std::string s = get_string(v, k, what);
+      try {
+        c.recompute = parse_recompute(s);
+      } catch (const Error& e) {
+        throw Error(fmt::format("{}: 'recompute': {}", what, e.what()));
+      }
+    } else if (k == "mtp") {
+      c.mtp = get_bool(v, k, what);
+    } else if (k == "steps") {
+      c.steps = get_int(v, k, what);
+    } else if (k == "tokens_per_step") {
+      c.tokens_per_step = get_int(v, k, what);
+    } else if (k == "seed") {
+      const int64_t s = get_int(v, k, what);
+      if (s < 0) throw Error(fmt::format("{}: 'seed' must be >= 0, got {}", what, s));
+      c.seed = uint64_t(s);
+    } else if (k == "schedule") {
+      const std::string s = get_string(v, k, what);
+      try {
+        c.schedule = parse_schedule_kind(s);
+      } catch (const Error& e) {
+        throw Error(fmt::format("{}: 'schedule': {}", what, e.what()));
+      }
+    } else if (k == "lr") {
+      c.lr = get_double(v, k, what);
+    } else if (k == "warmup_steps") {
+      c.warmup_steps = get_int(v, k, what);
+    } else if (k == "min_lr_ratio") {
+      c.min_lr_ratio = get_double(v, k, what);
+    } else if (k == "decay_steps") {
+      c.decay_steps = get_int(v, k, what);
+    } else if (k == "weight_decay") {
+      c.adamw.weight_decay = get_double(v, k, what);
+    } else if (k == "beta1") {
+      c.adamw.beta1 = get_double(v, k, what);
+    } else if (k == "beta2") {
+      c.adamw.beta2 = get_double(v, k, what);
+    } else if (k == "eps") {
+      c.adamw.eps = get_double(v, k, what);
+    } else if (k == "grad_clip") {
+      c.adamw.max_grad_norm = get_double(v, k, what);
+    } else if (k == "eval_interval") {
+      c.eval_interval = get_int(v, k, what);
+    } else if (k == "eval_batches") {
+      c.eval_batches = get_int(v, k, what);
+    } else if (k == "log_interval") {
+      c.log_interval = get_int(v, k, what);
+    } else if (k == "checkpoint_interval") {
+      c.checkpoint_interval = get_int(v, k, what);
+    } else if (k == "dsa_dense_warmup_steps") {
+      c.dsa_dense_warmup_steps = get_int(v, k, what);
+    } else if (k == "nonfinite") {
+      const std::string s = get_string(v, k, what);
+      try {
+        c.nonfinite = parse_nonfinite_policy(s);
+      } catch (const Error& e) {
+        throw Error(fmt::format("{}: {}", what, e.what()));
+      }
+    } else if (k == "data") {
+      c.data_path = v.is_null() ? std::string() : get_string(v, k, what);
+      c.data_path = resolve_path(c.data_path, base_dir);
+    } else if (k == "seq_len") {
+      c.seq_len = get_int(v, k, what);
+    } else if (k == "shuffle") {
+      c.shuffle = get_bool(v, k, what);
+    } else if (k == "mqar") {
+      if (!v.is_object())
+        throw Error(fmt::format("{}: 'mqar' must be an object, got {}", what, json_type(v)));
+      const auto& mk = mqar_keys();
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        const std::string key = "mqar." + m.key();
+        const json& mv = m.value();
+        if (std::find(mk.begin(), mk.end(), m.key()) == mk.end())
+          throw Error(
+              fmt::format("{}: unknown key '{}' (known mqar keys: {})", what, key, join(mk)));
+        if (m.key() == "vocab_size") c.mqar.vocab_size = get_int(mv, key, what);
+        if (m.key() == "num_keys") c.mqar.num_keys = get_int(mv, key, what);
+        if (m.key() == "min_pairs") c.mqar.min_pairs = get_int(mv, key, what);
+        if (m.key() == "max_pairs") c.mqar.max_pairs = get_int(mv, key, what);
+        if (m.key() == "query_fraction") c.mqar.query_fraction = get_double(mv, key, what);
+        if (m.key() == "loss_on_all_tokens") c.mqar.loss_on_all_tokens = get_bool(mv, key, what);
+      }
+    }
+  }
+  if (!j.contains("mqar")) {
+    // Defaults relative to the model (resolved in mqar_config()).
+    c.mqar.vocab_size = 0;
+    c.mqar.num_keys = 0;
+  } else {
+    if (!j["mqar"].contains("vocab_size")) c.mqar.vocab_size = 0;
+    if (!j["mqar"].contains("num_keys")) c.mqar.num_keys = 0;
+  }
+  if (c.model_source.empty()) {
+    // No "model" key: the default model config.
+    const std::string p = resolve_path("configs/tiny.json", base_dir);
+    c.model = read_json_file(p);
+    c.model_source = p;
+  }
+  if (j.contains("model_overrides") && !j["model_overrides"].empty()) {
+    std::vector<std::string> mo;
+    for (const auto& o : j["model_overrides"]) mo.push_back(o.get<std::string>());
+    apply_overrides(c.model, mo);
+    c.model_source += " with " + join(mo, " ");
+  }
+  c.validate(what);
+  return c;
+}
+
+json TrainConfig::to_json() const {
+  json j = json::object();
+  j["model"] = model;
+  j["dtype"] = dtype_name(dtype);
+  j["recompute"] = recompute_name(recompute);
+  j["mtp"] = mtp;
+  j["steps"] = steps;
+  j["tokens_per_step"] = tokens_per_step;
+  j["seed"] = seed;
+  j["schedule"] = schedule_kind_name(schedule);
+  j["lr"] = lr;
+  j["warmup_steps"] = warmup_steps;
+  j["min_lr_ratio"] = min_lr_ratio;
+  j["decay_steps"] = decay_steps;
+  j["weight_decay"] = adamw.weight_decay;
+  j["beta1"] = adamw.beta1;
+  j["beta2"] = adamw.beta2;
+  j["eps"] = adamw.eps;
+  j["grad_clip"] = adamw.max_grad_norm;
+  j["eval_interval"] = eval_interval;
+  j["eval_batches"] = eval_batches;
+  j["log_interval"] = log_interval;
+  j["checkpoint_interval"] = checkpoint_interval;
+  j["dsa_dense_warmup_steps"] = dsa_dense_warmup_steps;
+  j["nonfinite"] = nonfinite_policy_name(nonfinite);
+  j["data"] = data_path;
+  j["seq_len"] = seq_len;
+  j["shuffle"] = shuffle;
+  j["mqar"] = {
+      {"vocab_size", mqar.vocab_size},         {"num_keys", mqar.num_keys},
+      {"min_pairs", mqar.min_pairs},           {"max_pairs", mqar.max_pairs},
+      {"query_fraction", mqar.query_fraction}, {"loss_on_all_tokens", mqar.loss_on_all_tokens}};
+  return j;
+}
+
+ModelConfig TrainConfig::model_config() const {
+  return ModelConfig::from_json(model, "model config (" + model_source + ")");
+}
+
+MqarConfig TrainConfig::mqar_config() const {
+  MqarConfig m = mqar;
+  const ModelConfig mc = model_config();
+  if (m.vocab_size == 0) m.vocab_size = mc.vocab_size;
+  if (m.num_keys == 0) m.num_keys = m.vocab_size / 2;
+  m.tokens_per_step = tokens_per_step;
+  m.eval_batches = eval_batches;
+  m.seed = seed;
+  return m;
+}
+
+ScheduleConfig TrainConfig::schedule_config() const {
+  ScheduleConfig s;
+  s.kind = schedule;
+  s.lr = lr;
+  s.total_steps = decay_steps > 0 ? decay_steps : steps;
+  s.warmup_steps = std::min(warmup_steps, s.total_steps);  // a short run warms up over all of it
+  s.min_lr_ratio = min_lr_ratio;
+  return s;
+}
+
+void TrainConfig::validate(const std::string& what) const {
+  auto need = [&](bool ok, const std::string& msg) {
+    if (!ok) throw Error(fmt::format("{}: {}", what, msg));
+  };
+  need(steps >= 1, fmt::format("'steps' must be >= 1, got {}", steps));
+  need(tokens_per_step >= 1,
+       fmt::format("'tokens_per_step' must be >= 1, got {}", tokens_per_step));
+  need(std::isfinite(lr) && lr >= 0, fmt::format("'lr' must be finite and >= 0, got {}", lr));
+  need(warmup_steps >= 0, fmt::format("'warmup_steps' must be >= 0, got {}", warmup_steps));
+  need(decay_steps >= 0, fmt::format("'decay_steps' must be >= 0 (0: steps), got {}", decay_steps));
+  need(min_lr_ratio >= 0 && min_lr_ratio <= 1,
+       fmt::format("'min_lr_ratio' must be in [0, 1], got {}", min_lr_ratio));
+  need(adamw.beta1 >= 0 && adamw.beta1 < 1,
+       fmt::format("'beta1' must be in [0, 1), got {}", adamw.beta1));
+  need(adamw.beta2 >= 0 && adamw.beta2 < 1,
+       fmt::format("'beta2' must be in [0, 1), got {}", adamw.beta2));
+  need(adamw.eps > 0 && std::isfinite(adamw.eps),
+       fmt::format("'eps' must be finite and > 0, got {}", adamw.eps));
+  need(std::isfinite(adamw.weight_decay) && adamw.weight_decay >= 0,
+       fmt::format("'weight_decay' must be finite and >= 0, got {}", adamw.weight_decay));
+  need(std::isfinite(adamw.max_grad_norm),
+       fmt::format("'grad_clip' must be finite (<= 0: no clipping), got {}", adamw.max_grad_norm));
+  need(eval_interval >= 0, fmt::format("'eval_interval' must be >= 0, got {}", eval_interval));
+  need(eval_batches >= 1, fmt::format("'eval_batches' must be >= 1, got {}", eval_batches));
+  need(log_interval >= 0, fmt::format("'log_interval' must be >= 0, got {}", log_interval));
+  need(checkpoint_interval >= 0,
+       fmt::format("'checkpoint_interval' must be >= 0 (0: only at the end), got {}",
+                   checkpoint_interval));
+  need(dsa_dense_warmup_steps >= -1,
+       fmt::format("'dsa_dense_warmup_steps' must be >= 0, or -1 (the whole run), got {}",
+                   dsa_dense_warmup_steps));
+  need(seq_len >= 0, fmt::format("'seq_len' must be >= 0 (0: tokens_per_step), got {}", seq_len));
+  need(mqar.vocab_size >= 0 && mqar.num_keys >= 0,
+       "'mqar.vocab_size' and 'mqar.num_keys' must be >= 0 (0: from the model)");
+  const ModelConfig mc = model_config();
+  if (data_path.empty()) {
+    const MqarConfig m = mqar_config();
+    need(m.vocab_size <= mc.vocab_size,
+         fmt::format("'mqar.vocab_size' {} exceeds the model's vocab_size {}", m.vocab_size,
+                     mc.vocab_size));
+    try {
+      MqarTask check(m);
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}: MQAR settings: {}", what, e.what()));
+    }
+  }
+  try {
+    LrSchedule check(schedule_config());
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: schedule settings: {}", what, e.what()));
+  }
+}
+
+json read_train_config_file(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw Error(fmt::format("training config '{}' does not exist", path));
+  return read_json_file(path);
+}
+
+SplitOverrides split_overrides(const std::vector<std::string>& key_values) {
+  SplitOverrides s;
+  const auto& known = train_config_keys();
+  for (const auto& kv : key_values) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw Error(fmt::format("--set '{}': expected key=value", kv));
+    const std::string key = kv.substr(0, eq);
+    if (key.rfind("model.", 0) == 0) {
+      s.model.push_back(kv.substr(6));
+      continue;
+    }
+    const std::string first = key.substr(0, key.find('.'));
+    if (std::find(known.begin(), known.end(), first) != known.end())
+      s.train.push_back(kv);
+    else
+      s.model.push_back(kv);
+  }
+  return s;
+}
+
+TrainConfig make_train_config(json j, const std::vector<std::string>& overrides,
+                              const std::string& what, const std::string& base_dir) {
+  if (!j.is_object())
+    throw Error(
+        fmt::format("{}: a training config must be a JSON object, got {}", what, json_type(j)));
+  const SplitOverrides ov = split_overrides(overrides);
+  for (const auto& kv : ov.train) {
+    const size_t eq = kv.find('=');
+    apply_override(j, kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  const std::string label = overrides.empty() ? what : what + " with --set " + join(overrides, " ");
+  // The model config: loaded here, then the file's model_overrides, then the --set ones.
+  if (!j.contains("model")) j["model"] = "configs/tiny.json";
+  json m;
+  std::string source;
+  if (j["model"].is_string()) {
+    source = resolve_path(j["model"].get<std::string>(), base_dir);
+    m = read_json_file(source);
+  } else if (j["model"].is_object()) {
+    m = j["model"];
+    source = "inline";
+  } else {
+    throw Error(
+        fmt::format("{}: 'model' must be a model config path or an inline config object, got {}",
+                    what, json_type(j["model"])));
+  }
+  std::vector<std::string> mo;
+  if (j.contains("model_overrides")) {
+    const json& l = j["model_overrides"];
+    if (!l.is_array())
+      throw Error(
+          fmt::format("{}: 'model_overrides' must be a list of \"key=value\" strings, got {}", what,
+                      json_type(l)));
+    for (const auto& o : l) {
+      if (!o.is_string() || o.get<std::string>().find('=') == std::string::npos)
+        throw Error(fmt::format(
+            "{}: 'model_overrides' entries must be \"key=value\" strings, got {}", what, o.dump()));
+      mo.push_back(o.get<std::string>());
+    }
+    j.erase("model_overrides");
+  }
+  mo.insert(mo.end(), ov.model.begin(), ov.model.end());
+  apply_overrides(m, mo);
+  j["model"] = m;
+  TrainConfig c;
+  try {
+    c = TrainConfig::from_json(j, label, base_dir);
+  } catch (const Error& e) {
+    if (ov.model.empty()) throw;
+    throw Error(fmt::format("{} (model overrides: {})", e.what(), join(ov.model, " ")));
+  }
+  c.model_source = mo.empty() ? source : source + " with " + join(mo, " ");
+  return c;
+}
+
+// ---- checkpoint reading -----------------------------------------------------------------------
+
+TrainerCheckpoint read_trainer_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    throw Error(fmt::format("'{}' is not a directory: no training run to resume", dir));
+  const std::string path = path_in(dir, kTrainerStateFile);
+  if (!fs::exists(path, ec))
+    throw Error(
+        fmt::format("'{}' holds no training checkpoint ({} is missing)", dir, kTrainerStateFile));
+  TrainerCheckpoint ck;
+  try {
+    ck.state = checkpoint::load_tensor_map(path, true);
+  } catch (const Error& e) {
+    throw Error(fmt::format(
+        "{}: the checkpoint cannot be read (damaged or not a trainer state): {}", path, e.what()));
+  }
+  const auto& m = ck.state.metadata;
+  auto it = m.find("hlm_trainer_state");
+  if (it == m.end() || it->second != "1")
+    throw Error(fmt::format("{}: not a trainer state (metadata 'hlm_trainer_state' is {})", path,
+                            it == m.end() ? "missing" : "\"" + it->second + "\""));
+  ck.step = parse_meta_int(m, "step", path);
+  ck.skipped_steps = parse_meta_int(m, "skipped_steps", path);
+  HLM_CHECK(ck.skipped_steps <= ck.step, "{}: metadata 'skipped_steps' {} exceeds 'step' {}", path,
+            ck.skipped_steps, ck.step);
+  auto tc = m.find("train_config");
+  if (tc == m.end()) throw Error(fmt::format("{}: metadata 'train_config' is missing", path));
+  try {
+    ck.train_config = json::parse(tc->second);
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: metadata 'train_config' is not valid JSON: {}", path, e.what()));
+  }
+  if (!ck.train_config.is_object() || !ck.train_config.contains("model") ||
+      !ck.train_config["model"].is_object())
+    throw Error(
+        fmt::format("{}: metadata 'train_config' must be an object with an inline 'model'", path));
+  auto st = ck.state.tensors.find("optimizer.step");
+  if (st == ck.state.tensors.end())
+    throw Error(fmt::format("{}: tensor 'optimizer.step' is missing", path));
+  if (st->second.dtype() != DType::i64 || st->second.numel() != 1)
+    throw Error(fmt::format("{}: tensor 'optimizer.step' must be an i64 scalar, got {}", path,
+                            st->second.describe()));
+  const int64_t opt_step = st->second.contiguous().data<int64_t>()[0];
+  if (opt_step != ck.step - ck.skipped_steps)
+    throw Error(
+        fmt::format("{}: the optimizer made {} updates, but step {} with {} skipped means {}", path,
+                    opt_step, ck.step, ck.skipped_steps, ck.step - ck.skipped_steps));
+  return ck;
+}
+
+// ---- the trainer ----------------------------------------------------------------------------
+
+Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg), opts_(opts) {
+  cfg_.validate();
+  HLM_CHECK(!opts_.out_dir.empty(), "trainer: the output directory is empty");
+  HLM_CHECK(opts_.stop_after >= 0, "trainer: stop_after must be >= 0, got {}", opts_.stop_after);
+  mcfg_ = cfg_.model_config();
+  HybridModelOptions mo;
+  mo.dtype = cfg_.dtype;
+  mo.seed = cfg_.seed;
+  mo.recompute = cfg_.recompute;
+  mo.mtp = cfg_.mtp;
+  model_ = std::make_unique<HybridModel>(mcfg_, mo);
+  model_->zero_grad();
+  opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
+  sched_ = std::make_unique<LrSchedule>(cfg_.schedule_config());
+  if (cfg_.data_path.empty()) {
+    auto t = std::make_unique<MqarTask>(cfg_.mqar_config());
+    mqar_ = t.get();
+    data_ = std::move(t);
+  } else {
+    TokenStreamConfig tc;
+    tc.tokens_per_step = cfg_.tokens_per_step;
+    tc.seq_len = cfg_.seq_len;
+    tc.shuffle = cfg_.shuffle;
+    tc.seed = cfg_.seed;
+    const bool is_bin = fs::path(cfg_.data_path).extension() == ".bin";
+    HLM_CHECK(is_bin || mcfg_.vocab_size >= kByteVocab,
+              "--data {} is byte-level text: it needs a model vocab_size of at least {} (256 bytes "
+              "+ BOS + EOS), the model has {} (add --set model.vocab_size={})",
+              cfg_.data_path, kByteVocab, mcfg_.vocab_size, kByteVocab);
+    data_ = open_data_file(cfg_.data_path, mcfg_.vocab_size, tc);
+    HLM_CHECK(data_->vocab_size() <= mcfg_.vocab_size,
+              "--data {}: the data needs a vocabulary of {} tokens, the model has vocab_size {} "
+              "(set model.vocab_size={})",
+              cfg_.data_path, data_->vocab_size(), mcfg_.vocab_size, data_->vocab_size());
+  }
+  if (opts_.resume) resume_from_checkpoint();
+  start_step_ = step_;
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::log(const std::string& line) const {
+  if (!opts_.log) return;
+  std::fprintf(opts_.log, "%s\n", line.c_str());
+  std::fflush(opts_.log);
+}
+
+double Trainer::chance_accuracy() const {
+  return mqar_ ? mqar_->chance_accuracy() : 0.0;
+}
+
+void Trainer::resume_from_checkpoint() {
+  const std::string& dir = opts_.out_dir;
+  TrainerCheckpoint ck = read_trainer_checkpoint(dir);
+  const std::string state_path = path_in(dir, kTrainerStateFile);
+  TrainConfig ckcfg;
+  try {
+    ckcfg = TrainConfig::from_json(ck.train_config, state_path + " (train_config)");
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: the stored training config is invalid: {}", state_path, e.what()));
+  }
+  const ModelConfig ckm = ckcfg.model_config();
+  if (!(ckm == mcfg_)) {
+    const auto diff = json_differences(ckm.to_json(), mcfg_.to_json());
+    throw Error(fmt::format(
+        "--resume {}: the model config differs from the checkpoint's ({}); a resumed run keeps "
+        "its model",
+        dir, diff.empty() ? "structure" : join(diff, "; ")));
+  }
+  HLM_CHECK(ckcfg.dtype == cfg_.dtype && ckcfg.mtp == cfg_.mtp,
+            "--resume {}: the checkpoint was trained with dtype {} and mtp {}, this run asks for "
+            "dtype {} and mtp {}",
+            dir, dtype_name(ckcfg.dtype), ckcfg.mtp, dtype_name(cfg_.dtype), cfg_.mtp);
+  try {
+    opt_->load_state_dict(ck.state.tensors, "optimizer.");
+  } catch (const Error& e) {
+    throw Error(
+        fmt::format("{}: the optimizer state does not fit the model: {}", state_path, e.what()));
+  }
+  // Tensors outside the optimizer's prefix have no place in a trainer state.
+  for (const auto& [name, t] : ck.state.tensors)
+    HLM_CHECK(name.rfind("optimizer.", 0) == 0, "{}: unexpected tensor '{}'", state_path, name);
+  step_ = ck.step;
+  skipped_ = ck.skipped_steps;
+  HLM_CHECK(cfg_.steps >= step_,
+            "--resume {}: the checkpoint is at step {}, past the requested total of {} steps "
+            "(--steps N sets the total)",
+            dir, step_, cfg_.steps);
+
+  // The HF-layout copy of the weights: it must be readable, and when it is of the same step it
+  // must equal the weights restored from the masters (else the checkpoint was modified).
+  std::error_code ec;
+  const std::string cfg_path = path_in(dir, checkpoint::kConfigFile);
+  if (fs::exists(cfg_path, ec)) {
+    ModelConfig on_disk;
+    try {
+      on_disk = ModelConfig::load(cfg_path);
+    } catch (const Error& e) {
+      throw Error(
+          fmt::format("--resume {}: {} is damaged: {}", dir, checkpoint::kConfigFile, e.what()));
+    }
+    if (!(on_disk == mcfg_)) {
+      const auto diff = json_differences(on_disk.to_json(), mcfg_.to_json());
+      throw Error(
+          fmt::format("--resume {}: {} differs from the model config stored in {} ({}); "
+                      "the checkpoint was modified",
+                      dir, checkpoint::kConfigFile, kTrainerStateFile, join(diff, "; ")));
+    }
+  }
+  const std::string w_path = path_in(dir, checkpoint::kSingleFile);
+  if (fs::exists(w_path, ec)) {
+    safetensors::Contents w;
+    try {
+      w = checkpoint::load_tensor_map(w_path, true);
+    } catch (const Error& e) {
+      throw Error(
+          fmt::format("--resume {}: {} is damaged: {}", dir, checkpoint::kSingleFile, e.what()));
+    }
+    auto it = w.metadata.find("hlm_train_step");
+    const int64_t wstep =
+        it == w.metadata.end() ? -1 : parse_meta_int(w.metadata, "hlm_train_step", w_path);
+    if (wstep == step_) {
+      auto params = model_->named_parameters();
+      for (auto& [name, p] : params) {
+        auto t = w.tensors.find(name);
+        HLM_CHECK(t != w.tensors.end(), "--resume {}: {} lacks tensor '{}'", dir,
+                  checkpoint::kSingleFile, name);
+        HLM_CHECK(bit_equal(t->second, p->value),
+                  "--resume {}: tensor '{}' of {} differs from the weights in {} (same step {}): "
+                  "the checkpoint was modified",
+                  dir, name, checkpoint::kSingleFile, kTrainerStateFile, step_);
+      }
+      HLM_CHECK(w.tensors.size() == params.size(),
+                "--resume {}: {} holds {} tensors, the model has {}", dir, checkpoint::kSingleFile,
+                w.tensors.size(), params.size());
+    } else if (wstep > step_) {
+      HLM_FAIL("--resume {}: {} is of step {}, newer than {} (step {}): the directory mixes runs",
+               dir, checkpoint::kSingleFile, wstep, kTrainerStateFile, step_);
+    } else {
+      log(
+          fmt::format("note: {} is of step {} (a save was interrupted); the weights of step {} "
+                      "are restored from {}",
+                      checkpoint::kSingleFile, wstep, step_, kTrainerStateFile));
+    }
+  }
+  const auto changed = json_differences(ck.train_config, cfg_.to_json(), /*skip=*/{"model"});
+  if (!changed.empty())
+    log(fmt::format("note: resuming with changed settings: {}", join(changed, "; ")));
+  if (ckcfg.schedule_config().total_steps != cfg_.schedule_config().total_steps)
+    log(
+        fmt::format("note: the learning-rate schedule's horizon changes from {} to {} steps: the "
+                    "continuation differs from an uninterrupted run (set decay_steps to keep it)",
+                    ckcfg.schedule_config().total_steps, cfg_.schedule_config().total_steps));
+}
+
+void Trainer::write_param_list() const {
+  std::string text = "# name  dtype  shape  weight decay\n";
+  int64_t decayed = 0, kept = 0, n_decayed = 0;
+  std::map<std::string, int64_t> reasons;
+  auto params = model_->named_parameters();
+  for (size_t i = 0; i < opt_->size(); ++i) {
+    const Param* p = params[i].second;
+    const DecayDecision& d = opt_->decision(i);
+    std::string shape;
+    for (int64_t s : p->value.shape()) shape += (shape.empty() ? "" : "x") + std::to_string(s);
+    text += fmt::format("{}  {}  [{}]  {}\n", opt_->name(i), dtype_name(p->value.dtype()), shape,
+                        d.decay ? "decay" : std::string("no decay: ") + d.reason);
+    if (d.decay)
+      ++decayed, n_decayed += p->value.numel();
+    else
+      ++kept, ++reasons[d.reason];
+  }
+  checkpoint::write_file_atomic(path_in(opts_.out_dir, "parameters.txt"),
+                                std::vector<uint8_t>(text.begin(), text.end()));
+  std::vector<std::string> rs;
+  for (auto& [r, n] : reasons) rs.push_back(fmt::format("{} {}", n, r));
+  log(fmt::format("weight decay {}: {} tensors ({} values) decayed; {} not ({}); list in {}",
+                  cfg_.adamw.weight_decay, decayed, n_decayed, kept, join(rs), "parameters.txt"));
+}
+
+EvalResult Trainer::evaluate() {
+  EvalResult r;
+  const Context ctx{false, false};
+  double loss_sum = 0;
+  auto one = [&](const Batch& b) {
+    ModelInputs in;
+    in.tokens = b.tokens;
+    in.cu_seqlens = b.cu_seqlens;
+    in.logits = true;
+    ModelOutput out = model_->forward(ctx, in);
+    const auto ce = ops::cross_entropy_forward(out.logits, b.targets);
+    loss_sum += ce.loss * double(ce.count);
+    r.targets += ce.count;
+    if (mqar_) r.accuracy += accuracy_from_logits(b, out.logits);
+  };
+  if (mqar_) {
+    r.has_accuracy = true;
+    for (int64_t i = 0; i < mqar_->num_eval_batches(); ++i) one(mqar_->eval_batch(i));
+  } else {
+    // Token streams have no held-out split: batch(0), which no training step draws in the
+    // first epoch (docs/training.md).
+    one(data_->batch(0));
+  }
+  r.loss = r.targets > 0 ? loss_sum / double(r.targets) : 0.0;
+  return r;
+}
+
+void Trainer::save() {
+  const std::string& dir = opts_.out_dir;
+  checkpoint::Metadata meta;
+  meta["hlm_trainer_state"] = "1";
+  meta["step"] = std::to_string(step_);
+  meta["skipped_steps"] = std::to_string(skipped_);
+  meta["train_config"] = cfg_.to_json().dump();
+  checkpoint::SaveOptions so;
+  so.after_temp_written = opts_.hooks.after_temp_written;
+  // The commit point first: once it is renamed, the checkpoint of step_ exists.
+  checkpoint::save_tensor_map(path_in(dir, kTrainerStateFile), opt_->state_dict("optimizer."), meta,
+                              so);
+  checkpoint::SaveOptions mo;
+  mo.metadata["hlm_train_step"] = std::to_string(step_);
+  mo.after_temp_written = opts_.hooks.after_temp_written;
+  checkpoint::save_module(dir, *model_, &mcfg_, mo);
+  if (opts_.hooks.after_checkpoint) opts_.hooks.after_checkpoint(step_);
+}
+
+TrainSummary Trainer::run() {
+  const double t_start = now_s();
+  const std::string& dir = opts_.out_dir;
+  fs::create_directories(dir);
+  remove_stale_temporaries(dir);
+  if (!opts_.resume) {
+    // A fresh run replaces what a previous run left here.
+    std::error_code ec;
+    for (const char* f : {kTrainerStateFile, checkpoint::kSingleFile, checkpoint::kConfigFile})
+      fs::remove(path_in(dir, f), ec);
+  }
+  const int64_t end = opts_.stop_after > 0 ? std::min(opts_.stop_after, cfg_.steps) : cfg_.steps;
+  {
+    const std::string text = cfg_.to_json().dump(2) + "\n";
+    checkpoint::write_file_atomic(path_in(dir, kTrainConfigFile),
+                                  std::vector<uint8_t>(text.begin(), text.end()));
+  }
+  log(
+      fmt::format("model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
+                  "{} parameters ({}, recompute {})",
+                  mcfg_.num_hidden_layers, mcfg_.layer_pattern(), mcfg_.hidden_size,
+                  mcfg_.vocab_size, mcfg_.mhc.streams(), model_->num_moe_layers(),
+                  cfg_.mtp && mcfg_.mtp.num_layers > 0 ? "on" : "off", model_->parameter_count(),
+                  dtype_name(cfg_.dtype), recompute_name(cfg_.recompute)));
+  log(fmt::format("model config: {}", cfg_.model_source));
+  log(fmt::format("data: {}", data_->describe()));
+  if (mqar_)
+    log(fmt::format("chance accuracy {:.4f} (1 / {} values)", mqar_->chance_accuracy(),
+                    mqar_->num_values()));
+  log(fmt::format("schedule: {}; AdamW betas ({}, {}), eps {}, grad clip {}", sched_->describe(),
+                  cfg_.adamw.beta1, cfg_.adamw.beta2, cfg_.adamw.eps, cfg_.adamw.max_grad_norm));
+  write_param_list();
+  if (opts_.resume)
+    log(fmt::format("resumed from {} at step {} ({} skipped so far)", dir, step_, skipped_));
+  log(fmt::format("training steps {}..{} of {} ({} tokens each) into {}", step_ + 1, end,
+                  cfg_.steps, cfg_.tokens_per_step, dir));
+
+  const std::string metrics_path = path_in(dir, kMetricsFile);
+  auto metrics = std::make_unique<MetricsWriter>(
+      metrics_path, opts_.resume ? std::optional<int64_t>(step_) : std::nullopt);
+  std::unique_ptr<ProgressBar> bar;
+  if (opts_.log && end > step_)
+    bar = std::make_unique<ProgressBar>(end, step_, opts_.log, opts_.progress);
+  auto line = [&](const std::string& s) {
+    if (bar) bar->finish();
+    log(s);
+  };
+
+  TrainSummary sum;
+  sum.start_step = step_;
+  sum.chance_accuracy = chance_accuracy();
+  int64_t last_ckpt = opts_.resume ? step_ : -1;
+  double train_time = 0, interval_time = 0;
+  int64_t interval_tokens = 0;
+  double last_loss = NAN;
+  bool have_stage = false;
+  DsaStage stage = DsaStage::sparse;
+  const Context ctx{true, false};
+
+  for (int64_t s = step_ + 1; s <= end; ++s) {
+    const bool dense = cfg_.dsa_dense_warmup_steps < 0 || s <= cfg_.dsa_dense_warmup_steps;
+    const DsaStage want = dense ? DsaStage::dense_warmup : DsaStage::sparse;
+    if (!have_stage || want != stage) {
+      model_->set_dsa_stage(want);
+      if (have_stage && mcfg_.count_layers(LayerKind::dsa) > 0)
+        line(fmt::format("step {}: DSA indexer stage -> sparse", s));
+      stage = want;
+      have_stage = true;
+    }
+    const Batch batch = data_->batch(s);
+    const double lr = sched_->at(s);
+    const double t0 = now_s();
+    model_->zero_grad();
+    ModelInputs in;
+    in.tokens = batch.tokens;
+    in.cu_seqlens = batch.cu_seqlens;
+    in.targets = batch.targets;
+    HybridModel::SavedPtr saved;
+    ModelOutput out = model_->forward(ctx, in, &saved);
+    StepResult r;
+    std::string bad;
+    if (!std::isfinite(out.loss)) {
+      bad = fmt::format("the loss is not finite ({}: main {}, mtp {}, aux {}, indexer {})",
+                        out.loss, out.lm_loss, out.mtp_loss, out.aux_loss, out.indexer_loss);
+    } else {
+      model_->backward(ctx, *saved);
+      if (opts_.hooks.after_backward) opts_.hooks.after_backward(s, *model_);
+      r = opt_->step(lr);
+      if (!r.finite || !std::isfinite(r.grad_norm))
+        bad = fmt::format("the gradient norm is not finite ({})", r.grad_norm);
+    }
+    saved.reset();
+    if (bad.empty()) model_->update_moe_bias(out.expert_counts);
+    const double dt = now_s() - t0;
+    train_time += dt;
+    interval_time += dt;
+    interval_tokens += batch.num_tokens();
+    sum.tokens += batch.num_tokens();
+    step_ = s;
+    last_loss = out.lm_loss;
+
+    MetricsRecord rec;
+    rec.step = s;
+    rec.loss = out.lm_loss;
+    rec.lr = lr;
+    rec.grad_norm = std::isfinite(out.loss) ? r.grad_norm : NAN;  // NaN: no backward ran
+    rec.tokens_per_s = interval_time > 0 ? double(interval_tokens) / interval_time : 0.0;
+    rec.extra["objective"] = out.loss;
+    rec.extra["mtp_loss"] = out.mtp_loss;
+    rec.extra["aux_loss"] = out.aux_loss;
+    rec.extra["indexer_loss"] = out.indexer_loss;
+    rec.extra["skipped_steps"] = double(skipped_);
+
+    if (!bad.empty()) {
+      if (cfg_.nonfinite == NonfinitePolicy::stop) {
+        metrics->write(rec);
+        if (bar) bar->finish();
+        throw Error(fmt::format(
+            "step {}: {}; training stopped (nonfinite = \"stop\"). {}; set nonfinite=skip to "
+            "skip such steps, or lower lr",
+            s, bad,
+            last_ckpt >= 0 ? fmt::format("The last checkpoint (step {}) is in {}", last_ckpt, dir)
+                           : fmt::format("No checkpoint was written to {}", dir)));
+      }
+      ++skipped_;
+      rec.extra["skipped_steps"] = double(skipped_);
+      line(fmt::format("step {}: {}: step skipped (nonfinite = \"skip\"; {} skipped so far)", s,
+                       bad, skipped_));
+    }
+
+    const bool is_log = (cfg_.log_interval > 0 && s % cfg_.log_interval == 0) || s == end ||
+                        s == sum.start_step + 1;
+    const bool is_eval = (cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end;
+    if (is_eval) {
+      const EvalResult ev = evaluate();
+      if (ev.has_accuracy) rec.eval_accuracy = ev.accuracy.value();
+      rec.extra["eval_loss"] = ev.loss;
+      sum.eval = ev;
+      if (ev.has_accuracy)
+        line(
+            fmt::format("step {}: eval accuracy {:.4f} ({} / {} answers; chance {:.4f}), eval "
+                        "loss {:.4f}",
+                        s, ev.accuracy.value(), ev.accuracy.correct, ev.accuracy.total,
+                        sum.chance_accuracy, ev.loss));
+      else
+        line(fmt::format("step {}: eval loss {:.4f} ({} targets)", s, ev.loss, ev.targets));
+    }
+    if (is_log || is_eval || !bad.empty()) {
+      metrics->write(rec);
+      interval_time = 0;
+      interval_tokens = 0;
+    }
+    if (bar && (bar->is_tty() || is_log))
+      bar->update(s, out.lm_loss, train_time > 0 ? double(sum.tokens) / train_time : 0.0);
+    if ((cfg_.checkpoint_interval > 0 && s % cfg_.checkpoint_interval == 0) || s == end) {
+      save();
+      last_ckpt = s;
+    }
+  }
+  if (bar) bar->finish();
+  if (end <= sum.start_step) {
+    // Nothing to train (resumed at the total): evaluate for the summary.
+    sum.eval = evaluate();
+    log(fmt::format("the checkpoint is already at step {} of {}: nothing to train", step_,
+                    cfg_.steps));
+  }
+  metrics.reset();
+
+  sum.end_step = step_;
+  sum.skipped_steps = skipped_;
+  sum.final_loss = last_loss;
+  sum.tokens_per_s = train_time > 0 ? double(sum.tokens) / train_time : 0.0;
+  sum.out_dir = dir;
+  sum.weights = path_in(dir, checkpoint::kSingleFile);
+  sum.config = path_in(dir, checkpoint::kConfigFile);
+  sum.metrics = metrics_path;
+  if (opts_.plot) {
+    try {
+      sum.plot =
+          write_plot(read_metrics(metrics_path), path_in(dir, "metrics"), PlotBackend::automatic,
+                     fmt::format("hybridlm train: {}", mqar_ ? "MQAR" : cfg_.data_path));
+    } catch (const Error& e) {
+      log(fmt::format("warning: no plot: {}", e.what()));
+    }
+  }
+  sum.wall_s = now_s() - t_start;
+  if (opts_.print_summary && opts_.log) print_summary(opts_.log, sum, cfg_);
+  return sum;
+}
+
+void print_summary(std::FILE* out, const TrainSummary& s, const TrainConfig& cfg) {
+  std::string t;
+  t += fmt::format("\n== training summary ==\n");
+  t += fmt::format(
+      "  steps          {} -> {} of {}{}\n", s.start_step, s.end_step, cfg.steps,
+      s.skipped_steps ? fmt::format(" ({} skipped: non-finite)", s.skipped_steps) : std::string());
+  if (std::isfinite(s.final_loss) || s.end_step > s.start_step)
+    t += fmt::format("  final loss     {:.4f} (main cross-entropy of the last step)\n",
+                     s.final_loss);
+  if (s.eval.has_accuracy) {
+    const double ratio = s.chance_accuracy > 0 ? s.eval.accuracy.value() / s.chance_accuracy : 0;
+    t += fmt::format(
+        "  eval accuracy  {:.4f} on {} held-out MQAR answers (chance {:.4f}: {:.0f}x)\n",
+        s.eval.accuracy.value(), s.eval.accuracy.total, s.chance_accuracy, ratio);
+  }
+  t += fmt::format("  eval loss      {:.4f} over {} targets\n", s.eval.loss, s.eval.targets);
+  t += fmt::format("  throughput     {} tokens/s ({} tokens trained in this process)\n",
+                   format_rate(s.tokens_per_s), s.tokens);
+  t += fmt::format("  wall time      {}\n", format_duration(s.wall_s));
+  t += fmt::format("  weights        {} (+ {})\n", s.weights, s.config);
+  t += fmt::format("  resume state   {}\n", path_in(s.out_dir, kTrainerStateFile));
+  t += fmt::format("  metrics        {}\n", s.metrics);
+  if (!s.plot.empty()) t += fmt::format("  plot           {}\n", s.plot);
+  std::fputs(t.c_str(), out);
+  std::fflush(out);
+}
+
+}  // namespace hlm::train

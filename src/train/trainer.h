@@ -1,0 +1,223 @@
+// The training loop: a HybridModel trained with AdamW on MQAR (or a text / .bin token stream),
+// with evaluation, metrics, atomic checkpoints and bit-exact resume. docs/training.md, "The
+// training loop", describes the training config, the checkpoint layout and the guarantees.
+//
+// One update s = 1..steps (docs/training.md, "Steps are counted from 1"):
+//   batch   = source.batch(s)                                    a pure function of (seed, s)
+//   stage   = s <= dsa_dense_warmup_steps ? dense_warmup : sparse  (model.set_dsa_stage)
+//   zero_grad; out = forward(Context{training}, tokens, cu_seqlens, targets); check out.loss
+//   backward; r = AdamW.step(lr(s)) (global-norm clip); check r.grad_norm
+//   update_moe_bias(out.expert_counts)                           only when the update was applied
+// A non-finite loss or gradient norm stops the run (hlm::Error naming the step) or, with
+// nonfinite = "skip", skips the step: no update, no bias update, the optimizer's step count stays.
+// Evaluation (Context{training = false}) every eval_interval steps and after the last step;
+// metrics every log_interval steps; a checkpoint every checkpoint_interval steps and at the end.
+//
+// Checkpoint (in the run directory, docs/training.md):
+//   trainer_state.safetensors   the commit point, self-contained: AdamW state ("optimizer.*",
+//                               the FP32 masters restore the weights bit-exactly) + metadata:
+//                               step, the resolved training config (model config inline), ...
+//   model.safetensors, config.json   the weights in the HF layout (save_module)
+//   train_config.json           the resolved training config (readable; usable as --config)
+// Every file is written atomically (temporary, fsync, rename); the trainer state first, so a
+// crash at any moment leaves a loadable checkpoint: the previous one or the new one.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/hybrid_model.h"
+#include "train/adamw.h"
+#include "train/data.h"
+#include "train/metrics.h"
+#include "train/schedule.h"
+
+namespace hlm::train {
+
+enum class NonfinitePolicy : uint8_t { stop, skip };
+NonfinitePolicy parse_nonfinite_policy(const std::string& s);  // "stop" | "skip"
+const char* nonfinite_policy_name(NonfinitePolicy p);
+
+// The training config (JSON; docs/training.md lists every key). Unknown keys are errors.
+struct TrainConfig {
+  // ---- model ----
+  nlohmann::json model = nlohmann::json::object();  // the model config.json (resolved, inline)
+  std::string model_source;  // where it came from: a path, or "inline" (informational)
+  // (The JSON key "model_overrides", a list of "key=value" strings, is applied to `model` by
+  // from_json(); to_json() writes the result inline and no overrides.)
+  DType dtype = DType::f32;  // parameter dtype: f32, bf16 (FP32 masters) or f64
+  Recompute recompute = Recompute::none;
+  bool mtp = true;  // build the MTP block when the model config has one
+
+  // ---- run ----
+  int64_t steps = 300;  // total optimizer updates
+  int64_t tokens_per_step = 1024;
+  uint64_t seed = 0;  // model initialisation and data
+
+  // ---- optimizer and schedule ----
+  ScheduleKind schedule = ScheduleKind::cosine;
+  double lr = 3e-3;
+  int64_t warmup_steps = 20;
+  double min_lr_ratio = 0.1;
+  int64_t decay_steps = 0;  // the cosine's horizon S; 0: steps
+  AdamWConfig adamw;        // beta1, beta2, eps, weight_decay, grad_clip (max_grad_norm)
+
+  // ---- evaluation, logging, checkpoints (0: off; the end of the run always evaluates and
+  // checkpoints) ----
+  int64_t eval_interval = 100;
+  int64_t eval_batches = 4;
+  int64_t log_interval = 10;
+  int64_t checkpoint_interval = 100;
+
+  // ---- model-specific schedule and policies ----
+  int64_t dsa_dense_warmup_steps = 0;  // steps 1..W run the DSA dense warm-up stage (-1: all)
+  NonfinitePolicy nonfinite = NonfinitePolicy::stop;
+
+  // ---- data ----
+  std::string data_path;  // "": MQAR; else a text file or a .bin of uint32 ids
+  MqarConfig mqar;        // vocab_size 0: the model's; num_keys 0: vocab_size / 2; the
+                          // tokens_per_step, eval_batches and seed fields are taken from above
+  int64_t seq_len = 0;    // token streams: window length (0: tokens_per_step)
+  bool shuffle = true;    // token streams
+
+  // Parses a training config. Relative model paths are resolved against `base_dir` (the directory
+  // of the file the config came from; "" = the current directory). `what` names the source.
+  // Errors (hlm::Error) name the key: unknown keys, wrong types, out-of-range values.
+  static TrainConfig from_json(const nlohmann::json& j, const std::string& what = "training config",
+                               const std::string& base_dir = "");
+  // Every key, resolved (the model config inline): from_json(to_json()) gives an equal config.
+  nlohmann::json to_json() const;
+
+  ModelConfig model_config() const;  // ModelConfig::from_json(model)
+  MqarConfig mqar_config() const;    // mqar with the defaults resolved against the model
+  ScheduleConfig schedule_config() const;
+  void validate(const std::string& what = "training config") const;
+};
+
+// The keys from_json() accepts at the top level of a training config.
+const std::vector<std::string>& train_config_keys();
+
+// Reads a training-config file (JSON; a bad file is an error naming it).
+nlohmann::json read_train_config_file(const std::string& path);
+
+// `--set key=value` routing: a key whose first dotted component is a training key (other than
+// "model") overrides the training config; "model.X" and any other key override the model config.
+// model overrides are applied with hlm::apply_overrides after the model config is loaded.
+struct SplitOverrides {
+  std::vector<std::string> train, model;
+};
+SplitOverrides split_overrides(const std::vector<std::string>& key_values);
+
+// Builds a training config from its JSON form and overrides: training overrides first (so
+// "model=path" can pick the model file), then the model config (a path is read, relative to
+// base_dir), then the model overrides. Errors name the override or the key.
+TrainConfig make_train_config(nlohmann::json j, const std::vector<std::string>& overrides,
+                              const std::string& what, const std::string& base_dir);
+
+// ---- the trainer ----------------------------------------------------------------------------
+
+// Test hooks (all optional).
+struct TrainerHooks {
+  // After backward, before the optimizer step (e.g. to poison a gradient).
+  std::function<void(int64_t step, HybridModel& model)> after_backward;
+  // After each temporary checkpoint file is written and fsynced, before it is renamed.
+  std::function<void(const std::string& tmp_path)> after_temp_written;
+  // After the checkpoint of `step` is complete.
+  std::function<void(int64_t step)> after_checkpoint;
+};
+
+struct TrainerOptions {
+  std::string out_dir = "runs/mqar";
+  bool resume = false;      // continue the run in out_dir (its trainer_state.safetensors)
+  int64_t stop_after = 0;   // > 0: stop (with a checkpoint) after this step, as if interrupted
+  std::FILE* log = stdout;  // messages and the progress line; nullptr: silent
+  ProgressBar::Mode progress = ProgressBar::Mode::automatic;
+  bool plot = true;           // write the plot at the end
+  bool print_summary = true;  // the final summary on `log`
+  TrainerHooks hooks;
+};
+
+struct EvalResult {
+  bool has_accuracy = false;  // MQAR
+  Accuracy accuracy;
+  double loss = 0;  // mean main CE over the evaluated targets
+  int64_t targets = 0;
+};
+
+struct TrainSummary {
+  int64_t start_step = 0;  // the step the run began at (the checkpoint's when resumed)
+  int64_t end_step = 0;
+  int64_t skipped_steps = 0;  // non-finite steps skipped in the whole run (with the resumed part)
+  double final_loss = 0;      // main CE of the last step
+  EvalResult eval;            // the final evaluation
+  double chance_accuracy = 0;
+  double tokens_per_s = 0;  // training tokens / training time, this process
+  double wall_s = 0;        // this process
+  int64_t tokens = 0;       // trained in this process
+  std::string out_dir, weights, config, metrics, plot;
+};
+
+// The state a checkpoint directory holds (what resuming reads), verified.
+struct TrainerCheckpoint {
+  int64_t step = 0;
+  int64_t skipped_steps = 0;
+  nlohmann::json train_config;  // TrainConfig::to_json() of the run
+  safetensors::Contents state;  // optimizer tensors + metadata
+};
+// Reads DIR/trainer_state.safetensors. hlm::Error with a clear message when the directory holds
+// no checkpoint or the file is damaged or inconsistent.
+TrainerCheckpoint read_trainer_checkpoint(const std::string& dir);
+inline constexpr const char* kTrainerStateFile = "trainer_state.safetensors";
+inline constexpr const char* kTrainConfigFile = "train_config.json";
+inline constexpr const char* kMetricsFile = "metrics.jsonl";
+
+class Trainer {
+ public:
+  // A fresh run (opts.resume false: out_dir may exist; its checkpoint files are replaced) or a
+  // resumed one (the state of out_dir is loaded: cfg.model must equal the checkpoint's model
+  // config; other settings may differ, e.g. steps).
+  Trainer(const TrainConfig& cfg, const TrainerOptions& opts);
+  ~Trainer();
+
+  // Trains to cfg.steps (or opts.stop_after), evaluates and checkpoints; returns the summary.
+  TrainSummary run();
+  // The held-out evaluation (MQAR: eval batches; token streams: batch(0), see docs).
+  EvalResult evaluate();
+  // Writes the checkpoint of the current step.
+  void save();
+
+  const TrainConfig& config() const { return cfg_; }
+  HybridModel& model() { return *model_; }
+  AdamW& optimizer() { return *opt_; }
+  int64_t step() const { return step_; }
+  const DataSource& data() const { return *data_; }
+  double chance_accuracy() const;  // MQAR; 0 for token streams
+
+ private:
+  void log(const std::string& line) const;
+  void resume_from_checkpoint();
+  void write_param_list() const;
+
+  TrainConfig cfg_;
+  TrainerOptions opts_;
+  ModelConfig mcfg_;
+  std::unique_ptr<HybridModel> model_;
+  std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<LrSchedule> sched_;
+  std::unique_ptr<DataSource> data_;
+  const MqarTask* mqar_ = nullptr;  // data_ when it is MQAR
+  int64_t step_ = 0;
+  int64_t skipped_ = 0;
+  int64_t start_step_ = 0;
+};
+
+// Prints the summary (final loss, accuracy vs chance, tokens/s, wall time, the files).
+void print_summary(std::FILE* out, const TrainSummary& s, const TrainConfig& cfg);
+
+}  // namespace hlm::train
