@@ -751,9 +751,12 @@ void Trainer::write_param_list() const {
     const Param* p = params[i].second;
     const DecayDecision& d = opt_->decision(i);
     std::string shape;
-    for (int64_t s : p->value.shape()) shape += (shape.empty() ? "" : "x") + std::to_string(s);
-    text += fmt::format("{}  {}  [{}]  {}\n", opt_->name(i), dtype_name(p->value.dtype()), shape,
-                        d.decay ? "decay" : std::string("no decay: ") + d.reason);
+    for (int64_t s : p->value.shape()) {
+      if (!shape.empty()) shape += 'x';
+      shape += std::to_string(s);
+    }
+    text += fmt::format("{}  {}  [{}]  {}{}\n", opt_->name(i), dtype_name(p->value.dtype()), shape,
+                        d.decay ? "decay" : "no decay: ", d.decay ? "" : d.reason);
     if (d.decay)
       ++decayed, n_decayed += p->value.numel();
     else
