@@ -634,7 +634,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   HLM_CHECK(in.tokens.defined() && in.tokens.dim() == 1 && in.tokens.size(0) >= 1,
             "HybridModel::forward: tokens must be [T >= 1] token ids, got {}",
             in.tokens.defined() ? in.tokens.describe() : "undefined");
-  const int64_t T = in.tokens.size(0), D = cfg_.hidden_size, V = cfg_.vocab_size;
+  const int64_t T = in.tokens.size(0), D = cfg_.hidden_size;
   const DType cdt = compute_dtype();
   Tensor tokens = in.tokens.to(DType::i64);
   Tensor cu =

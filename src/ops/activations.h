@@ -7,6 +7,7 @@
 //
 // Backward takes the forward input x and dy and returns dx:
 //   sigmoid' = s (1 - s),  silu' = s (1 + x (1 - s)),  softplus' = sigmoid(x).
+// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/layer_ops_cuda.h).
 #pragma once
 
 #include <algorithm>

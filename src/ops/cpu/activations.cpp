@@ -5,6 +5,7 @@
 //   softplus(x) = max(x, 0) + log1p(e^-|x|)  d/dx  = s
 #include "ops/activations.h"
 
+#include "ops/layer_ops_cuda.h"
 #include "ops/op_checks.h"
 
 namespace hlm::ops {
@@ -38,8 +39,25 @@ T act_grad(Act a, T x) {
   }
 }
 
+#ifdef HLM_HAVE_CUDA
+cuda::Act cuda_act(Act a) {
+  return a == Act::sigmoid ? cuda::Act::sigmoid
+         : a == Act::silu  ? cuda::Act::silu
+                           : cuda::Act::softplus;
+}
+#endif
+
 Tensor forward(Act a, const char* op, const Tensor& x_) {
-  detail::require_float(x_, op, "x");
+  detail::require_float_dev(x_, op, "x");
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    Tensor y = cuda::alloc(x_.shape(), x_.dtype());
+    cuda::activation_forward(cuda_act(a), x_, y);
+    return y;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous();
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   const int64_t n = x.numel();
@@ -54,10 +72,20 @@ Tensor forward(Act a, const char* op, const Tensor& x_) {
 }
 
 Tensor backward(Act a, const char* op, const Tensor& x_, const Tensor& dy_) {
-  detail::require_float(x_, op, "x");
-  detail::require_float(dy_, op, "dy");
+  detail::require_float_dev(x_, op, "x");
+  detail::require_float_dev(dy_, op, "dy");
+  detail::require_same_device(dy_, x_, op, "dy", "x");
   detail::require_same_dtype(dy_, x_, op, "dy", "x");
   detail::require_shape(dy_, x_.shape(), op, "dy");
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    Tensor dx = cuda::alloc(x_.shape(), x_.dtype());
+    cuda::activation_backward(cuda_act(a), x_, dy_, dx);
+    return dx;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous(), dy = dy_.contiguous();
   Tensor dx = Tensor::empty(x.shape(), x.dtype());
   const int64_t n = x.numel();

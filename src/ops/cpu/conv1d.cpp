@@ -11,6 +11,7 @@
 #include "ops/conv1d.h"
 
 #include "ops/activations.h"
+#include "ops/layer_ops_cuda.h"
 #include "ops/op_checks.h"
 #include "ops/seqlens.h"
 
@@ -51,18 +52,21 @@ std::vector<int64_t> token_seq(const std::vector<int64_t>& cu) {
   return s;
 }
 
+// x f32 / f64 (CUDA: also bf16); w of x's dtype (or f32 next to bf16 x) on x's device.
 void check_conv(const char* op, const Tensor& x, const Tensor& w) {
-  detail::require_float(x, op, "x");
+  detail::require_float_dev(x, op, "x");
   HLM_CHECK(x.dim() == 2, "{}: x must be [T, C], got {}", op, x.describe());
-  detail::require_float(w, op, "w");
-  detail::require_same_dtype(w, x, op, "w", "x");
+  detail::require_float_dev(w, op, "w");
+  detail::require_same_device(w, x, op, "w", "x");
+  detail::require_param_dtype(w, x, op, "w");
   HLM_CHECK(w.dim() == 2 && w.size(0) == x.size(1) && w.size(1) >= 1,
             "{}: w must be [C, W] with C = {} and W >= 1, got {}", op, x.size(1), w.describe());
 }
 
 void check_state(const char* op, const Tensor& s, const Tensor& x, int64_t n, int64_t width,
                  const char* what) {
-  detail::require_float(s, op, what);
+  detail::require_float_dev(s, op, what);
+  detail::require_same_device(s, x, op, what, "x");
   detail::require_same_dtype(s, x, op, what, "x");
   detail::require_shape(s, {n, width - 1, x.size(1)}, op, what);
 }
@@ -76,6 +80,16 @@ Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const Tensor& c
   const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
   const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
   if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    Tensor y = cuda::alloc(x_.shape(), x_.dtype());
+    if (final_state) *final_state = cuda::alloc({nseq, width - 1, c}, x_.dtype());
+    cuda::causal_conv1d_forward(x_, w_, cu, initial_state, silu, y, final_state);
+    return y;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous(), w = w_.contiguous();
   const Tensor st = initial_state.defined() ? initial_state.contiguous() : Tensor();
   const std::vector<int64_t> seq = token_seq(cu);
@@ -113,16 +127,30 @@ CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, co
                                          bool silu, Tensor& dw) {
   constexpr const char* op = "causal_conv1d_backward";
   check_conv(op, x_, w_);
-  detail::require_float(dy_, op, "dy");
+  detail::require_float_dev(dy_, op, "dy");
+  detail::require_same_device(dy_, x_, op, "dy", "x");
   detail::require_same_dtype(dy_, x_, op, "dy", "x");
   detail::require_shape(dy_, x_.shape(), op, "dy");
-  detail::require_float(dw, op, "dw");
-  detail::require_same_dtype(dw, x_, op, "dw", "x");
+  detail::require_float_dev(dw, op, "dw");
+  detail::require_same_device(dw, x_, op, "dw", "x");
+  detail::require_param_dtype(dw, x_, op, "dw");
   detail::require_shape(dw, w_.shape(), op, "dw");
   detail::require_contiguous(dw, op, "dw");
   const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
   const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
   if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    CausalConv1dGrads g;
+    g.dx = cuda::alloc(x_.shape(), x_.dtype());
+    if (initial_state.defined()) g.dinitial_state = cuda::alloc({nseq, width - 1, c}, x_.dtype());
+    cuda::causal_conv1d_backward(dy_, x_, w_, cu, initial_state, silu, g.dx,
+                                 initial_state.defined() ? &g.dinitial_state : nullptr, dw);
+    return g;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous(), w = w_.contiguous(), dy = dy_.contiguous();
   const Tensor st = initial_state.defined() ? initial_state.contiguous() : Tensor();
   const std::vector<int64_t> seq = token_seq(cu);
@@ -199,6 +227,15 @@ Tensor causal_conv1d_update(const Tensor& x_, Tensor& state, const Tensor& w_, b
   const int64_t nseq = x_.size(0), c = x_.size(1), width = w_.size(1);
   check_state(op, state, x_, nseq, width, "state");
   detail::require_contiguous(state, op, "state");
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    Tensor y = cuda::alloc(x_.shape(), x_.dtype());
+    cuda::causal_conv1d_update(x_, state, w_, silu, y);
+    return y;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous(), w = w_.contiguous();
   Tensor y = Tensor::empty({nseq, c}, x.dtype());
   detail::dispatch_float(x.dtype(), [&](auto tag) {

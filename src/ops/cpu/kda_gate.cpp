@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "ops/kda_gate.h"
+#include "ops/layer_ops_cuda.h"
 #include "ops/op_checks.h"
 
 namespace hlm::ops {
@@ -28,21 +29,35 @@ struct GateDims {
   DType dt;
 };
 
+// On CUDA (z f32 / f64 / bf16, contiguous), the parameters and dg must be contiguous tensors of
+// the computation dtype on z's device (the CPU converts them).
+void check_on_device(const Tensor& t, const Tensor& z, DType dt, const char* op, const char* what) {
+  detail::require_same_device(t, z, op, what, "z");
+  if (z.device() == Device::cpu) return;
+  HLM_CHECK(t.dtype() == dt, "{}: {} must be {} on CUDA, got {}", op, what, dtype_name(dt),
+            t.describe());
+  HLM_CHECK(t.numel() == 0 || t.is_contiguous(), "{}: {} must be contiguous on CUDA, got {}", op,
+            what, t.describe());
+}
+
 GateDims check_gate(const KdaGateArgs& a, const char* op) {
   HLM_CHECK(a.z.defined(), "{}: z is undefined", op);
-  detail::require_cpu(a.z, op, "z");
-  HLM_CHECK(is_floating(a.z.dtype()), "{}: z must be floating, got {}", op, a.z.describe());
+  if (a.z.device() == Device::cuda) {
+    detail::require_float_dev(a.z, op, "z");
+  } else {
+    HLM_CHECK(is_floating(a.z.dtype()), "{}: z must be floating, got {}", op, a.z.describe());
+  }
   HLM_CHECK(a.z.dim() == 3, "{}: z must be [T, HV, K], got {}", op, a.z.describe());
   GateDims d{a.z.size(0), a.z.size(1), a.z.size(2),
              a.z.dtype() == DType::f64 ? DType::f64 : DType::f32};
   if (a.kind == KdaGateKind::standard)
     HLM_CHECK(a.A_log.defined(), "{}: A_log [{}] is required by the standard gate", op, d.HV);
   if (a.A_log.defined()) {
-    detail::require_cpu(a.A_log, op, "A_log");
+    check_on_device(a.A_log, a.z, d.dt, op, "A_log");
     detail::require_shape(a.A_log, {d.HV}, op, "A_log");
   }
   if (a.dt_bias.defined()) {
-    detail::require_cpu(a.dt_bias, op, "dt_bias");
+    check_on_device(a.dt_bias, a.z, d.dt, op, "dt_bias");
     detail::require_shape(a.dt_bias, {d.HV * d.K}, op, "dt_bias");
   }
   if (a.kind == KdaGateKind::lower_bound)
@@ -143,14 +158,35 @@ KdaGateGrads gate_bwd(const KdaGateArgs& a, const GateDims& d, const Tensor& dg_
 
 Tensor kda_gate(const KdaGateArgs& a) {
   const GateDims d = check_gate(a, "kda_gate");
+  if (a.z.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    Tensor g = cuda::alloc({d.T, d.HV, d.K}, d.dt);
+    cuda::kda_gate_forward(a, g);
+    return g;
+#else
+    HLM_FAIL("kda_gate: no CUDA support in this build");
+#endif
+  }
   return d.dt == DType::f64 ? gate_fwd<double>(a, d) : gate_fwd<float>(a, d);
 }
 
 KdaGateGrads kda_gate_backward(const KdaGateArgs& a, const Tensor& dg) {
   const GateDims d = check_gate(a, "kda_gate_backward");
   HLM_CHECK(dg.defined(), "kda_gate_backward: dg is undefined");
-  detail::require_cpu(dg, "kda_gate_backward", "dg");
+  check_on_device(dg, a.z, d.dt, "kda_gate_backward", "dg");
   detail::require_shape(dg, a.z.shape(), "kda_gate_backward", "dg");
+  if (a.z.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    KdaGateGrads r;
+    r.dz = cuda::alloc({d.T, d.HV, d.K}, d.dt);
+    if (a.A_log.defined()) r.dA_log = cuda::alloc({d.HV}, d.dt);
+    if (a.dt_bias.defined()) r.ddt_bias = cuda::alloc({d.HV * d.K}, d.dt);
+    cuda::kda_gate_backward(a, dg, r);
+    return r;
+#else
+    HLM_FAIL("kda_gate_backward: no CUDA support in this build");
+#endif
+  }
   return d.dt == DType::f64 ? gate_bwd<double>(a, d, dg) : gate_bwd<float>(a, d, dg);
 }
 

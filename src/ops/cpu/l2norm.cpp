@@ -6,15 +6,26 @@
 
 #include <cmath>
 
+#include "ops/layer_ops_cuda.h"
 #include "ops/op_checks.h"
 
 namespace hlm::ops {
 
 L2NormResult l2norm_forward(const Tensor& x_, double eps) {
   constexpr const char* op = "l2norm_forward";
-  detail::require_float(x_, op, "x");
+  detail::require_float_dev(x_, op, "x");
   HLM_CHECK(x_.dim() >= 1, "{}: x must be [..., D], got {}", op, x_.describe());
   HLM_CHECK(eps >= 0, "{}: eps must be >= 0, got {}", op, eps);
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    L2NormResult out{cuda::alloc(x_.shape(), x_.dtype()),
+                     cuda::alloc(detail::leading_shape(x_), detail::compute_dtype(x_.dtype()))};
+    cuda::l2norm_forward(x_, eps, out.y, out.rstd);
+    return out;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous();
   L2NormResult out{Tensor::empty(x.shape(), x.dtype()),
                    Tensor::empty(detail::leading_shape(x), x.dtype())};
@@ -38,14 +49,26 @@ L2NormResult l2norm_forward(const Tensor& x_, double eps) {
 
 Tensor l2norm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& rstd_) {
   constexpr const char* op = "l2norm_backward";
-  detail::require_float(x_, op, "x");
+  detail::require_float_dev(x_, op, "x");
   HLM_CHECK(x_.dim() >= 1, "{}: x must be [..., D], got {}", op, x_.describe());
-  detail::require_float(dy_, op, "dy");
+  detail::require_float_dev(dy_, op, "dy");
+  detail::require_same_device(dy_, x_, op, "dy", "x");
   detail::require_same_dtype(dy_, x_, op, "dy", "x");
   detail::require_shape(dy_, x_.shape(), op, "dy");
-  detail::require_float(rstd_, op, "rstd");
-  detail::require_same_dtype(rstd_, x_, op, "rstd", "x");
+  detail::require_float_dev(rstd_, op, "rstd");
+  detail::require_same_device(rstd_, x_, op, "rstd", "x");
+  HLM_CHECK(rstd_.dtype() == detail::compute_dtype(x_.dtype()), "{}: rstd must be {}, got {}", op,
+            dtype_name(detail::compute_dtype(x_.dtype())), rstd_.describe());
   detail::require_shape(rstd_, detail::leading_shape(x_), op, "rstd");
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    Tensor dx = cuda::alloc(x_.shape(), x_.dtype());
+    cuda::l2norm_backward(dy_, x_, rstd_, dx);
+    return dx;
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const Tensor x = x_.contiguous(), dy = dy_.contiguous(), rstd = rstd_.contiguous();
   Tensor dx = Tensor::empty(x.shape(), x.dtype());
   const int64_t rows = detail::leading_rows(x), d = x.size(-1);

@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "ops/activations.h"
+#include "ops/layer_ops_cuda.h"
 #include "ops/op_checks.h"
 
 namespace hlm::ops {
@@ -74,29 +75,51 @@ void rms_backward(const T* dy, const T* x, const T* g, const T* w, const T* rstd
 }
 
 void check_common(const char* op, const Tensor& x, const Tensor& w) {
-  detail::require_float(x, op, "x");
+  detail::require_float_dev(x, op, "x");
   HLM_CHECK(x.dim() >= 1, "{}: x must be [..., D], got {}", op, x.describe());
-  detail::require_float(w, op, "w");
-  detail::require_same_dtype(w, x, op, "w", "x");
+  detail::require_float_dev(w, op, "w");
+  detail::require_same_device(w, x, op, "w", "x");
+  detail::require_param_dtype(w, x, op, "w");
   detail::require_shape(w, {x.size(-1)}, op, "w");
 }
 
 void check_backward(const char* op, const Tensor& dy, const Tensor& x, const Tensor& w,
                     const Tensor& rstd, const Tensor& dw) {
   check_common(op, x, w);
-  detail::require_float(dy, op, "dy");
+  detail::require_float_dev(dy, op, "dy");
+  detail::require_same_device(dy, x, op, "dy", "x");
   detail::require_same_dtype(dy, x, op, "dy", "x");
   detail::require_shape(dy, x.shape(), op, "dy");
-  detail::require_float(rstd, op, "rstd");
-  detail::require_same_dtype(rstd, x, op, "rstd", "x");
+  detail::require_float_dev(rstd, op, "rstd");
+  detail::require_same_device(rstd, x, op, "rstd", "x");
+  HLM_CHECK(rstd.dtype() == detail::compute_dtype(x.dtype()), "{}: rstd must be {}, got {}", op,
+            dtype_name(detail::compute_dtype(x.dtype())), rstd.describe());
   detail::require_shape(rstd, detail::leading_shape(x), op, "rstd");
-  detail::require_float(dw, op, "dw");
-  detail::require_same_dtype(dw, x, op, "dw", "x");
+  detail::require_float_dev(dw, op, "dw");
+  detail::require_same_device(dw, x, op, "dw", "x");
+  detail::require_param_dtype(dw, x, op, "dw");
   detail::require_shape(dw, w.shape(), op, "dw");
   detail::require_contiguous(dw, op, "dw");
 }
 
+void check_gate(const char* op, const Tensor& gate, const Tensor& x) {
+  detail::require_float_dev(gate, op, "gate");
+  detail::require_same_device(gate, x, op, "gate", "x");
+  detail::require_same_dtype(gate, x, op, "gate", "x");
+  detail::require_shape(gate, x.shape(), op, "gate");
+}
+
 RmsNormResult forward_impl(const Tensor& x_, const Tensor* gate, const Tensor& w_, double eps) {
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    RmsNormResult out{cuda::alloc(x_.shape(), x_.dtype()),
+                      cuda::alloc(detail::leading_shape(x_), detail::compute_dtype(x_.dtype()))};
+    cuda::rmsnorm_forward(x_, gate, w_, eps, out.y, out.rstd);
+    return out;
+#else
+    HLM_FAIL("rmsnorm: no CUDA support in this build");
+#endif
+  }
   const Tensor x = x_.contiguous(), w = w_.contiguous();
   const Tensor g = gate ? gate->contiguous() : Tensor();
   RmsNormResult out{Tensor::empty(x.shape(), x.dtype()),
@@ -112,6 +135,17 @@ RmsNormResult forward_impl(const Tensor& x_, const Tensor* gate, const Tensor& w
 
 GatedRmsNormGrads backward_impl(const Tensor& dy_, const Tensor& x_, const Tensor* gate,
                                 const Tensor& w_, const Tensor& rstd_, Tensor& dw) {
+  if (x_.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    GatedRmsNormGrads out;
+    out.dx = cuda::alloc(x_.shape(), x_.dtype());
+    if (gate) out.dgate = cuda::alloc(x_.shape(), x_.dtype());
+    cuda::rmsnorm_backward(dy_, x_, gate, w_, rstd_, out.dx, gate ? &out.dgate : nullptr, dw);
+    return out;
+#else
+    HLM_FAIL("rmsnorm backward: no CUDA support in this build");
+#endif
+  }
   const Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(),
                rstd = rstd_.contiguous();
   const Tensor g = gate ? gate->contiguous() : Tensor();
@@ -146,9 +180,7 @@ RmsNormResult gated_rmsnorm_forward(const Tensor& x, const Tensor& gate, const T
                                     double eps) {
   constexpr const char* op = "gated_rmsnorm_forward";
   check_common(op, x, w);
-  detail::require_float(gate, op, "gate");
-  detail::require_same_dtype(gate, x, op, "gate", "x");
-  detail::require_shape(gate, x.shape(), op, "gate");
+  check_gate(op, gate, x);
   HLM_CHECK(eps >= 0, "{}: eps must be >= 0, got {}", op, eps);
   return forward_impl(x, &gate, w, eps);
 }
@@ -157,9 +189,7 @@ GatedRmsNormGrads gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, cons
                                          const Tensor& w, const Tensor& rstd, Tensor& dw) {
   constexpr const char* op = "gated_rmsnorm_backward";
   check_backward(op, dy, x, w, rstd, dw);
-  detail::require_float(gate, op, "gate");
-  detail::require_same_dtype(gate, x, op, "gate", "x");
-  detail::require_shape(gate, x.shape(), op, "gate");
+  check_gate(op, gate, x);
   return backward_impl(dy, x, &gate, w, rstd, dw);
 }
 

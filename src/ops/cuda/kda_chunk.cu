@@ -35,6 +35,10 @@
 //     head, 32-wide V tile), looping over the sequence's chunks. The state tile S [K, 32] lives
 //     in shared memory; the next chunk's operands are fetched by cp.async while the current one
 //     is computed (two commit groups per chunk: {W, qg, U} for phase A, {kg, A_qk, gl} for B).
+//
+// The backward (kda_chunk_bwd.cu) reuses both kernels through kda_cuda_detail::recompute: the
+// intra kernel then also stores G, the normalised q / k, beta and M^-1, the state kernel the
+// chunk-start states h and V_new, and the output o is skipped.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -1,0 +1,501 @@
+// KDA chunked backward on CUDA (ops/kda_chunk_cuda.h, kda_chunk_backward_cuda) against the CPU
+// kda_chunk_backward on the same inputs: f32 and bf16 inputs (the CPU runs on the bf16-rounded
+// values; the gradients are f32 for both, as the CPU returns them), packed sequences of 1, 63, 65
+// and 1000 tokens and many short ones (empty ones too), GVA, with and without an initial state and
+// a final-state gradient, plain log decay g (mild, and strong enough to force the per-element
+// diagonal path), the fused lower-bound (-5) and standard gates with the fused q/k L2 norm and
+// beta sigmoid, cu_seqlens on the host and on the device, K = V = 128, K = V = 64, K = 64 / V = 32
+// and K = 32 / V = 96. Every output and the workspace are NaN-poisoned before every run; every
+// case runs twice and must give the same bits; the longest sequence run alone must give the bits
+// it gets inside the packed batch. Argument checks throw hlm::Error.
+// Tolerances (relative L2 against the CPU): 2e-5 for f32 inputs, 3e-3 for bf16 inputs. Each
+// comparison prints its errors ("bwd-err" lines); a failure names the case, the tensor and the
+// worst element. KdaChunkBwdGpu.Timing prints the backward's time on the two target shapes.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "ops/kda.h"
+#include "ops/kda_chunk_cuda.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+using ops::KdaArgs;
+using ops::KdaGateKind;
+using ops::KdaGrads;
+
+// plain: g in (-5, 0); strong: g in (-12, 0) (diagonal blocks spanning > 80 nats take the
+// per-element exp path); fused gates: z with A_log, dt_bias.
+enum class Gate { plain, strong, lower_bound, standard };
+
+struct Case {
+  std::string name;
+  std::vector<int64_t> lens;
+  int64_t H, HV, K, V;
+  DType dt;
+  bool h0;   // initial state given
+  bool dht;  // d_final_state given
+  Gate gate;
+  bool cu_on_device = false;
+  double scale = 0;
+};
+
+std::string describe(const Case& c) {
+  std::string lens;
+  for (size_t i = 0; i < c.lens.size() && i < 8; ++i)
+    lens += (i ? "," : "") + std::to_string(c.lens[i]);
+  if (c.lens.size() > 8) lens += ",... (" + std::to_string(c.lens.size()) + " sequences)";
+  const char* gate = c.gate == Gate::plain         ? "plain g"
+                     : c.gate == Gate::strong      ? "plain strong-decay g"
+                     : c.gate == Gate::lower_bound ? "fused lower-bound gate -5"
+                                                   : "fused standard gate";
+  return fmt::format("case '{}': {} H={} HV={} K={} V={} lens [{}] {}, {}, {}{}", c.name,
+                     dtype_name(c.dt), c.H, c.HV, c.K, c.V, lens, gate,
+                     c.h0 ? "initial state" : "zero initial state",
+                     c.dht ? "d_final_state" : "no d_final_state",
+                     c.cu_on_device ? ", cu_seqlens on the device" : "");
+}
+
+// CPU inputs (as the forward test). Plain: l2-normalised q, k, beta in (0.05, 0.95), g < 0.
+// Fused gates: raw q, k (use_qk_l2norm), beta logits, raw z with A_log and dt_bias.
+KdaArgs make_inputs(const Case& c, Rng& rng) {
+  std::vector<int64_t> cu{0};
+  for (int64_t l : c.lens) cu.push_back(cu.back() + l);
+  const int64_t T = cu.back(), N = int64_t(c.lens.size());
+  KdaArgs a;
+  auto unit = [&](Shape s) {
+    Tensor x = randn(s, DType::f64, rng);
+    double* d = x.data<double>();
+    const int64_t D = s.back();
+    for (int64_t i = 0; i < x.numel() / D; ++i) {
+      double n = 0;
+      for (int64_t j = 0; j < D; ++j) n += d[i * D + j] * d[i * D + j];
+      for (int64_t j = 0; j < D; ++j) d[i * D + j] /= std::sqrt(n);
+    }
+    return x.to(c.dt);
+  };
+  if (c.gate == Gate::plain || c.gate == Gate::strong) {
+    a.q = unit({T, c.H, c.K});
+    a.k = unit({T, c.H, c.K});
+    a.beta = rand_uniform({T, c.HV}, c.dt, rng, 0.05, 0.95);
+    Tensor u = rand_uniform({T, c.HV, c.K}, DType::f64, rng, 0, 1);
+    double* ud = u.data<double>();
+    for (int64_t i = 0; i < u.numel(); ++i)
+      ud[i] = c.gate == Gate::plain ? -5.0 * ud[i] * ud[i] * ud[i] - 1e-3 : -12.0 * ud[i] - 1e-3;
+    a.g = u.to(c.dt);
+  } else {
+    a.q = randn({T, c.H, c.K}, c.dt, rng);
+    a.k = randn({T, c.H, c.K}, c.dt, rng);
+    a.use_qk_l2norm = true;
+    a.beta = randn({T, c.HV}, c.dt, rng);
+    a.beta_logits = true;
+    a.g = randn({T, c.HV, c.K}, c.dt, rng, 2.0);
+    if (c.gate == Gate::lower_bound) {
+      a.gate = KdaGateKind::lower_bound;
+      a.lower_bound = -5.0;
+      a.A_log = rand_uniform({c.HV}, DType::f32, rng, -0.5, 0.5);
+    } else {
+      a.gate = KdaGateKind::standard;
+      a.A_log = rand_uniform({c.HV}, DType::f32, rng, -1.0, 1.0);
+    }
+    a.dt_bias = rand_uniform({c.HV * c.K}, DType::f32, rng, -1, 1);
+  }
+  a.v = randn({T, c.HV, c.V}, c.dt, rng);
+  if (c.h0) a.initial_state = randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5);
+  a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, cu);
+  a.scale = c.scale;
+  return a;
+}
+
+KdaArgs to_device(const KdaArgs& c, bool cu_on_device) {
+  KdaArgs g = c;
+  for (Tensor* t : {&g.q, &g.k, &g.v, &g.g, &g.beta, &g.initial_state, &g.A_log, &g.dt_bias})
+    if (t->defined()) *t = t->to(Device::cuda);
+  if (cu_on_device) g.cu_seqlens = g.cu_seqlens.to(Device::cuda);
+  return g;
+}
+
+// Fresh NaN-poisoned outputs and workspace.
+ops::KdaChunkBwdCudaBuffers poisoned(const KdaArgs& g) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const int64_t T = g.q.size(0), H = g.q.size(1), HV = g.v.size(1), K = g.q.size(2),
+                V = g.v.size(2);
+  const int64_t N = g.cu_seqlens.defined() ? g.cu_seqlens.size(0) - 1 : 1;
+  auto f = [&](Shape s) { return Tensor::full(s, nan, DType::f32, Device::cuda); };
+  ops::KdaChunkBwdCudaBuffers b;
+  b.workspace = f({ops::kda_chunk_bwd_cuda_workspace_floats(g)});
+  b.dq = f({T, H, K});
+  b.dk = f({T, H, K});
+  b.dv = f({T, HV, V});
+  b.dg = f({T, HV, K});
+  b.dbeta = f({T, HV});
+  b.dinitial_state = f({N, HV, K, V});
+  if (g.gate && g.A_log.defined()) b.dA_log = f({HV});
+  if (g.gate && g.dt_bias.defined()) b.ddt_bias = f({HV * K});
+  return b;
+}
+
+::testing::AssertionResult within(const Tensor& out, const Tensor& ref, double rel,
+                                  const std::string& c, const char* what) {
+  const Tensor host = out.to(Device::cpu);
+  const testing::ErrorStats st = testing::compare(host, ref);
+  std::printf("  bwd-err %-8s %-15s rel_l2 %.3e  max_abs %.3e  (%s)\n", dtype_name(out.dtype()),
+              what, st.rel_l2, st.max_abs, c.c_str());
+  auto r = testing::close(host, ref, {rel, 1e30});
+  if (!r) r << " [" << c << ", tensor " << what << "]";
+  return r;
+}
+
+struct Named {
+  const char* name;
+  Tensor KdaGrads::*field;
+};
+const Named kFields[] = {
+    {"dq", &KdaGrads::dq},         {"dk", &KdaGrads::dk},
+    {"dv", &KdaGrads::dv},         {"dg", &KdaGrads::dg},
+    {"dbeta", &KdaGrads::dbeta},   {"dinitial_state", &KdaGrads::dinitial_state},
+    {"dA_log", &KdaGrads::dA_log}, {"ddt_bias", &KdaGrads::ddt_bias}};
+
+void run_case(const Case& c) {
+  SCOPED_TRACE(describe(c));
+  const std::string name = describe(c);
+  std::printf("%s\n", name.c_str());
+  Rng rng(testing::test_seed() ^ std::hash<std::string>{}(c.name));
+  const KdaArgs cpu = make_inputs(c, rng);
+  const int64_t T = cpu.q.size(0), N = int64_t(c.lens.size());
+  const Tensor d_o = randn({T, c.HV, c.V}, c.dt, rng);
+  const Tensor dht = c.dht ? randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5) : Tensor();
+  const KdaGrads ref = ops::kda_chunk_backward(cpu, d_o, dht);
+  const KdaArgs gpu = to_device(cpu, c.cu_on_device);
+  const Tensor d_o_g = d_o.to(Device::cuda);
+  const Tensor dht_g = dht.defined() ? dht.to(Device::cuda) : Tensor();
+  const double tol = c.dt == DType::bf16 ? 3e-3 : 2e-5;
+
+  const KdaGrads out = ops::kda_chunk_backward_cuda(gpu, d_o_g, dht_g, poisoned(gpu));
+  for (const Named& f : kFields) {
+    const Tensor& r = ref.*(f.field);
+    const Tensor& o = out.*(f.field);
+    ASSERT_EQ(r.defined(), o.defined()) << name << ": " << f.name << " defined mismatch";
+    if (!r.defined()) continue;
+    ASSERT_EQ(o.dtype(), r.dtype()) << name << ": " << f.name << " dtype";
+    ASSERT_EQ(o.shape(), r.shape()) << name << ": " << f.name << " shape";
+    EXPECT_TRUE(within(o, r, tol, name, f.name));
+  }
+
+  if (cpu.gate) {
+    // dA_log and d dt_bias are sums over every token in f32 (the CPU's sequential, ours per chunk
+    // then over chunks): both against an f64 CPU run, for information.
+    KdaArgs c64 = cpu;
+    for (Tensor* t : {&c64.q, &c64.k, &c64.v, &c64.g, &c64.beta, &c64.initial_state})
+      if (t->defined()) *t = t->to(DType::f64);
+    const KdaGrads r64 = ops::kda_chunk_backward(c64, d_o.to(DType::f64),
+                                                 dht.defined() ? dht.to(DType::f64) : Tensor());
+    for (const Named& f : kFields) {
+      const Tensor& r = r64.*(f.field);
+      if (!r.defined() || r.numel() > c.HV * c.K) continue;  // dA_log, ddt_bias
+      const double eg = testing::compare((out.*(f.field)).to(Device::cpu), r).rel_l2;
+      const double ec = testing::compare(ref.*(f.field), r).rel_l2;
+      std::printf("  bwd-f64 %-15s vs the f64 CPU: GPU rel_l2 %.3e, CPU f32 rel_l2 %.3e\n", f.name,
+                  eg, ec);
+    }
+  }
+
+  const KdaGrads again = ops::kda_chunk_backward_cuda(gpu, d_o_g, dht_g, poisoned(gpu));
+  bool same = true;
+  for (const Named& f : kFields) {
+    if (!(out.*(f.field)).defined()) continue;
+    const bool eq = testing::bit_equal(again.*(f.field), out.*(f.field));
+    EXPECT_TRUE(eq) << name << ": " << f.name << " differs run to run";
+    same = same && eq;
+  }
+  std::printf("  bwd-det run twice: %s\n", same ? "bit-identical" : "DIFFERENT");
+
+  // The longest sequence alone (its own d_o and d_final_state slices, default buffers) gives the
+  // bits it gets in the packed batch.
+  size_t longest = 0;
+  for (size_t i = 1; i < c.lens.size(); ++i)
+    if (c.lens[i] > c.lens[longest]) longest = i;
+  int64_t b = 0;
+  for (size_t i = 0; i < longest; ++i) b += c.lens[i];
+  const int64_t e = b + c.lens[longest], n = int64_t(longest);
+  KdaArgs one = gpu;
+  for (Tensor* t : {&one.q, &one.k, &one.v, &one.g, &one.beta}) *t = t->slice(0, b, e);
+  if (one.initial_state.defined()) one.initial_state = one.initial_state.slice(0, n, n + 1);
+  one.cu_seqlens = Tensor();
+  const KdaGrads alone = ops::kda_chunk_backward_cuda(
+      one, d_o_g.slice(0, b, e), dht_g.defined() ? dht_g.slice(0, n, n + 1) : Tensor());
+  bool alone_same = true;
+  for (const Named& f : kFields) {
+    if (std::strcmp(f.name, "dA_log") == 0 || std::strcmp(f.name, "ddt_bias") == 0) continue;
+    const bool state = std::strcmp(f.name, "dinitial_state") == 0;
+    const Tensor part =
+        state ? (out.*(f.field)).slice(0, n, n + 1) : (out.*(f.field)).slice(0, b, e);
+    const bool eq = testing::bit_equal(alone.*(f.field), part);
+    EXPECT_TRUE(eq) << name << ": sequence " << n << " alone differs from the packed batch ("
+                    << f.name << ")";
+    alone_same = alone_same && eq;
+  }
+  std::printf("  bwd-det sequence %lld alone vs packed: %s\n", (long long)n,
+              alone_same ? "bit-identical" : "DIFFERENT");
+}
+
+const std::vector<int64_t> kOddLens{1, 63, 65, 1000};
+
+TEST(KdaChunkBwdGpu, F32PlainGateGva) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"f32 plain h0 dht", kOddLens, 2, 4, 128, 128, DType::f32, true, true, Gate::plain});
+  run_case({"f32 plain", kOddLens, 2, 4, 128, 128, DType::f32, false, false, Gate::plain});
+}
+
+TEST(KdaChunkBwdGpu, F32LowerBoundGateFused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"f32 lower-bound", kOddLens, 2, 4, 128, 128, DType::f32, false, false,
+            Gate::lower_bound, true});
+  run_case({"f32 lower-bound h0 dht", kOddLens, 4, 4, 128, 128, DType::f32, true, true,
+            Gate::lower_bound});
+}
+
+// Mean decay 6 nats per token: nearly every diagonal 16x16 block spans more than 80 nats in some
+// channel and takes the per-element exp path.
+TEST(KdaChunkBwdGpu, StrongDecayPerElementDiagonal) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case(
+      {"f32 strong decay h0 dht", kOddLens, 2, 4, 128, 128, DType::f32, true, true, Gate::strong});
+  run_case({"bf16 strong decay",
+            {1, 63, 65, 300},
+            1,
+            2,
+            64,
+            64,
+            DType::bf16,
+            false,
+            true,
+            Gate::strong});
+}
+
+TEST(KdaChunkBwdGpu, F32StandardGateFused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case(
+      {"f32 standard h0 dht", kOddLens, 1, 2, 128, 128, DType::f32, true, true, Gate::standard});
+}
+
+TEST(KdaChunkBwdGpu, Bf16) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"bf16 plain h0 dht", kOddLens, 2, 4, 128, 128, DType::bf16, true, true, Gate::plain});
+  run_case({"bf16 lower-bound", kOddLens, 2, 2, 128, 128, DType::bf16, false, false,
+            Gate::lower_bound, true});
+  run_case(
+      {"bf16 standard h0", kOddLens, 2, 4, 128, 128, DType::bf16, true, false, Gate::standard});
+}
+
+TEST(KdaChunkBwdGpu, ManyShortSequencesK64) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  std::vector<int64_t> lens;
+  for (int i = 0; i < 40; ++i) lens.push_back(int64_t(rng.uniform() * 140));  // 0 .. 139
+  lens[3] = 0, lens[7] = 1, lens[11] = 64, lens[12] = 128, lens[20] = 0;
+  run_case({"f32 short K64 h0 dht", lens, 2, 6, 64, 64, DType::f32, true, true, Gate::plain, true});
+  run_case({"f32 short K64 lower-bound", lens, 3, 3, 64, 64, DType::f32, false, true,
+            Gate::lower_bound});
+  run_case({"bf16 short K64 h0 lower-bound", lens, 1, 2, 64, 64, DType::bf16, true, false,
+            Gate::lower_bound});
+}
+
+TEST(KdaChunkBwdGpu, SmallOddHeadDims) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"f32 K32 V96 h0 dht",
+            {1, 63, 65, 200},
+            1,
+            3,
+            32,
+            96,
+            DType::f32,
+            true,
+            true,
+            Gate::plain,
+            false,
+            0.3});
+  run_case({"f32 K64 V32 lower-bound",
+            {130, 2, 64},
+            2,
+            2,
+            64,
+            32,
+            DType::f32,
+            true,
+            true,
+            Gate::lower_bound});
+  run_case({"bf16 K32 V96 standard",
+            {1, 63, 65, 200},
+            1,
+            3,
+            32,
+            96,
+            DType::bf16,
+            false,
+            true,
+            Gate::standard});
+}
+
+// One sequence, no cu_seqlens, T not a multiple of 64.
+TEST(KdaChunkBwdGpu, SingleSequenceNoCuSeqlens) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  Case c{"single", {333}, 1, 1, 128, 128, DType::f32, true, true, Gate::lower_bound};
+  KdaArgs cpu = make_inputs(c, rng);
+  cpu.cu_seqlens = Tensor();
+  const Tensor d_o = randn({333, 1, 128}, DType::f32, rng);
+  const Tensor dht = randn({1, 1, 128, 128}, DType::f32, rng, 0.5);
+  const KdaGrads ref = ops::kda_chunk_backward(cpu, d_o, dht);
+  const KdaArgs gpu = to_device(cpu, false);
+  const KdaGrads out =
+      ops::kda_chunk_backward_cuda(gpu, d_o.to(Device::cuda), dht.to(Device::cuda), poisoned(gpu));
+  for (const Named& f : kFields)
+    if ((ref.*(f.field)).defined())
+      EXPECT_TRUE(within(out.*(f.field), ref.*(f.field), 2e-5, "single sequence", f.name));
+}
+
+TEST(KdaChunkBwdGpu, RejectsBadArguments) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  auto gpu_case = [&](int64_t K, int64_t V) {
+    Case c{"args", {5, 70}, 1, 1, K, V, DType::f32, true, false, Gate::plain};
+    return to_device(make_inputs(c, rng), false);
+  };
+  auto d_o = [](int64_t V) { return Tensor::zeros({75, 1, V}, DType::f32, Device::cuda); };
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(gpu_case(48, 64), d_o(64), {}), Error);
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(gpu_case(256, 64), d_o(64), {}), Error);
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(gpu_case(64, 40), d_o(40), {}), Error);
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(gpu_case(64, 160), d_o(160), {}), Error);
+  KdaArgs a = gpu_case(64, 64);
+  EXPECT_NO_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}));
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, Tensor(), {}), Error);  // no d_o
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(32), {}), Error);   // d_o shape
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64).to(Device::cpu), {}), Error);
+  EXPECT_THROW(
+      ops::kda_chunk_backward_cuda(a, Tensor::zeros({75, 1, 64}, DType::bf16, Device::cuda), {}),
+      Error);  // d_o dtype
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(
+                   a, d_o(64), Tensor::zeros({1, 1, 64, 64}, DType::f32, Device::cuda)),
+               Error);  // d_final_state: N = 2
+  {
+    KdaArgs b = a;
+    b.q = b.q.to(Device::cpu);
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(b, d_o(64), {}), Error);
+  }
+  {
+    KdaArgs b = a;
+    b.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 5, 74});
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(b, d_o(64), {}), Error);
+  }
+  {
+    KdaArgs b = a;
+    b.gate = KdaGateKind::standard;  // needs A_log
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(b, d_o(64), {}), Error);
+  }
+  {
+    ops::KdaChunkBwdCudaBuffers buf;
+    buf.workspace = Tensor::empty({16}, DType::f32, Device::cuda);  // too small
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
+  }
+  {
+    ops::KdaChunkBwdCudaBuffers buf;
+    buf.dq = Tensor::empty({75, 1, 32}, DType::f32, Device::cuda);  // wrong shape
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
+  }
+}
+
+// The target shapes: bf16, fused lower-bound gate -5, use_qk_l2norm, beta logits, K = V = 128,
+// packed equal-length sequences. cudaEvent time of the synchronous call with preallocated buffers
+// (host planning and the small chunk-table copy included), median of 5 after a warm-up. Inputs are
+// 2048 random tokens tiled along T (the values do not change the work). Asserts nothing on speed.
+TEST(KdaChunkBwdGpu, Timing) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  struct Shape3 {
+    int64_t T, H, N;
+  };
+  for (const Shape3 sh : {Shape3{8192, 32, 1}, Shape3{32768, 64, 8}}) {
+    const int64_t T0 = 2048, K = 128, V = 128;
+    Rng rng(testing::test_seed());
+    Case c{"timing", {T0}, sh.H, sh.H, K, V, DType::bf16, false, true, Gate::lower_bound};
+    const KdaArgs small = make_inputs(c, rng);
+    const Tensor d_o_small = randn({T0, sh.H, V}, DType::bf16, rng);
+    auto tile = [&](const Tensor& x) {
+      Shape s = x.shape();
+      s[0] = sh.T;
+      Tensor big = Tensor::empty(s, x.dtype());
+      const size_t row = x.nbytes() / size_t(x.size(0));
+      for (int64_t t0 = 0; t0 < sh.T; t0 += T0)
+        std::memcpy(static_cast<char*>(big.raw()) + size_t(t0) * row, x.raw(),
+                    size_t(std::min(T0, sh.T - t0)) * row);
+      return big.to(Device::cuda);
+    };
+    KdaArgs a = small;
+    a.q = tile(small.q), a.k = tile(small.k), a.v = tile(small.v), a.g = tile(small.g);
+    a.beta = tile(small.beta);
+    a.A_log = small.A_log.to(Device::cuda), a.dt_bias = small.dt_bias.to(Device::cuda);
+    std::vector<int64_t> cu;
+    for (int64_t n = 0; n <= sh.N; ++n) cu.push_back(n * sh.T / sh.N);
+    a.cu_seqlens = Tensor::from_vector<int64_t>({sh.N + 1}, cu);
+    const Tensor d_o = tile(d_o_small);
+    const Tensor dht = Tensor::zeros({sh.N, sh.H, K, V}, DType::f32, Device::cuda);
+    ops::KdaChunkBwdCudaBuffers b;
+    b.workspace =
+        Tensor::empty({ops::kda_chunk_bwd_cuda_workspace_floats(a)}, DType::f32, Device::cuda);
+    b.dq = Tensor::empty({sh.T, sh.H, K}, DType::f32, Device::cuda);
+    b.dk = Tensor::empty({sh.T, sh.H, K}, DType::f32, Device::cuda);
+    b.dv = Tensor::empty({sh.T, sh.H, V}, DType::f32, Device::cuda);
+    b.dg = Tensor::empty({sh.T, sh.H, K}, DType::f32, Device::cuda);
+    b.dbeta = Tensor::empty({sh.T, sh.H}, DType::f32, Device::cuda);
+    b.dinitial_state = Tensor::empty({sh.N, sh.H, K, V}, DType::f32, Device::cuda);
+    b.dA_log = Tensor::empty({sh.H}, DType::f32, Device::cuda);
+    b.ddt_bias = Tensor::empty({sh.H * K}, DType::f32, Device::cuda);
+    ops::KdaChunkCudaBuffers fb;
+    fb.o = Tensor::empty({sh.T, sh.H, V}, DType::bf16, Device::cuda);
+    fb.final_state = Tensor::empty({sh.N, sh.H, K, V}, DType::f32, Device::cuda);
+    fb.workspace =
+        Tensor::empty({ops::kda_chunk_cuda_workspace_floats(a)}, DType::f32, Device::cuda);
+
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    auto time = [&](auto&& f) {
+      f();  // warm-up
+      std::vector<double> ms;
+      for (int i = 0; i < 5; ++i) {
+        cudaEventRecord(e0);
+        f();
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        float m = 0;
+        cudaEventElapsedTime(&m, e0, e1);
+        ms.push_back(m);
+      }
+      std::sort(ms.begin(), ms.end());
+      return ms[2];
+    };
+    const double bwd = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, b); });
+    const double fwd = time([&] { ops::kda_chunk_forward_cuda(a, fb); });
+    setenv("HLM_KDA_BWD_PROFILE", "1", 1);  // one more call with the stage times on stderr
+    ops::kda_chunk_backward_cuda(a, d_o, dht, b);
+    unsetenv("HLM_KDA_BWD_PROFILE");
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::printf(
+        "kda timing bf16 lower-bound+l2norm+beta_logits T=%lld H=%lld N=%lld K=V=128: backward "
+        "%.3f ms, forward %.3f ms, fwd+bwd %.3f ms\n",
+        (long long)sh.T, (long long)sh.H, (long long)sh.N, bwd, fwd, fwd + bwd);
+  }
+}
+
+}  // namespace
+}  // namespace hlm
