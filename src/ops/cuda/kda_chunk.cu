@@ -47,11 +47,14 @@
 #include <limits>
 #include <vector>
 
+#include "ops/cuda/kda_chunk_common.cuh"
 #include "ops/kda_chunk_cuda.h"
 #include "ops/seqlens.h"
 
 namespace hlm::ops {
 namespace {
+
+using namespace kda_cu;
 
 constexpr int kC = 64;              // chunk size (== kKdaChunk)
 constexpr int kSub = 16;            // sub-chunk (block) size of the intra matrices
@@ -155,24 +158,6 @@ __host__ __device__ constexpr int state_smem_floats(int K) {
 
 // ------------------------------------------------------------------ device helpers
 
-__device__ __forceinline__ float to_f(float x) {
-  return x;
-}
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float sigmoid_f(float x) {
-  if (x >= 0.f) return 1.f / (1.f + expf(-x));
-  const float e = expf(x);
-  return e / (1.f + e);
-}
-
-// a * b with 0 * anything = 0 (the gate's 0 * inf guard, as the CPU gate).
-__device__ __forceinline__ float mul0(float a, float b) {
-  return (a == 0.f || b == 0.f) ? 0.f : a * b;
-}
-
 // The decay gate of kda_gate.h on x = z + dt_bias.
 __device__ __forceinline__ float gate_f(float x, float eA, int kind, float lb) {
   if (kind == kGateStandard) {
@@ -180,21 +165,6 @@ __device__ __forceinline__ float gate_f(float x, float eA, int kind, float lb) {
     return -mul0(eA, sp);
   }
   return lb * sigmoid_f(mul0(eA, x));
-}
-
-__device__ __forceinline__ float4 ld4(const float* p) {
-  return *reinterpret_cast<const float4*>(p);
-}
-__device__ __forceinline__ void st4(float* p, float4 x) {
-  *reinterpret_cast<float4*>(p) = x;
-}
-
-// acc += a * x (per component).
-__device__ __forceinline__ void fma4(float4& acc, float a, float4 x) {
-  acc.x = fmaf(a, x.x, acc.x);
-  acc.y = fmaf(a, x.y, acc.y);
-  acc.z = fmaf(a, x.z, acc.z);
-  acc.w = fmaf(a, x.w, acc.w);
 }
 
 __device__ __forceinline__ void store4(float* p, float4 x) {
@@ -208,14 +178,6 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, float4 x) {
   *reinterpret_cast<uint2*>(p) = bits;
 }
 
-// cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fences.
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
 // Wait until at most N of this thread's most recent groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -710,14 +672,6 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
 
 constexpr const char* kOp = "kda_chunk_forward_cuda";
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
-bool aligned16(const Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0;
-}
-
 // Validated shapes, the chunk table and the workspace layout of one call.
 struct Plan : kda_cuda_detail::Plan {
   // workspace offsets in floats (multiples of 64: 256-byte aligned slices)
@@ -838,23 +792,6 @@ Plan make_plan(const KdaArgs& a, const char* op = kOp) {
   return p;
 }
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  HLM_CHECK(err == cudaSuccess, "{}: {} launch: {}", kOp, what, cudaGetErrorString(err));
-}
-
-void set_smem(const void* kernel, size_t bytes, const char* what) {
-  int dev = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  HLM_CHECK(size_t(optin) >= bytes, "{}: {} needs {} bytes of shared memory, the device allows {}",
-            kOp, what, bytes, optin);
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  HLM_CHECK(err == cudaSuccess, "{}: cudaFuncSetAttribute({}): {}", kOp, what,
-            cudaGetErrorString(err));
-}
-
 template <int K, class Tin>
 void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
                  const kda_cuda_detail::Intermediates& x, Tin* o) {
@@ -895,9 +832,9 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
     ip.l2norm = a.use_qk_l2norm;
     ip.beta_logits = a.beta_logits;
     const size_t smem = size_t(IntraLayout(K, int(pl.V)).total) * sizeof(float);
-    set_smem(reinterpret_cast<const void*>(&kda_intra_kernel<K, Tin>), smem, "intra kernel");
+    set_smem(kOp, reinterpret_cast<const void*>(&kda_intra_kernel<K, Tin>), smem, "intra kernel");
     kda_intra_kernel<K, Tin><<<dim3(unsigned(pl.NC), unsigned(pl.HV)), kIntraThreads, smem>>>(ip);
-    check_launch("intra kernel");
+    check_launch(kOp, "intra kernel");
   }
 
   StateParams<Tin> sp;
@@ -917,9 +854,9 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
   sp.vnew_out = x.vnew;
   sp.HV = int(pl.HV), sp.V = int(pl.V);
   const size_t smem = size_t(state_smem_floats(K)) * sizeof(float);
-  set_smem(reinterpret_cast<const void*>(&kda_state_kernel<K, Tin>), smem, "state kernel");
+  set_smem(kOp, reinterpret_cast<const void*>(&kda_state_kernel<K, Tin>), smem, "state kernel");
   kda_state_kernel<K, Tin><<<unsigned(pl.N * pl.HV * (pl.V / kBV)), kThreads, smem>>>(sp);
-  check_launch("state kernel");
+  check_launch(kOp, "state kernel");
 }
 
 template <class Tin>

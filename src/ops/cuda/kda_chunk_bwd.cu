@@ -48,10 +48,13 @@
 #include <cstdlib>
 #include <vector>
 
+#include "ops/cuda/kda_chunk_common.cuh"
 #include "ops/kda_chunk_cuda.h"
 
 namespace hlm::ops {
 namespace {
+
+using namespace kda_cu;
 
 constexpr const char* kOp = "kda_chunk_backward_cuda";
 constexpr int kC = 64;            // chunk size
@@ -115,44 +118,6 @@ struct BwdParams {
 
 // ------------------------------------------------------------------ device helpers
 
-__device__ __forceinline__ float to_f(float x) {
-  return x;
-}
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float sigmoid_f(float x) {
-  if (x >= 0.f) return 1.f / (1.f + expf(-x));
-  const float e = expf(x);
-  return e / (1.f + e);
-}
-
-// a * b with 0 * anything = 0 (the gate's 0 * inf guard, as the CPU gate).
-__device__ __forceinline__ float mul0(float a, float b) {
-  return (a == 0.f || b == 0.f) ? 0.f : a * b;
-}
-
-__device__ __forceinline__ float4 ld4(const float* p) {
-  return *reinterpret_cast<const float4*>(p);
-}
-__device__ __forceinline__ void st4(float* p, float4 x) {
-  *reinterpret_cast<float4*>(p) = x;
-}
-__device__ __forceinline__ void fma4(float4& acc, float a, float4 x) {
-  acc.x = fmaf(a, x.x, acc.x);
-  acc.y = fmaf(a, x.y, acc.y);
-  acc.z = fmaf(a, x.z, acc.z);
-  acc.w = fmaf(a, x.w, acc.w);
-}
-
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
@@ -799,14 +764,6 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_gate_sum_kernel(const BwdPar
 
 // ------------------------------------------------------------------ host side
 
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
-bool aligned16(const Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0;
-}
-
 void require_cuda(const Tensor& t, const char* what) {
   HLM_CHECK(t.defined(), "{}: {} is undefined", kOp, what);
   HLM_CHECK(t.device() == Device::cuda, "{}: {} must be a CUDA tensor, got {}", kOp, what,
@@ -886,57 +843,40 @@ struct Profile {
   }
 };
 
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  HLM_CHECK(err == cudaSuccess, "{}: {} launch: {}", kOp, what, cudaGetErrorString(err));
-}
-
-void set_smem(const void* kernel, size_t bytes, const char* what) {
-  int dev = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  HLM_CHECK(size_t(optin) >= bytes, "{}: {} needs {} bytes of shared memory, the device allows {}",
-            kOp, what, bytes, optin);
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  HLM_CHECK(err == cudaSuccess, "{}: cudaFuncSetAttribute({}): {}", kOp, what,
-            cudaGetErrorString(err));
-}
-
 template <int K, class Tin>
 void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profile& prof) {
   const unsigned nc = unsigned(pl.NC), hv = unsigned(pl.HV);
   {
     const size_t smem = size_t(state_bwd_smem_floats(K)) * sizeof(float);
-    set_smem(reinterpret_cast<const void*>(&kda_state_bwd_kernel<K, Tin>), smem, "state bwd");
+    set_smem(kOp, reinterpret_cast<const void*>(&kda_state_bwd_kernel<K, Tin>), smem, "state bwd");
     kda_state_bwd_kernel<K, Tin><<<unsigned(pl.N * pl.HV * (pl.V / kBV)), kThreads, smem>>>(bp);
-    check_launch("state bwd kernel");
+    check_launch(kOp, "state bwd kernel");
     prof.mark("state-bwd");
   }
   if (pl.NC > 0) {
     size_t smem = size_t(sp_smem_floats(int(pl.V))) * sizeof(float);
-    set_smem(reinterpret_cast<const void*>(&kda_bwd_state_products_kernel<K, Tin>), smem,
+    set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_state_products_kernel<K, Tin>), smem,
              "state products");
     kda_bwd_state_products_kernel<K, Tin><<<dim3(nc, hv), kThreads, smem>>>(bp);
-    check_launch("state products kernel");
+    check_launch(kOp, "state products kernel");
     prof.mark("state-products");
     smem = size_t(wy_smem_floats(K, int(pl.V))) * sizeof(float);
-    set_smem(reinterpret_cast<const void*>(&kda_bwd_wy_kernel<K, Tin>), smem, "wy bwd");
+    set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_wy_kernel<K, Tin>), smem, "wy bwd");
     kda_bwd_wy_kernel<K, Tin><<<dim3(nc, hv), kThreads, smem>>>(bp);
-    check_launch("wy bwd kernel");
+    check_launch(kOp, "wy bwd kernel");
     prof.mark("wy-bwd");
     smem = size_t(IntraBwdLayout(K).total) * sizeof(float);
-    set_smem(reinterpret_cast<const void*>(&kda_bwd_intra_kernel<K, Tin>), smem, "intra bwd");
+    set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_intra_kernel<K, Tin>), smem, "intra bwd");
     kda_bwd_intra_kernel<K, Tin><<<dim3(nc, hv), kThreads, smem>>>(bp);
-    check_launch("intra bwd kernel");
+    check_launch(kOp, "intra bwd kernel");
     prof.mark("intra-bwd");
     kda_bwd_qk_kernel<K, Tin><<<dim3(nc, unsigned(pl.H)), kThreads>>>(bp);
-    check_launch("qk bwd kernel");
+    check_launch(kOp, "qk bwd kernel");
     prof.mark("qk-gva-l2norm");
   }
   if (bp.o_dA || bp.o_ddt) {
     kda_bwd_gate_sum_kernel<K, Tin><<<hv, kThreads>>>(bp);
-    check_launch("gate sum kernel");
+    check_launch(kOp, "gate sum kernel");
     prof.mark("gate-sums");
   }
 }

@@ -1,0 +1,88 @@
+// Helpers shared by the CUDA chunked KDA forward (kda_chunk.cu) and backward (kda_chunk_bwd.cu):
+// scalar and float4 device helpers, cp.async, and the host-side launch checks. Internal.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+#include "core/tensor.h"
+
+namespace hlm::ops::kda_cu {
+
+// ------------------------------------------------------------------ device helpers
+
+__device__ __forceinline__ float to_f(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+__device__ __forceinline__ float sigmoid_f(float x) {
+  if (x >= 0.f) return 1.f / (1.f + expf(-x));
+  const float e = expf(x);
+  return e / (1.f + e);
+}
+
+// a * b with 0 * anything = 0 (the gate's 0 * inf guard, as the CPU gate).
+__device__ __forceinline__ float mul0(float a, float b) {
+  return (a == 0.f || b == 0.f) ? 0.f : a * b;
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ void st4(float* p, float4 x) {
+  *reinterpret_cast<float4*>(p) = x;
+}
+
+// acc += a * x (per component).
+__device__ __forceinline__ void fma4(float4& acc, float a, float4 x) {
+  acc.x = fmaf(a, x.x, acc.x);
+  acc.y = fmaf(a, x.y, acc.y);
+  acc.z = fmaf(a, x.z, acc.z);
+  acc.w = fmaf(a, x.w, acc.w);
+}
+
+// cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fence.
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// ------------------------------------------------------------------ host helpers
+
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+inline bool aligned16(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0;
+}
+
+// Turns a failed kernel launch into hlm::Error naming the op and the kernel.
+inline void check_launch(const char* op, const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  HLM_CHECK(err == cudaSuccess, "{}: {} launch: {}", op, what, cudaGetErrorString(err));
+}
+
+// Opts `kernel` in to `bytes` of dynamic shared memory (an error when the device has less).
+inline void set_smem(const char* op, const void* kernel, size_t bytes, const char* what) {
+  int dev = 0, optin = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  HLM_CHECK(size_t(optin) >= bytes, "{}: {} needs {} bytes of shared memory, the device allows {}",
+            op, what, bytes, optin);
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  HLM_CHECK(err == cudaSuccess, "{}: cudaFuncSetAttribute({}): {}", op, what,
+            cudaGetErrorString(err));
+}
+
+}  // namespace hlm::ops::kda_cu
