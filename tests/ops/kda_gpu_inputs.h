@@ -1,0 +1,79 @@
+// Inputs shared by the KDA GPU tests (kda_chunk_gpu_test.cpp, kda_chunk_bwd_gpu_test.cpp): the
+// CPU problems they build and their copy to the device. `Case` is each test's own case struct
+// with the fields name, lens, H, HV, K, V, dt, h0, gate, scale.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "ops/kda.h"
+#include "testing.h"
+
+namespace hlm::kda_gpu_test {
+
+// plain: g in (-5, 0); strong: g in (-12, 0) (diagonal blocks spanning > 80 nats take the
+// per-element exp path); fused gates: z with A_log, dt_bias.
+enum class Gate { plain, strong, lower_bound, standard };
+
+// CPU inputs. Plain: l2-normalised q, k, beta in (0.05, 0.95), g in (-5, 0) skewed to 0 (strong:
+// g in (-12, 0)). Fused gates: raw q, k (use_qk_l2norm), beta logits, raw z with A_log and
+// dt_bias.
+template <class Case>
+inline ops::KdaArgs make_inputs(const Case& c, Rng& rng) {
+  std::vector<int64_t> cu{0};
+  for (int64_t l : c.lens) cu.push_back(cu.back() + l);
+  const int64_t T = cu.back(), N = int64_t(c.lens.size());
+  ops::KdaArgs a;
+  auto unit = [&](Shape s) {
+    Tensor x = randn(s, DType::f64, rng);
+    double* d = x.data<double>();
+    const int64_t D = s.back();
+    for (int64_t i = 0; i < x.numel() / D; ++i) {
+      double n = 0;
+      for (int64_t j = 0; j < D; ++j) n += d[i * D + j] * d[i * D + j];
+      for (int64_t j = 0; j < D; ++j) d[i * D + j] /= std::sqrt(n);
+    }
+    return x.to(c.dt);
+  };
+  if (c.gate == Gate::plain || c.gate == Gate::strong) {
+    a.q = unit({T, c.H, c.K});
+    a.k = unit({T, c.H, c.K});
+    a.beta = rand_uniform({T, c.HV}, c.dt, rng, 0.05, 0.95);
+    Tensor u = rand_uniform({T, c.HV, c.K}, DType::f64, rng, 0, 1);
+    double* ud = u.data<double>();
+    for (int64_t i = 0; i < u.numel(); ++i)
+      ud[i] = c.gate == Gate::plain ? -5.0 * ud[i] * ud[i] * ud[i] - 1e-3 : -12.0 * ud[i] - 1e-3;
+    a.g = u.to(c.dt);
+  } else {
+    a.q = randn({T, c.H, c.K}, c.dt, rng);
+    a.k = randn({T, c.H, c.K}, c.dt, rng);
+    a.use_qk_l2norm = true;
+    a.beta = randn({T, c.HV}, c.dt, rng);
+    a.beta_logits = true;
+    a.g = randn({T, c.HV, c.K}, c.dt, rng, 2.0);
+    if (c.gate == Gate::lower_bound) {
+      a.gate = ops::KdaGateKind::lower_bound;
+      a.lower_bound = -5.0;
+      a.A_log = rand_uniform({c.HV}, DType::f32, rng, -0.5, 0.5);
+    } else {
+      a.gate = ops::KdaGateKind::standard;
+      a.A_log = rand_uniform({c.HV}, DType::f32, rng, -1.0, 1.0);
+    }
+    a.dt_bias = rand_uniform({c.HV * c.K}, DType::f32, rng, -1, 1);
+  }
+  a.v = randn({T, c.HV, c.V}, c.dt, rng);
+  if (c.h0) a.initial_state = randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5);
+  a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, cu);
+  a.scale = c.scale;
+  return a;
+}
+
+inline ops::KdaArgs to_device(const ops::KdaArgs& c, bool cu_on_device) {
+  ops::KdaArgs g = c;
+  for (Tensor* t : {&g.q, &g.k, &g.v, &g.g, &g.beta, &g.initial_state, &g.A_log, &g.dt_bias})
+    if (t->defined()) *t = t->to(Device::cuda);
+  if (cu_on_device) g.cu_seqlens = g.cu_seqlens.to(Device::cuda);
+  return g;
+}
+
+}  // namespace hlm::kda_gpu_test
