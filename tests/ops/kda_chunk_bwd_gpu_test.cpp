@@ -305,6 +305,35 @@ TEST(KdaChunkBwdGpu, SingleSequenceNoCuSeqlens) {
       EXPECT_TRUE(within(out.*(f.field), ref.*(f.field), 2e-5, "single sequence", f.name));
 }
 
+// ops::kda_chunk / kda_chunk_backward called with CUDA tensors run the CUDA kernels: the same
+// bits as calling them directly, and close to the CPU on the same inputs.
+TEST(KdaChunkBwdGpu, DispatchFromKdaChunk) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  Case c{"dispatch", {1, 63, 65, 200}, 2, 4, 64, 64, DType::f32, true, true, Gate::lower_bound};
+  const KdaArgs cpu = make_inputs(c, rng);
+  const Tensor d_o = randn({329, 4, 64}, DType::f32, rng);
+  const Tensor dht = randn({4, 4, 64, 64}, DType::f32, rng, 0.5);
+  const KdaArgs gpu = to_device(cpu, false);
+  const Tensor d_o_gpu = d_o.to(Device::cuda), dht_gpu = dht.to(Device::cuda);
+
+  const ops::KdaOutput fwd = ops::kda_chunk(gpu), fwd_direct = ops::kda_chunk_forward_cuda(gpu);
+  EXPECT_EQ(fwd.o.device(), Device::cuda);
+  EXPECT_TRUE(testing::bit_equal(fwd.o, fwd_direct.o));
+  EXPECT_TRUE(testing::bit_equal(fwd.final_state, fwd_direct.final_state));
+  const ops::KdaOutput fwd_cpu = ops::kda_chunk(cpu);
+  EXPECT_TRUE(within(fwd.o, fwd_cpu.o, 2e-5, "dispatch", "o"));
+
+  const KdaGrads out = ops::kda_chunk_backward(gpu, d_o_gpu, dht_gpu);
+  const KdaGrads direct = ops::kda_chunk_backward_cuda(gpu, d_o_gpu, dht_gpu);
+  const KdaGrads ref = ops::kda_chunk_backward(cpu, d_o, dht);
+  for (const Named& f : kFields) {
+    if (!(ref.*(f.field)).defined()) continue;
+    EXPECT_TRUE(testing::bit_equal(out.*(f.field), direct.*(f.field))) << f.name;
+    EXPECT_TRUE(within(out.*(f.field), ref.*(f.field), 2e-5, "dispatch", f.name));
+  }
+}
+
 TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());

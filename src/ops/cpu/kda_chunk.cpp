@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ops/kda.h"
+#include "ops/kda_chunk_cuda.h"
 
 namespace hlm::ops {
 namespace {
@@ -556,13 +557,28 @@ DType compute_dtype(const KdaArgs& a) {
 
 }  // namespace
 
+// CUDA tensors go to the CUDA kernels (ops/kda_chunk_cuda.h: the same math, their own checks).
 KdaOutput kda_chunk(const KdaArgs& a) {
+  if (a.q.defined() && a.q.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    return kda_chunk_forward_cuda(a);
+#else
+    HLM_FAIL("kda_chunk: no CUDA support in this build");
+#endif
+  }
   const KdaDims d = kda_check(a, "kda_chunk");
   return compute_dtype(a) == DType::f64 ? chunk_fwd<double>(a, d) : chunk_fwd<float>(a, d);
 }
 
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final) {
   const char* op = "kda_chunk_backward";
+  if (a.q.defined() && a.q.device() == Device::cuda) {
+#ifdef HLM_HAVE_CUDA
+    return kda_chunk_backward_cuda(a, d_o, d_final);
+#else
+    HLM_FAIL("{}: no CUDA support in this build", op);
+#endif
+  }
   const KdaDims d = kda_check(a, op);
   HLM_CHECK(d_o.defined() && d_o.shape() == Shape({d.T, d.HV, d.V}),
             "{}: d_o must be [{}, {}, {}], got {}", op, d.T, d.HV, d.V,
