@@ -165,4 +165,16 @@ double dot(const Tensor& a, const Tensor& b) {
          << fmt::format("{:.12g}", worst_fd) << " (error " << worst << " > " << tol << ")";
 }
 
+Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng) {
+  Tensor x = randn(shape, DType::f64, rng);
+  double* d = x.data<double>();
+  const int64_t D = shape.back();
+  for (int64_t i = 0; i < x.numel() / D; ++i) {
+    double n = 0;
+    for (int64_t c = 0; c < D; ++c) n += d[i * D + c] * d[i * D + c];
+    for (int64_t c = 0; c < D; ++c) d[i * D + c] /= std::sqrt(n);
+  }
+  return x.to(dt);
+}
+
 }  // namespace hlm::testing

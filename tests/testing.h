@@ -50,4 +50,8 @@ Tolerance tolerance_for(DType dt);
 // sum(a * b) in FP64 (any dtypes, same shape): the usual probe loss for gradient checks.
 double dot(const Tensor& a, const Tensor& b);
 
+// Standard normal draws (f64, from `rng`) with every row of the last dimension scaled to unit L2
+// norm, then converted to `dt`: realistic q / k inputs for the KDA tests.
+Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng);
+
 }  // namespace hlm::testing

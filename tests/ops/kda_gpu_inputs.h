@@ -3,7 +3,6 @@
 // with the fields name, lens, H, HV, K, V, dt, h0, gate, scale.
 #pragma once
 
-#include <cmath>
 #include <vector>
 
 #include "ops/kda.h"
@@ -24,17 +23,7 @@ inline ops::KdaArgs make_inputs(const Case& c, Rng& rng) {
   for (int64_t l : c.lens) cu.push_back(cu.back() + l);
   const int64_t T = cu.back(), N = int64_t(c.lens.size());
   ops::KdaArgs a;
-  auto unit = [&](Shape s) {
-    Tensor x = randn(s, DType::f64, rng);
-    double* d = x.data<double>();
-    const int64_t D = s.back();
-    for (int64_t i = 0; i < x.numel() / D; ++i) {
-      double n = 0;
-      for (int64_t j = 0; j < D; ++j) n += d[i * D + j] * d[i * D + j];
-      for (int64_t j = 0; j < D; ++j) d[i * D + j] /= std::sqrt(n);
-    }
-    return x.to(c.dt);
-  };
+  auto unit = [&](const Shape& s) { return testing::randn_unit_rows(s, c.dt, rng); };
   if (c.gate == Gate::plain || c.gate == Gate::strong) {
     a.q = unit({T, c.H, c.K});
     a.k = unit({T, c.H, c.K});

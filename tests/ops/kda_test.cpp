@@ -22,17 +22,7 @@ Problem make_problem(Rng& rng, const std::vector<int64_t>& cu, int64_t H, int64_
                      int64_t V, DType dt, bool h0, bool fused = false) {
   const int64_t T = cu.back(), N = int64_t(cu.size()) - 1;
   Problem p;
-  auto unit = [&](Shape s) {
-    Tensor x = randn(s, DType::f64, rng);
-    double* d = x.data<double>();
-    const int64_t D = s.back();
-    for (int64_t i = 0; i < x.numel() / D; ++i) {
-      double n = 0;
-      for (int64_t c = 0; c < D; ++c) n += d[i * D + c] * d[i * D + c];
-      for (int64_t c = 0; c < D; ++c) d[i * D + c] /= std::sqrt(n);
-    }
-    return x.to(dt);
-  };
+  auto unit = [&](const Shape& s) { return testing::randn_unit_rows(s, dt, rng); };
   if (fused) {
     p.a.q = randn({T, H, K}, dt, rng);
     p.a.k = randn({T, H, K}, dt, rng);

@@ -885,39 +885,10 @@ KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& bu
   const DType dt = a.q.dtype();
 
   KdaOutput out;
-  if (buffers.o.defined()) {
-    require_cuda(buffers.o, "buffers.o");
-    HLM_CHECK(buffers.o.dtype() == dt && buffers.o.shape() == Shape({pl.T, pl.HV, pl.V}),
-              "{}: buffers.o must be {} [{}, {}, {}], got {}", kOp, dtype_name(dt), pl.T, pl.HV,
-              pl.V, buffers.o.describe());
-    HLM_CHECK(aligned16(buffers.o), "{}: buffers.o must be 16-byte aligned", kOp);
-    out.o = buffers.o;
-  } else {
-    out.o = Tensor::empty({pl.T, pl.HV, pl.V}, dt, Device::cuda);
-  }
-  if (buffers.final_state.defined()) {
-    require_cuda(buffers.final_state, "buffers.final_state");
-    HLM_CHECK(buffers.final_state.dtype() == DType::f32 &&
-                  buffers.final_state.shape() == Shape({pl.N, pl.HV, pl.K, pl.V}),
-              "{}: buffers.final_state must be f32 [{}, {}, {}, {}], got {}", kOp, pl.N, pl.HV,
-              pl.K, pl.V, buffers.final_state.describe());
-    HLM_CHECK(aligned16(buffers.final_state), "{}: buffers.final_state must be 16-byte aligned",
-              kOp);
-    out.final_state = buffers.final_state;
-  } else {
-    out.final_state = Tensor::empty({pl.N, pl.HV, pl.K, pl.V}, DType::f32, Device::cuda);
-  }
-  Tensor ws;
-  if (buffers.workspace.defined()) {
-    require_cuda(buffers.workspace, "buffers.workspace");
-    HLM_CHECK(buffers.workspace.dtype() == DType::f32 && buffers.workspace.numel() >= pl.total,
-              "{}: buffers.workspace must be f32 with at least {} elements, got {}", kOp, pl.total,
-              buffers.workspace.describe());
-    HLM_CHECK(aligned16(buffers.workspace), "{}: buffers.workspace must be 16-byte aligned", kOp);
-    ws = buffers.workspace;
-  } else {
-    ws = Tensor::empty({pl.total}, DType::f32, Device::cuda);
-  }
+  out.o = output_buffer(buffers.o, dt, {pl.T, pl.HV, pl.V}, kOp, "buffers.o");
+  out.final_state = output_buffer(buffers.final_state, DType::f32, {pl.N, pl.HV, pl.K, pl.V}, kOp,
+                                  "buffers.final_state");
+  const Tensor ws = workspace_buffer(buffers.workspace, pl.total, kOp);
   float* wsp = ws.data<float>();
   static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
   device_copy(wsp + pl.off_meta, Device::cuda, pl.meta.data(), Device::cpu,

@@ -934,11 +934,7 @@ void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_
 
 // A caller buffer (checked) or a fresh f32 CUDA tensor.
 Tensor output(const Tensor& given, const Shape& shape, const char* what) {
-  if (!given.defined()) return Tensor::empty(shape, DType::f32, Device::cuda);
-  require_cuda(given, what);
-  HLM_CHECK(given.dtype() == DType::f32 && given.shape() == shape, "{}: {} must be f32 {}, got {}",
-            kOp, what, shape_str(shape), given.describe());
-  return given;
+  return output_buffer(given, DType::f32, shape, kOp, what);
 }
 
 }  // namespace
@@ -976,16 +972,7 @@ KdaGrads kda_chunk_backward_cuda(const KdaArgs& a, const Tensor& d_o, const Tens
   if (a.gate && a.dt_bias.defined())
     g.ddt_bias = output(buffers.ddt_bias, {pl.HV * pl.K}, "buffers.ddt_bias");
 
-  Tensor ws;
-  if (buffers.workspace.defined()) {
-    require_cuda(buffers.workspace, "buffers.workspace");
-    HLM_CHECK(buffers.workspace.dtype() == DType::f32 && buffers.workspace.numel() >= l.total,
-              "{}: buffers.workspace must be f32 with at least {} elements, got {}", kOp, l.total,
-              buffers.workspace.describe());
-    ws = buffers.workspace;
-  } else {
-    ws = Tensor::empty({l.total}, DType::f32, Device::cuda);
-  }
+  const Tensor ws = workspace_buffer(buffers.workspace, l.total, kOp);
   float* wsp = ws.data<float>();
   static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
   device_copy(wsp + l.meta, Device::cuda, pl.meta.data(), Device::cpu,

@@ -85,4 +85,27 @@ inline void set_smem(const char* op, const void* kernel, size_t bytes, const cha
             cudaGetErrorString(err));
 }
 
+// A buffer for an output: the caller's, checked (CUDA, contiguous, 16-byte aligned, dtype `dt`,
+// shape `shape`), or a new tensor when `given` is undefined.
+inline Tensor output_buffer(const Tensor& given, DType dt, const Shape& shape, const char* op,
+                            const char* what) {
+  if (!given.defined()) return Tensor::empty(shape, dt, Device::cuda);
+  HLM_CHECK(given.device() == Device::cuda && given.is_contiguous() && aligned16(given) &&
+                given.dtype() == dt && given.shape() == shape,
+            "{}: {} must be a contiguous, 16-byte aligned CUDA tensor {} {}, got {}", op, what,
+            dtype_name(dt), shape_str(shape), given.describe());
+  return given;
+}
+
+// The f32 workspace of at least `floats` elements: the caller's, checked as above, or a new one.
+inline Tensor workspace_buffer(const Tensor& given, int64_t floats, const char* op) {
+  if (!given.defined()) return Tensor::empty({floats}, DType::f32, Device::cuda);
+  HLM_CHECK(given.device() == Device::cuda && given.is_contiguous() && aligned16(given) &&
+                given.dtype() == DType::f32 && given.numel() >= floats,
+            "{}: buffers.workspace must be a contiguous, 16-byte aligned CUDA f32 tensor of at "
+            "least {} elements, got {}",
+            op, floats, given.describe());
+  return given;
+}
+
 }  // namespace hlm::ops::kda_cu
