@@ -96,6 +96,8 @@ struct Intermediates {
 };
 // Launches the forward's intra and state kernels (no output o), asynchronously.
 void recompute(const KdaArgs& a, const Plan& p, const Intermediates& x);
+// The V tile (32 or 64) of the sequential state passes, forward and reverse, for this call.
+int state_tile(const Plan& p);
 }  // namespace kda_cuda_detail
 
 }  // namespace hlm::ops

@@ -26,11 +26,14 @@
 // exp(-G) alone is never formed; exp(G) and exp(G_{L-1} - G) are <= 1. The factors use the
 // accurate expf (their arguments reach -80).
 //
-// Kernel families (FP32 FMA arithmetic; no atomics; every reduction has a fixed order):
-//   kda_intra_kernel<K, Tin>: grid (NC, HV), 512 threads (one warp per row of the current 16-row
-//     block), one block per (chunk, value head). Writes W, U, qg, kg, A_qk, gl for its chunk into
-//     the f32 workspace (all C rows). M^-1: the four 16x16 diagonal blocks by forward
-//     substitution (one thread per column, in registers), then block rows.
+// Kernel families (no atomics; every reduction has a fixed order). The matrix products run on
+// tensor cores (mma_tf32.cuh: TF32 operands for bf16 inputs, 3xTF32, i.e. FP32 accuracy, for f32
+// inputs; FP32 accumulation); the cumsum, norms, exps and the 16x16 substitutions are FP32 FMA.
+//   kda_intra_kernel<K, Tin>: grid (NC, HV), 512 threads, one block per (chunk, value head).
+//     Writes W, U, qg, kg, A_qk, gl for its chunk into the f32 workspace (all C rows). A_qk and
+//     A_kk by 16-row block rows (16 x 8 tiles over the 16 warps); M^-1: the four 16x16 diagonal
+//     blocks by forward substitution (one thread per column, in registers), then block rows;
+//     W and U as M^-1 products (lower triangular: each 16-row tile stops at its last row).
 //   kda_state_kernel<K, Tin>: grid (N * HV * V/32), 256 threads, one block per (sequence, value
 //     head, 32-wide V tile), looping over the sequence's chunks. The state tile S [K, 32] lives
 //     in shared memory; the next chunk's operands are fetched by cp.async while the current one
@@ -45,9 +48,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops/cuda/kda_chunk_common.cuh"
+#include "ops/cuda/mma_tf32.cuh"
 #include "ops/kda_chunk_cuda.h"
 #include "ops/seqlens.h"
 
@@ -60,11 +65,11 @@ constexpr int kC = 64;              // chunk size (== kKdaChunk)
 constexpr int kSub = 16;            // sub-chunk (block) size of the intra matrices
 constexpr int kIntraThreads = 512;  // intra kernel: one warp per row of a 16-row block
 constexpr int kThreads = 256;       // state kernel
-constexpr int kVMax = 128;          // largest V
 constexpr float kSpanMax = 80.f;    // largest decay span (nats) of a diagonal 16x16 block for
                                     // the split-reference product (else per element)
-constexpr int kBV = 32;             // V tile of the state pass
-constexpr int kAP = kC + 1;         // row stride of the C x C shared matrices (A_kk, M^-1)
+constexpr int kBV = 32;             // V tile of the state pass: 32, or 64 when that still fills
+                                    // the GPU (state_tile)
+constexpr int kAP = kC + 4;         // row stride of the C x C shared matrices (A_kk, M^-1)
 constexpr int kTP = 3 * kSub + 1;   // row stride of the block-inverse scratch [16][48]
 
 static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
@@ -129,12 +134,12 @@ struct StateParams {
 
 // Shared-memory layout of the intra kernel, in floats (the same on host and device).
 struct IntraLayout {
-  int kp, qp;               // row strides: K + 1 and max(K, V) + 1 (odd: conflict-free columns)
+  int kp, qp;               // row strides: K + 4 and max(K, V) + 4 (mma fragment loads)
   int g, q, k, a, x, beta;  // offsets
   int total;
   __host__ __device__ IntraLayout(int K, int V) {
-    kp = K + 1;
-    qp = (K > V ? K : V) + 1;
+    kp = K + 4;
+    qp = (K > V ? K : V) + 4;
     g = 0;             // G      [C][kp]
     q = g + kC * kp;   // q, later beta v   [C][qp]
     k = q + kC * qp;   // k, later beta exp(G) k   [C][kp]
@@ -146,14 +151,18 @@ struct IntraLayout {
   }
 };
 
-// Shared-memory floats of the state kernel (all offsets multiples of 4: float4 / cp.async).
-__host__ __device__ constexpr int state_smem_floats(int K) {
-  return 3 * kC * K      // W, qg, kg
-         + kC * kBV      // U tile
-         + kC * kC       // A_qk
-         + K             // gl
-         + 2 * kC * kBV  // V_new, qg S (then O)
-         + K * kBV;      // S tile
+// Shared-memory floats of the state kernel (all offsets multiples of 4: float4 / cp.async). Row
+// strides for conflict-free tensor-core fragment loads (mma_tf32.cuh): W, qg and A_qk are read
+// as A = Mat (ld = 4 mod 32), kg as A = MatT and the 32-wide tiles as B = Mat (ld = 8 mod 32).
+// The BV-wide tiles have row stride BV + 8.
+constexpr int kAqP = kC + 4;  // A_qk [C][kAqP]
+__host__ __device__ constexpr int state_smem_floats(int K, int BV) {
+  return 2 * kC * (K + 4)     // W, qg
+         + kC * (K + 8)       // kg
+         + 3 * kC * (BV + 8)  // U tile, V_new, qg S (then O)
+         + kC * kAqP          // A_qk
+         + K                  // gl
+         + K * (BV + 8);      // S tile
 }
 
 // ------------------------------------------------------------------ device helpers
@@ -167,76 +176,15 @@ __device__ __forceinline__ float gate_f(float x, float eA, int kind, float lb) {
   return lb * sigmoid_f(mul0(eA, x));
 }
 
-__device__ __forceinline__ void store4(float* p, float4 x) {
-  st4(p, x);
-}
-__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 x) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
-  uint2 bits;
-  bits.x = *reinterpret_cast<const unsigned*>(&lo);
-  bits.y = *reinterpret_cast<const unsigned*>(&hi);
-  *reinterpret_cast<uint2*>(p) = bits;
-}
-
-// Wait until at most N of this thread's most recent groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// W = Mi Kb and U = Mi Vb in one pass: Mi [64][kAP] lower triangular (zeros above the diagonal),
-// Kb [64][K + 1], Vb [64][qp] in shared memory; w [64][K], u [64][V] in global memory.
-// Thread (ty, tx) = (t / 32, t % 32) owns rows 4 ty .. 4 ty + 3 (one row group per warp, so the
-// causal bound of the s loop is warp-uniform) and columns tx + 32 b of both outputs.
-template <int K>
-__device__ __forceinline__ void wy_product(const float* Mi, const float* Kb, const float* Vb,
-                                           int qp, int V, float* w, float* u) {
-  constexpr int KP = K + 1, NBK = K / 32, NBV = kVMax / 32;
-  const int ty = threadIdx.x >> 5, tx = threadIdx.x & 31;
-  const int nbv = V / 32;
-  float acc[4][NBK + NBV];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int b = 0; b < NBK + NBV; ++b) acc[i][b] = 0.f;
-  const int rmax = 4 * ty + 3;  // Mi[r][s] = 0 for s > r: the sum stops at the last own row
-  for (int s = 0; s <= rmax; ++s) {
-    float m[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) m[i] = Mi[(4 * ty + i) * kAP + s];
-#pragma unroll
-    for (int b = 0; b < NBK; ++b) {
-      const float x = Kb[s * KP + tx + 32 * b];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i][b] = fmaf(m[i], x, acc[i][b]);
-    }
-#pragma unroll
-    for (int b = 0; b < NBV; ++b) {
-      if (b < nbv) {
-        const float x = Vb[s * qp + tx + 32 * b];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i][NBK + b] = fmaf(m[i], x, acc[i][NBK + b]);
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = 4 * ty + i;
-#pragma unroll
-    for (int b = 0; b < NBK; ++b) w[r * K + tx + 32 * b] = acc[i][b];
-#pragma unroll
-    for (int b = 0; b < NBV; ++b)
-      if (b < nbv) u[r * V + tx + 32 * b] = acc[i][NBK + b];
-  }
-}
-
 // ------------------------------------------------------------------ intra-chunk kernel
 
 template <int K, class Tin>
 __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraParams<Tin> p) {
   static_assert(K % 32 == 0 && K <= 128, "K must be 32, 64 or 128");
   static_assert(kIntraThreads == 32 * kSub, "one warp per row of a 16-row block");
-  constexpr int KP = K + 1;
+  using namespace mma_cu;
+  constexpr Prec P = prec_for<Tin>;
+  constexpr int KP = K + 4;
   constexpr int NT = kIntraThreads;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
@@ -358,7 +306,6 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
     float* sXk = sX + kSub * KP;     // [16][KP]
     float* sY = sX + 2 * kSub * KP;  // [64][KP]
     float* aqk = p.aqk + task * kC * kC;
-    const int rr = t >> 5, c = t & 31;
     for (int i = 0; i < kC / kSub; ++i) {
       const int n = kSub * i, ncol = n + kSub;
       for (int idx = t; idx < kSub * K; idx += NT) {
@@ -376,47 +323,33 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
       }
       const bool per_element = __syncthreads_or(wide) != 0;  // also the barrier for X, Y
 
-      const int r = n + rr;
-      const float br = sBeta[r];
-      const int y1 = min(c, ncol - 1), y2 = min(c + 32, ncol - 1);  // idle lanes: a valid row
-      float aq1 = 0.f, ak1 = 0.f, aq2 = 0.f, ak2 = 0.f;
-      if (i >= 2) {  // warp-uniform: columns c + 32 exist
-#pragma unroll 4
-        for (int d = 0; d < K; ++d) {
-          const float xq = sXq[rr * KP + d], xk = sXk[rr * KP + d];
-          const float ya = sY[y1 * KP + d], yb = sY[y2 * KP + d];
-          aq1 = fmaf(xq, ya, aq1);
-          ak1 = fmaf(xk, ya, ak1);
-          aq2 = fmaf(xq, yb, aq2);
-          ak2 = fmaf(xk, yb, ak2);
-        }
-      } else {
-#pragma unroll 8
-        for (int d = 0; d < K; ++d) {
-          const float ya = sY[y1 * KP + d];
-          aq1 = fmaf(sXq[rr * KP + d], ya, aq1);
-          ak1 = fmaf(sXk[rr * KP + d], ya, ak1);
-        }
-      }
-      auto put = [&](int s, float aq, float ak) {
-        float vq = 0.f, vk = 0.f;  // s > r: above the diagonal
-        if (s <= r) {
-          if (per_element && s >= n) {
-            aq = 0.f, ak = 0.f;
-            for (int d = 0; d < K; ++d) {
-              const float ke = sK[s * KP + d] * expf(sG[r * KP + d] - sG[s * KP + d]);  // r >= s
-              aq = fmaf(sQ[r * QP + d], ke, aq);
-              ak = fmaf(sK[r * KP + d], ke, ak);
+      // 16 x 8 tiles of the two products on tensor cores: tile = (product, column block)
+      const int nt = ncol / 8;
+      for (int tile = t >> 5; tile < 2 * nt; tile += NT / 32) {
+        const int prod = tile / nt, n0 = 8 * (tile % nt);  // prod 0: A_qk, 1: A_kk
+        float acc[1][1][4];
+        zero(acc);
+        warp_mma<P>(acc, Mat{prod ? sXk : sXq, KP}, MatT{sY, KP}, 0, n0, 0, K);
+        for_each(acc, 0, n0, [&](int a, int s, float x) {
+          const int r = n + a;
+          float v = 0.f;  // s > r (A_qk) or s >= r (A_kk): zero
+          if (prod == 0 ? s <= r : s < r) {
+            if (per_element && s >= n) {
+              const float* xr = prod ? sK + r * KP : sQ + r * QP;
+              x = 0.f;
+              for (int d = 0; d < K; ++d)  // r >= s
+                x = fmaf(xr[d], sK[s * KP + d] * expf(sG[r * KP + d] - sG[s * KP + d]), x);
             }
+            v = prod == 0 ? p.scale * x : sBeta[r] * x;
           }
-          vq = p.scale * aq;
-          vk = s < r ? br * ak : 0.f;
-        }
-        aqk[r * kC + s] = vq;
-        sA[r * kAP + s] = vk;
-      };
-      put(c, aq1, ak1);
-      put(c + 32, aq2, ak2);
+          if (prod == 0)
+            aqk[r * kC + s] = v;
+          else
+            sA[r * kAP + s] = v;
+        });
+      }
+      for (int idx = t; idx < kSub * (kC - ncol); idx += NT)  // columns past the block row
+        aqk[(n + idx / (kC - ncol)) * kC + ncol + idx % (kC - ncol)] = 0.f;
       __syncthreads();  // A_kk rows complete; sX free for the next block row
     }
   }
@@ -482,59 +415,91 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
     sQ[s * QP + c] = x;
   }
   __syncthreads();
-  wy_product<K>(sM, sK, sQ, QP, p.V, p.w + task * kC * K, p.u + task * kC * p.V);
+  {  // M^-1 is lower triangular: a 16-row tile's sum stops at its last row
+    float* w = p.w + task * kC * K;
+    float* u = p.u + task * kC * p.V;
+    const int V = p.V;
+    auto kend = [](int m0) { return m0 + 16; };
+    block_mma_kend<P, 1, 4>(kC, K, Mat{sM, kAP}, Mat{sK, KP}, kend,
+                            [&](int r, int c, float x) { w[r * K + c] = x; });
+    block_mma_kend<P, 1, 4>(kC, V, Mat{sM, kAP}, Mat{sQ, QP}, kend,
+                            [&](int r, int c, float x) { u[r * V + c] = x; });
+  }
 }
 
 // ------------------------------------------------------------------ state-pass kernel
 
-// Issue the cp.async copies of phase A's operands of one chunk: W, qg [C][K] and the U tile.
-template <int K>
+// Issue the cp.async copies of phase A's operands of one chunk: W, qg [C][K] (qg null: not
+// fetched, no output) and the U tile.
+template <int K, int BV>
 __device__ __forceinline__ void fetch_a(const float* w, const float* qg, const float* u, int V,
                                         float* sW, float* sQg, float* sU) {
-  for (int i = threadIdx.x; i < kC * K / 4; i += kThreads) {
-    cp_async16(sW + 4 * i, w + 4 * i);
-    cp_async16(sQg + 4 * i, qg + 4 * i);
+  constexpr int K4 = K / 4;
+  for (int i = threadIdx.x; i < kC * K4; i += kThreads) {
+    const int r = i / K4, c = 4 * (i % K4);
+    cp_async16(sW + r * (K + 4) + c, w + 4 * i);
+    if (qg) cp_async16(sQg + r * (K + 4) + c, qg + 4 * i);
   }
-  for (int i = threadIdx.x; i < kC * kBV / 4; i += kThreads) {
-    const int r = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-    cp_async16(sU + r * kBV + c, u + int64_t(r) * V + c);
+  for (int i = threadIdx.x; i < kC * BV / 4; i += kThreads) {
+    const int r = i / (BV / 4), c = 4 * (i % (BV / 4));
+    cp_async16(sU + r * (BV + 8) + c, u + int64_t(r) * V + c);
   }
 }
 
-// ... and phase B's: kg [C][K], A_qk [C][C], gl [K].
+// ... and phase B's: kg [C][K], A_qk [C][C] (null: not fetched), gl [K].
 template <int K>
 __device__ __forceinline__ void fetch_b(const float* kg, const float* aqk, const float* gl,
                                         float* sKg, float* sAqk, float* sGl) {
-  for (int i = threadIdx.x; i < kC * K / 4; i += kThreads) cp_async16(sKg + 4 * i, kg + 4 * i);
-  for (int i = threadIdx.x; i < kC * kC / 4; i += kThreads) cp_async16(sAqk + 4 * i, aqk + 4 * i);
-  if (threadIdx.x < K / 4) cp_async16(sGl + 4 * threadIdx.x, gl + 4 * threadIdx.x);
+  constexpr int K4 = K / 4, C4 = kC / 4;
+  for (int i = threadIdx.x; i < kC * K4; i += kThreads)
+    cp_async16(sKg + (i / K4) * (K + 8) + 4 * (i % K4), kg + 4 * i);
+  if (aqk)
+    for (int i = threadIdx.x; i < kC * C4; i += kThreads)
+      cp_async16(sAqk + (i / C4) * kAqP + 4 * (i % C4), aqk + 4 * i);
+  if (threadIdx.x < K4) cp_async16(sGl + 4 * threadIdx.x, gl + 4 * threadIdx.x);
 }
 
-template <int K, class Tin>
+__device__ __forceinline__ void store1(float* p, float x) {
+  *p = x;
+}
+__device__ __forceinline__ void store1(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+
+// Per (sequence, value head, BV-wide V tile), chunks in order; eight warps, all products on
+// tensor cores (mma_tf32.cuh: TF32 for bf16 inputs, 3xTF32 for f32 inputs).
+//   phase A: warps 0-3 V_new = U - W S, warps 4-7 qg S, rows 16 (w % 4) .. + 15, all BV columns;
+//   phase B: warps 0-3 O = qg S + A_qk V_new (rows 16 w .. + 15; A_qk lower triangular: the sum
+//            stops at the tile's last row), every warp S <- Diag(gl) S + kg^T V_new for the state
+//            rows 16 w' .. + 15 (w' = w, w + 8, ..; own elements: in place).
+template <int K, int BV, class Tin>
 __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<Tin> p) {
   static_assert(K % 32 == 0 && K <= 128, "K must be 32, 64 or 128");
+  using namespace mma_cu;
+  constexpr Prec P = prec_for<Tin>;
+  constexpr int KA = K + 4, KB = K + 8, kT8 = BV + 8, WN = BV / 8;
   extern __shared__ float4 smem4[];
-  float* sW = reinterpret_cast<float*>(smem4);  // [C][K]   W
-  float* sQg = sW + kC * K;                     // [C][K]   qg
-  float* sU = sQg + kC * K;                     // [C][BV]  U tile
-  float* sKg = sU + kC * kBV;                   // [C][K]   kg
-  float* sAqk = sKg + kC * K;                   // [C][C]   A_qk
-  float* sGl = sAqk + kC * kC;                  // [K]      exp(G_{L-1})
-  float* sVn = sGl + K;                         // [C][BV]  V_new
-  float* sO = sVn + kC * kBV;                   // [C][BV]  qg S
-  float* sS = sO + kC * kBV;                    // [K][BV]  state tile
+  float* sW = reinterpret_cast<float*>(smem4);  // [C][KA]   W
+  float* sQg = sW + kC * KA;                    // [C][KA]   qg
+  float* sU = sQg + kC * KA;                    // [C][kT8]  U tile
+  float* sKg = sU + kC * kT8;                   // [C][KB]   kg
+  float* sAqk = sKg + kC * KB;                  // [C][kAqP] A_qk
+  float* sGl = sAqk + kC * kAqP;                // [K]       exp(G_{L-1})
+  float* sVn = sGl + K;                         // [C][kT8]  V_new
+  float* sO = sVn + kC * kT8;                   // [C][kT8]  qg S
+  float* sS = sO + kC * kT8;                    // [K][kT8]  state tile
 
-  const int t = threadIdx.x;
-  const int nvt = p.V / kBV;
+  const int t = threadIdx.x, warp = t >> 5;
+  const int nvt = p.V / BV;
   const int vt = int(blockIdx.x % unsigned(nvt));
   const int nh = int(blockIdx.x / unsigned(nvt));
   const int h = nh % p.HV, n = nh / p.HV;
-  const int v0 = vt * kBV;
+  const int v0 = vt * BV;
   const int64_t sbase = (int64_t(n) * p.HV + h) * K * p.V + v0;  // S[n][h][0][v0]
 
-  for (int i = t; i < K * kBV / 4; i += kThreads) {
-    const int d = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-    st4(sS + d * kBV + c,
+  for (int i = t; i < K * BV / 4; i += kThreads) {
+    const int d = i / (BV / 4), c = 4 * (i % (BV / 4));
+    st4(sS + d * kT8 + c,
         p.h0 ? ld4(p.h0 + sbase + int64_t(d) * p.V + c) : make_float4(0.f, 0.f, 0.f, 0.f));
   }
 
@@ -542,9 +507,11 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
   auto task_of = [&](int ci) { return int64_t(ci) * p.HV + h; };
   if (c_begin < c_end) {
     const int64_t tk = task_of(c_begin);
-    fetch_a<K>(p.w + tk * kC * K, p.qg + tk * kC * K, p.u + tk * kC * p.V + v0, p.V, sW, sQg, sU);
+    fetch_a<K, BV>(p.w + tk * kC * K, p.o ? p.qg + tk * kC * K : nullptr, p.u + tk * kC * p.V + v0,
+                   p.V, sW, sQg, sU);
     cp_async_commit();
-    fetch_b<K>(p.kg + tk * kC * K, p.aqk + tk * kC * kC, p.gl + tk * K, sKg, sAqk, sGl);
+    fetch_b<K>(p.kg + tk * kC * K, p.o ? p.aqk + tk * kC * kC : nullptr, p.gl + tk * K, sKg, sAqk,
+               sGl);
     cp_async_commit();
   }
   for (int ci = c_begin; ci < c_end; ++ci) {
@@ -553,118 +520,81 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
     __syncthreads();
     if (p.h_out) {  // backward recompute: the state at the chunk start
       float* hs = p.h_out + task_of(ci) * K * p.V + v0;
-      for (int i = t; i < K * kBV / 4; i += kThreads) {
-        const int d = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-        st4(hs + int64_t(d) * p.V + c, ld4(sS + d * kBV + c));
+      for (int i = t; i < K * BV / 4; i += kThreads) {
+        const int d = i / (BV / 4), c = 4 * (i % (BV / 4));
+        st4(hs + int64_t(d) * p.V + c, ld4(sS + d * kT8 + c));
       }
     }
 
-    // ---- phase A: warps 0-3: V_new = U - W S; warps 4-7: qg S. Thread (ty, tx) of its half owns
-    // rows ty + 16 a (a < 4) and columns 4 tx .. 4 tx + 3 of the tile.
-    {
-      const int role = t >> 7, tt = t & 127, ty = tt >> 3, tx = tt & 7;
-      const float* Mx = role ? sQg : sW;
-      float4 acc[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) acc[a] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 2
-      for (int d = 0; d < K; d += 4) {
-        float4 s[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[e] = ld4(sS + (d + e) * kBV + 4 * tx);
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-          const float4 m = ld4(Mx + (ty + 16 * a) * K + d);
-          fma4(acc[a], m.x, s[0]);
-          fma4(acc[a], m.y, s[1]);
-          fma4(acc[a], m.z, s[2]);
-          fma4(acc[a], m.w, s[3]);
-        }
-      }
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const int r = ty + 16 * a;
-        if (role == 0) {
-          const float4 uu = ld4(sU + r * kBV + 4 * tx);
-          st4(sVn + r * kBV + 4 * tx,
-              make_float4(uu.x - acc[a].x, uu.y - acc[a].y, uu.z - acc[a].z, uu.w - acc[a].w));
-        } else {
-          st4(sO + r * kBV + 4 * tx, acc[a]);
-        }
-      }
+    if (p.o || warp < 4) {  // ---- phase A (qg S only with an output)
+      const int role = warp >> 2, m0 = 16 * (warp & 3);
+      float acc[1][WN][4];
+      zero(acc);
+      warp_mma<P>(acc, Mat{role ? sQg : sW, KA}, Mat{sS, kT8}, m0, 0, 0, K);
+      if (role == 0)
+        for_each(acc, m0, 0,
+                 [&](int r, int c, float x) { sVn[r * kT8 + c] = sU[r * kT8 + c] - x; });
+      else
+        for_each(acc, m0, 0, [&](int r, int c, float x) { sO[r * kT8 + c] = x; });
     }
     __syncthreads();   // V_new, qg S complete; sW, sQg, sU free
     if (p.vnew_out) {  // backward recompute: V_new (all C rows; padded rows are zero)
       float* vs = p.vnew_out + task_of(ci) * kC * p.V + v0;
-      for (int i = t; i < kC * kBV / 4; i += kThreads) {
-        const int r = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-        st4(vs + int64_t(r) * p.V + c, ld4(sVn + r * kBV + c));
+      for (int i = t; i < kC * BV / 4; i += kThreads) {
+        const int r = i / (BV / 4), c = 4 * (i % (BV / 4));
+        st4(vs + int64_t(r) * p.V + c, ld4(sVn + r * kT8 + c));
       }
     }
     if (ci + 1 < c_end) {
       const int64_t tk = task_of(ci + 1);
-      fetch_a<K>(p.w + tk * kC * K, p.qg + tk * kC * K, p.u + tk * kC * p.V + v0, p.V, sW, sQg, sU);
+      fetch_a<K, BV>(p.w + tk * kC * K, p.o ? p.qg + tk * kC * K : nullptr,
+                     p.u + tk * kC * p.V + v0, p.V, sW, sQg, sU);
     }
     cp_async_commit();   // (possibly empty: keeps the group count uniform)
     cp_async_wait<1>();  // this chunk's {kg, A_qk, gl} landed
     __syncthreads();
 
-    // ---- phase B. Thread (ty, tx) = (t / 8, t % 8), columns 4 tx .. 4 tx + 3.
-    {
-      const int ty = t >> 3, tx = t & 7;
-      // O = qg S + A_qk V_new for rows ty and ty + 32 (A_qk[r][s] = 0 for s > r).
-      if (p.o) {
-        float4 o0 = ld4(sO + ty * kBV + 4 * tx), o1 = ld4(sO + (ty + 32) * kBV + 4 * tx);
-        for (int s = 0; s <= ty + 32; s += 4) {
-          const float4 a0 = ld4(sAqk + ty * kC + s), a1 = ld4(sAqk + (ty + 32) * kC + s);
-          const float4 n0 = ld4(sVn + (s + 0) * kBV + 4 * tx),
-                       n1 = ld4(sVn + (s + 1) * kBV + 4 * tx);
-          const float4 n2 = ld4(sVn + (s + 2) * kBV + 4 * tx),
-                       n3 = ld4(sVn + (s + 3) * kBV + 4 * tx);
-          fma4(o0, a0.x, n0);
-          fma4(o0, a0.y, n1);
-          fma4(o0, a0.z, n2);
-          fma4(o0, a0.w, n3);
-          fma4(o1, a1.x, n0);
-          fma4(o1, a1.y, n1);
-          fma4(o1, a1.z, n2);
-          fma4(o1, a1.w, n3);
-        }
-        if (ty < L) store4(p.o + ((int64_t(bos) + ty) * p.HV + h) * p.V + v0 + 4 * tx, o0);
-        if (ty + 32 < L)
-          store4(p.o + ((int64_t(bos) + ty + 32) * p.HV + h) * p.V + v0 + 4 * tx, o1);
-      }
-
-      // S <- Diag(gl) S + kg^T V_new for rows d = ty + 32 a (own elements only: in place).
-      constexpr int NR = K / 32;
-      float4 sacc[NR];
+    // ---- phase B
+    if (p.o && warp < kC / 16) {  // O = qg S + A_qk V_new
+      const int m0 = 16 * warp;
+      float acc[1][WN][4];
 #pragma unroll
-      for (int a = 0; a < NR; ++a) {
-        const int d = ty + 32 * a;
-        const float gd = sGl[d];
-        const float4 x = ld4(sS + d * kBV + 4 * tx);
-        sacc[a] = make_float4(gd * x.x, gd * x.y, gd * x.z, gd * x.w);
-      }
-      for (int r = 0; r < L; ++r) {  // rows >= L of kg and V_new are zero
-        const float4 vn = ld4(sVn + r * kBV + 4 * tx);
+      for (int j = 0; j < WN; ++j)
 #pragma unroll
-        for (int a = 0; a < NR; ++a) fma4(sacc[a], sKg[r * K + ty + 32 * a], vn);
-      }
+        for (int e = 0; e < 4; ++e) acc[0][j][e] = sO[acc_row(m0, 0, e) * kT8 + acc_col(0, j, e)];
+      warp_mma<P>(acc, Mat{sAqk, kAqP}, Mat{sVn, kT8}, m0, 0, 0, m0 + 16);
+      for_each(acc, m0, 0, [&](int r, int c, float x) {
+        if (r < L) store1(p.o + ((int64_t(bos) + r) * p.HV + h) * p.V + v0 + c, x);
+      });
+    }
+    {  // S <- Diag(gl) S + kg^T V_new (rows >= L of kg and V_new are zero)
+      const int kend = (L + 7) & ~7;
+      for (int m0 = 16 * warp; m0 < K; m0 += 16 * (kThreads / 32)) {
+        float acc[1][WN][4];
 #pragma unroll
-      for (int a = 0; a < NR; ++a) st4(sS + (ty + 32 * a) * kBV + 4 * tx, sacc[a]);
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int d = acc_row(m0, 0, e), c = acc_col(0, j, e);
+            acc[0][j][e] = sGl[d] * sS[d * kT8 + c];
+          }
+        warp_mma<P>(acc, MatT{sKg, KB}, Mat{sVn, kT8}, m0, 0, 0, kend);
+        for_each(acc, m0, 0, [&](int d, int c, float x) { sS[d * kT8 + c] = x; });
+      }
     }
     __syncthreads();  // S updated; sKg, sAqk, sGl, sVn, sO free
     if (ci + 1 < c_end) {
       const int64_t tk = task_of(ci + 1);
-      fetch_b<K>(p.kg + tk * kC * K, p.aqk + tk * kC * kC, p.gl + tk * K, sKg, sAqk, sGl);
+      fetch_b<K>(p.kg + tk * kC * K, p.o ? p.aqk + tk * kC * kC : nullptr, p.gl + tk * K, sKg, sAqk,
+                 sGl);
     }
     cp_async_commit();
   }
   cp_async_wait<0>();
   __syncthreads();
-  for (int i = t; i < K * kBV / 4; i += kThreads) {
-    const int d = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-    st4(p.ht + sbase + int64_t(d) * p.V + c, ld4(sS + d * kBV + c));
+  for (int i = t; i < K * BV / 4; i += kThreads) {
+    const int d = i / (BV / 4), c = 4 * (i % (BV / 4));
+    st4(p.ht + sbase + int64_t(d) * p.V + c, ld4(sS + d * kT8 + c));
   }
 }
 
@@ -792,6 +722,18 @@ Plan make_plan(const KdaArgs& a, const char* op = kOp) {
   return p;
 }
 
+}  // namespace
+
+// 64-wide V tiles (half the operand traffic of 32) when they still give every SM a block.
+int kda_cuda_detail::state_tile(const Plan& pl) {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return pl.V % 64 == 0 && pl.N * pl.HV * (pl.V / 64) >= sms ? 64 : 32;
+}
+
+namespace {
+
 template <int K, class Tin>
 void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
                  const kda_cuda_detail::Intermediates& x, Tin* o) {
@@ -853,10 +795,18 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
   sp.h_out = x.h;
   sp.vnew_out = x.vnew;
   sp.HV = int(pl.HV), sp.V = int(pl.V);
-  const size_t smem = size_t(state_smem_floats(K)) * sizeof(float);
-  set_smem(kOp, reinterpret_cast<const void*>(&kda_state_kernel<K, Tin>), smem, "state kernel");
-  kda_state_kernel<K, Tin><<<unsigned(pl.N * pl.HV * (pl.V / kBV)), kThreads, smem>>>(sp);
-  check_launch(kOp, "state kernel");
+  auto launch = [&](auto bv) {
+    constexpr int BV = decltype(bv)::value;
+    const size_t smem = size_t(state_smem_floats(K, BV)) * sizeof(float);
+    set_smem(kOp, reinterpret_cast<const void*>(&kda_state_kernel<K, BV, Tin>), smem,
+             "state kernel");
+    kda_state_kernel<K, BV, Tin><<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(sp);
+    check_launch(kOp, "state kernel");
+  };
+  if (state_tile(pl) == 64)
+    launch(std::integral_constant<int, 64>{});
+  else
+    launch(std::integral_constant<int, 32>{});
 }
 
 template <class Tin>

@@ -38,7 +38,9 @@
 // Determinism: no atomics; every reduction has a fixed order (per-thread loops, butterfly
 // shuffles over fixed lanes, chunk-ordered sums of partials); every per-token result depends only
 // on its own chunk's data and its sequence's state chain, so a sequence gets the same bits alone
-// as in a packed batch. FP32 arithmetic (FMA), FP32 states and workspace.
+// as in a packed batch. FP32 states and workspace; the matrix products on tensor cores
+// (mma_tf32.cuh: TF32 operands for bf16 inputs, 3xTF32 for f32 inputs, FP32 accumulation), the
+// elementwise work in FP32.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -46,9 +48,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "ops/cuda/kda_chunk_common.cuh"
+#include "ops/cuda/mma_tf32.cuh"
 #include "ops/kda_chunk_cuda.h"
 
 namespace hlm::ops {
@@ -60,10 +64,8 @@ constexpr const char* kOp = "kda_chunk_backward_cuda";
 constexpr int kC = 64;            // chunk size
 constexpr int kSub = 16;          // block size of the intra split
 constexpr int kThreads = 256;     // every kernel
-constexpr int kBV = 32;           // V tile of the reverse state pass
 constexpr int kKT = 32;           // K tile of the state-product kernel
 constexpr float kSpanMax = 80.f;  // as the forward: largest diagonal-block span for the split
-constexpr int kCP = kC + 1;       // row stride of C x C shared matrices
 
 static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
 
@@ -118,10 +120,6 @@ struct BwdParams {
 
 // ------------------------------------------------------------------ device helpers
 
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
 // Copies rows x cols floats (cols % 4 == 0) from global (row stride gs) to shared (row stride ss,
 // ss % 4 == 0) by cp.async; the caller commits and waits.
 __device__ __forceinline__ void cp_rows(float* dst, int ss, const float* src, int64_t gs, int rows,
@@ -133,196 +131,143 @@ __device__ __forceinline__ void cp_rows(float* dst, int ss, const float* src, in
   }
 }
 
-// Loads rows x cols floats (global row stride gs) into shared memory with row stride ss (any).
-__device__ __forceinline__ void ld_rows(float* dst, int ss, const float* src, int64_t gs, int rows,
-                                        int cols) {
-  for (int i = threadIdx.x; i < rows * cols; i += kThreads) {
-    const int r = i / cols, c = i % cols;
-    dst[r * ss + c] = src[r * gs + c];
-  }
-}
-
-// Block-wide products from shared memory (256 threads; each output element is owned by one
-// thread, k summed in increasing order: a fixed order).
-
-// "A B^T": out(m, n, acc), acc = sum_{k < Kd} A[m lda + k] B[n ldb + k] for m < M, n < N, with
-// thread tiles of RM x RN (rows mt + i M/RM, columns nt + j N/RN, nt fastest across threads) and
-// float4 loads along k (lda, ldb, Kd multiples of 4, 16-byte aligned rows; ldb = 4 mod 32 keeps
-// the B rows of 8 consecutive threads on distinct banks). k in increasing order.
-template <int RM, int RN, class F>
-__device__ __forceinline__ void bgemm_nt4(int M, int N, int Kd, const float* A, int lda,
-                                          const float* B, int ldb, F&& out) {
-  const int tm = M / RM, tn = N / RN;
-  for (int idx = threadIdx.x; idx < tm * tn; idx += kThreads) {
-    const int mt = idx / tn, nt = idx % tn;
-    float acc[RM][RN];
-#pragma unroll
-    for (int i = 0; i < RM; ++i)
-#pragma unroll
-      for (int j = 0; j < RN; ++j) acc[i][j] = 0.f;
-    const float* a0 = A + mt * lda;
-    const float* b0 = B + nt * ldb;
-#pragma unroll 2
-    for (int k = 0; k < Kd; k += 4) {
-      float4 a[RM], b[RN];
-#pragma unroll
-      for (int i = 0; i < RM; ++i) a[i] = ld4(a0 + i * tm * lda + k);
-#pragma unroll
-      for (int j = 0; j < RN; ++j) b[j] = ld4(b0 + j * tn * ldb + k);
-#pragma unroll
-      for (int i = 0; i < RM; ++i)
-#pragma unroll
-        for (int j = 0; j < RN; ++j) {
-          float x = fmaf(a[i].x, b[j].x, acc[i][j]);
-          x = fmaf(a[i].y, b[j].y, x);
-          x = fmaf(a[i].z, b[j].z, x);
-          acc[i][j] = fmaf(a[i].w, b[j].w, x);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < RM; ++i)
-#pragma unroll
-      for (int j = 0; j < RN; ++j) out(mt + i * tm, nt + j * tn, acc[i][j]);
-  }
-}
-
-// "A^T B" with B contiguous in n: acc(m, n) = sum_k A[k lda + m] B[k ldb + n]; each thread owns
-// RM rows (mt + i M/RM) and 4 consecutive columns (float4 loads of B; ldb % 4 == 0).
-template <int RM, class F>
-__device__ __forceinline__ void bgemm_tn4(int M, int N, int Kd, const float* A, int lda,
-                                          const float* B, int ldb, F&& out) {
-  const int tm = M / RM, tn = N / 4;
-  for (int idx = threadIdx.x; idx < tm * tn; idx += kThreads) {
-    const int mt = idx / tn, nt = idx % tn;
-    float4 acc[RM];
-#pragma unroll
-    for (int i = 0; i < RM; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int k = 0; k < Kd; ++k) {
-      const float4 b = ld4(B + k * ldb + 4 * nt);
-#pragma unroll
-      for (int i = 0; i < RM; ++i) fma4(acc[i], A[k * lda + mt + i * tm], b);
-    }
-#pragma unroll
-    for (int i = 0; i < RM; ++i) {
-      const int m = mt + i * tm, n = 4 * nt;
-      out(m, n, acc[i].x);
-      out(m, n + 1, acc[i].y);
-      out(m, n + 2, acc[i].z);
-      out(m, n + 3, acc[i].w);
-    }
-  }
-}
-
 // ------------------------------------------------------------------ B3: reverse state pass
 
-__host__ __device__ constexpr int state_bwd_smem_floats(int K) {
-  return K * kBV             // dS tile
-         + 3 * kC * (K + 4)  // kg, qg, W (rows padded to K + 4: conflict-free column reads)
-         + kC * kC           // A_qk
+// Row strides of the reverse state pass's shared arrays, chosen for conflict-free fragment loads
+// (mma_tf32.cuh): kg is read as A = Mat (ld = 4 mod 32), qg and W as A = MatT, A_qk as A = MatT
+// and the V tiles as B = Mat (ld = 8 mod 32).
+// The BV-wide tiles (dS, dO, dV_new) have row stride BV + 8.
+constexpr int kAqP = kC + 8;  // A_qk [C][kAqP]
+
+__host__ __device__ constexpr int state_bwd_smem_floats(int K, int BV) {
+  const int kTP8 = BV + 8;
+  return K * kTP8            // dS tile
+         + kC * (K + 4)      // kg
+         + 2 * kC * (K + 8)  // qg, W
+         + kC * kAqP         // A_qk
          + K                 // exp(G_L)
-         + 2 * kC * kBV;     // dO tile, dV_new tile
+         + 2 * kC * kTP8;    // dO tile, dV_new tile
 }
 
-template <int K, class Tin>
+// Per (sequence, value head, BV-wide V tile), chunks last to first. Eight warps; warp w computes
+// the dV_new rows 16 (w / 2) .. + 15, columns (w % 2) BV / 2 .. + BV / 2 - 1 and the dS rows
+// 16 w' .. + 15 (w' = w, w + 8, ..; all BV columns) on tensor cores. Operands arrive by cp.async in
+// two groups per chunk, {A_qk, kg} and {qg, W, exp(G_L)}, each issued for the next (earlier) chunk
+// as soon as the current one has consumed its buffers.
+template <int K, int BV, class Tin>
 __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams<Tin> p) {
-  constexpr int KS = K + 4;
+  using namespace mma_cu;
+  constexpr Prec P = prec_for<Tin>;
+  constexpr int KA = K + 4, KB = K + 8, kTP8 = BV + 8, WN = BV / 8;
   extern __shared__ float4 smem4[];
-  float* sDS = reinterpret_cast<float*>(smem4);  // [K][BV]
-  float* sKg = sDS + K * kBV;                    // [C][KS]
-  float* sQg = sKg + kC * KS;                    // [C][KS]
-  float* sW = sQg + kC * KS;                     // [C][KS]
-  float* sA = sW + kC * KS;                      // [C][C]
-  float* sGl = sA + kC * kC;                     // [K]
-  float* sDO = sGl + K;                          // [C][BV]
-  float* sDV = sDO + kC * kBV;                   // [C][BV]
+  float* sDS = reinterpret_cast<float*>(smem4);  // [K][kTP8]
+  float* sKg = sDS + K * kTP8;                   // [C][KA]
+  float* sQg = sKg + kC * KA;                    // [C][KB]
+  float* sW = sQg + kC * KB;                     // [C][KB]
+  float* sA = sW + kC * KB;                      // [C][kAqP]
+  float* sGl = sA + kC * kAqP;                   // [K]
+  float* sDO = sGl + K;                          // [C][kTP8]
+  float* sDV = sDO + kC * kTP8;                  // [C][kTP8]
 
-  const int t = threadIdx.x;
-  const int nvt = p.V / kBV;
+  const int t = threadIdx.x, warp = t >> 5;
+  const int nvt = p.V / BV;
   const int vt = int(blockIdx.x % unsigned(nvt));
   const int nh = int(blockIdx.x / unsigned(nvt));
   const int h = nh % p.HV, n = nh / p.HV;
-  const int v0 = vt * kBV;
+  const int v0 = vt * BV;
   const int64_t sbase = (int64_t(n) * p.HV + h) * K * p.V + v0;
+  auto task_of = [&](int ci) { return int64_t(ci) * p.HV + h; };
+  auto fetch_a = [&](int ci) {  // {A_qk, kg} of chunk ci
+    const int64_t tk = task_of(ci);
+    cp_rows(sA, kAqP, p.aqk + tk * kC * kC, kC, kC, kC);
+    cp_rows(sKg, KA, p.kg + tk * kC * K, K, kC, K);
+  };
+  auto fetch_b = [&](int ci) {  // {qg, W, exp(G_L)} of chunk ci
+    const int64_t tk = task_of(ci);
+    cp_rows(sQg, KB, p.qg + tk * kC * K, K, kC, K);
+    cp_rows(sW, KB, p.w + tk * kC * K, K, kC, K);
+    cp_rows(sGl, K, p.gl + tk * K, K, 1, K);
+  };
 
-  for (int i = t; i < K * kBV / 4; i += kThreads) {
-    const int d = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-    st4(sDS + d * kBV + c,
+  for (int i = t; i < K * BV / 4; i += kThreads) {
+    const int d = i / (BV / 4), c = 4 * (i % (BV / 4));
+    st4(sDS + d * kTP8 + c,
         p.dht ? ld4(p.dht + sbase + int64_t(d) * p.V + c) : make_float4(0.f, 0.f, 0.f, 0.f));
   }
-  const int ty = t >> 3, tx = t & 7;  // rows ty (+ 32 a), columns 4 tx .. 4 tx + 3
-  for (int ci = p.first_chunk[n + 1] - 1; ci >= p.first_chunk[n]; --ci) {
-    const int bos = p.chunk_bos[ci], L = p.chunk_len[ci];
-    const int64_t tk = int64_t(ci) * p.HV + h;
-    cp_rows(sKg, KS, p.kg + tk * kC * K, K, kC, K);
-    cp_rows(sQg, KS, p.qg + tk * kC * K, K, kC, K);
-    cp_rows(sW, KS, p.w + tk * kC * K, K, kC, K);
-    cp_rows(sA, kC, p.aqk + tk * kC * kC, kC, kC, kC);
-    cp_rows(sGl, K, p.gl + tk * K, K, 1, K);
+  const int c_first = p.first_chunk[n], c_last = p.first_chunk[n + 1] - 1;
+  if (c_last >= c_first) {
+    fetch_a(c_last);
     cp_async_commit();
-    for (int i = t; i < kC * kBV; i += kThreads) {
-      const int r = i / kBV, c = i % kBV;
-      sDO[i] = r < L ? to_f(p.dO[((int64_t(bos) + r) * p.HV + h) * p.V + v0 + c]) : 0.f;
+    fetch_b(c_last);
+    cp_async_commit();
+  }
+  for (int ci = c_last; ci >= c_first; --ci) {
+    const int bos = p.chunk_bos[ci], L = p.chunk_len[ci];
+    const int64_t tk = task_of(ci);
+    for (int i = t; i < kC * BV; i += kThreads) {
+      const int r = i / BV, c = i % BV;
+      sDO[r * kTP8 + c] = r < L ? to_f(p.dO[((int64_t(bos) + r) * p.HV + h) * p.V + v0 + c]) : 0.f;
     }
     {  // dh[c] = dS (the gradient w.r.t. the state at the end of chunk c)
       float* dst = p.dh + tk * K * p.V + v0;
-      for (int i = t; i < K * kBV / 4; i += kThreads) {
-        const int d = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-        st4(dst + int64_t(d) * p.V + c, ld4(sDS + d * kBV + c));
+      for (int i = t; i < K * BV / 4; i += kThreads) {
+        const int d = i / (BV / 4), c = 4 * (i % (BV / 4));
+        st4(dst + int64_t(d) * p.V + c, ld4(sDS + d * kTP8 + c));
       }
     }
-    cp_async_wait_all();
+    cp_async_wait<1>();  // {A_qk, kg} of this chunk landed
     __syncthreads();
 
-    // dV_new = A_qk^T dO + kg dS for rows ty and ty + 32 (A_qk[s][r] = 0 for s < r).
-    {
-      float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
-      for (int s = ty; s < kC; ++s) {
-        const float4 x = ld4(sDO + s * kBV + 4 * tx);
-        fma4(a0, sA[s * kC + ty], x);
-        fma4(a1, sA[s * kC + ty + 32], x);
-      }
-#pragma unroll 4
-      for (int d = 0; d < K; ++d) {
-        const float4 x = ld4(sDS + d * kBV + 4 * tx);
-        fma4(a0, sKg[ty * KS + d], x);
-        fma4(a1, sKg[(ty + 32) * KS + d], x);
-      }
-      st4(sDV + ty * kBV + 4 * tx, a0);
-      st4(sDV + (ty + 32) * kBV + 4 * tx, a1);
-      float* dst = p.dvnew + tk * kC * p.V + v0 + 4 * tx;
-      st4(dst + int64_t(ty) * p.V, a0);
-      st4(dst + int64_t(ty + 32) * p.V, a1);
+    {  // dV_new = A_qk^T dO + kg dS (A_qk[s][r] = 0 for s < r: the A_qk^T sum starts at row m0)
+      const int m0 = 16 * (warp >> 1), n0 = (BV / 2) * (warp & 1);
+      float acc[1][WN / 2][4];
+      zero(acc);
+      warp_mma<P>(acc, MatT{sA, kAqP}, Mat{sDO, kTP8}, m0, n0, m0, kC);
+      warp_mma<P>(acc, Mat{sKg, KA}, Mat{sDS, kTP8}, m0, n0, 0, K);
+      float* dst = p.dvnew + tk * kC * p.V + v0;
+      for_each(acc, m0, n0, [&](int r, int c, float x) {
+        sDV[r * kTP8 + c] = x;
+        dst[int64_t(r) * p.V + c] = x;
+      });
     }
+    __syncthreads();  // dV_new complete; sA, sKg free
+    if (ci > c_first) fetch_a(ci - 1);
+    cp_async_commit();   // (possibly empty: keeps the group count uniform)
+    cp_async_wait<1>();  // {qg, W, exp(G_L)} of this chunk landed
     __syncthreads();
 
-    // dS <- Diag(exp G_L) dS + qg^T dO - W^T dV_new for rows d = ty + 32 a (own elements only).
+    // dS <- Diag(exp G_L) dS + qg^T dO - W^T dV_new (own elements only: in place). Rows >= L of
+    // qg, W, dO and dV_new are zero; the sums stop at the first multiple of 8 >= L.
     {
-      constexpr int NR = K / 32;
-      float4 acc[NR];
+      const int kend = (L + 7) & ~7;
+      for (int m0 = 16 * warp; m0 < K; m0 += 16 * (kThreads / 32)) {
+        float acc[1][WN][4], neg[1][WN][4];
+        zero(neg);
 #pragma unroll
-      for (int a = 0; a < NR; ++a) {
-        const int d = ty + 32 * a;
-        const float gd = sGl[d];
-        const float4 x = ld4(sDS + d * kBV + 4 * tx);
-        acc[a] = make_float4(gd * x.x, gd * x.y, gd * x.z, gd * x.w);
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int d = acc_row(m0, 0, e), c = acc_col(0, j, e);
+            acc[0][j][e] = sGl[d] * sDS[d * kTP8 + c];
+          }
+        warp_mma<P>(acc, MatT{sQg, KB}, Mat{sDO, kTP8}, m0, 0, 0, kend);
+        warp_mma<P>(neg, MatT{sW, KB}, Mat{sDV, kTP8}, m0, 0, 0, kend);
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sDS[acc_row(m0, 0, e) * kTP8 + acc_col(0, j, e)] = acc[0][j][e] - neg[0][j][e];
       }
-      for (int r = 0; r < L; ++r) {  // rows >= L of qg, W, dO, dV_new are zero
-        const float4 x = ld4(sDO + r * kBV + 4 * tx), y = ld4(sDV + r * kBV + 4 * tx);
-#pragma unroll
-        for (int a = 0; a < NR; ++a) {
-          fma4(acc[a], sQg[r * KS + ty + 32 * a], x);
-          fma4(acc[a], -sW[r * KS + ty + 32 * a], y);
-        }
-      }
-#pragma unroll
-      for (int a = 0; a < NR; ++a) st4(sDS + (ty + 32 * a) * kBV + 4 * tx, acc[a]);
     }
-    __syncthreads();
+    __syncthreads();  // dS updated; sQg, sW, sGl, sDO, sDV free
+    if (ci > c_first) fetch_b(ci - 1);
+    cp_async_commit();
   }
-  for (int i = t; i < K * kBV / 4; i += kThreads) {
-    const int d = i / (kBV / 4), c = 4 * (i % (kBV / 4));
-    st4(p.o_dh0 + sbase + int64_t(d) * p.V + c, ld4(sDS + d * kBV + c));
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int i = t; i < K * BV / 4; i += kThreads) {
+    const int d = i / (BV / 4), c = 4 * (i % (BV / 4));
+    st4(p.o_dh0 + sbase + int64_t(d) * p.V + c, ld4(sDS + d * kTP8 + c));
   }
 }
 
@@ -330,21 +275,23 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
 
 __host__ __device__ constexpr int sp_smem_floats(int V) {
   return 3 * kC * (V + 4)     // dO, V_new, dV_new (rows padded to V + 4: float4, no conflicts)
-         + 2 * kKT * (V + 4)  // S, dS' tiles
+         + 4 * kKT * (V + 4)  // S, dS' tiles, two buffers each
          + kC * (kKT + 1)     // k dk (write term) of the tile
          + kKT;               // rowsum(S . dS')
 }
 
 template <int K, class Tin>
 __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const BwdParams<Tin> p) {
+  using namespace mma_cu;
+  constexpr Prec P = prec_for<Tin>;
   extern __shared__ float4 smem4[];
   const int V = p.V, VP = V + 4;
   float* sDO = reinterpret_cast<float*>(smem4);  // [C][VP]
   float* sVn = sDO + kC * VP;                    // [C][VP]
   float* sDV = sVn + kC * VP;                    // [C][VP]
-  float* sS = sDV + kC * VP;                     // [KT][VP]
-  float* sDS = sS + kKT * VP;                    // [KT][VP]
-  float* sKD = sDS + kKT * VP;                   // [C][KT + 1]
+  float* sS2 = sDV + kC * VP;                    // [2][KT][VP] S tiles (double buffer)
+  float* sDS2 = sS2 + 2 * kKT * VP;              // [2][KT][VP] dS' tiles
+  float* sKD = sDS2 + 2 * kKT * VP;              // [C][KT + 1]
   float* sRow = sKD + kC * (kKT + 1);            // [KT]
 
   const int t = threadIdx.x;
@@ -364,28 +311,40 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const 
     const int r = i / V, c = i % V;
     sDO[r * VP + c] = r < L ? to_f(p.dO[((int64_t(bos) + r) * p.HV + h) * V + c]) : 0.f;
   }
-  ld_rows(sVn, VP, p.vnew + tk * kC * V, V, kC, V);
-  ld_rows(sDV, VP, p.dvnew + tk * kC * V, V, kC, V);
+  cp_rows(sVn, VP, p.vnew + tk * kC * V, V, kC, V);
+  cp_rows(sDV, VP, p.dvnew + tk * kC * V, V, kC, V);
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
 
   {  // dA_qk = tril_incl(dO V_new^T)
     float* da = p.daqk + tk * kC * kC;
-    bgemm_nt4<4, 4>(kC, kC, V, sDO, VP, sVn, VP,
-                    [&](int r, int s, float acc) { da[r * kC + s] = s <= r ? acc : 0.f; });
+    block_mma<P, 1, 4>(kC, kC, V, Mat{sDO, VP}, MatT{sVn, VP},
+                       [&](int r, int s, float acc) { da[r * kC + s] = s <= r ? acc : 0.f; });
   }
   const float* GL = G + (L - 1) * K;
+  auto fetch = [&](int d0) {  // the S and dS' rows d0 .. d0 + KT - 1 into buffer (d0 / KT) % 2
+    const int b = (d0 / kKT) & 1;
+    cp_rows(sS2 + b * kKT * VP, VP, p.h + tk * K * V + int64_t(d0) * V, V, kKT, V);
+    cp_rows(sDS2 + b * kKT * VP, VP, p.dh + tk * K * V + int64_t(d0) * V, V, kKT, V);
+  };
+  fetch(0);
+  cp_async_commit();
   for (int d0 = 0; d0 < K; d0 += kKT) {
-    __syncthreads();  // the previous tile is consumed
-    ld_rows(sS, VP, p.h + tk * K * V + int64_t(d0) * V, V, kKT, V);
-    ld_rows(sDS, VP, p.dh + tk * K * V + int64_t(d0) * V, V, kKT, V);
+    // The other buffer was consumed before the barrier that ended the previous tile's products.
+    if (d0 + kKT < K) fetch(d0 + kKT);
+    cp_async_commit();   // (possibly empty)
+    cp_async_wait<1>();  // this tile landed
     __syncthreads();
+    const float* sS = sS2 + ((d0 / kKT) & 1) * kKT * VP;
+    const float* sDS = sDS2 + ((d0 / kKT) & 1) * kKT * VP;
     // dq = scale exp(G) (dO S^T)
-    bgemm_nt4<4, 2>(kC, kKT, V, sDO, VP, sS, VP, [&](int r, int i, float acc) {
+    block_mma<P, 1, 2>(kC, kKT, V, Mat{sDO, VP}, MatT{sS, VP}, [&](int r, int i, float acc) {
       const int d = d0 + i;
       dq[r * K + d] = p.scale * expf(G[r * K + d]) * acc;
     });
     // dk = exp(G_L - G) (V_new dS'^T); dG = q dq - k dk (same thread mapping: own dq element)
-    bgemm_nt4<4, 2>(kC, kKT, V, sVn, VP, sDS, VP, [&](int r, int i, float acc) {
+    block_mma<P, 1, 2>(kC, kKT, V, Mat{sVn, VP}, MatT{sDS, VP}, [&](int r, int i, float acc) {
       const int d = d0 + i;
       const float dkd = expf(GL[d] - G[r * K + d]) * acc;
       dk[r * K + d] = dkd;
@@ -394,8 +353,8 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const 
       sKD[r * (kKT + 1) + i] = kd;
     });
     // dW = -dV_new S^T
-    bgemm_nt4<4, 2>(kC, kKT, V, sDV, VP, sS, VP,
-                    [&](int r, int i, float acc) { dw[r * K + d0 + i] = -acc; });
+    block_mma<P, 1, 2>(kC, kKT, V, Mat{sDV, VP}, MatT{sS, VP},
+                       [&](int r, int i, float acc) { dw[r * K + d0 + i] = -acc; });
     {  // rowsum(S . dS'): 8 lanes per row, lane-strided, then a butterfly over the 8 lanes
       const int i = t >> 3, part = t & 7;
       float s = 0.f;
@@ -417,17 +376,21 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const 
 
 // ------------------------------------------------------------------ B4b: WY backward
 
+constexpr int kMP = kC + 8;  // row stride of M^-1 in the WY backward (read as A = MatT)
+
 __host__ __device__ constexpr int wy_smem_floats(int K, int V) {
-  return kC * kCP + 2 * kC * (K + 4) + 2 * kC * (V + 4);
+  return kC * kMP + 2 * kC * (K + 4) + 2 * kC * (V + 4);
 }
 
 template <int K, class Tin>
 __global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Tin> p) {
-  constexpr int KP = K + 4;  // rows padded to K + 4 (float4 loads)
+  using namespace mma_cu;
+  constexpr Prec P = prec_for<Tin>;
+  constexpr int KP = K + 4;  // rows padded to K + 4
   extern __shared__ float4 smem4[];
   const int V = p.V, VP = V + 4;
-  float* sM = reinterpret_cast<float*>(smem4);  // [C][CP]  M^-1, then dA_kk (over K)
-  float* sA = sM + kC * kCP;                    // [C][KP]  dW, then W
+  float* sM = reinterpret_cast<float*>(smem4);  // [C][MP]  M^-1, then dA_kk (over K)
+  float* sA = sM + kC * kMP;                    // [C][KP]  dW, then W
   float* sB = sA + kC * KP;                     // [C][VP]  dV_new, then U
   float* sKB = sB + kC * VP;                    // [C][KP]  dKB
   float* sVB = sKB + kC * KP;                   // [C][VP]  dVB
@@ -437,23 +400,29 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Ti
   const int bos = p.chunk_bos[ci], L = p.chunk_len[ci];
   const int64_t tk = int64_t(ci) * p.HV + h;
 
-  ld_rows(sM, kCP, p.minv + tk * kC * kC, kC, kC, kC);
-  ld_rows(sA, KP, p.dw + tk * kC * K, K, kC, K);
-  ld_rows(sB, VP, p.dvnew + tk * kC * V, V, kC, V);
+  cp_rows(sM, kMP, p.minv + tk * kC * kC, kC, kC, kC);
+  cp_rows(sA, KP, p.dw + tk * kC * K, K, kC, K);
+  cp_rows(sB, VP, p.dvnew + tk * kC * V, V, kC, V);
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
   // dKB = M^-T dW, dVB = M^-T dV_new (M^-1[r][s] = 0 for r < s)
-  bgemm_tn4<4>(kC, K, kC, sM, kCP, sA, KP, [&](int s, int d, float acc) { sKB[s * KP + d] = acc; });
-  bgemm_tn4<4>(kC, V, kC, sM, kCP, sB, VP, [&](int s, int j, float acc) { sVB[s * VP + j] = acc; });
+  block_mma<P, 1, 4>(kC, K, kC, MatT{sM, kMP}, Mat{sA, KP},
+                     [&](int s, int d, float acc) { sKB[s * KP + d] = acc; });
+  block_mma<P, 1, 4>(kC, V, kC, MatT{sM, kMP}, Mat{sB, VP},
+                     [&](int s, int j, float acc) { sVB[s * VP + j] = acc; });
   __syncthreads();
-  ld_rows(sA, KP, p.w + tk * kC * K, K, kC, K);
-  ld_rows(sB, VP, p.u + tk * kC * V, V, kC, V);
+  cp_rows(sA, KP, p.w + tk * kC * K, K, kC, K);
+  cp_rows(sB, VP, p.u + tk * kC * V, V, kC, V);
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
   {  // dA_kk = -stril(dKB W^T + dVB U^T) (the same thread mapping in both products)
     float* da = p.dakk + tk * kC * kC;
-    bgemm_nt4<4, 4>(kC, kC, K, sKB, KP, sA, KP,
-                    [&](int r, int s, float acc) { sM[r * kCP + s] = acc; });
-    bgemm_nt4<4, 4>(kC, kC, V, sVB, VP, sB, VP, [&](int r, int s, float acc) {
-      da[r * kC + s] = s < r ? -(sM[r * kCP + s] + acc) : 0.f;
+    block_mma<P, 1, 4>(kC, kC, K, Mat{sKB, KP}, MatT{sA, KP},
+                       [&](int r, int s, float acc) { sM[r * kMP + s] = acc; });
+    block_mma<P, 1, 4>(kC, kC, V, Mat{sVB, VP}, MatT{sB, VP}, [&](int r, int s, float acc) {
+      da[r * kC + s] = s < r ? -(sM[r * kMP + s] + acc) : 0.f;
     });
   }
   // dv = beta dVB; dbeta = v . dVB + (exp(G) k) . dKB; dk += beta exp(G) dKB;
@@ -486,28 +455,35 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Ti
 
 // ------------------------------------------------------------------ B4c: intra backward + finish
 
+constexpr int kWarps = kThreads / 32;
+constexpr int kAP2 = kC + 4;  // row stride of dA_qk, dA_kk in the intra backward (A = Mat / MatT)
+
+// Row strides: K + 8 for the arrays read as B = Mat (Y, Xq, Xk) and the others of [C][K].
 struct IntraBwdLayout {
-  int g, kk, ca, cb, xq, xk, y, pp, beta, dbi, red, total;
+  int g, kk, ca, cb, xq, xk, y, pp, beta, dbi, red, rp, total;
   __host__ __device__ IntraBwdLayout(int K) {
-    const int KP = K + 1;
+    const int KP = K + 8;
     g = 0;                // G      [C][KP]
     kk = g + kC * KP;     // k^     [C][KP]
-    ca = kk + kC * KP;    // scale dA_qk [C][CP]
-    cb = ca + kC * kCP;   // dA_kk  [C][CP]
-    xq = cb + kC * kCP;   // Xq     [16][KP]
+    ca = kk + kC * KP;    // scale dA_qk [C][kAP2]
+    cb = ca + kC * kAP2;  // dA_kk  [C][kAP2]
+    xq = cb + kC * kAP2;  // Xq     [16][KP]
     xk = xq + kSub * KP;  // Xk     [16][KP] (beta_r included)
     y = xk + kSub * KP;   // Y      [C][KP]
     pp = y + kC * KP;     // P      [C][KP] column sums
     beta = pp + kC * KP;  // beta   [C]
     dbi = beta + kC;      // intra dbeta [C]
     red = dbi + kC;       // [K] dA_log partials per channel
-    total = red + K;
+    rp = red + K;         // [warps][16] intra dbeta partials of a block row
+    total = rp + kWarps * kSub;
   }
 };
 
 template <int K, class Tin>
 __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams<Tin> p) {
-  constexpr int KP = K + 1, NJ = K / 16;
+  using namespace mma_cu;
+  constexpr Prec P = prec_for<Tin>;
+  constexpr int KP = K + 8, NJ = K / 16;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   const IntraBwdLayout lay(K);
@@ -522,6 +498,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
   float* sBeta = smem + lay.beta;
   float* sDbI = smem + lay.dbi;
   float* sRed = smem + lay.red;
+  float* sRowPart = smem + lay.rp;
 
   const int t = threadIdx.x;
   const int ci = blockIdx.x, h = blockIdx.y;
@@ -532,18 +509,21 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
   float* dk = p.dk + tk * kC * K;
   float* dG = p.dG + tk * kC * K;
 
-  ld_rows(sG, KP, p.G + tk * kC * K, K, kC, K);
-  ld_rows(sK, KP, p.kn + tk * kC * K, K, kC, K);
+  cp_rows(sG, KP, p.G + tk * kC * K, K, kC, K);
+  cp_rows(sK, KP, p.kn + tk * kC * K, K, kC, K);
+  cp_async_commit();
   for (int i = t; i < kC * kC; i += kThreads) {
     const int r = i / kC, s = i % kC;
-    sCA[r * kCP + s] = p.scale * p.daqk[tk * kC * kC + i];
-    sCB[r * kCP + s] = p.dakk[tk * kC * kC + i];
+    sCA[r * kAP2 + s] = p.scale * p.daqk[tk * kC * kC + i];
+    sCB[r * kAP2 + s] = p.dakk[tk * kC * kC + i];
   }
   for (int i = t; i < kC * KP; i += kThreads) sP[i] = 0.f;
   if (t < kC) sBeta[t] = p.beta[tk * kC + t], sDbI[t] = 0.f;
+  cp_async_wait<0>();
   __syncthreads();
 
-  const int r16 = t >> 4, l16 = t & 15;  // row / column (of 16) and channel lane
+  const int warp = t >> 5;
+  const int r16 = t >> 4, l16 = t & 15;  // diagonal fallback: column (of 16) and channel lane
   for (int ib = 0; ib < kC / kSub; ++ib) {
     const int n = kSub * ib, ncol = n + kSub;
     // Xq_r = q_r exp(G_r - G_n), Xk_r = beta_r k_r exp(G_r - G_n) (rows of block ib),
@@ -564,62 +544,63 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
     const bool per_element = __syncthreads_or(wide) != 0;  // also the barrier for X, Y
     const int send = per_element ? n : ncol;               // columns taken by the split product
 
-    {  // rows: dq^intra_r and R_r, thread (row r16 of the block, channels l16 + 16 j)
-      const int r = n + r16;
-      float aq[NJ], ab[NJ];
+    // rows r = n .. n + 15: dq^intra_r = E_rn sum_{s < send} a_rs Y_s and R_r = E_rn sum_s
+    // b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores; warp w owns channels 16 w .. 16 w + 15.
+    {
+      const int lane = t & 31;
+      float dbr[2] = {0.f, 0.f};  // k_r . R_r over the warp's channels, rows g and g + 8
+      for (int c0 = 16 * warp; c0 < K; c0 += 16 * kWarps) {
+        float aq[1][2][4], ab[1][2][4];
+        zero(aq);
+        zero(ab);
+        warp_mma<P>(aq, Mat{sCA, kAP2}, Mat{sY, KP}, n, c0, 0, send);
+        warp_mma<P>(ab, Mat{sCB, kAP2}, Mat{sY, KP}, n, c0, 0, send);
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) aq[j] = ab[j] = 0.f;
-      for (int s = 0; s < send; ++s) {
-        const float ca = sCA[r * kCP + s], cb = sCB[r * kCP + s];
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const float y = sY[s * KP + l16 + 16 * j];
-          aq[j] = fmaf(ca, y, aq[j]);
-          ab[j] = fmaf(cb, y, ab[j]);
-        }
-      }
-      float dbr = 0.f;
-      const float br = sBeta[r];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int d = l16 + 16 * j;
-        const float e = expf(sG[r * KP + d] - sG[n * KP + d]);
-        float dqi = e * aq[j], R = e * ab[j];
-        if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
-          for (int s = n; s <= r; ++s) {
-            const float kE = sK[s * KP + d] * expf(sG[r * KP + d] - sG[s * KP + d]);
-            dqi = fmaf(sCA[r * kCP + s], kE, dqi);
-            R = fmaf(sCB[r * kCP + s], kE, R);
+          for (int e = 0; e < 4; ++e) {
+            const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
+            const float E = expf(sG[r * KP + d] - sG[n * KP + d]);
+            float dqi = E * aq[0][j][e], R = E * ab[0][j][e];
+            if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
+              for (int s2 = n; s2 <= r; ++s2) {
+                const float kE = sK[s2 * KP + d] * expf(sG[r * KP + d] - sG[s2 * KP + d]);
+                dqi = fmaf(sCA[r * kAP2 + s2], kE, dqi);
+                R = fmaf(sCB[r * kAP2 + s2], kE, R);
+              }
+            }
+            const float kr = sK[r * KP + d], br = sBeta[r];
+            dbr[e >> 1] = fmaf(kr, R, dbr[e >> 1]);
+            if (r < L) {
+              dq[r * K + d] += dqi;
+              dk[r * K + d] += br * R;
+              dG[r * K + d] += qn[r * K + d] * dqi + br * kr * R;
+            }
           }
-        }
-        const float kr = sK[r * KP + d];
-        dbr = fmaf(kr, R, dbr);
-        if (r < L) {
-          dq[r * K + d] += dqi;
-          dk[r * K + d] += br * R;
-          dG[r * K + d] += qn[r * K + d] * dqi + br * kr * R;
-        }
       }
-      for (int off = 8; off > 0; off >>= 1) dbr += __shfl_xor_sync(0xffffffffu, dbr, off);
-      if (l16 == 0) sDbI[r] = dbr;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // over the 4 lanes (t) of a row
+        dbr[e] += __shfl_xor_sync(0xffffffffu, dbr[e], 1);
+        dbr[e] += __shfl_xor_sync(0xffffffffu, dbr[e], 2);
+      }
+      if ((lane & 3) == 0) {
+        sRowPart[warp * kSub + (lane >> 2)] = dbr[0];
+        sRowPart[warp * kSub + (lane >> 2) + 8] = dbr[1];
+      }
     }
-    // columns: P_s += exp(G_n - G_s) sum_{r in block} (a_rs Xq_r + b_rs Xk_r), s < send
-    for (int s = r16; s < send; s += kSub) {
-      float acc[NJ];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) acc[j] = 0.f;
-      for (int a = 0; a < kSub; ++a) {
-        const float ca = sCA[(n + a) * kCP + s], cb = sCB[(n + a) * kCP + s];
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int d = l16 + 16 * j;
-          acc[j] = fmaf(ca, sXq[a * KP + d], fmaf(cb, sXk[a * KP + d], acc[j]));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int d = l16 + 16 * j;
-        sP[s * KP + d] += expf(sG[n * KP + d] - sG[s * KP + d]) * acc[j];
+    // columns s < send: P_s += exp(G_n - G_s) sum_{a < 16} (a_{n+a, s} Xq_a + b_{n+a, s} Xk_a),
+    // tensor cores, 16 x 16 tiles over the warps.
+    {
+      const int tn = K / 16, tiles = (send / 16) * tn;
+      for (int tile = warp; tile < tiles; tile += kWarps) {
+        const int m0 = (tile / tn) * 16, c0 = (tile % tn) * 16;
+        float acc[1][2][4];
+        zero(acc);
+        warp_mma<P>(acc, MatT{sCA + n * kAP2, kAP2}, Mat{sXq, KP}, m0, c0, 0, kSub);
+        warp_mma<P>(acc, MatT{sCB + n * kAP2, kAP2}, Mat{sXk, KP}, m0, c0, 0, kSub);
+        for_each(acc, m0, c0, [&](int s2, int d, float x) {
+          sP[s2 * KP + d] += expf(sG[n * KP + d] - sG[s2 * KP + d]) * x;
+        });
       }
     }
     if (per_element) {  // diagonal-block columns s = n + r16, rows r = s .. n + 15, per element
@@ -631,13 +612,18 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
         for (int r = s; r < ncol; ++r) {
           const float E = expf(sG[r * KP + d] - sG[s * KP + d]);
           const float c =
-              sCA[r * kCP + s] * qn[r * K + d] + sBeta[r] * sCB[r * kCP + s] * sK[r * KP + d];
+              sCA[r * kAP2 + s] * qn[r * K + d] + sBeta[r] * sCB[r * kAP2 + s] * sK[r * KP + d];
           acc = fmaf(c, E, acc);
         }
         sP[s * KP + d] += acc;
       }
     }
     __syncthreads();  // X, Y free for the next block row; P and the row updates complete
+    if (t < kSub) {   // intra dbeta of the block's rows: the warps' partials in warp order
+      float db = 0.f;
+      for (int w = 0; w < kWarps; ++w) db += sRowPart[w * kSub + t];
+      sDbI[n + t] = db;
+    }
   }
 
   // dk_s += P_s; dG_s -= k_s P_s; dg = reverse cumsum of dG; the gate's chain rule. One thread
@@ -847,10 +833,19 @@ template <int K, class Tin>
 void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profile& prof) {
   const unsigned nc = unsigned(pl.NC), hv = unsigned(pl.HV);
   {
-    const size_t smem = size_t(state_bwd_smem_floats(K)) * sizeof(float);
-    set_smem(kOp, reinterpret_cast<const void*>(&kda_state_bwd_kernel<K, Tin>), smem, "state bwd");
-    kda_state_bwd_kernel<K, Tin><<<unsigned(pl.N * pl.HV * (pl.V / kBV)), kThreads, smem>>>(bp);
-    check_launch(kOp, "state bwd kernel");
+    auto launch = [&](auto bv) {
+      constexpr int BV = decltype(bv)::value;
+      const size_t smem = size_t(state_bwd_smem_floats(K, BV)) * sizeof(float);
+      set_smem(kOp, reinterpret_cast<const void*>(&kda_state_bwd_kernel<K, BV, Tin>), smem,
+               "state bwd");
+      kda_state_bwd_kernel<K, BV, Tin>
+          <<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(bp);
+      check_launch(kOp, "state bwd kernel");
+    };
+    if (kda_cuda_detail::state_tile(pl) == 64)
+      launch(std::integral_constant<int, 64>{});
+    else
+      launch(std::integral_constant<int, 32>{});
     prof.mark("state-bwd");
   }
   if (pl.NC > 0) {

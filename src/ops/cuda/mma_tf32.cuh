@@ -1,0 +1,159 @@
+// Tensor-core products of FP32 operands held in shared memory (or registers): mma.sync
+// m16n8k8 with TF32 operands and FP32 accumulation (sm_80 and later). Internal.
+//
+// Two precisions:
+//   Prec::tf32    every operand rounded to TF32 (cvt.rna: 10-bit mantissa, relative error
+//                 <= 2^-11 per operand). Used where the inputs are BF16 (8-bit mantissa).
+//   Prec::tf32x3  every operand split x = hi + lo, hi = tf32(x), lo = tf32(x - hi), and
+//                 a b ~ lo_a hi_b + hi_a lo_b + hi_a hi_b (three mma, small terms first): FP32
+//                 accuracy (the dropped lo_a lo_b term is ~2^-22 relative). Used for FP32 inputs.
+// Deterministic: the k steps and the three partial products always run in the same order, and
+// every output element is accumulated by one thread.
+//
+// Operands are read through views: Mat{p, ld} is row-major (element (i, j) at p[i ld + j]),
+// MatT{p, ld} the transpose of a row-major array (element (i, j) at p[j ld + i]). A product
+// A B takes A as an (m, k) view and B as a (k, n) view, so A B^T of two row-major arrays is
+// (Mat A, MatT B). Shared-memory banks of the fragment loads (lane = 4 g + t): an A = Mat or a
+// B = MatT reads p[g ld + t], conflict-free for ld = 4 (mod 32); an A = MatT or a B = Mat reads
+// p[t ld + g], conflict-free for ld = 8 (mod 32).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace hlm::ops::mma_cu {
+
+enum class Prec { tf32, tf32x3 };
+
+// TF32 for BF16 inputs, 3xTF32 for FP32 inputs.
+template <class Tin>
+inline constexpr Prec prec_for = std::is_same_v<Tin, float> ? Prec::tf32x3 : Prec::tf32;
+
+struct Mat {
+  const float* p;
+  int ld;
+  __device__ __forceinline__ float operator()(int i, int j) const { return p[i * ld + j]; }
+};
+struct MatT {
+  const float* p;
+  int ld;
+  __device__ __forceinline__ float operator()(int i, int j) const { return p[j * ld + i]; }
+};
+
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// hi (and, for tf32x3, lo) TF32 parts of x.
+template <Prec P>
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_bits(x);
+  if constexpr (P == Prec::tf32x3) lo = tf32_bits(x - __uint_as_float(hi));
+}
+
+// d += a b for one m16n8k8 tile.
+__device__ __forceinline__ void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The accumulator element (i, j, e) of a warp tile at (m0, n0) sits at row m0 + 16 i + g + 8 (e /
+// 2) and column n0 + 8 j + 2 t + e % 2 of the output.
+__device__ __forceinline__ int acc_row(int m0, int i, int e) {
+  return m0 + 16 * i + ((threadIdx.x & 31) >> 2) + 8 * (e >> 1);
+}
+__device__ __forceinline__ int acc_col(int n0, int j, int e) {
+  return n0 + 8 * j + 2 * (threadIdx.x & 3) + (e & 1);
+}
+
+// acc += A[m0 .. m0 + 16 WM)[k0 .. k1) B[k0 .. k1)[n0 .. n0 + 8 WN), k1 - k0 a multiple of 8.
+// One warp (all 32 lanes, converged).
+template <Prec P, int WM, int WN, class MA, class MB>
+__device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, const MB& B, int m0,
+                                         int n0, int k0, int k1) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 2
+  for (int k = k0; k < k1; k += 8) {
+    uint32_t ah[WM][4], al[WM][4], bh[WN][2], bl[WN][2];
+#pragma unroll
+    for (int i = 0; i < WM; ++i) {
+      const int r = m0 + 16 * i + g;
+      split<P>(A(r, k + t), ah[i][0], al[i][0]);
+      split<P>(A(r + 8, k + t), ah[i][1], al[i][1]);
+      split<P>(A(r, k + t + 4), ah[i][2], al[i][2]);
+      split<P>(A(r + 8, k + t + 4), ah[i][3], al[i][3]);
+    }
+#pragma unroll
+    for (int j = 0; j < WN; ++j) {
+      const int c = n0 + 8 * j + g;
+      split<P>(B(k + t, c), bh[j][0], bl[j][0]);
+      split<P>(B(k + t + 4, c), bh[j][1], bl[j][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        if constexpr (P == Prec::tf32x3) {
+          mma_m16n8k8(acc[i][j], al[i], bh[j]);
+          mma_m16n8k8(acc[i][j], ah[i], bl[j]);
+        }
+        mma_m16n8k8(acc[i][j], ah[i], bh[j]);
+      }
+  }
+}
+
+template <int WM, int WN>
+__device__ __forceinline__ void zero(float (&acc)[WM][WN][4]) {
+#pragma unroll
+  for (int i = 0; i < WM; ++i)
+#pragma unroll
+    for (int j = 0; j < WN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+
+// Calls f(row, col, value) for every element of a warp tile.
+template <int WM, int WN, class F>
+__device__ __forceinline__ void for_each(const float (&acc)[WM][WN][4], int m0, int n0, F&& f) {
+#pragma unroll
+  for (int i = 0; i < WM; ++i)
+#pragma unroll
+    for (int j = 0; j < WN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f(acc_row(m0, i, e), acc_col(n0, j, e), acc[i][j][e]);
+}
+
+// block_mma_kend: the whole block computes out = A B (M x N over Kd; M % (16 WM) == 0, N % (8 WN)
+// == 0, Kd % 8 == 0): warp w takes the warp tiles w, w + nwarps, ... (row-major over the tile grid)
+// and calls out(m, n, value) once per element. kend(m0) bounds the sum of the tile rows
+// m0 .. m0 + 16 WM - 1 (a multiple of 8; e.g. a lower-triangular A: kend = m0 + 16 WM).
+template <Prec P, int WM, int WN, class MA, class MB, class KEnd, class F>
+__device__ __forceinline__ void block_mma_kend(int M, int N, const MA& A, const MB& B, KEnd&& kend,
+                                               F&& out) {
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int tn = N / (8 * WN), tiles = (M / (16 * WM)) * tn;
+  for (int tile = warp; tile < tiles; tile += nwarps) {
+    const int m0 = (tile / tn) * 16 * WM, n0 = (tile % tn) * 8 * WN;
+    float acc[WM][WN][4];
+    zero(acc);
+    warp_mma<P>(acc, A, B, m0, n0, 0, kend(m0));
+    for_each(acc, m0, n0, out);
+  }
+}
+
+// block_mma: the same over the full Kd.
+template <Prec P, int WM, int WN, class MA, class MB, class F>
+__device__ __forceinline__ void block_mma(int M, int N, int Kd, const MA& A, const MB& B, F&& out) {
+  block_mma_kend<P, WM, WN>(
+      M, N, A, B, [Kd](int) { return Kd; }, out);
+}
+
+}  // namespace hlm::ops::mma_cu
