@@ -238,6 +238,25 @@ TEST(KdaChunkBwdGpu, Bf16) {
       {"bf16 standard h0", kOddLens, 2, 4, 128, 128, DType::bf16, true, false, Gate::standard});
 }
 
+// Enough (sequence, head) pairs that the reverse state pass takes 64-wide V tiles (state_tile:
+// 4 x 24 x 2 = 192 blocks on an H200's 132 SMs); the cases above take 32.
+TEST(KdaChunkBwdGpu, WideStateTile) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"f32 wide tile h0 dht",
+            {1, 63, 65, 300},
+            8,
+            24,
+            128,
+            128,
+            DType::f32,
+            true,
+            true,
+            Gate::lower_bound,
+            true});
+  run_case(
+      {"bf16 wide tile", {1, 63, 65, 300}, 8, 24, 128, 128, DType::bf16, false, true, Gate::plain});
+}
+
 TEST(KdaChunkBwdGpu, ManyShortSequencesK64) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());

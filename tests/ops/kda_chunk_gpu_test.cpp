@@ -155,6 +155,23 @@ TEST(KdaChunkGpu, Bf16) {
       {"bf16 lower-bound", kOddLens, 2, 2, 128, 128, DType::bf16, false, Gate::lower_bound, true});
 }
 
+// Enough (sequence, head) pairs that the state pass takes 64-wide V tiles (state_tile: at least
+// one block per SM; 4 x 24 x 2 = 192 blocks on an H200's 132 SMs); the cases above take 32.
+TEST(KdaChunkGpu, WideStateTile) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"f32 wide tile h0",
+            {1, 63, 65, 300},
+            8,
+            24,
+            128,
+            128,
+            DType::f32,
+            true,
+            Gate::lower_bound,
+            true});
+  run_case({"bf16 wide tile", {1, 63, 65, 300}, 8, 24, 128, 128, DType::bf16, false, Gate::plain});
+}
+
 TEST(KdaChunkGpu, ManyShortSequencesK64) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
