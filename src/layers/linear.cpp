@@ -22,6 +22,7 @@
 #include <algorithm>
 
 #include "ops/gemm.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
@@ -57,8 +58,9 @@ DType compute_dtype(const GemmPrecision& p, DType x_dt) {
   return (p.kind == GemmKind::native && x_dt == DType::f64) ? DType::f64 : DType::f32;
 }
 
+// (ops::as_dtype: the CPU's Tensor::to, or the CUDA conversion kernel.)
 Tensor as_dtype(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t : t.to(dt);
+  return t.dtype() == dt ? t : t.is_cpu() ? t.to(dt) : ops::as_dtype(t, dt);
 }
 
 // [R, C] f32 copy of a 2-D tensor, zero-padded to [R, Cp] (Cp >= C).
@@ -93,6 +95,10 @@ void add_into(Tensor& out, const Tensor& src) {
 
 // y[t, o] += b[o] in y's dtype (f32 / f64), one addition per element.
 void add_bias(Tensor& y, const Tensor& b) {
+  if (!y.is_cpu()) {
+    ops::add_bias_(y, b);
+    return;
+  }
   const Tensor bb = as_dtype(b, y.dtype()).contiguous();
   const int64_t T = y.size(0), N = y.size(1);
   if (y.dtype() == DType::f32) {
@@ -110,11 +116,12 @@ void add_bias(Tensor& y, const Tensor& b) {
 
 Tensor& ensure_grad(Param& p) {
   const DType gd = grad_dtype_for(p.value.dtype());
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd);
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd, p.value.device());
   HLM_CHECK(p.grad.shape() == p.value.shape() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
-            "Linear: gradient of '{}' is {}, expected {} {}", p.name, p.grad.describe(),
-            dtype_name(gd), shape_str(p.value.shape()));
+                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64) &&
+                p.grad.device() == p.value.device(),
+            "Linear: gradient of '{}' is {}, expected {} {} on the device of the weight", p.name,
+            p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()));
   return p.grad;
 }
 
@@ -122,8 +129,9 @@ Tensor& ensure_grad(Param& p) {
 
 Tensor Linear::forward(const Context& ctx, const Tensor& x, Saved* saved) const {
   HLM_CHECK(weight_ != nullptr, "Linear::forward: the layer is not initialised");
-  HLM_CHECK(x.defined() && x.is_cpu(), "Linear::forward: x must be a defined CPU tensor, got {}",
-            x.defined() ? x.describe() : "undefined");
+  HLM_CHECK(x.defined() && x.device() == weight_->value.device(),
+            "Linear::forward: x must be a defined tensor on the weight's device ({}), got {}",
+            device_name(weight_->value.device()), x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "Linear::forward: x must be f64, f32 or bf16, got {}", x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear::forward: x must be [T, {}], got {}", in_,
@@ -138,10 +146,14 @@ Tensor Linear::forward(const Context& ctx, const Tensor& x, Saved* saved) const 
       y = ops::matmul(as_dtype(x, cdt), false, as_dtype(w, cdt), true);
       break;
     case GemmKind::bf16:
-      y = Tensor::empty({T, out_}, DType::f32);
+      y = Tensor::empty({T, out_}, DType::f32, x.device());
       ops::gemm(x, false, w, true, y, 1.0, 0.0, ops::GemmOptions{true});
       break;
     case GemmKind::fp8_block: {
+      HLM_CHECK(x.is_cpu(),
+                "Linear::forward: the fp8_block GEMM has no CUDA implementation yet "
+                "(x is {}); use the bf16 or native precision on CUDA",
+                x.describe());
       const int64_t kp = pad128(in_);
       wq = quantize_weight(w, precision_);
       const auto xq =
@@ -162,10 +174,11 @@ Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved
   HLM_CHECK(weight_ != nullptr, "Linear::backward: the layer is not initialised");
   const Tensor& x = saved.x;
   HLM_CHECK(x.defined(), "Linear::backward: Saved has no input (was forward run with training?)");
-  HLM_CHECK(dy.defined() && dy.is_cpu() &&
-                (dy.dtype() == DType::f64 || dy.dtype() == DType::f32 || dy.dtype() == DType::bf16),
-            "Linear::backward: dy must be an f64, f32 or bf16 CPU tensor, got {}",
-            dy.defined() ? dy.describe() : "undefined");
+  HLM_CHECK(
+      dy.defined() && dy.device() == x.device() &&
+          (dy.dtype() == DType::f64 || dy.dtype() == DType::f32 || dy.dtype() == DType::bf16),
+      "Linear::backward: dy must be an f64, f32 or bf16 tensor on the device of x ({}), got {}",
+      device_name(x.device()), dy.defined() ? dy.describe() : "undefined");
   HLM_CHECK(dy.dim() == 2 && dy.size(0) == x.size(0) && dy.size(1) == out_,
             "Linear::backward: dy must be [{}, {}], got {}", x.size(0), out_, dy.describe());
   const int64_t T = x.size(0);
@@ -181,11 +194,15 @@ Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved
       break;
     }
     case GemmKind::bf16:
-      dx = Tensor::empty({T, in_}, DType::f32);
+      dx = Tensor::empty({T, in_}, DType::f32, x.device());
       ops::gemm(dy, false, w, false, dx, 1.0, 0.0, ops::GemmOptions{true});
       ops::gemm(dy, true, x, false, gw, 1.0, 1.0, ops::GemmOptions{true});
       break;
     case GemmKind::fp8_block: {
+      HLM_CHECK(x.is_cpu(),
+                "Linear::backward: the fp8_block GEMM has no CUDA implementation yet "
+                "(x is {})",
+                x.describe());
       const Fp8Format g = precision_.grad_format;
       const bool pow2 = precision_.pow2_scales;
       // dgrad: K = out. dy 1x128 along out; W^T from the same 128x128 codes as the forward.
@@ -203,7 +220,11 @@ Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved
       break;
     }
   }
-  if (bias_) {
+  if (bias_ && !x.is_cpu()) {
+    // CUDA: the same column sums over t in ascending order in the grad dtype, then gb += sum.
+    Tensor& gb = ensure_grad(*bias_);
+    ops::add_(gb, ops::sum_rows(dy, gb.dtype()));
+  } else if (bias_) {
     Tensor& gb = ensure_grad(*bias_);
     const DType gd = gb.dtype();
     const Tensor d = as_dtype(dy, gd).contiguous();

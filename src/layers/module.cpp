@@ -36,6 +36,13 @@ void Module::to_dtype(DType dt) {
   }
 }
 
+void Module::to(Device dev) {
+  for (auto& [name, p] : named_parameters()) {
+    if (p->value.defined() && p->value.device() != dev) p->value = p->value.to(dev);
+    if (p->grad.defined() && p->grad.device() != dev) p->grad = p->grad.to(dev);
+  }
+}
+
 void Module::zero_grad() {
   for (auto& [name, p] : named_parameters()) {
     const DType gd = grad_dtype_for(p->value.dtype());

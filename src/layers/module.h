@@ -45,6 +45,9 @@ class Module {
 
   // Cast every parameter except keep_fp32 ones to dt (floating dtypes); grads are re-allocated.
   void to_dtype(DType dt);
+  // Move every parameter value (and every defined gradient) to dev, keeping dtypes and values;
+  // parameters already on dev are left as they are. The layers then run on that device.
+  void to(Device dev);
   // Allocate (if needed) and zero every gradient.
   void zero_grad();
 

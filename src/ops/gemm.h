@@ -1,4 +1,4 @@
-// GEMM: C = alpha * op(A) op(B) + beta * C on 2-D tensors (CPU; f32 and f64).
+// GEMM: C = alpha * op(A) op(B) + beta * C on 2-D tensors (CPU: f32 and f64; CUDA: below).
 //   op(A) is A [M, K] or, with trans_a, A^T for A [K, M]; likewise op(B) is [K, N].
 //   A, B, C may be strided views whose last dimension is contiguous (row stride = leading dim).
 // Options: round_bf16 rounds both operands to bf16 first (FP32 accumulation), the numerics of a
@@ -8,6 +8,11 @@
 // thread count (batch invariance: a packed batch equals its sequences one by one); `blas` is
 // OpenBLAS (faster on large products, not batch invariant). The environment variable
 // HLM_GEMM=invariant|blas picks the initial backend.
+// CUDA: when A, B and C are CUDA tensors (all three on one device), cuBLAS runs the product
+// (ops/cuda/gemm_cublas.cu): the same arguments, checks and dtype rules, f32 / f64 operands
+// with FP32 / FP64 accumulation (no TF32), round_bf16 with bf16 tensor-core operands and FP32
+// accumulation (C f32, bf16 or f64; the epilogue in FP32). Deterministic run to run; the
+// summation order differs from the CPU kernels (f32 results agree to ~1e-6 relative).
 #pragma once
 
 #include "core/tensor.h"
@@ -27,5 +32,11 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
           double alpha = 1.0, double beta = 0.0, GemmOptions opt = {});
 // New [M, N] tensor = op(A) op(B), dtype of A.
 Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, GemmOptions opt = {});
+
+namespace cuda {
+// The cuBLAS launcher behind gemm() for CUDA tensors (arguments validated by gemm(); m, n, k >= 1).
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, int64_t m,
+          int64_t n, int64_t k, double alpha, double beta, GemmOptions opt);
+}  // namespace cuda
 
 }  // namespace hlm::ops

@@ -39,6 +39,7 @@
 #include "ops/kda.h"
 #include "ops/rmsnorm.h"
 #include "ops/seqlens.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
@@ -103,17 +104,21 @@ KdaConfig KdaConfig::kimi_linear_48b() {
 
 namespace {
 
+// On CUDA the conversions, contiguous copies and additions below go through ops/tensor_ops.h
+// (the same one rounding / one addition per element as the CPU loops).
 Tensor as_dtype(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t : t.to(dt);
+  return t.dtype() == dt ? t : t.is_cpu() ? t.to(dt) : ops::as_dtype(t, dt);
 }
 
 Tensor& ensure_grad(Param& p) {
   const DType gd = grad_dtype_for(p.value.dtype());
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd);
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd, p.value.device());
   HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
-            "KdaLayer: gradient of '{}' is {}, expected a contiguous {} {}", p.name,
-            p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()));
+                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64) &&
+                p.grad.device() == p.value.device(),
+            "KdaLayer: gradient of '{}' is {}, expected a contiguous {} {} on the device of the "
+            "parameter",
+            p.name, p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()));
   return p.grad;
 }
 
@@ -130,6 +135,11 @@ void accumulate(Param& p, const Tensor& g, int64_t offset = 0) {
   Tensor& gr = ensure_grad(p);
   HLM_CHECK(offset + g.numel() <= gr.numel(), "KdaLayer: gradient {} does not fit '{}' {}",
             g.describe(), p.name, gr.describe());
+  if (!gr.is_cpu()) {
+    Tensor dst = gr.view({-1}).slice(0, offset, offset + g.numel());
+    ops::add_(dst, ops::contiguous(g).view({-1}));
+    return;
+  }
   if (gr.dtype() == DType::f64)
     add_n(gr.data<double>() + offset, g, g.numel());
   else
@@ -140,6 +150,10 @@ void accumulate(Param& p, const Tensor& g, int64_t offset = 0) {
 void add_inplace(Tensor& a, const Tensor& b) {
   HLM_CHECK(a.shape() == b.shape() && a.is_contiguous(), "KdaLayer: add of {} and {}", a.describe(),
             b.describe());
+  if (!a.is_cpu()) {
+    ops::add_(a, b);
+    return;
+  }
   if (a.dtype() == DType::f64)
     add_n(a.data<double>(), b, a.numel());
   else
@@ -152,10 +166,14 @@ Tensor cat_last(const std::vector<Tensor>& parts) {
   int64_t c = 0;
   for (const Tensor& p : parts) c += p.size(-1);
   s.back() = c;
-  Tensor out = Tensor::empty(s, parts.front().dtype());
   int64_t off = 0;
+  Tensor out = Tensor::empty(s, parts.front().dtype(), parts.front().device());
   for (const Tensor& p : parts) {
-    out.slice(out.dim() - 1, off, off + p.size(-1)).copy_(p);
+    Tensor dst = out.slice(out.dim() - 1, off, off + p.size(-1));
+    if (out.is_cpu())
+      dst.copy_(p);
+    else
+      ops::copy_into(dst, p);
     off += p.size(-1);
   }
   return out;
@@ -189,11 +207,13 @@ void route_final_conv_grad(const Tensor& dfin_, Tensor& dx, Tensor* dinit,
 }
 
 // Shape and dtype checks of an optional state tensor.
-void check_state(const Tensor& t, const Shape& shape, const std::string& where, const char* what) {
+void check_state(const Tensor& t, const Shape& shape, Device dev, const std::string& where,
+                 const char* what) {
   if (!t.defined()) return;
-  HLM_CHECK(t.is_cpu() &&
+  HLM_CHECK(t.device() == dev &&
                 (t.dtype() == DType::f64 || t.dtype() == DType::f32 || t.dtype() == DType::bf16),
-            "{}: {} must be an f64, f32 or bf16 CPU tensor, got {}", where, what, t.describe());
+            "{}: {} must be an f64, f32 or bf16 tensor on the device of x ({}), got {}", where,
+            what, device_name(dev), t.describe());
   HLM_CHECK(t.shape() == shape, "{}: {} must have shape {}, got {}", where, what, shape_str(shape),
             t.describe());
 }
@@ -369,8 +389,12 @@ ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, c
 Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
                          const KdaState* initial, Saved* saved, KdaState* final_state) const {
   const std::string w = where();
-  HLM_CHECK(x.defined() && x.is_cpu(), "{}: x must be a defined CPU tensor, got {}", w,
-            x.defined() ? x.describe() : "undefined");
+  HLM_CHECK(x.defined() && x.device() == q_proj_.weight_value().device(),
+            "{}: x must be a defined tensor on the device of the parameters ({}), got {}", w,
+            device_name(q_proj_.weight_value().device()), x.defined() ? x.describe() : "undefined");
+  HLM_CHECK(x.is_cpu() || cfg_.core == KdaCoreImpl::chunk,
+            "{}: the FP64 recurrent core (config.core = recurrent) runs on the CPU only; x is {}",
+            w, x.describe());
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "{}: x must be f64, f32 or bf16, got {}", w, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
@@ -386,15 +410,15 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_s
   const DType cdt = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
   KdaState init;
   if (initial) {
-    check_state(initial->conv, {N, cfg_.conv_kernel - 1, cfg_.conv_dim()}, w,
+    check_state(initial->conv, {N, cfg_.conv_kernel - 1, cfg_.conv_dim()}, x.device(), w,
                 "initial conv state [N, W-1, 2HK + HV V]");
-    check_state(initial->recurrent, {N, cfg_.num_v_heads, cfg_.head_k_dim, cfg_.head_v_dim}, w,
-                "initial recurrent state [N, HV, K, V]");
-    if (initial->conv.defined()) init.conv = as_dtype(initial->conv, cdt).contiguous();
+    check_state(initial->recurrent, {N, cfg_.num_v_heads, cfg_.head_k_dim, cfg_.head_v_dim},
+                x.device(), w, "initial recurrent state [N, HV, K, V]");
+    if (initial->conv.defined()) init.conv = ops::contiguous(as_dtype(initial->conv, cdt));
     if (initial->recurrent.defined())
-      init.recurrent = as_dtype(initial->recurrent, cdt).contiguous();
+      init.recurrent = ops::contiguous(as_dtype(initial->recurrent, cdt));
   }
-  const Tensor xc = as_dtype(x, cdt).contiguous();
+  const Tensor xc = ops::contiguous(as_dtype(x, cdt));
   const Tensor cu_t = Tensor::from_vector<int64_t>({N + 1}, cu);
   const bool save = ctx.training && saved != nullptr;
   if (saved) *saved = Saved{};
@@ -426,7 +450,7 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
   for (int i = 0; i < 3; ++i) {
     const int64_t ch = conv_[i].channels;
     const Tensor st0 =
-        init.conv.defined() ? init.conv.slice(2, off, off + ch).contiguous() : Tensor();
+        init.conv.defined() ? ops::contiguous(init.conv.slice(2, off, off + ch)) : Tensor();
     act[i] = ops::causal_conv1d_forward(pre[i], conv_weight(i, cdt), cu, st0, /*silu=*/true,
                                         final_state ? &fin[i] : nullptr);
     off += ch;
@@ -484,10 +508,10 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   const DType cdt = xc.dtype();
   const int64_t T = xc.size(0), D = cfg_.hidden_size, HV = cfg_.num_v_heads, K = cfg_.head_k_dim,
                 V = cfg_.head_v_dim, W = cfg_.conv_kernel;
-  HLM_CHECK(dy.defined() && dy.is_cpu() &&
+  HLM_CHECK(dy.defined() && dy.device() == xc.device() &&
                 (dy.dtype() == DType::f64 || dy.dtype() == DType::f32 || dy.dtype() == DType::bf16),
-            "{}: dy must be an f64, f32 or bf16 CPU tensor, got {}", w,
-            dy.defined() ? dy.describe() : "undefined");
+            "{}: dy must be an f64, f32 or bf16 tensor on the device of x ({}), got {}", w,
+            device_name(xc.device()), dy.defined() ? dy.describe() : "undefined");
   HLM_CHECK(dy.dim() == 2 && dy.size(0) == T && dy.size(1) == D,
             "{}: dy must be [T = {}, hidden_size = {}], got {}", w, T, D, dy.describe());
   const std::string what = w + ": saved cu_seqlens";
@@ -495,10 +519,12 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   const int64_t N = int64_t(cu.size()) - 1;
   Tensor dfin_conv, dfin_rec;
   if (d_final) {
-    check_state(d_final->conv, {N, W - 1, cfg_.conv_dim()}, w, "final conv state gradient");
-    check_state(d_final->recurrent, {N, HV, K, V}, w, "final recurrent state gradient");
-    if (d_final->conv.defined()) dfin_conv = as_dtype(d_final->conv, cdt).contiguous();
-    if (d_final->recurrent.defined()) dfin_rec = as_dtype(d_final->recurrent, cdt).contiguous();
+    check_state(d_final->conv, {N, W - 1, cfg_.conv_dim()}, xc.device(), w,
+                "final conv state gradient");
+    check_state(d_final->recurrent, {N, HV, K, V}, xc.device(), w,
+                "final recurrent state gradient");
+    if (d_final->conv.defined()) dfin_conv = ops::contiguous(as_dtype(d_final->conv, cdt));
+    if (d_final->recurrent.defined()) dfin_rec = ops::contiguous(as_dtype(d_final->recurrent, cdt));
   }
   Saved recomputed;
   const Saved* s = &saved;
@@ -511,11 +537,11 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   }
   HLM_CHECK(s->o.defined(), "{}: Saved holds no activations (forward ran with saved = nullptr?)",
             w);
-  const Tensor dyc = as_dtype(dy, cdt).contiguous();
+  const Tensor dyc = ops::contiguous(as_dtype(dy, cdt));
 
   // Output projection, gated RMSNorm, output gate.
   const Tensor d_on = o_proj_.backward(ctx, dyc, s->o_proj);
-  Tensor dw_norm = Tensor::zeros({V}, cdt);
+  Tensor dw_norm = Tensor::zeros({V}, cdt, xc.device());
   const ops::GatedRmsNormGrads gn = ops::gated_rmsnorm_backward(
       d_on.view({T, HV, V}), s->o, s->og, as_dtype(o_norm_->value, cdt), s->rstd, dw_norm);
   accumulate(*o_norm_, dw_norm);
@@ -547,9 +573,9 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   for (int i = 0; i < 3; ++i) {
     const int64_t ch = conv_[i].channels;
     const Tensor st0 = saved.initial.conv.defined()
-                           ? saved.initial.conv.slice(2, off, off + ch).contiguous()
+                           ? ops::contiguous(saved.initial.conv.slice(2, off, off + ch))
                            : Tensor();
-    Tensor dw = Tensor::zeros({ch, W}, cdt);
+    Tensor dw = Tensor::zeros({ch, W}, cdt, xc.device());
     ops::CausalConv1dGrads g =
         ops::causal_conv1d_backward(as_dtype(dact[i], cdt).contiguous().view({T, ch}), *pre[i],
                                     conv_weight(i, cdt), saved.cu_seqlens, st0, true, dw);
@@ -557,7 +583,9 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
     if (dfin_conv.defined()) {
       const Tensor dfi = dfin_conv.slice(2, off, off + ch);
       Tensor* dinit = st0.defined() ? &g.dinitial_state : nullptr;
-      if (cdt == DType::f64)
+      if (!g.dx.is_cpu())
+        ops::causal_conv1d_final_state_backward(dfi, cu, W, g.dx, dinit);
+      else if (cdt == DType::f64)
         route_final_conv_grad<double>(dfi, g.dx, dinit, cu, W);
       else
         route_final_conv_grad<float>(dfi, g.dx, dinit, cu, W);

@@ -1,5 +1,5 @@
 // KdaLayer: the Kimi Delta Attention layer of GLM-5.3-Flash / Kimi-Linear (spec/kda.md section 1),
-// CPU, packed THD input.
+// CPU or CUDA, packed THD input.
 //
 // Explicit forward and backward, no autograd (DESIGN.md, layers/module.h): forward(ctx, x,
 // cu_seqlens, states, saved) fills the named Saved fields backward needs (or only the layer input
@@ -30,6 +30,13 @@
 // kda_disable_fp8 and modules_to_not_convert take them out of FP8), kda_gate for f_a/f_b/g_a/g_b/
 // b_proj (never FP8), with the module path "<path>.<name>" (e.g.
 // "model.layers.0.self_attn.q_proj").
+//
+// Devices: the layer runs where its parameters are (Module::to(Device::cuda) moves them); x, the
+// states and dy must be on that device (cu_seqlens may be on either; it is read on the host). On
+// CUDA every op dispatches to its CUDA implementation: cuBLAS GEMMs (native f32 or bf16
+// precision; fp8_block is CPU-only for now and throws), the CUDA conv / gated RMSNorm ops, the
+// CUDA kda_chunk forward and backward (so f32 or bf16 parameters, f32 or bf16 x; f64 and the
+// recurrent core stay on the CPU), and ops/tensor_ops.h for conversions and gradient sums.
 #pragma once
 
 #include <cstdint>
@@ -142,10 +149,10 @@ class KdaLayer : public Module {
   //   o_norm weight   1
   void init_weights(uint64_t seed, double init_std = 0.0);
 
-  // x [T, D] (f64, f32 or bf16, CPU); cu_seqlens [N+1] i64/i32 ending at T (undefined: one
-  // sequence). initial: optional states (either part may be undefined: zeros). saved: filled when
-  // ctx.training. final_state: when given, receives the states after the last token of every
-  // sequence (conv [N, W-1, 2HK + HV V] and recurrent [N, HV, K, V], compute dtype).
+  // x [T, D] (f64, f32 or bf16, on the parameters' device); cu_seqlens [N+1] i64/i32 ending at T
+  // (undefined: one sequence). initial: optional states (either part may be undefined: zeros).
+  // saved: filled when ctx.training. final_state: when given, receives the states after the last
+  // token of every sequence (conv [N, W-1, 2HK + HV V] and recurrent [N, HV, K, V], compute dtype).
   Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
                  const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
 

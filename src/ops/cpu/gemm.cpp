@@ -31,6 +31,7 @@
 
 #include "ops/gemm.h"
 #include "ops/op_checks.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm::ops {
 
@@ -232,9 +233,15 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
   constexpr const char* op = "gemm";
   for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}, {&c, "C"}}) {
     HLM_CHECK(t->defined(), "gemm: {} is undefined", name);
-    detail::require_cpu(*t, op, name);
+    HLM_CHECK(t->device() == a.device(), "gemm: {} must be on the device of A ({}), got {}", name,
+              a.describe(), t->describe());
     HLM_CHECK(t->dim() == 2, "gemm: {} must be 2-D, got {}", name, t->describe());
   }
+  const bool on_cuda = a.device() == Device::cuda;
+#ifndef HLM_HAVE_CUDA
+  HLM_CHECK(!on_cuda, "gemm: A is a CUDA tensor ({}) but this build has no CUDA support",
+            a.describe());
+#endif
   const int64_t m = trans_a ? a.size(1) : a.size(0);
   const int64_t k = trans_a ? a.size(0) : a.size(1);
   const int64_t kb = trans_b ? b.size(1) : b.size(0);
@@ -252,11 +259,22 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
       HLM_CHECK(t->dtype() == DType::f32 || t->dtype() == DType::f64 || t->dtype() == DType::bf16,
                 "gemm (round_bf16): {} must be f32, f64 or bf16, got {}", name, t->describe());
   } else {
-    detail::require_float(a, op, "A");
+    HLM_CHECK(a.dtype() == DType::f32 || a.dtype() == DType::f64,
+              "gemm: A must be f32 or f64, got {}", a.describe());
     detail::require_same_dtype(b, a, op, "B", "A");
     detail::require_same_dtype(c, a, op, "C", "A");
   }
   if (m == 0 || n == 0) return;
+  if (on_cuda) {
+    if (k == 0) {
+      scale_(c, beta);
+      return;
+    }
+#ifdef HLM_HAVE_CUDA
+    cuda::gemm(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, opt);
+#endif
+    return;
+  }
   if (k == 0) {
     scale_c(c, beta);
     return;

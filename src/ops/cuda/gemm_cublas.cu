@@ -1,0 +1,165 @@
+// GEMM on CUDA through cuBLAS (ops/gemm.h): C = alpha * op(A) op(B) + beta * C, row-major.
+//
+// cuBLAS is column-major. A row-major matrix X [r, c] with leading dimension ld is the
+// column-major X^T [c, r] with the same ld, so the row-major product C = op(A) op(B) is the
+// column-major C^T = op(B)^T op(A)^T: one cublasGemmEx call with the operands swapped,
+//   (op_b, op_a, n, m, k, B, ldb, A, lda, C, ldc),
+// where op_x is CUBLAS_OP_T exactly when X is used transposed in row-major terms. Views are
+// handled as on the CPU (ops/cpu/gemm.cpp): last dimension contiguous = row-major with
+// ld = stride(0); first dimension contiguous = the transpose of a row-major matrix (flip the
+// flag); anything else is copied to a contiguous buffer first. A C that is not row-major is
+// computed in a contiguous buffer and copied back.
+//
+// Dtypes (the CPU gemm's rules):
+//   plain      A, B, C f32: CUBLAS_COMPUTE_32F (FP32 FMA accumulation; never TF32: the handle's
+//              math mode is CUBLAS_DEFAULT_MATH and the compute type is not *_FAST_TF32);
+//              A, B, C f64: CUBLAS_COMPUTE_64F.
+//   round_bf16 A and B rounded to bf16 once (a bf16 operand is used as is), bf16 tensor-core
+//              products with CUBLAS_COMPUTE_32F accumulation; C f32 or bf16 is written directly
+//              (the epilogue alpha acc + beta C in FP32, one rounding to C's dtype), C f64 through
+//              an f32 buffer (as the CPU path: the epilogue in FP32).
+// Determinism: one handle per device, created lazily on first use, bound to the default stream,
+// atomics not allowed and reduced-precision reductions disallowed; cuBLAS then returns the same
+// bits for the same call run after run on the same GPU.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "ops/gemm.h"
+#include "ops/tensor_ops.h"
+
+namespace hlm::ops::cuda {
+namespace {
+
+void check_cublas(cublasStatus_t st, const char* what) {
+  HLM_CHECK(st == CUBLAS_STATUS_SUCCESS, "cuBLAS {} failed: {} ({})", what,
+            cublasGetStatusString(st), int(st));
+}
+
+// The handle of the current device, created on first use.
+cublasHandle_t handle() {
+  static std::mutex mu;
+  static std::vector<cublasHandle_t> handles;
+  int dev = 0;
+  const cudaError_t err = cudaGetDevice(&dev);
+  HLM_CHECK(err == cudaSuccess, "gemm: cudaGetDevice: {}", cudaGetErrorString(err));
+  std::lock_guard<std::mutex> lock(mu);
+  if (size_t(dev) >= handles.size()) handles.resize(size_t(dev) + 1, nullptr);
+  cublasHandle_t& h = handles[size_t(dev)];
+  if (h == nullptr) {
+    check_cublas(cublasCreate(&h), "cublasCreate");
+    check_cublas(cublasSetStream(h, nullptr), "cublasSetStream");
+    check_cublas(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
+    check_cublas(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode");
+    check_cublas(
+        cublasSetMathMode(h, cublasMath_t(CUBLAS_DEFAULT_MATH |
+                                          CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+        "cublasSetMathMode");
+  }
+  return h;
+}
+
+// One operand as a row-major matrix at ptr with leading dimension ld, used transposed when trans.
+struct Mat {
+  const void* ptr = nullptr;
+  int64_t ld = 1;
+  bool trans = false;
+  Tensor keep;  // a contiguous copy, when one was needed
+};
+
+Mat as_mat(const Tensor& t, bool trans) {
+  const int64_t r = t.size(0), c = t.size(1);
+  const int64_t s0 = t.stride(0), s1 = t.stride(1);
+  Mat m;
+  if ((c <= 1 || s1 == 1) && (r <= 1 || s0 >= std::max<int64_t>(c, 1))) {
+    m.ptr = t.raw();
+    m.ld = r <= 1 ? std::max<int64_t>(c, 1) : s0;
+    m.trans = trans;
+    return m;
+  }
+  if ((r <= 1 || s0 == 1) && (c <= 1 || s1 >= std::max<int64_t>(r, 1))) {
+    m.ptr = t.raw();
+    m.ld = c <= 1 ? std::max<int64_t>(r, 1) : s1;
+    m.trans = !trans;
+    return m;
+  }
+  m.keep = ops::contiguous(t);
+  m.ptr = m.keep.raw();
+  m.ld = std::max<int64_t>(c, 1);
+  m.trans = trans;
+  return m;
+}
+
+bool row_major(const Tensor& t) {
+  const int64_t r = t.size(0), c = t.size(1);
+  return (c <= 1 || t.stride(1) == 1) && (r <= 1 || t.stride(0) >= std::max<int64_t>(c, 1));
+}
+
+cudaDataType_t cuda_type(DType dt) {
+  switch (dt) {
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::f64:
+      return CUDA_R_64F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    default:
+      HLM_FAIL("gemm on CUDA: unsupported dtype {}", dtype_name(dt));
+  }
+}
+
+int as_int(int64_t v, const char* what) {
+  HLM_CHECK(v >= 0 && v < INT32_MAX, "gemm on CUDA: {} = {} exceeds the cuBLAS int range", what, v);
+  return int(v);
+}
+
+// C (row-major, contiguous last dimension) = alpha op(A) op(B) + beta C.
+void run(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m, int64_t n,
+         int64_t k, double alpha, double beta, cublasComputeType_t compute) {
+  const Mat ma = as_mat(a, ta), mb = as_mat(b, tb);
+  const int64_t ldc = m <= 1 ? std::max<int64_t>(n, 1) : c.stride(0);
+  const cublasOperation_t op_b = mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const float fa = float(alpha), fb = float(beta);
+  const bool f64 = compute == CUBLAS_COMPUTE_64F;
+  const void* pa = f64 ? static_cast<const void*>(&alpha) : static_cast<const void*>(&fa);
+  const void* pb = f64 ? static_cast<const void*>(&beta) : static_cast<const void*>(&fb);
+  check_cublas(cublasGemmEx(handle(), op_b, op_a, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"),
+                            pa, mb.ptr, cuda_type(b.dtype()), as_int(mb.ld, "ldb"), ma.ptr,
+                            cuda_type(a.dtype()), as_int(ma.ld, "lda"), pb, c.raw(),
+                            cuda_type(c.dtype()), as_int(ldc, "ldc"), compute, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx");
+}
+
+// C of any strides: through a contiguous buffer of dtype cdt when C is not row-major or not cdt.
+void run_into(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, DType cdt, int64_t m,
+              int64_t n, int64_t k, double alpha, double beta, cublasComputeType_t compute) {
+  if (row_major(c) && c.dtype() == cdt) {
+    run(a, ta, b, tb, c, m, n, k, alpha, beta, compute);
+    return;
+  }
+  Tensor tmp = Tensor::empty({m, n}, cdt, Device::cuda);
+  if (beta != 0.0) copy_into(tmp, c);
+  run(a, ta, b, tb, tmp, m, n, k, alpha, beta, compute);
+  copy_into(c, tmp);
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m, int64_t n,
+          int64_t k, double alpha, double beta, GemmOptions opt) {
+  if (!opt.round_bf16) {
+    const bool f64 = a.dtype() == DType::f64;
+    run_into(a, ta, b, tb, c, a.dtype(), m, n, k, alpha, beta,
+             f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F);
+    return;
+  }
+  const Tensor a16 = ops::as_dtype(a, DType::bf16), b16 = ops::as_dtype(b, DType::bf16);
+  const DType cdt = c.dtype() == DType::bf16 ? DType::bf16 : DType::f32;
+  run_into(a16, ta, b16, tb, c, cdt, m, n, k, alpha, beta, CUBLAS_COMPUTE_32F);
+}
+
+}  // namespace hlm::ops::cuda

@@ -1,0 +1,58 @@
+// Small copy and elementwise ops that layers need on either device (CPU tensors run plain loops,
+// CUDA tensors the kernels of src/ops/cuda/tensor_ops.cu). They exist because Tensor's own copies
+// (to(dtype), contiguous(), copy_) convert dtypes and gather strided views on the CPU only.
+//
+// Dtypes: f32, f64 and bf16 (conversions round to nearest even, once, from the source dtype).
+// Every result is deterministic: each output element is written by one thread, reductions run in
+// a fixed (ascending) order, so CPU and CUDA give the same bits for add_, add_bias_, sum_rows,
+// scale_ and the conversions. CUDA kernels run on the default stream.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace hlm::ops {
+
+// x itself when it already has dtype dt, else a new contiguous tensor of dt on x's device.
+Tensor as_dtype(const Tensor& x, DType dt);
+// x itself when it is contiguous, else a new contiguous copy on x's device (same dtype).
+Tensor contiguous(const Tensor& x);
+// dst = src (same shape; any strides on both sides; converts dtype). Both on one device, or
+// different devices (then Tensor::copy_'s rules apply).
+void copy_into(Tensor& dst, const Tensor& src);
+// dst += src elementwise: same shape, dst contiguous f32 / f64, src of any float dtype and
+// strides on dst's device (read as dst's dtype first); one addition per element.
+void add_(Tensor& dst, const Tensor& src);
+// y[t, o] += b[o] for a contiguous f32 / f64 y [T, O] and b [O] (read as y's dtype).
+void add_bias_(Tensor& y, const Tensor& b);
+// out[o] = sum_t x[t, o] for x [T, O] (read as dt; dt f32 / f64), summed over t in ascending order
+// from 0. A new contiguous [O] tensor of dt on x's device.
+Tensor sum_rows(const Tensor& x, DType dt);
+// c = beta * c (beta == 0: c = 0 without reading it) for a 2-D f32 / f64 / bf16 c of any strides;
+// the product is formed in f64 and rounded once to c's dtype.
+void scale_(Tensor& c, double beta);
+
+// The gradient of the final conv state that causal_conv1d_forward returns (conv1d.h), routed back
+// to where each entry was copied from: final[n, i] is the input at local position
+// p = L_n - (W-1) + i of sequence n, or, for p < 0, initial_state[n, p + W - 1].
+//   dfinal [N, W-1, C] (any strides), dx [T, C] contiguous (+= at p >= 0),
+//   dinitial [N, W-1, C] contiguous or nullptr (+= at p < 0; dropped when nullptr: zero state).
+// cu: validated host cu_seqlens [N+1]. dfinal is read in dx's dtype (f32 / f64); one addition
+// per element (no two entries of dfinal go to the same place).
+void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
+                                        int64_t width, Tensor& dx, Tensor* dinitial);
+
+namespace cuda {
+// The CUDA launchers of the ops above (arguments validated by them; tensors on CUDA).
+void copy_into(Tensor& dst, const Tensor& src);  // any strides (rank <= 8), f32 / f64 / bf16
+void add_(Tensor& dst, const Tensor& src);       // both contiguous, one dtype (f32 / f64)
+void add_bias_(Tensor& y, const Tensor& b);      // contiguous, one dtype (f32 / f64)
+void sum_rows(const Tensor& x, Tensor& out);     // contiguous, one dtype (f32 / f64)
+void scale_(Tensor& c, double beta);             // 2-D, any strides
+void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
+                                        int64_t width, Tensor& dx, Tensor* dinitial);
+}  // namespace cuda
+
+}  // namespace hlm::ops

@@ -1,0 +1,195 @@
+// cuBLAS GEMM (ops/gemm.h on CUDA tensors) against the CPU gemm on the same inputs: all four
+// trans combinations, odd sizes, alpha / beta (accumulate), f32 (no TF32: max error / max |ref|
+// <= 1e-6 scale), f64, round_bf16 with f32 / bf16 operands and f32 / bf16 / f64 C, strided and
+// transposed views, a C that is not row-major, NaN-poisoned C under beta = 0, K = 0,
+// bit-identical run to run, and the argument errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "core/rng.h"
+#include "ops/gemm.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+Tensor gpu(const Tensor& t) {
+  return t.to(Device::cuda);
+}
+Tensor cpu(const Tensor& t) {
+  return t.to(Device::cpu);
+}
+
+// max |out - ref| / max |ref| and ||out - ref|| / ||ref||, printed.
+void check(const std::string& what, const Tensor& out_gpu, const Tensor& ref, double max_rel,
+           double rel_l2) {
+  const Tensor o = cpu(out_gpu).to(DType::f64);
+  const Tensor r = ref.to(DType::f64);
+  const testing::ErrorStats e = testing::compare(o, r);
+  double mref = 0;
+  for (double v : r.to_f64_vector()) mref = std::max(mref, std::fabs(v));
+  const double mr = mref > 0 ? e.max_abs / mref : e.max_abs;
+  std::printf("  %-44s max_err/max|ref| %.3e  rel_l2 %.3e\n", what.c_str(), mr, e.rel_l2);
+  EXPECT_EQ(e.nan_mismatch, 0) << what;
+  EXPECT_LE(mr, max_rel) << what << " " << e.report(r);
+  EXPECT_LE(e.rel_l2, rel_l2) << what << " " << e.report(r);
+}
+
+struct Case {
+  int64_t m, n, k;
+};
+const Case kCases[] = {{1, 1, 1},   {37, 53, 71}, {129, 65, 300},
+                       {5, 300, 1}, {64, 1, 129}, {1, 77, 1000}};
+
+// A stored as [M, K] (or [K, M] with trans_a); B as [K, N] (or [N, K]).
+Shape a_shape(const Case& c, bool ta) {
+  return ta ? Shape{c.k, c.m} : Shape{c.m, c.k};
+}
+Shape b_shape(const Case& c, bool tb) {
+  return tb ? Shape{c.n, c.k} : Shape{c.k, c.n};
+}
+
+TEST(GemmGpu, F32AllTransAccumulate) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  for (const Case& c : kCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (double beta : {0.0, 1.0, -0.5}) {
+          const double alpha = beta == 0.0 ? 1.0 : 0.75;
+          const Tensor a = randn(a_shape(c, ta), DType::f32, rng);
+          const Tensor b = randn(b_shape(c, tb), DType::f32, rng);
+          const Tensor c0 = randn({c.m, c.n}, DType::f32, rng);
+          Tensor ref = c0.clone();
+          ops::gemm(a, ta, b, tb, ref, alpha, beta);
+          Tensor out =
+              beta == 0.0 ? Tensor::full({c.m, c.n}, NAN, DType::f32).to(Device::cuda) : gpu(c0);
+          ops::gemm(gpu(a), ta, gpu(b), tb, out, alpha, beta);
+          const std::string what = fmt::format("f32 m{} n{} k{} ta{} tb{} beta {}", c.m, c.n, c.k,
+                                               int(ta), int(tb), beta);
+          check(what, out, ref, 1e-5, 2e-6);
+          // Same bits run to run.
+          Tensor out2 = beta == 0.0 ? Tensor::zeros({c.m, c.n}, DType::f32, Device::cuda) : gpu(c0);
+          ops::gemm(gpu(a), ta, gpu(b), tb, out2, alpha, beta);
+          EXPECT_TRUE(testing::bit_equal(cpu(out2), cpu(out))) << what;
+        }
+}
+
+TEST(GemmGpu, F64AndMatmul) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  for (const Case& c : kCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const Tensor a = randn(a_shape(c, ta), DType::f64, rng);
+        const Tensor b = randn(b_shape(c, tb), DType::f64, rng);
+        const Tensor ref = ops::matmul(a, ta, b, tb);
+        const Tensor out = ops::matmul(gpu(a), ta, gpu(b), tb);
+        EXPECT_EQ(out.device(), Device::cuda);
+        EXPECT_EQ(out.dtype(), DType::f64);
+        check(fmt::format("f64 matmul m{} n{} k{} ta{} tb{}", c.m, c.n, c.k, int(ta), int(tb)), out,
+              ref, 1e-13, 1e-14);
+      }
+}
+
+TEST(GemmGpu, RoundBf16) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const ops::GemmOptions bf{true};
+  for (const Case& c : kCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (DType op_dt : {DType::f32, DType::bf16})
+          for (DType c_dt : {DType::f32, DType::bf16, DType::f64}) {
+            const double beta = c_dt == DType::f32 ? 1.0 : 0.5, alpha = 1.25;
+            const Tensor a = randn(a_shape(c, ta), DType::f32, rng).to(op_dt);
+            const Tensor b = randn(b_shape(c, tb), DType::f32, rng).to(op_dt);
+            const Tensor c0 = randn({c.m, c.n}, DType::f32, rng).to(c_dt);
+            Tensor ref = c0.clone();
+            ops::gemm(a, ta, b, tb, ref, alpha, beta, bf);
+            Tensor out = gpu(c0);
+            ops::gemm(gpu(a), ta, gpu(b), tb, out, alpha, beta, bf);
+            EXPECT_EQ(out.dtype(), c_dt);
+            const std::string what =
+                fmt::format("bf16 ops {} C {} m{} n{} k{} ta{} tb{}", dtype_name(op_dt),
+                            dtype_name(c_dt), c.m, c.n, c.k, int(ta), int(tb));
+            // The operands are rounded identically; only the FP32 accumulation order differs
+            // (and, for a bf16 C, the final rounding may land one bf16 step away).
+            if (c_dt == DType::bf16)
+              check(what, out, ref, 1.6e-2, 3e-3);
+            else
+              check(what, out, ref, 1e-5, 2e-6);
+          }
+}
+
+TEST(GemmGpu, StridedViewsAndNonRowMajorC) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const int64_t M = 45, N = 70, K = 33;
+  // A as a column slice of a wider matrix (ld > K), B as a transpose view of [N, K] (column-major),
+  // C as the transpose view of a [N, M] buffer (not row-major), and a fully strided A (every
+  // other column: copied).
+  const Tensor abig = randn({M, K + 9}, DType::f32, rng);
+  const Tensor bnk = randn({N, K}, DType::f32, rng);
+  const Tensor aodd = randn({M, 2 * K}, DType::f32, rng);
+  const Tensor c0 = randn({N, M}, DType::f32, rng);
+  for (int variant = 0; variant < 3; ++variant) {
+    auto a_of = [&](const Tensor& big, const Tensor& odd) {
+      if (variant == 2) return odd.view({M, K, 2}).select(2, 0);
+      return big.slice(1, 2, 2 + K);
+    };
+    const Tensor a_c = a_of(abig, aodd);
+    const Tensor b_c = bnk.transpose(0, 1);  // [K, N] column-major
+    Tensor cbuf_c = c0.clone();
+    Tensor cv_c = cbuf_c.transpose(0, 1);  // [M, N] column-major
+    ops::gemm(a_c, false, b_c, false, cv_c, 1.0, variant == 1 ? 0.0 : 1.0);
+
+    const Tensor abig_g = gpu(abig), aodd_g = gpu(aodd), bnk_g = gpu(bnk);
+    const Tensor a_g = a_of(abig_g, aodd_g);
+    const Tensor b_g = bnk_g.transpose(0, 1);
+    Tensor cbuf_g = gpu(c0);
+    Tensor cv_g = cbuf_g.transpose(0, 1);
+    ops::gemm(a_g, false, b_g, false, cv_g, 1.0, variant == 1 ? 0.0 : 1.0);
+    check(fmt::format("strided variant {}", variant), cbuf_g, cbuf_c, 1e-5, 2e-6);
+  }
+}
+
+TEST(GemmGpu, ZeroKAndErrors) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const Tensor a = gpu(Tensor::zeros({4, 0}, DType::f32));
+  const Tensor b = gpu(Tensor::zeros({0, 5}, DType::f32));
+  const Tensor c0 = randn({4, 5}, DType::f32, rng);
+  Tensor c = gpu(c0);
+  ops::gemm(a, false, b, false, c, 1.0, 0.5);
+  Tensor ref = c0.clone();
+  ops::gemm(Tensor::zeros({4, 0}, DType::f32), false, Tensor::zeros({0, 5}, DType::f32), false, ref,
+            1.0, 0.5);
+  EXPECT_TRUE(testing::bit_equal(cpu(c), ref));
+  Tensor z = gpu(c0);
+  ops::gemm(a, false, b, false, z, 1.0, 0.0);
+  for (double v : cpu(z).to_f64_vector()) EXPECT_EQ(v, 0.0);
+
+  const Tensor x = gpu(randn({4, 6}, DType::f32, rng));
+  const Tensor y = gpu(randn({7, 5}, DType::f32, rng));
+  Tensor out = Tensor::zeros({4, 5}, DType::f32, Device::cuda);
+  EXPECT_THROW(ops::gemm(x, false, y, false, out), Error);       // K mismatch
+  EXPECT_THROW(ops::gemm(x, false, cpu(y), false, out), Error);  // mixed devices
+  const Tensor y6 = gpu(randn({6, 5}, DType::f32, rng));
+  Tensor bad = Tensor::zeros({5, 4}, DType::f32, Device::cuda);
+  EXPECT_THROW(ops::gemm(x, false, y6, false, bad), Error);  // C shape
+  Tensor o64 = Tensor::zeros({4, 5}, DType::f64, Device::cuda);
+  EXPECT_THROW(ops::gemm(x, false, y6, false, o64), Error);  // dtype mix
+  EXPECT_THROW(ops::gemm(x.to(DType::f32), false,
+                         gpu(randn({6, 5}, DType::f32, rng).to(DType::bf16)), false, out),
+               Error);  // bf16 without round_bf16
+  ops::gemm(x, false, y6, false, out);
+  Tensor ref2 = Tensor::zeros({4, 5}, DType::f32);
+  ops::gemm(cpu(x), false, cpu(y6), false, ref2);
+  check("small after errors", out, ref2, 1e-5, 2e-6);
+}
+
+}  // namespace
+}  // namespace hlm
