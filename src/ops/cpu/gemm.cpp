@@ -163,18 +163,6 @@ void blas_gemm(const BlasMat& a, const BlasMat& b, T* c, int ldc, int64_t m, int
   }
 }
 
-// C = beta * C (beta == 0: C = 0 without reading it), for the K == 0 case.
-void scale_c(Tensor& c, double beta) {
-  if (beta == 0.0) {
-    c.zero_();
-    return;
-  }
-  Tensor cc = c.to(DType::f64);
-  double* p = cc.data<double>();
-  for (int64_t i = 0; i < cc.numel(); ++i) p[i] *= beta;
-  c.copy_(cc);
-}
-
 // Full C update for T = float / double when A, B, C all hold T.
 template <class T>
 void gemm_same_dtype(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m,
@@ -265,18 +253,14 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
     detail::require_same_dtype(c, a, op, "C", "A");
   }
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // C = beta C (beta == 0: C = 0 without reading it), on either device
+    scale_(c, beta);
+    return;
+  }
   if (on_cuda) {
-    if (k == 0) {
-      scale_(c, beta);
-      return;
-    }
 #ifdef HLM_HAVE_CUDA
     cuda::gemm(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, opt);
 #endif
-    return;
-  }
-  if (k == 0) {
-    scale_c(c, beta);
     return;
   }
   if (opt.round_bf16) {
