@@ -1,12 +1,15 @@
 // Tensor-core products of FP32 operands held in shared memory (or registers): mma.sync
 // m16n8k8 with TF32 operands and FP32 accumulation (sm_80 and later). Internal.
 //
-// Two precisions:
+// Three precisions:
 //   Prec::tf32    every operand rounded to TF32 (cvt.rna: 10-bit mantissa, relative error
 //                 <= 2^-11 per operand).
 //   Prec::tf32x3  every operand split x = hi + lo, hi = tf32(x), lo = tf32(x - hi), and
-//                 a b ~ lo_a hi_b + hi_a lo_b + hi_a hi_b (three mma, small terms first): FP32
-//                 accuracy (the dropped lo_a lo_b term is ~2^-22 relative).
+//                 a b ~ lo_a hi_b + hi_a lo_b + hi_a hi_b (three mma, small terms first): close
+//                 to FP32 (~2^-22 relative per product, from the rounding of lo and the dropped
+//                 lo_a lo_b term, against FP32's 2^-24).
+//   Prec::fp32    no tensor cores: each lane sums its own accumulator elements with FP32 FMA in k
+//                 order (the same fragment ownership, so callers do not change).
 // Deterministic: the k steps and the three partial products always run in the same order, and
 // every output element is accumulated by one thread.
 //
@@ -25,18 +28,19 @@
 
 namespace hlm::ops::mma_cu {
 
-enum class Prec { tf32, tf32x3 };
+enum class Prec { tf32, tf32x3, fp32 };
 
-// The precision of the KDA kernels' products: 3xTF32 for every input dtype. TF32 alone for bf16
-// inputs (compile with HLM_KDA_TF32_FOR_BF16, a measurement switch) is cheaper on the tensor cores
-// but measured too inexact in the backward: max relative gradient error 8.2e-3 against the FP32
-// path on the benchmark shapes (bf16 budget 3e-3; FLA 3.0e-3).
+// The precision of the KDA kernels' products. bf16 inputs: 3xTF32. f32 inputs: FP32 FMA, because
+// 3xTF32 (2^-22 per product against FP32's 2^-24) measured 2.6e-5 on d dt_bias, a long sum with
+// cancellation, against the FP32 path's 2e-5 bound. TF32 alone for bf16 (compile with
+// HLM_KDA_TF32_FOR_BF16, a measurement switch) is cheaper but measured too inexact in the
+// backward: max relative gradient error 8.2e-3 against the FP32 path (budget 3e-3; FLA 3.0e-3).
 template <class Tin>
-inline constexpr Prec prec_for =
+inline constexpr Prec prec_for = std::is_same_v<Tin, float> ? Prec::fp32 :
 #ifdef HLM_KDA_TF32_FOR_BF16
-    std::is_same_v<Tin, float> ? Prec::tf32x3 : Prec::tf32;
+                                                            Prec::tf32;
 #else
-    Prec::tf32x3;
+                                                            Prec::tf32x3;
 #endif
 
 struct Mat {
@@ -87,6 +91,20 @@ __device__ __forceinline__ int acc_col(int n0, int j, int e) {
 template <Prec P, int WM, int WN, class MA, class MB>
 __device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, const MB& B, int m0,
                                          int n0, int k0, int k1) {
+  if constexpr (P == Prec::fp32) {
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+      for (int j = 0; j < WN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(m0, i, e), c = acc_col(n0, j, e);
+          float x = acc[i][j][e];
+          for (int k = k0; k < k1; ++k) x = fmaf(A(r, k), B(k, c), x);
+          acc[i][j][e] = x;
+        }
+    return;
+  }
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 2
   for (int k = k0; k < k1; k += 8) {
