@@ -26,7 +26,9 @@ TEST(TensorOpsGpu, ConvertCopyAddSumScale) {
       const Tensor x = x64.to(from);
       const Tensor xt = x.transpose(0, 1);  // strided source
       const Tensor ref = xt.to(to);
-      const Tensor out = ops::as_dtype(gpu(x).transpose(0, 1), to);
+      // as_dtype returns a strided view as it is when the dtype already matches; contiguous then
+      // gathers it (the pair the layers use).
+      const Tensor out = ops::contiguous(ops::as_dtype(gpu(x).transpose(0, 1), to));
       EXPECT_TRUE(out.is_contiguous());
       EXPECT_TRUE(testing::bit_equal(cpu(out), ref))
           << dtype_name(from) << " -> " << dtype_name(to);
