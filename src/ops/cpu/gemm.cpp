@@ -30,52 +30,54 @@
 #include <vector>
 
 #include "ops/gemm.h"
+#include "ops/gemm_operand.h"
 #include "ops/op_checks.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm::ops {
 
-namespace {
+namespace detail {
 
-// One operand as BLAS sees it: a row-major matrix at `ptr` with leading dimension `ld`, used
-// transposed when `trans`. `keep` holds a copy when one was needed.
-struct BlasMat {
-  const void* ptr = nullptr;
-  int ld = 1;
-  bool trans = false;
-  Tensor keep;
-};
-
-// View `t` ([R, C] as stored) with logical transpose flag `trans` as a BLAS operand.
 BlasMat as_blas(const Tensor& t, bool trans) {
   const int64_t r = t.size(0), c = t.size(1);
   const int64_t s0 = t.stride(0), s1 = t.stride(1);
+  auto ld_of = [&](int64_t ld) {
+    HLM_CHECK(ld < INT32_MAX, "gemm: leading dimension {} of {} exceeds the BLAS int range", ld,
+              t.describe());
+    return int(ld);
+  };
   BlasMat m;
   if ((c <= 1 || s1 == 1) && (r <= 1 || s0 >= std::max<int64_t>(c, 1))) {
     m.ptr = t.raw();
-    m.ld = int(r <= 1 ? std::max<int64_t>(c, 1) : s0);
+    m.ld = ld_of(r <= 1 ? std::max<int64_t>(c, 1) : s0);
     m.trans = trans;
     return m;
   }
   if ((r <= 1 || s0 == 1) && (c <= 1 || s1 >= std::max<int64_t>(r, 1))) {
     // Column-major storage: t = (t^T)^T with t^T row-major [C, R], ld = stride(1).
     m.ptr = t.raw();
-    m.ld = int(c <= 1 ? std::max<int64_t>(r, 1) : s1);
+    m.ld = ld_of(c <= 1 ? std::max<int64_t>(r, 1) : s1);
     m.trans = !trans;
     return m;
   }
-  m.keep = t.contiguous();
+  m.keep = contiguous(t);
   m.ptr = m.keep.raw();
-  m.ld = int(std::max<int64_t>(c, 1));
+  m.ld = ld_of(std::max<int64_t>(c, 1));
   m.trans = trans;
   return m;
 }
 
-// True when C can be written in place by BLAS (row-major, last dim contiguous).
-bool row_major(const Tensor& t) {
+bool blas_row_major(const Tensor& t) {
   const int64_t r = t.size(0), c = t.size(1);
   return (c <= 1 || t.stride(1) == 1) && (r <= 1 || t.stride(0) >= std::max<int64_t>(c, 1));
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::as_blas;
+using detail::BlasMat;
 
 CBLAS_TRANSPOSE tr(bool t) {
   return t ? CblasTrans : CblasNoTrans;
@@ -168,7 +170,7 @@ template <class T>
 void gemm_same_dtype(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m,
                      int64_t n, int64_t k, double alpha, double beta) {
   const BlasMat ma = as_blas(a, ta), mb = as_blas(b, tb);
-  if (row_major(c)) {
+  if (detail::blas_row_major(c)) {
     const int ldc = int(m <= 1 ? std::max<int64_t>(n, 1) : c.stride(0));
     blas_gemm<T>(ma, mb, c.data<T>(), ldc, m, n, k, alpha, beta);
     return;

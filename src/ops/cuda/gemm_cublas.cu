@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "ops/gemm.h"
+#include "ops/gemm_operand.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm::ops::cuda {
@@ -62,41 +63,8 @@ cublasHandle_t handle() {
   return h;
 }
 
-// One operand as a row-major matrix at ptr with leading dimension ld, used transposed when trans.
-struct Mat {
-  const void* ptr = nullptr;
-  int64_t ld = 1;
-  bool trans = false;
-  Tensor keep;  // a contiguous copy, when one was needed
-};
-
-Mat as_mat(const Tensor& t, bool trans) {
-  const int64_t r = t.size(0), c = t.size(1);
-  const int64_t s0 = t.stride(0), s1 = t.stride(1);
-  Mat m;
-  if ((c <= 1 || s1 == 1) && (r <= 1 || s0 >= std::max<int64_t>(c, 1))) {
-    m.ptr = t.raw();
-    m.ld = r <= 1 ? std::max<int64_t>(c, 1) : s0;
-    m.trans = trans;
-    return m;
-  }
-  if ((r <= 1 || s0 == 1) && (c <= 1 || s1 >= std::max<int64_t>(r, 1))) {
-    m.ptr = t.raw();
-    m.ld = c <= 1 ? std::max<int64_t>(r, 1) : s1;
-    m.trans = !trans;
-    return m;
-  }
-  m.keep = ops::contiguous(t);
-  m.ptr = m.keep.raw();
-  m.ld = std::max<int64_t>(c, 1);
-  m.trans = trans;
-  return m;
-}
-
-bool row_major(const Tensor& t) {
-  const int64_t r = t.size(0), c = t.size(1);
-  return (c <= 1 || t.stride(1) == 1) && (r <= 1 || t.stride(0) >= std::max<int64_t>(c, 1));
-}
+using detail::as_blas;
+using detail::BlasMat;
 
 cudaDataType_t cuda_type(DType dt) {
   switch (dt) {
@@ -119,7 +87,7 @@ int as_int(int64_t v, const char* what) {
 // C (row-major, contiguous last dimension) = alpha op(A) op(B) + beta C.
 void run(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m, int64_t n,
          int64_t k, double alpha, double beta, cublasComputeType_t compute) {
-  const Mat ma = as_mat(a, ta), mb = as_mat(b, tb);
+  const BlasMat ma = as_blas(a, ta), mb = as_blas(b, tb);
   const int64_t ldc = m <= 1 ? std::max<int64_t>(n, 1) : c.stride(0);
   const cublasOperation_t op_b = mb.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = ma.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -127,17 +95,17 @@ void run(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t 
   const bool f64 = compute == CUBLAS_COMPUTE_64F;
   const void* pa = f64 ? static_cast<const void*>(&alpha) : static_cast<const void*>(&fa);
   const void* pb = f64 ? static_cast<const void*>(&beta) : static_cast<const void*>(&fb);
-  check_cublas(cublasGemmEx(handle(), op_b, op_a, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"),
-                            pa, mb.ptr, cuda_type(b.dtype()), as_int(mb.ld, "ldb"), ma.ptr,
-                            cuda_type(a.dtype()), as_int(ma.ld, "lda"), pb, c.raw(),
-                            cuda_type(c.dtype()), as_int(ldc, "ldc"), compute, CUBLAS_GEMM_DEFAULT),
-               "cublasGemmEx");
+  check_cublas(
+      cublasGemmEx(handle(), op_b, op_a, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), pa, mb.ptr,
+                   cuda_type(b.dtype()), mb.ld, ma.ptr, cuda_type(a.dtype()), ma.ld, pb, c.raw(),
+                   cuda_type(c.dtype()), as_int(ldc, "ldc"), compute, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
 }
 
 // C of any strides: through a contiguous buffer of dtype cdt when C is not row-major or not cdt.
 void run_into(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, DType cdt, int64_t m,
               int64_t n, int64_t k, double alpha, double beta, cublasComputeType_t compute) {
-  if (row_major(c) && c.dtype() == cdt) {
+  if (detail::blas_row_major(c) && c.dtype() == cdt) {
     run(a, ta, b, tb, c, m, n, k, alpha, beta, compute);
     return;
   }
