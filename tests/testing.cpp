@@ -177,4 +177,11 @@ Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng) {
   return x.to(dt);
 }
 
+Tensor gpu(const Tensor& t) {
+  return t.defined() ? t.to(Device::cuda) : Tensor();
+}
+Tensor cpu(const Tensor& t) {
+  return t.defined() ? t.to(Device::cpu) : Tensor();
+}
+
 }  // namespace hlm::testing

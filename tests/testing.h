@@ -54,4 +54,8 @@ double dot(const Tensor& a, const Tensor& b);
 // norm, then converted to `dt`: realistic q / k inputs for the KDA tests.
 Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng);
 
+// Copies of t on the GPU / the host (an undefined t stays undefined): for the GPU tests.
+Tensor gpu(const Tensor& t);
+Tensor cpu(const Tensor& t);
+
 }  // namespace hlm::testing

@@ -43,12 +43,8 @@ KdaConfig gpu_config(KdaGateKind gate, int64_t rank, KdaNaming naming, bool gate
   return c;
 }
 
-Tensor gpu(const Tensor& t) {
-  return t.defined() ? t.to(Device::cuda) : Tensor();
-}
-Tensor cpu(const Tensor& t) {
-  return t.defined() ? t.to(Device::cpu) : Tensor();
-}
+using testing::cpu;
+using testing::gpu;
 
 struct Problem {
   Tensor x, cu;

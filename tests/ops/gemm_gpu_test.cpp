@@ -15,12 +15,8 @@
 namespace hlm {
 namespace {
 
-Tensor gpu(const Tensor& t) {
-  return t.to(Device::cuda);
-}
-Tensor cpu(const Tensor& t) {
-  return t.to(Device::cpu);
-}
+using testing::cpu;
+using testing::gpu;
 
 // max |out - ref| / max |ref| and ||out - ref|| / ||ref||, printed.
 void check(const std::string& what, const Tensor& out_gpu, const Tensor& ref, double max_rel,

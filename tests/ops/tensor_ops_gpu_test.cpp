@@ -10,12 +10,8 @@
 namespace hlm {
 namespace {
 
-Tensor gpu(const Tensor& t) {
-  return t.to(Device::cuda);
-}
-Tensor cpu(const Tensor& t) {
-  return t.to(Device::cpu);
-}
+using testing::cpu;
+using testing::gpu;
 
 TEST(TensorOpsGpu, ConvertCopyAddSumScale) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
