@@ -72,6 +72,7 @@ constexpr int kBV = 32;             // V tile of the state pass: 32, or 64 when 
                                     // the GPU (state_tile)
 constexpr int kAP = kC + 4;         // row stride of the C x C shared matrices (A_kk, M^-1)
 constexpr int kTP = 3 * kSub + 1;   // row stride of the block-inverse scratch [16][48]
+constexpr int kIntraKX = 64;        // channels per pass of the intra kernel's A products
 
 static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
 
@@ -133,22 +134,35 @@ struct StateParams {
   int HV, V;
 };
 
-// Shared-memory layout of the intra kernel, in floats (the same on host and device).
+// Shared-memory layout of the intra kernel, in floats (the same on host and device). The raw q
+// and k rows keep their input type (bf16 inputs: exact, and half the bytes; the L2-norm factor
+// is applied on every read), which with the 64-channel passes of the A products keeps a bf16
+// block at K = V = 128 within 113 KB: two blocks per SM.
+template <class Tin>
 struct IntraLayout {
-  int kp, qp;               // row strides: K + 4 and max(K, V) + 4 (mma fragment loads)
-  int g, q, k, a, x, beta;  // offsets
+  int kp;  // K + 4: row stride of G, later beta exp(G) k (f32)
+  int rs;  // K + 8: row stride of the raw q, k (Tin; rows of 16-byte multiples)
+  int vp;  // V + 4: row stride of beta v (f32), over the raw q and k
+  int xp;  // row stride of Xq, Xk, Y: kIntraKX (or K) + 4
+  int g, q, k, vb, a, x, beta, rq, rk;  // offsets (multiples of 4)
   int total;
   __host__ __device__ IntraLayout(int K, int V) {
     kp = K + 4;
-    qp = (K > V ? K : V) + 4;
-    g = 0;             // G      [C][kp]
-    q = g + kC * kp;   // q, later beta v   [C][qp]
-    k = q + kC * qp;   // k, later beta exp(G) k   [C][kp]
-    a = k + kC * kp;   // A_kk   [C][kAP]
-    x = a + kC * kAP;  // union: {Xq [16][kp], Xk [16][kp], Y [64][kp]} | {M^-1, scratch}
-    const int xa = (2 * kSub + kC) * kp, xb = kC * kAP + kSub * kTP;
+    rs = K + 8;
+    vp = V + 4;
+    xp = (K < kIntraKX ? K : kIntraKX) + 4;
+    const int raw = (kC * rs * int(sizeof(Tin)) + 15) / 16 * 4;  // floats per raw array
+    g = 0;                                            // G        [C][kp], then beta exp(G) k
+    q = g + kC * kp;                                  // raw q    [C][rs]
+    k = q + raw;                                      // raw k    [C][rs]
+    vb = q;                                           // beta v   [C][vp] (after the inverse)
+    a = q + (2 * raw > kC * vp ? 2 * raw : kC * vp);  // A_kk [C][kAP]
+    x = a + kC * kAP;  // union: {Xq [16][xp], Xk [16][xp], Y [64][xp]} | {M^-1, scratch}
+    const int xa = (2 * kSub + kC) * xp, xb = kC * kAP + kSub * kTP;
     beta = x + (xa > xb ? xa : xb);  // beta [C]
-    total = beta + kC;
+    rq = beta + kC;                  // L2-norm factors of q, k [C] (1 without the norm)
+    rk = rq + kC;
+    total = rk + kC;
   }
 };
 
@@ -179,24 +193,40 @@ __device__ __forceinline__ float gate_f(float x, float eA, int kind, float lb) {
 
 // ------------------------------------------------------------------ intra-chunk kernel
 
+template <class T>
+__device__ __forceinline__ T raw_zero() {
+  if constexpr (std::is_same_v<T, float>)
+    return 0.f;
+  else
+    return __float2bfloat16_rn(0.f);
+}
+
 template <int K, class Tin>
-__global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraParams<Tin> p) {
+__global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 : 2)
+    kda_intra_kernel(const IntraParams<Tin> p) {
   static_assert(K % 32 == 0 && K <= 128, "K must be 32, 64 or 128");
-  static_assert(kIntraThreads == 32 * kSub, "one warp per row of a 16-row block");
+  static_assert(kIntraThreads / 32 >= 2 * (kC / 8), "one warp per A tile of a block row");
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin>;
-  constexpr int KP = K + 4;
+  constexpr int KP = K + 4, RS = K + 8;
+  constexpr int KX = K < kIntraKX ? K : kIntraKX, XP = KX + 4;  // channels per A pass
   constexpr int NT = kIntraThreads;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  const IntraLayout lay(K, p.V);
-  const int QP = lay.qp;
-  float* sG = smem + lay.g;        // [C][KP]  g, then G
-  float* sQ = smem + lay.q;        // [C][QP]  q (normalised), then beta v
-  float* sK = smem + lay.k;        // [C][KP]  k (normalised), then beta exp(G) k
-  float* sA = smem + lay.a;        // [C][kAP] A_kk
-  float* sX = smem + lay.x;        // union region (see IntraLayout)
-  float* sBeta = smem + lay.beta;  // [C]
+  const IntraLayout<Tin> lay(K, p.V);
+  const int VP = lay.vp;
+  float* sG = smem + lay.g;                        // [C][KP]  g, G, then beta exp(G) k
+  Tin* sQ = reinterpret_cast<Tin*>(smem + lay.q);  // [C][RS]  raw q
+  Tin* sK = reinterpret_cast<Tin*>(smem + lay.k);  // [C][RS]  raw k
+  float* sVb = smem + lay.vb;                      // [C][VP]  beta v (after the inverse)
+  float* sA = smem + lay.a;                        // [C][kAP] A_kk
+  float* sX = smem + lay.x;                        // union region (see IntraLayout)
+  float* sBeta = smem + lay.beta;                  // [C]
+  float* sRq = smem + lay.rq;                      // [C]
+  float* sRk = smem + lay.rk;                      // [C]
+  // The normalised q and k (raw x L2-norm factor: the same f32 product the CPU forms).
+  auto qn = [&](int r, int d) { return to_f(sQ[r * RS + d]) * sRq[r]; };
+  auto kn = [&](int r, int d) { return to_f(sK[r * RS + d]) * sRk[r]; };
 
   const int t = threadIdx.x;
   const int ci = blockIdx.x, h = blockIdx.y;
@@ -209,19 +239,20 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
 #pragma unroll 4
   for (int i = t; i < kC * K; i += NT) {
     const int r = i / K, d = i % K;
-    float gv = 0.f, qv = 0.f, kv = 0.f;
+    float gv = 0.f;
+    Tin qv = raw_zero<Tin>(), kv = raw_zero<Tin>();
     if (r < L) {
       const int64_t tok = int64_t(bos) + r;
       const float x = to_f(p.g[(tok * p.HV + h) * K + d]);
       gv = p.gate == kGateNone
                ? x
                : gate_f(x + (p.dt_bias ? p.dt_bias[h * K + d] : 0.f), eA, p.gate, p.lower_bound);
-      qv = to_f(p.q[(tok * p.H + hk) * K + d]);
-      kv = to_f(p.k[(tok * p.H + hk) * K + d]);
+      qv = p.q[(tok * p.H + hk) * K + d];
+      kv = p.k[(tok * p.H + hk) * K + d];
     }
     sG[r * KP + d] = gv;
-    sQ[r * QP + d] = qv;
-    sK[r * KP + d] = kv;
+    sQ[r * RS + d] = qv;
+    sK[r * RS + d] = kv;
   }
   if (t < kC) {
     float b = 0.f;
@@ -234,7 +265,7 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
   __syncthreads();
 
   // ---- 2. G = cumsum of g (one thread per channel, rows in order: the CPU's bits), and the
-  // q / k L2 norm (one warp per row; butterfly sums give every lane the same value)
+  // q / k L2-norm factors (one warp per row; butterfly sums give every lane the same value)
   if (t < K) {
     float acc = 0.f;
     for (int r = 0; r < kC; ++r) {
@@ -242,24 +273,25 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
       sG[r * KP + t] = acc;
     }
   }
-  if (p.l2norm) {
+  {
     const int warp = t >> 5, lane = t & 31;
-    for (int r = warp; r < L; r += NT / 32) {
-      float a = 0.f, b = 0.f;
-      for (int d = lane; d < K; d += 32) {
-        const float x = sQ[r * QP + d], y = sK[r * KP + d];
-        a = fmaf(x, x, a);
-        b = fmaf(y, y, b);
+    for (int r = warp; r < kC; r += NT / 32) {
+      float ra = 1.f, rb = 1.f;
+      if (p.l2norm && r < L) {
+        float a = 0.f, b = 0.f;
+        for (int d = lane; d < K; d += 32) {
+          const float x = to_f(sQ[r * RS + d]), y = to_f(sK[r * RS + d]);
+          a = fmaf(x, x, a);
+          b = fmaf(y, y, b);
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+          a += __shfl_xor_sync(0xffffffffu, a, off);
+          b += __shfl_xor_sync(0xffffffffu, b, off);
+        }
+        ra = 1.f / sqrtf(a + float(kKdaL2Eps));
+        rb = 1.f / sqrtf(b + float(kKdaL2Eps));
       }
-      for (int off = 16; off > 0; off >>= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, off);
-        b += __shfl_xor_sync(0xffffffffu, b, off);
-      }
-      const float ra = 1.f / sqrtf(a + float(kKdaL2Eps)), rb = 1.f / sqrtf(b + float(kKdaL2Eps));
-      for (int d = lane; d < K; d += 32) {
-        sQ[r * QP + d] *= ra;
-        sK[r * KP + d] *= rb;
-      }
+      if (lane == 0) sRq[r] = ra, sRk[r] = rb;
     }
   }
   __syncthreads();
@@ -267,8 +299,8 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
     for (int i = t; i < kC * K; i += NT) {
       const int r = i / K, d = i % K;
       p.G_out[task * kC * K + i] = sG[r * KP + d];
-      p.qn_out[task * kC * K + i] = sQ[r * QP + d];
-      p.kn_out[task * kC * K + i] = sK[r * KP + d];
+      p.qn_out[task * kC * K + i] = qn(r, d);
+      p.kn_out[task * kC * K + i] = kn(r, d);
     }
     if (t < kC) p.beta_out[task * kC + t] = sBeta[t];
   }
@@ -284,8 +316,8 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
       float a = 0.f, b = 0.f;
       if (r < L) {
         const float G = sG[r * KP + d];
-        a = p.scale * sQ[r * QP + d] * expf(G);  // exp(G) <= 1
-        b = sK[r * KP + d] * expf(GL[d] - G);    // G_{L-1} <= G_r
+        a = p.scale * qn(r, d) * expf(G);  // exp(G) <= 1
+        b = kn(r, d) * expf(GL[d] - G);    // G_{L-1} <= G_r
       }
       qg[i] = a;
       kg[i] = b;
@@ -301,45 +333,52 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
   //     span = max_d (G_n - G_{n+15}); used while span <= kSpanMax (both factors normal and
   //     finite; upper-triangle products are discarded by select). A block row whose diagonal block
   //     spans more (mean decay > kSpanMax / 15 nats per token) forms exp(G_r - G_s) per element.
-  // Warp rr computes row r = n + rr; lane c computes columns c and c + 32.
+  // X and Y are formed KX channels at a time (the tile accumulators persist over the passes).
+  // Warp w owns the 16 x 8 tile w of the block row: product w / nt (0: A_qk, 1: A_kk), columns
+  // 8 (w % nt) ..
   {
-    float* sXq = sX;                 // [16][KP]
-    float* sXk = sX + kSub * KP;     // [16][KP]
-    float* sY = sX + 2 * kSub * KP;  // [64][KP]
+    float* sXq = sX;                 // [16][XP]
+    float* sXk = sX + kSub * XP;     // [16][XP]
+    float* sY = sX + 2 * kSub * XP;  // [64][XP]
     float* aqk = p.aqk + task * kC * kC;
+    const int warp = t >> 5;
+#pragma unroll  // constant n: constant divisors below
     for (int i = 0; i < kC / kSub; ++i) {
-      const int n = kSub * i, ncol = n + kSub;
-      for (int idx = t; idx < kSub * K; idx += NT) {
-        const int a = idx / K, d = idx % K;
-        const float e = expf(sG[(n + a) * KP + d] - sG[n * KP + d]);
-        sXq[a * KP + d] = sQ[(n + a) * QP + d] * e;
-        sXk[a * KP + d] = sK[(n + a) * KP + d] * e;
-      }
+      const int n = kSub * i, ncol = n + kSub, nt = ncol / 8;
       bool wide = false;
-      for (int idx = t; idx < ncol * K; idx += NT) {
-        const int s = idx / K, d = idx % K;
-        const float x = sG[n * KP + d] - sG[s * KP + d];
-        if (s >= n) wide |= !(fabsf(x) <= kSpanMax);
-        sY[s * KP + d] = sK[s * KP + d] * expf(x);
+      for (int idx = t; idx < kSub * K; idx += NT) {
+        const int s = n + idx / K, d = idx % K;
+        wide |= !(fabsf(sG[n * KP + d] - sG[s * KP + d]) <= kSpanMax);
       }
-      const bool per_element = __syncthreads_or(wide) != 0;  // also the barrier for X, Y
-
-      // 16 x 8 tiles of the two products on tensor cores: tile = (product, column block)
-      const int nt = ncol / 8;
-      for (int tile = t >> 5; tile < 2 * nt; tile += NT / 32) {
-        const int prod = tile / nt, n0 = 8 * (tile % nt);  // prod 0: A_qk, 1: A_kk
-        float acc[1][1][4];
-        zero(acc);
-        warp_mma<P>(acc, Mat{prod ? sXk : sXq, KP}, MatT{sY, KP}, 0, n0, 0, K);
+      const bool per_element = __syncthreads_or(wide) != 0;
+      const int prod = warp / nt, n0 = 8 * (warp % nt);  // prod 0: A_qk, 1: A_kk, >= 2: idle
+      float acc[1][1][4];
+      zero(acc);
+      for (int x0 = 0; x0 < K; x0 += KX) {
+        for (int idx = t; idx < kSub * KX; idx += NT) {
+          const int a = idx / KX, d = x0 + idx % KX;
+          const float e = expf(sG[(n + a) * KP + d] - sG[n * KP + d]);
+          sXq[a * XP + d - x0] = qn(n + a, d) * e;
+          sXk[a * XP + d - x0] = kn(n + a, d) * e;
+        }
+        for (int idx = t; idx < ncol * KX; idx += NT) {
+          const int s = idx / KX, d = x0 + idx % KX;
+          sY[s * XP + d - x0] = kn(s, d) * expf(sG[n * KP + d] - sG[s * KP + d]);
+        }
+        __syncthreads();
+        if (prod < 2) warp_mma<P>(acc, Mat{prod ? sXk : sXq, XP}, MatT{sY, XP}, 0, n0, 0, KX);
+        __syncthreads();  // X, Y free for the next pass
+      }
+      if (prod < 2)
         for_each(acc, 0, n0, [&](int a, int s, float x) {
           const int r = n + a;
           float v = 0.f;  // s > r (A_qk) or s >= r (A_kk): zero
           if (prod == 0 ? s <= r : s < r) {
             if (per_element && s >= n) {
-              const float* xr = prod ? sK + r * KP : sQ + r * QP;
               x = 0.f;
               for (int d = 0; d < K; ++d)  // r >= s
-                x = fmaf(xr[d], sK[s * KP + d] * expf(sG[r * KP + d] - sG[s * KP + d]), x);
+                x = fmaf(prod ? kn(r, d) : qn(r, d),
+                         kn(s, d) * expf(sG[r * KP + d] - sG[s * KP + d]), x);
             }
             v = prod == 0 ? p.scale * x : sBeta[r] * x;
           }
@@ -348,11 +387,10 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
           else
             sA[r * kAP + s] = v;
         });
-      }
       for (int idx = t; idx < kSub * (kC - ncol); idx += NT)  // columns past the block row
         aqk[(n + idx / (kC - ncol)) * kC + ncol + idx % (kC - ncol)] = 0.f;
-      __syncthreads();  // A_kk rows complete; sX free for the next block row
     }
+    __syncthreads();  // A_kk complete
   }
 
   // ---- 5. M^-1 = (I + A_kk)^-1 into sM (lower triangular, zeros above the diagonal).
@@ -381,6 +419,7 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
     for (int r = 0; r < kSub; ++r) sM[(n + r) * kAP + n + jj] = x[r];
   }
   __syncthreads();
+#pragma unroll  // constant n: constant divisors below
   for (int i = 1; i < kC / kSub; ++i) {
     const int n = kSub * i;
     for (int idx = t; idx < kSub * n; idx += NT) {
@@ -403,27 +442,29 @@ __global__ void __launch_bounds__(kIntraThreads) kda_intra_kernel(const IntraPar
     for (int idx = t; idx < kC * kC; idx += NT)
       p.minv_out[task * kC * kC + idx] = sM[(idx / kC) * kAP + idx % kC];
 
-      // ---- 6. W = M^-1 (beta exp(G) k), U = M^-1 (beta v)
+      // ---- 6. W = M^-1 (beta exp(G) k), U = M^-1 (beta v). beta exp(G) k replaces G in place;
+      // beta v then replaces the raw q and k.
 #pragma unroll 4
   for (int i = t; i < kC * K; i += NT) {
     const int s = i / K, d = i % K;
-    sK[s * KP + d] *= sBeta[s] * expf(sG[s * KP + d]);
+    sG[s * KP + d] = kn(s, d) * (sBeta[s] * expf(sG[s * KP + d]));
   }
-  for (int i = t; i < kC * p.V; i += NT) {
-    const int s = i / p.V, c = i % p.V;
-    float x = 0.f;
-    if (s < L) x = sBeta[s] * to_f(p.v[((int64_t(bos) + s) * p.HV + h) * p.V + c]);
-    sQ[s * QP + c] = x;
-  }
+  __syncthreads();
+  for (int s = t >> 5; s < kC; s += NT / 32)  // a warp per row (V % 32 == 0)
+    for (int c = t & 31; c < p.V; c += 32) {
+      float x = 0.f;
+      if (s < L) x = sBeta[s] * to_f(p.v[((int64_t(bos) + s) * p.HV + h) * p.V + c]);
+      sVb[s * VP + c] = x;
+    }
   __syncthreads();
   {  // M^-1 is lower triangular: a 16-row tile's sum stops at its last row
     float* w = p.w + task * kC * K;
     float* u = p.u + task * kC * p.V;
     const int V = p.V;
     auto kend = [](int m0) { return m0 + 16; };
-    block_mma_kend<P, 1, 4>(kC, K, Mat{sM, kAP}, Mat{sK, KP}, kend,
+    block_mma_kend<P, 1, 4>(kC, K, Mat{sM, kAP}, Mat{sG, KP}, kend,
                             [&](int r, int c, float x) { w[r * K + c] = x; });
-    block_mma_kend<P, 1, 4>(kC, V, Mat{sM, kAP}, Mat{sQ, QP}, kend,
+    block_mma_kend<P, 1, 4>(kC, V, Mat{sM, kAP}, Mat{sVb, VP}, kend,
                             [&](int r, int c, float x) { u[r * V + c] = x; });
   }
 }
@@ -774,7 +815,7 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
     ip.lower_bound = float(a.lower_bound);
     ip.l2norm = a.use_qk_l2norm;
     ip.beta_logits = a.beta_logits;
-    const size_t smem = size_t(IntraLayout(K, int(pl.V)).total) * sizeof(float);
+    const size_t smem = size_t(IntraLayout<Tin>(K, int(pl.V)).total) * sizeof(float);
     set_smem(kOp, reinterpret_cast<const void*>(&kda_intra_kernel<K, Tin>), smem, "intra kernel");
     kda_intra_kernel<K, Tin><<<dim3(unsigned(pl.NC), unsigned(pl.HV)), kIntraThreads, smem>>>(ip);
     check_launch(kOp, "intra kernel");

@@ -338,23 +338,47 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const 
     __syncthreads();
     const float* sS = sS2 + ((d0 / kKT) & 1) * kKT * VP;
     const float* sDS = sDS2 + ((d0 / kKT) & 1) * kKT * VP;
-    // dq = scale exp(G) (dO S^T)
-    block_mma<P, 1, 2>(kC, kKT, V, Mat{sDO, VP}, MatT{sS, VP}, [&](int r, int i, float acc) {
-      const int d = d0 + i;
-      dq[r * K + d] = p.scale * expf(G[r * K + d]) * acc;
-    });
-    // dk = exp(G_L - G) (V_new dS'^T); dG = q dq - k dk (same thread mapping: own dq element)
-    block_mma<P, 1, 2>(kC, kKT, V, Mat{sVn, VP}, MatT{sDS, VP}, [&](int r, int i, float acc) {
-      const int d = d0 + i;
-      const float dkd = expf(GL[d] - G[r * K + d]) * acc;
-      dk[r * K + d] = dkd;
-      const float kd = kn[r * K + d] * dkd;
-      dG[r * K + d] = qn[r * K + d] * dq[r * K + d] - kd;
-      sKD[r * (kKT + 1) + i] = kd;
-    });
-    // dW = -dV_new S^T
-    block_mma<P, 1, 2>(kC, kKT, V, Mat{sDV, VP}, MatT{sS, VP},
-                       [&](int r, int i, float acc) { dw[r * K + d0 + i] = -acc; });
+    // Warp w owns the 16 x 16 tile (rows 16 (w / 2) .., channels d0 + 16 (w % 2) ..) of the three
+    // products; its G, exp(G_L), q^, k^ elements are loaded before the products (the stores below
+    // would otherwise serialise the loads).
+    //   dq = scale exp(G) (dO S^T);  dk = exp(G_L - G) (V_new dS'^T);  dG = q dq - k dk;
+    //   dW = -dV_new S^T
+    {
+      static_assert((kC / 16) * (kKT / 16) == kThreads / 32, "one 16 x 16 tile per warp");
+      const int warp = t >> 5, m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
+      float gG[2][4], gL[2][4], gq[2][4], gk[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(m0, 0, e), d = d0 + acc_col(n0, j, e);
+          gG[j][e] = G[r * K + d];
+          gL[j][e] = GL[d];
+          gq[j][e] = qn[r * K + d];
+          gk[j][e] = kn[r * K + d];
+        }
+      float a1[1][2][4], a2[1][2][4], a3[1][2][4];
+      zero(a1);
+      zero(a2);
+      zero(a3);
+      warp_mma<P>(a1, Mat{sDO, VP}, MatT{sS, VP}, m0, n0, 0, V);
+      warp_mma<P>(a2, Mat{sVn, VP}, MatT{sDS, VP}, m0, n0, 0, V);
+      warp_mma<P>(a3, Mat{sDV, VP}, MatT{sS, VP}, m0, n0, 0, V);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(m0, 0, e), i = acc_col(n0, j, e), d = d0 + i;
+          const float dqv = p.scale * expf(gG[j][e]) * a1[0][j][e];
+          const float dkd = expf(gL[j][e] - gG[j][e]) * a2[0][j][e];
+          const float kd = gk[j][e] * dkd;
+          dq[r * K + d] = dqv;
+          dk[r * K + d] = dkd;
+          dG[r * K + d] = gq[j][e] * dqv - kd;
+          dw[r * K + d] = -a3[0][j][e];
+          sKD[r * (kKT + 1) + i] = kd;
+        }
+    }
     {  // rowsum(S . dS'): 8 lanes per row, lane-strided, then a butterfly over the 8 lanes
       const int i = t >> 3, part = t & 7;
       float s = 0.f;
@@ -432,21 +456,44 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Ti
   const float* kn = p.kn + tk * kC * K;
   float* dk = p.dk + tk * kC * K;
   float* dG = p.dG + tk * kC * K;
+  // The loads of a row come before its stores (which could otherwise serialise them).
+  static_assert(K % 32 == 0, "whole lanes per row");
+  constexpr int NK = K / 32;
   for (int s = warp; s < L; s += kThreads / 32) {
     const int64_t tok = int64_t(bos) + s;
     const float bs = p.beta[tk * kC + s];
-    float db = 0.f;
-    for (int j = lane; j < V; j += 32) {
-      const float x = sVB[s * VP + j];
-      p.o_dv[(tok * p.HV + h) * V + j] = bs * x;
-      db = fmaf(to_f(p.v[(tok * p.HV + h) * V + j]), x, db);
+    float gv[4], ge[NK], gk[NK], gdk[NK], gdG[NK];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {  // V <= 128
+      const int j = lane + 32 * jj;
+      gv[jj] = j < V ? to_f(p.v[(tok * p.HV + h) * V + j]) : 0.f;
     }
-    for (int d = lane; d < K; d += 32) {
-      const float e = expf(G[s * K + d]), x = sKB[s * KP + d];
-      const float gk = e * kn[s * K + d] * x;
-      db += gk;
-      dk[s * K + d] += bs * e * x;
-      dG[s * K + d] += bs * gk;
+#pragma unroll
+    for (int dd = 0; dd < NK; ++dd) {
+      const int d = lane + 32 * dd;
+      ge[dd] = G[s * K + d];
+      gk[dd] = kn[s * K + d];
+      gdk[dd] = dk[s * K + d];
+      gdG[dd] = dG[s * K + d];
+    }
+    float db = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = lane + 32 * jj;
+      if (j < V) {
+        const float x = sVB[s * VP + j];
+        p.o_dv[(tok * p.HV + h) * V + j] = bs * x;
+        db = fmaf(gv[jj], x, db);
+      }
+    }
+#pragma unroll
+    for (int dd = 0; dd < NK; ++dd) {
+      const int d = lane + 32 * dd;
+      const float e = expf(ge[dd]), x = sKB[s * KP + d];
+      const float gk2 = e * gk[dd] * x;
+      db += gk2;
+      dk[s * K + d] = gdk[dd] + bs * e * x;
+      dG[s * K + d] = gdG[dd] + bs * gk2;
     }
     for (int off = 16; off > 0; off >>= 1) db += __shfl_xor_sync(0xffffffffu, db, off);
     if (lane == 0) p.dbw[tk * kC + s] = db;
@@ -550,6 +597,20 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
       const int lane = t & 31;
       float dbr[2] = {0.f, 0.f};  // k_r . R_r over the warp's channels, rows g and g + 8
       for (int c0 = 16 * warp; c0 < K; c0 += 16 * kWarps) {
+        // The global dq, dk, dG, q^ of the tile's elements, loaded before the products (the
+        // stores below could otherwise serialise them).
+        float gq[2][4], gk[2][4], gG[2][4], gqn[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
+            const bool in = r < L;
+            gq[j][e] = in ? dq[r * K + d] : 0.f;
+            gk[j][e] = in ? dk[r * K + d] : 0.f;
+            gG[j][e] = in ? dG[r * K + d] : 0.f;
+            gqn[j][e] = in ? qn[r * K + d] : 0.f;
+          }
         float aq[1][2][4], ab[1][2][4];
         zero(aq);
         zero(ab);
@@ -572,9 +633,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
             const float kr = sK[r * KP + d], br = sBeta[r];
             dbr[e >> 1] = fmaf(kr, R, dbr[e >> 1]);
             if (r < L) {
-              dq[r * K + d] += dqi;
-              dk[r * K + d] += br * R;
-              dG[r * K + d] += qn[r * K + d] * dqi + br * kr * R;
+              dq[r * K + d] = gq[j][e] + dqi;
+              dk[r * K + d] = gk[j][e] + br * R;
+              dG[r * K + d] = gG[j][e] + (gqn[j][e] * dqi + br * kr * R);
             }
           }
       }
@@ -626,42 +687,93 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
     }
   }
 
-  // dk_s += P_s; dG_s -= k_s P_s; dg = reverse cumsum of dG; the gate's chain rule. One thread
-  // per channel, rows last to first.
+  // dk_s += P_s; dG_s -= k_s P_s (all threads, in place in P); dg = reverse cumsum of dG (one
+  // thread per channel, rows last to first, in shared memory); the gate's chain rule (all
+  // threads: thread t takes channel t % K of the rows t / K, t / K + NT / K, ..., so the dz and
+  // dA_log sums run per thread, then over the NT / K row groups in order).
+  // (Batches of kTB elements per thread: the global loads of a batch come before its stores.)
+  constexpr int kTB = 8;
+  for (int i0 = t; i0 < L * K; i0 += kTB * kThreads) {
+    float gdk[kTB], gdG[kTB];
+#pragma unroll
+    for (int b = 0; b < kTB; ++b) {
+      const int i = i0 + b * kThreads;
+      gdk[b] = i < L * K ? dk[i] : 0.f;
+      gdG[b] = i < L * K ? dG[i] : 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kTB; ++b) {
+      const int i = i0 + b * kThreads, r = i / K, d = i % K;
+      if (i < L * K) {
+        const float P = sP[r * KP + d];
+        dk[i] = gdk[b] + P;
+        sP[r * KP + d] = gdG[b] - sK[r * KP + d] * P;
+      }
+    }
+  }
+  __syncthreads();
   if (t < K) {
-    const int d = t;
+    float acc = 0.f;
+    for (int r = L - 1; r >= 0; --r) {
+      acc += sP[r * KP + t];
+      sP[r * KP + t] = acc;
+    }
+  }
+  __syncthreads();
+  {
+    static_assert(kThreads % K == 0, "whole row groups");
+    constexpr int NG = kThreads / K;
+    const int d = t % K, g0 = t / K;
     const float eA = (p.gate != kGateNone && p.A_log) ? expf(p.A_log[h]) : 1.f;
     const float bias = (p.gate != kGateNone && p.dt_bias) ? p.dt_bias[h * K + d] : 0.f;
-    float acc = 0.f, sdt = 0.f, sA = 0.f;
-    for (int r = L - 1; r >= 0; --r) {
-      const float P = sP[r * KP + d];
-      dk[r * K + d] += P;
-      acc += dG[r * K + d] - sK[r * KP + d] * P;
-      const int64_t oi = ((int64_t(bos) + r) * p.HV + h) * K + d;
-      float out = acc;
-      if (p.gate != kGateNone) {
-        const float x = to_f(p.z[oi]) + bias;
-        float dz, dae;
-        if (p.gate == kGateStandard) {
-          const float sp = x > 20.f ? x : log1pf(expf(x));
-          const float g = -mul0(eA, sp);
-          dz = -mul0(mul0(eA, sigmoid_f(x)), acc);
-          dae = mul0(acc, g);
-        } else {
-          const float y = mul0(eA, x);
-          const float ds = sigmoid_f(y) * sigmoid_f(-y);
-          dz = mul0(mul0(acc * p.lower_bound, ds), eA);
-          dae = mul0(dz, x);
-        }
-        out = dz;
-        sdt += dz;
-        sA += dae;
+    float sdt = 0.f, sA = 0.f;
+    for (int r0 = g0; r0 < L; r0 += kTB * NG) {
+      float gz[kTB];
+#pragma unroll
+      for (int b = 0; b < kTB; ++b) {
+        const int r = r0 + b * NG;
+        gz[b] = (p.gate != kGateNone && r < L) ? to_f(p.z[((int64_t(bos) + r) * p.HV + h) * K + d])
+                                               : 0.f;
       }
-      p.o_dg[oi] = out;
+#pragma unroll
+      for (int b = 0; b < kTB; ++b) {
+        const int r = r0 + b * NG;
+        if (r >= L) break;
+        const float acc = sP[r * KP + d];
+        const int64_t oi = ((int64_t(bos) + r) * p.HV + h) * K + d;
+        float out = acc;
+        if (p.gate != kGateNone) {
+          const float x = gz[b] + bias;
+          float dz, dae;
+          if (p.gate == kGateStandard) {
+            const float sp = x > 20.f ? x : log1pf(expf(x));
+            const float g = -mul0(eA, sp);
+            dz = -mul0(mul0(eA, sigmoid_f(x)), acc);
+            dae = mul0(acc, g);
+          } else {
+            const float y = mul0(eA, x);
+            const float ds = sigmoid_f(y) * sigmoid_f(-y);
+            dz = mul0(mul0(acc * p.lower_bound, ds), eA);
+            dae = mul0(dz, x);
+          }
+          out = dz;
+          sdt += dz;
+          sA += dae;
+        }
+        p.o_dg[oi] = out;
+      }
     }
     if (p.gate != kGateNone) {
-      p.pdt[tk * K + d] = sdt;
-      sRed[d] = sA;
+      float* part = sY;  // [2][NG][K] (Y is free)
+      part[g0 * K + d] = sdt;
+      part[(NG + g0) * K + d] = sA;
+      __syncthreads();
+      if (t < K) {
+        float s1 = 0.f, s2 = 0.f;
+        for (int g = 0; g < NG; ++g) s1 += part[g * K + t], s2 += part[(NG + g) * K + t];
+        p.pdt[tk * K + t] = s1;
+        sRed[t] = s2;
+      }
     }
   }
   if (t < L) {
