@@ -17,15 +17,16 @@
 //   B4b per (chunk, head), WY backward: dKB = M^-T dW, dVB = M^-T dV_new,
 //        dA_kk = -stril(dKB W^T + dVB U^T), dv = beta dVB, dbeta = v.dVB + (exp(G) k).dKB,
 //        dk += beta exp(G) dKB, dG += beta exp(G) k dKB
-//   B4c per (chunk, head), intra backward from a = scale dA_qk (s <= r) and b = dA_kk (s < r),
-//      with E_rs = exp(G_r - G_s) per channel:
+//   B4c per (chunk, head, slice of 64 channels), intra backward from a = scale dA_qk (s <= r)
+//      and b = dA_kk (s < r), with E_rs = exp(G_r - G_s) per channel:
 //        dq_r += sum_s a_rs k_s E_rs;  R_r = sum_s b_rs k_s E_rs;  dk_r += beta_r R_r;
 //        dbeta_r += k_r . R_r;  P_s = sum_r (a_rs q_r + beta_r b_rs k_r) E_rs;  dk_s += P_s;
 //        dG_r += q_r dq^intra_r + beta_r k_r R_r;  dG_s -= k_s P_s
 //      then dg = reverse cumsum of dG in the chunk, the fused gate's chain rule (dz, per-chunk
-//      partial sums of dA_log and d dt_bias) and the beta sigmoid's.
+//      partial sums of dA_log and d dt_bias); dbeta^intra and dA_log as per-slice partials.
 //   B5 per (chunk, qk head): dq, dk summed over the value heads of the group in order, then the
-//      L2-norm backward dx = rstd (dx^ - x^ (x^ . dx^)).
+//      L2-norm backward dx = rstd (dx^ - x^ (x^ . dx^)); dbeta = the WY part + the slices'
+//      partials, then the beta sigmoid's chain rule.
 //   B6 per value head: dA_log, d dt_bias = the per-chunk partials summed in chunk order.
 //
 // exp safety (spec 2.6), as in the forward: exp(-G) alone is never formed. B4c splits E_rs per
@@ -64,7 +65,6 @@ constexpr const char* kOp = "kda_chunk_backward_cuda";
 constexpr int kC = 64;            // chunk size
 constexpr int kSub = 16;          // block size of the intra split
 constexpr int kThreads = 256;     // every kernel
-constexpr int kKT = 32;           // K tile of the state-product kernel
 constexpr float kSpanMax = 80.f;  // as the forward: largest diagonal-block span for the split
 
 static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
@@ -100,7 +100,8 @@ struct BwdParams {
   float* dk;     // [NC, HV, C, K] per value head
   float* dG;     // [NC, HV, C, K] gradient w.r.t. G
   float* dbw;    // [NC, HV, C] dbeta from the WY backward
-  float* pA;     // [NC, HV] dA_log partials
+  float* dbi;    // [NC, HV, NS, C] intra dbeta per channel slice of the intra backward
+  float* pA;     // [NC, HV, NS] dA_log partials (per channel slice)
   float* pdt;    // [NC, HV, K] d dt_bias partials
   // outputs (f32)
   float* o_dq;     // [T, H, K]
@@ -273,29 +274,54 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
 
 // ------------------------------------------------------------------ B4a: contractions over V
 
-__host__ __device__ constexpr int sp_smem_floats(int V) {
-  return 3 * kC * (V + 4)     // dO, V_new, dV_new (rows padded to V + 4: float4, no conflicts)
-         + 4 * kKT * (V + 4)  // S, dS' tiles, two buffers each
-         + kC * (kKT + 1)     // k dk (write term) of the tile
-         + kKT;               // rowsum(S . dS')
+constexpr int kSpKT = 16;                         // channels per S / dS' tile of the contractions
+__host__ __device__ constexpr int sp_kh(int K) {  // channels per block (K = 128: two blocks)
+  return K < 64 ? K : 64;
+}
+__host__ __device__ constexpr int sp_splits(int K) {
+  return K / sp_kh(K);
 }
 
+// dO as read from the input (raw Tin: exact), with rows padded to V + 8 elements.
+template <class Tin>
+struct MatIn {
+  const Tin* p;
+  int ld;
+  __device__ __forceinline__ float operator()(int i, int j) const { return to_f(p[i * ld + j]); }
+};
+
+// Shared floats: dO [C][V + 8] (Tin), V_new and dV_new [C][V + 4], one S and one dS' tile
+// [KT][V + 4], k dk [C][KT + 1], rowsum [KT]. bf16, V = 128: ~104 KB, two blocks per SM.
+template <class Tin>
+__host__ __device__ constexpr int sp_do_floats(int V) {
+  return (kC * (V + 8) * int(sizeof(Tin)) + 15) / 16 * 4;
+}
+template <class Tin>
+__host__ __device__ constexpr int sp_smem_floats(int V) {
+  return sp_do_floats<Tin>(V) + 2 * kC * (V + 4) + 2 * kSpKT * (V + 4) + kC * (kSpKT + 1) + kSpKT;
+}
+
+// Block (chunk, value head, channel slice z of sp_kh(K) channels): dA_qk rows C / NS z ..,
+// and dq, dk, dW, dG of the slice's channels, 16 channels (one S / dS' tile) at a time.
 template <int K, class Tin>
-__global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const BwdParams<Tin> p) {
+__global__ void __launch_bounds__(kThreads, 2)
+    kda_bwd_state_products_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin>;
+  constexpr int KH = sp_kh(K), NS = sp_splits(K), KT = kSpKT;
+  static_assert((kC / 16) * (KT / 8) == kThreads / 32, "one 16 x 8 tile per warp");
   extern __shared__ float4 smem4[];
-  const int V = p.V, VP = V + 4;
-  float* sDO = reinterpret_cast<float*>(smem4);  // [C][VP]
-  float* sVn = sDO + kC * VP;                    // [C][VP]
-  float* sDV = sVn + kC * VP;                    // [C][VP]
-  float* sS2 = sDV + kC * VP;                    // [2][KT][VP] S tiles (double buffer)
-  float* sDS2 = sS2 + 2 * kKT * VP;              // [2][KT][VP] dS' tiles
-  float* sKD = sDS2 + 2 * kKT * VP;              // [C][KT + 1]
-  float* sRow = sKD + kC * (kKT + 1);            // [KT]
+  const int V = p.V, VP = V + 4, DP = V + 8;
+  Tin* sDO = reinterpret_cast<Tin*>(smem4);                             // [C][DP]
+  float* sVn = reinterpret_cast<float*>(smem4) + sp_do_floats<Tin>(V);  // [C][VP]
+  float* sDV = sVn + kC * VP;                                           // [C][VP]
+  float* sS = sDV + kC * VP;                                            // [KT][VP]
+  float* sDS = sS + KT * VP;                                            // [KT][VP]
+  float* sKD = sDS + KT * VP;                                           // [C][KT + 1]
+  float* sRow = sKD + kC * (KT + 1);                                    // [KT]
 
-  const int t = threadIdx.x;
-  const int ci = blockIdx.x, h = blockIdx.y;
+  const int t = threadIdx.x, warp = t >> 5;
+  const int ci = blockIdx.x, h = blockIdx.y, z = blockIdx.z, c_lo = KH * z;
   const int bos = p.chunk_bos[ci], L = p.chunk_len[ci];
   const int64_t tk = int64_t(ci) * p.HV + h;
   const float* G = p.G + tk * kC * K;
@@ -307,9 +333,15 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const 
   float* dw = p.dw + tk * kC * K;
   float* dG = p.dG + tk * kC * K;
 
-  for (int i = t; i < kC * V; i += kThreads) {
-    const int r = i / V, c = i % V;
-    sDO[r * VP + c] = r < L ? to_f(p.dO[((int64_t(bos) + r) * p.HV + h) * V + c]) : 0.f;
+  constexpr int E16 = 16 / int(sizeof(Tin));  // elements per 16-byte copy
+  for (int i = t; i < kC * (V / E16); i += kThreads) {
+    const int r = i / (V / E16), c = E16 * (i % (V / E16));
+    Tin* dst = sDO + r * DP + c;
+    if (r < L)
+      cp_async16(reinterpret_cast<float*>(dst),
+                 reinterpret_cast<const float*>(p.dO + ((int64_t(bos) + r) * p.HV + h) * V + c));
+    else
+      *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   cp_rows(sVn, VP, p.vnew + tk * kC * V, V, kC, V);
   cp_rows(sDV, VP, p.dvnew + tk * kC * V, V, kC, V);
@@ -317,82 +349,71 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_state_products_kernel(const 
   cp_async_wait<0>();
   __syncthreads();
 
-  {  // dA_qk = tril_incl(dO V_new^T)
-    float* da = p.daqk + tk * kC * kC;
-    block_mma<P, 1, 4>(kC, kC, V, Mat{sDO, VP}, MatT{sVn, VP},
-                       [&](int r, int s, float acc) { da[r * kC + s] = s <= r ? acc : 0.f; });
+  {  // dA_qk = tril_incl(dO V_new^T), rows C / NS z .. of this block
+    constexpr int RB = kC / NS;
+    float* da = p.daqk + tk * kC * kC + RB * z * kC;
+    block_mma<P, 1, 2>(
+        RB, kC, V, MatIn<Tin>{sDO + RB * z * DP, DP}, MatT{sVn, VP},
+        [&](int r, int s, float acc) { da[r * kC + s] = s <= r + RB * z ? acc : 0.f; });
   }
   const float* GL = G + (L - 1) * K;
-  auto fetch = [&](int d0) {  // the S and dS' rows d0 .. d0 + KT - 1 into buffer (d0 / KT) % 2
-    const int b = (d0 / kKT) & 1;
-    cp_rows(sS2 + b * kKT * VP, VP, p.h + tk * K * V + int64_t(d0) * V, V, kKT, V);
-    cp_rows(sDS2 + b * kKT * VP, VP, p.dh + tk * K * V + int64_t(d0) * V, V, kKT, V);
-  };
-  fetch(0);
-  cp_async_commit();
-  for (int d0 = 0; d0 < K; d0 += kKT) {
-    // The other buffer was consumed before the barrier that ended the previous tile's products.
-    if (d0 + kKT < K) fetch(d0 + kKT);
-    cp_async_commit();   // (possibly empty)
-    cp_async_wait<1>();  // this tile landed
-    __syncthreads();
-    const float* sS = sS2 + ((d0 / kKT) & 1) * kKT * VP;
-    const float* sDS = sDS2 + ((d0 / kKT) & 1) * kKT * VP;
-    // Warp w owns the 16 x 16 tile (rows 16 (w / 2) .., channels d0 + 16 (w % 2) ..) of the three
-    // products; its G, exp(G_L), q^, k^ elements are loaded before the products (the stores below
-    // would otherwise serialise the loads).
-    //   dq = scale exp(G) (dO S^T);  dk = exp(G_L - G) (V_new dS'^T);  dG = q dq - k dk;
-    //   dW = -dV_new S^T
-    {
-      static_assert((kC / 16) * (kKT / 16) == kThreads / 32, "one 16 x 16 tile per warp");
-      const int warp = t >> 5, m0 = 16 * (warp >> 1), n0 = 16 * (warp & 1);
-      float gG[2][4], gL[2][4], gq[2][4], gk[2][4];
+  // Warp w owns the 16 x 8 tile (rows 16 (w / 2) .., channels d0 + 8 (w % 2) ..) of the three
+  // products; its G, exp(G_L), q^, k^ elements are loaded before the products (the stores below
+  // would otherwise serialise the loads).
+  //   dq = scale exp(G) (dO S^T);  dk = exp(G_L - G) (V_new dS'^T);  dG = q dq - k dk;
+  //   dW = -dV_new S^T
+  const int m0 = 16 * (warp >> 1), n0 = 8 * (warp & 1);
+  for (int d0 = c_lo; d0 < c_lo + KH; d0 += KT) {
+    // sS, sDS were last read before the first barrier of the previous tile.
+    cp_rows(sS, VP, p.h + tk * K * V + int64_t(d0) * V, V, KT, V);
+    cp_rows(sDS, VP, p.dh + tk * K * V + int64_t(d0) * V, V, KT, V);
+    cp_async_commit();
+    float gG[4], gL[4], gq[4], gk[4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(m0, 0, e), d = d0 + acc_col(n0, j, e);
-          gG[j][e] = G[r * K + d];
-          gL[j][e] = GL[d];
-          gq[j][e] = qn[r * K + d];
-          gk[j][e] = kn[r * K + d];
-        }
-      float a1[1][2][4], a2[1][2][4], a3[1][2][4];
-      zero(a1);
-      zero(a2);
-      zero(a3);
-      warp_mma<P>(a1, Mat{sDO, VP}, MatT{sS, VP}, m0, n0, 0, V);
-      warp_mma<P>(a2, Mat{sVn, VP}, MatT{sDS, VP}, m0, n0, 0, V);
-      warp_mma<P>(a3, Mat{sDV, VP}, MatT{sS, VP}, m0, n0, 0, V);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(m0, 0, e), i = acc_col(n0, j, e), d = d0 + i;
-          const float dqv = p.scale * expf(gG[j][e]) * a1[0][j][e];
-          const float dkd = expf(gL[j][e] - gG[j][e]) * a2[0][j][e];
-          const float kd = gk[j][e] * dkd;
-          dq[r * K + d] = dqv;
-          dk[r * K + d] = dkd;
-          dG[r * K + d] = gq[j][e] * dqv - kd;
-          dw[r * K + d] = -a3[0][j][e];
-          sKD[r * (kKT + 1) + i] = kd;
-        }
+    for (int e = 0; e < 4; ++e) {
+      const int r = acc_row(m0, 0, e), d = d0 + acc_col(n0, 0, e);
+      gG[e] = G[r * K + d];
+      gL[e] = GL[d];
+      gq[e] = qn[r * K + d];
+      gk[e] = kn[r * K + d];
     }
-    {  // rowsum(S . dS'): 8 lanes per row, lane-strided, then a butterfly over the 8 lanes
-      const int i = t >> 3, part = t & 7;
+    cp_async_wait<0>();
+    __syncthreads();  // the tiles landed; sKD, sRow of the previous tile consumed
+    float a1[1][1][4], a2[1][1][4], a3[1][1][4];
+    zero(a1);
+    zero(a2);
+    zero(a3);
+    warp_mma<P>(a1, MatIn<Tin>{sDO, DP}, MatT{sS, VP}, m0, n0, 0, V);
+    warp_mma<P>(a2, Mat{sVn, VP}, MatT{sDS, VP}, m0, n0, 0, V);
+    warp_mma<P>(a3, Mat{sDV, VP}, MatT{sS, VP}, m0, n0, 0, V);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = acc_row(m0, 0, e), i = acc_col(n0, 0, e), d = d0 + i;
+      const float dqv = p.scale * expf(gG[e]) * a1[0][0][e];
+      const float dkd = expf(gL[e] - gG[e]) * a2[0][0][e];
+      const float kd = gk[e] * dkd;
+      dq[r * K + d] = dqv;
+      dk[r * K + d] = dkd;
+      dG[r * K + d] = gq[e] * dqv - kd;
+      dw[r * K + d] = -a3[0][0][e];
+      sKD[r * (KT + 1) + i] = kd;
+    }
+    {  // rowsum(S . dS'): 16 lanes per row, lane-strided, then a butterfly over the 16 lanes
+      static_assert(kThreads == 16 * KT, "16 lanes per row");
+      const int i = t >> 4, part = t & 15;
       float s = 0.f;
-      for (int j = part; j < V; j += 8) s = fmaf(sS[i * VP + j], sDS[i * VP + j], s);
+      for (int j = part; j < V; j += 16) s = fmaf(sS[i * VP + j], sDS[i * VP + j], s);
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
       s += __shfl_xor_sync(0xffffffffu, s, 4);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       if (part == 0) sRow[i] = s;
     }
     __syncthreads();
-    if (t < kKT) {  // dG_{L-1} += sum_r k dk + exp(G_L) rowsum(S . dS')
+    if (t < KT) {  // dG_{L-1} += sum_r k dk + exp(G_L) rowsum(S . dS')
       const int d = d0 + t;
       float s = 0.f;
-      for (int r = 0; r < kC; ++r) s += sKD[r * (kKT + 1) + t];  // rows >= L are zero
+      for (int r = 0; r < kC; ++r) s += sKD[r * (KT + 1) + t];  // rows >= L are zero
       dG[(L - 1) * K + d] += s + gl[d] * sRow[t];
     }
   }
@@ -504,33 +525,46 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Ti
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kAP2 = kC + 4;  // row stride of dA_qk, dA_kk in the intra backward (A = Mat / MatT)
+constexpr int kIntraKH = 64;  // channels per block of the intra backward (K = 128: two blocks)
 
-// Row strides: K + 8 for the arrays read as B = Mat (Y, Xq, Xk) and the others of [C][K].
+__host__ __device__ constexpr int intra_bwd_kh(int K) {
+  return K < kIntraKH ? K : kIntraKH;
+}
+__host__ __device__ constexpr int intra_bwd_splits(int K) {
+  return K / intra_bwd_kh(K);
+}
+
+// Row strides: KH + 8 for the [C][KH] arrays (Y, Xq, Xk are read as B = Mat). The column sums P
+// live in registers and land in Y's place at the end. K = 128, V = 128: ~100 KB, two blocks per SM.
 struct IntraBwdLayout {
-  int g, kk, ca, cb, xq, xk, y, pp, beta, dbi, red, rp, total;
+  int g, kk, ca, cb, xq, xk, y, beta, dbi, red, rp, total;
   __host__ __device__ IntraBwdLayout(int K) {
-    const int KP = K + 8;
+    const int KP = intra_bwd_kh(K) + 8;
     g = 0;                // G      [C][KP]
     kk = g + kC * KP;     // k^     [C][KP]
     ca = kk + kC * KP;    // scale dA_qk [C][kAP2]
     cb = ca + kC * kAP2;  // dA_kk  [C][kAP2]
     xq = cb + kC * kAP2;  // Xq     [16][KP]
     xk = xq + kSub * KP;  // Xk     [16][KP] (beta_r included)
-    y = xk + kSub * KP;   // Y      [C][KP]
-    pp = y + kC * KP;     // P      [C][KP] column sums
-    beta = pp + kC * KP;  // beta   [C]
-    dbi = beta + kC;      // intra dbeta [C]
-    red = dbi + kC;       // [K] dA_log partials per channel
+    y = xk + kSub * KP;   // Y      [C][KP], at the end P
+    beta = y + kC * KP;   // beta   [C]
+    dbi = beta + kC;      // intra dbeta over the block's channels [C]
+    red = dbi + kC;       // [KH] dA_log partials per channel
     rp = red + K;         // [warps][16] intra dbeta partials of a block row
     total = rp + kWarps * kSub;
   }
 };
 
+// Block (chunk, value head, channel slice z): channels c_lo = KH z .. c_lo + KH - 1. Everything
+// but dbeta and dA_log is per channel; their sums over the channels leave as per-slice partials
+// (dbi, pA), which the GVA kernel (dbeta) and the gate-sum kernel (dA_log) add in slice order.
 template <int K, class Tin>
-__global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams<Tin> p) {
+__global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin>;
-  constexpr int KP = K + 8, NJ = K / 16;
+  constexpr int KH = intra_bwd_kh(K), NS = intra_bwd_splits(K), KP = KH + 8;
+  constexpr int TN = KH / 16, NPT = 4 * TN / kWarps;  // P: 16 x 16 tiles [C / 16][TN], per warp
+  static_assert(NPT >= 1 && (4 * TN) % kWarps == 0, "whole P tiles per warp");
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   const IntraBwdLayout lay(K);
@@ -541,103 +575,102 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
   float* sXq = smem + lay.xq;
   float* sXk = smem + lay.xk;
   float* sY = smem + lay.y;
-  float* sP = smem + lay.pp;
   float* sBeta = smem + lay.beta;
   float* sDbI = smem + lay.dbi;
   float* sRed = smem + lay.red;
   float* sRowPart = smem + lay.rp;
 
-  const int t = threadIdx.x;
-  const int ci = blockIdx.x, h = blockIdx.y;
+  const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+  const int ci = blockIdx.x, h = blockIdx.y, z = blockIdx.z, c_lo = KH * z;
   const int bos = p.chunk_bos[ci], L = p.chunk_len[ci];
   const int64_t tk = int64_t(ci) * p.HV + h;
-  const float* qn = p.qn + tk * kC * K;
-  float* dq = p.dq + tk * kC * K;
-  float* dk = p.dk + tk * kC * K;
-  float* dG = p.dG + tk * kC * K;
+  // [C][K] global arrays of the task, offset to the slice's first channel (row stride K)
+  const float* qn = p.qn + tk * kC * K + c_lo;
+  float* dq = p.dq + tk * kC * K + c_lo;
+  float* dk = p.dk + tk * kC * K + c_lo;
+  float* dG = p.dG + tk * kC * K + c_lo;
 
-  cp_rows(sG, KP, p.G + tk * kC * K, K, kC, K);
-  cp_rows(sK, KP, p.kn + tk * kC * K, K, kC, K);
+  cp_rows(sG, KP, p.G + tk * kC * K + c_lo, K, kC, KH);
+  cp_rows(sK, KP, p.kn + tk * kC * K + c_lo, K, kC, KH);
   cp_async_commit();
   for (int i = t; i < kC * kC; i += kThreads) {
     const int r = i / kC, s = i % kC;
     sCA[r * kAP2 + s] = p.scale * p.daqk[tk * kC * kC + i];
     sCB[r * kAP2 + s] = p.dakk[tk * kC * kC + i];
   }
-  for (int i = t; i < kC * KP; i += kThreads) sP[i] = 0.f;
   if (t < kC) sBeta[t] = p.beta[tk * kC + t], sDbI[t] = 0.f;
   cp_async_wait<0>();
   __syncthreads();
 
-  const int warp = t >> 5;
-  const int r16 = t >> 4, l16 = t & 15;  // diagonal fallback: column (of 16) and channel lane
+  // P tiles of this warp: tile w + kWarps m -> rows 16 (tile / TN) .., channels 16 (tile % TN) ..
+  float pacc[NPT][1][2][4];
+#pragma unroll
+  for (int m = 0; m < NPT; ++m) zero(pacc[m]);
+
   for (int ib = 0; ib < kC / kSub; ++ib) {
     const int n = kSub * ib, ncol = n + kSub;
     // Xq_r = q_r exp(G_r - G_n), Xk_r = beta_r k_r exp(G_r - G_n) (rows of block ib),
     // Y_s = k_s exp(G_n - G_s) (s < n + 16)
-    for (int idx = t; idx < kSub * K; idx += kThreads) {
-      const int a = idx / K, d = idx % K;
+    for (int idx = t; idx < kSub * KH; idx += kThreads) {
+      const int a = idx / KH, d = idx % KH;
       const float e = expf(sG[(n + a) * KP + d] - sG[n * KP + d]);
       sXq[a * KP + d] = qn[(n + a) * K + d] * e;
       sXk[a * KP + d] = sBeta[n + a] * sK[(n + a) * KP + d] * e;
     }
     bool wide = false;
-    for (int idx = t; idx < ncol * K; idx += kThreads) {
-      const int s = idx / K, d = idx % K;
+    for (int idx = t; idx < ncol * KH; idx += kThreads) {
+      const int s = idx / KH, d = idx % KH;
       const float x = sG[n * KP + d] - sG[s * KP + d];
       if (s >= n) wide |= !(fabsf(x) <= kSpanMax);
       sY[s * KP + d] = sK[s * KP + d] * expf(x);
     }
-    const bool per_element = __syncthreads_or(wide) != 0;  // also the barrier for X, Y
-    const int send = per_element ? n : ncol;               // columns taken by the split product
+    // Also the barrier for X, Y. A slice decides for its own channels: the split and the
+    // per-element sum are two exact forms of the same terms.
+    const bool per_element = __syncthreads_or(wide) != 0;
+    const int send = per_element ? n : ncol;  // columns taken by the split product
 
     // rows r = n .. n + 15: dq^intra_r = E_rn sum_{s < send} a_rs Y_s and R_r = E_rn sum_s
-    // b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores; warp w owns channels 16 w .. 16 w + 15.
+    // b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores; warp w owns channels 8 w .. 8 w + 7.
     {
-      const int lane = t & 31;
       float dbr[2] = {0.f, 0.f};  // k_r . R_r over the warp's channels, rows g and g + 8
-      for (int c0 = 16 * warp; c0 < K; c0 += 16 * kWarps) {
+      for (int c0 = 8 * warp; c0 < KH; c0 += 8 * kWarps) {
         // The global dq, dk, dG, q^ of the tile's elements, loaded before the products (the
         // stores below could otherwise serialise them).
-        float gq[2][4], gk[2][4], gG[2][4], gqn[2][4];
+        float gq[4], gk[4], gG[4], gqn[4];
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
-            const bool in = r < L;
-            gq[j][e] = in ? dq[r * K + d] : 0.f;
-            gk[j][e] = in ? dk[r * K + d] : 0.f;
-            gG[j][e] = in ? dG[r * K + d] : 0.f;
-            gqn[j][e] = in ? qn[r * K + d] : 0.f;
-          }
-        float aq[1][2][4], ab[1][2][4];
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(n, 0, e), d = acc_col(c0, 0, e);
+          const bool in = r < L;
+          gq[e] = in ? dq[r * K + d] : 0.f;
+          gk[e] = in ? dk[r * K + d] : 0.f;
+          gG[e] = in ? dG[r * K + d] : 0.f;
+          gqn[e] = in ? qn[r * K + d] : 0.f;
+        }
+        float aq[1][1][4], ab[1][1][4];
         zero(aq);
         zero(ab);
         warp_mma<P>(aq, Mat{sCA, kAP2}, Mat{sY, KP}, n, c0, 0, send);
         warp_mma<P>(ab, Mat{sCB, kAP2}, Mat{sY, KP}, n, c0, 0, send);
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
-            const float E = expf(sG[r * KP + d] - sG[n * KP + d]);
-            float dqi = E * aq[0][j][e], R = E * ab[0][j][e];
-            if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
-              for (int s2 = n; s2 <= r; ++s2) {
-                const float kE = sK[s2 * KP + d] * expf(sG[r * KP + d] - sG[s2 * KP + d]);
-                dqi = fmaf(sCA[r * kAP2 + s2], kE, dqi);
-                R = fmaf(sCB[r * kAP2 + s2], kE, R);
-              }
-            }
-            const float kr = sK[r * KP + d], br = sBeta[r];
-            dbr[e >> 1] = fmaf(kr, R, dbr[e >> 1]);
-            if (r < L) {
-              dq[r * K + d] = gq[j][e] + dqi;
-              dk[r * K + d] = gk[j][e] + br * R;
-              dG[r * K + d] = gG[j][e] + (gqn[j][e] * dqi + br * kr * R);
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(n, 0, e), d = acc_col(c0, 0, e);
+          const float E = expf(sG[r * KP + d] - sG[n * KP + d]);
+          float dqi = E * aq[0][0][e], R = E * ab[0][0][e];
+          if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
+            for (int s2 = n; s2 <= r; ++s2) {
+              const float kE = sK[s2 * KP + d] * expf(sG[r * KP + d] - sG[s2 * KP + d]);
+              dqi = fmaf(sCA[r * kAP2 + s2], kE, dqi);
+              R = fmaf(sCB[r * kAP2 + s2], kE, R);
             }
           }
+          const float kr = sK[r * KP + d], br = sBeta[r];
+          dbr[e >> 1] = fmaf(kr, R, dbr[e >> 1]);
+          if (r < L) {
+            dq[r * K + d] = gq[e] + dqi;
+            dk[r * K + d] = gk[e] + br * R;
+            dG[r * K + d] = gG[e] + (gqn[e] * dqi + br * kr * R);
+          }
+        }
       }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // over the 4 lanes (t) of a row
@@ -650,69 +683,81 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
       }
     }
     // columns s < send: P_s += exp(G_n - G_s) sum_{a < 16} (a_{n+a, s} Xq_a + b_{n+a, s} Xk_a),
-    // tensor cores, 16 x 16 tiles over the warps.
-    {
-      const int tn = K / 16, tiles = (send / 16) * tn;
-      for (int tile = warp; tile < tiles; tile += kWarps) {
-        const int m0 = (tile / tn) * 16, c0 = (tile % tn) * 16;
+    // tensor cores, into the warp's P tiles; with per_element, the diagonal block's columns
+    // s = n .. n + 15 per element instead (rows r = s .. n + 15), in the same tiles.
+#pragma unroll
+    for (int m = 0; m < NPT; ++m) {
+      const int tile = warp + kWarps * m, m0 = 16 * (tile / TN), c0 = 16 * (tile % TN);
+      if (m0 < send) {
         float acc[1][2][4];
         zero(acc);
         warp_mma<P>(acc, MatT{sCA + n * kAP2, kAP2}, Mat{sXq, KP}, m0, c0, 0, kSub);
         warp_mma<P>(acc, MatT{sCB + n * kAP2, kAP2}, Mat{sXk, KP}, m0, c0, 0, kSub);
-        for_each(acc, m0, c0, [&](int s2, int d, float x) {
-          sP[s2 * KP + d] += expf(sG[n * KP + d] - sG[s2 * KP + d]) * x;
-        });
-      }
-    }
-    if (per_element) {  // diagonal-block columns s = n + r16, rows r = s .. n + 15, per element
-      const int s = n + r16;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int d = l16 + 16 * j;
-        float acc = 0.f;
-        for (int r = s; r < ncol; ++r) {
-          const float E = expf(sG[r * KP + d] - sG[s * KP + d]);
-          const float c =
-              sCA[r * kAP2 + s] * qn[r * K + d] + sBeta[r] * sCB[r * kAP2 + s] * sK[r * KP + d];
-          acc = fmaf(c, E, acc);
-        }
-        sP[s * KP + d] += acc;
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int s2 = acc_row(m0, 0, e), d = acc_col(c0, j, e);
+            pacc[m][0][j][e] += expf(sG[n * KP + d] - sG[s2 * KP + d]) * acc[0][j][e];
+          }
+      } else if (per_element && m0 == n) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int s = acc_row(m0, 0, e), d = acc_col(c0, j, e);
+            float acc = 0.f;
+            for (int r = s; r < ncol; ++r) {
+              const float E = expf(sG[r * KP + d] - sG[s * KP + d]);
+              const float c =
+                  sCA[r * kAP2 + s] * qn[r * K + d] + sBeta[r] * sCB[r * kAP2 + s] * sK[r * KP + d];
+              acc = fmaf(c, E, acc);
+            }
+            pacc[m][0][j][e] += acc;
+          }
       }
     }
-    __syncthreads();  // X, Y free for the next block row; P and the row updates complete
+    __syncthreads();  // X, Y free for the next block row; the row updates complete
     if (t < kSub) {   // intra dbeta of the block's rows: the warps' partials in warp order
       float db = 0.f;
       for (int w = 0; w < kWarps; ++w) db += sRowPart[w * kSub + t];
       sDbI[n + t] = db;
     }
   }
+  float* sP = sY;  // [C][KP] (Y is free after the last block row's barrier)
+#pragma unroll
+  for (int m = 0; m < NPT; ++m) {
+    const int tile = warp + kWarps * m, m0 = 16 * (tile / TN), c0 = 16 * (tile % TN);
+    for_each(pacc[m], m0, c0, [&](int s, int d, float x) { sP[s * KP + d] = x; });
+  }
+  __syncthreads();
 
   // dk_s += P_s; dG_s -= k_s P_s (all threads, in place in P); dg = reverse cumsum of dG (one
   // thread per channel, rows last to first, in shared memory); the gate's chain rule (all
-  // threads: thread t takes channel t % K of the rows t / K, t / K + NT / K, ..., so the dz and
-  // dA_log sums run per thread, then over the NT / K row groups in order).
+  // threads: thread t takes channel t % KH of the rows t / KH, t / KH + NT / KH, ..., so the dz
+  // and dA_log sums run per thread, then over the NT / KH row groups in order).
   // (Batches of kTB elements per thread: the global loads of a batch come before its stores.)
   constexpr int kTB = 8;
-  for (int i0 = t; i0 < L * K; i0 += kTB * kThreads) {
+  for (int i0 = t; i0 < L * KH; i0 += kTB * kThreads) {
     float gdk[kTB], gdG[kTB];
 #pragma unroll
     for (int b = 0; b < kTB; ++b) {
-      const int i = i0 + b * kThreads;
-      gdk[b] = i < L * K ? dk[i] : 0.f;
-      gdG[b] = i < L * K ? dG[i] : 0.f;
+      const int i = i0 + b * kThreads, r = i / KH, d = i % KH;
+      gdk[b] = i < L * KH ? dk[r * K + d] : 0.f;
+      gdG[b] = i < L * KH ? dG[r * K + d] : 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kTB; ++b) {
-      const int i = i0 + b * kThreads, r = i / K, d = i % K;
-      if (i < L * K) {
-        const float P = sP[r * KP + d];
-        dk[i] = gdk[b] + P;
-        sP[r * KP + d] = gdG[b] - sK[r * KP + d] * P;
+      const int i = i0 + b * kThreads, r = i / KH, d = i % KH;
+      if (i < L * KH) {
+        const float Pv = sP[r * KP + d];
+        dk[r * K + d] = gdk[b] + Pv;
+        sP[r * KP + d] = gdG[b] - sK[r * KP + d] * Pv;
       }
     }
   }
   __syncthreads();
-  if (t < K) {
+  if (t < KH) {
     float acc = 0.f;
     for (int r = L - 1; r >= 0; --r) {
       acc += sP[r * KP + t];
@@ -721,18 +766,18 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
   }
   __syncthreads();
   {
-    static_assert(kThreads % K == 0, "whole row groups");
-    constexpr int NG = kThreads / K;
-    const int d = t % K, g0 = t / K;
+    static_assert(kThreads % KH == 0, "whole row groups");
+    constexpr int NG = kThreads / KH;
+    const int d = t % KH, g0 = t / KH, dc = c_lo + d;
     const float eA = (p.gate != kGateNone && p.A_log) ? expf(p.A_log[h]) : 1.f;
-    const float bias = (p.gate != kGateNone && p.dt_bias) ? p.dt_bias[h * K + d] : 0.f;
+    const float bias = (p.gate != kGateNone && p.dt_bias) ? p.dt_bias[h * K + dc] : 0.f;
     float sdt = 0.f, sA = 0.f;
     for (int r0 = g0; r0 < L; r0 += kTB * NG) {
       float gz[kTB];
 #pragma unroll
       for (int b = 0; b < kTB; ++b) {
         const int r = r0 + b * NG;
-        gz[b] = (p.gate != kGateNone && r < L) ? to_f(p.z[((int64_t(bos) + r) * p.HV + h) * K + d])
+        gz[b] = (p.gate != kGateNone && r < L) ? to_f(p.z[((int64_t(bos) + r) * p.HV + h) * K + dc])
                                                : 0.f;
       }
 #pragma unroll
@@ -740,7 +785,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
         const int r = r0 + b * NG;
         if (r >= L) break;
         const float acc = sP[r * KP + d];
-        const int64_t oi = ((int64_t(bos) + r) * p.HV + h) * K + d;
+        const int64_t oi = ((int64_t(bos) + r) * p.HV + h) * K + dc;
         float out = acc;
         if (p.gate != kGateNone) {
           const float x = gz[b] + bias;
@@ -764,32 +809,26 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_intra_kernel(const BwdParams
       }
     }
     if (p.gate != kGateNone) {
-      float* part = sY;  // [2][NG][K] (Y is free)
-      part[g0 * K + d] = sdt;
-      part[(NG + g0) * K + d] = sA;
+      float* part = sXq;  // [2][NG][KH] (X is free; 2 NT <= 32 KP)
+      static_assert(2 * kThreads <= 2 * kSub * (KH + 8), "partials fit in Xq, Xk");
+      part[g0 * KH + d] = sdt;
+      part[(NG + g0) * KH + d] = sA;
       __syncthreads();
-      if (t < K) {
+      if (t < KH) {
         float s1 = 0.f, s2 = 0.f;
-        for (int g = 0; g < NG; ++g) s1 += part[g * K + t], s2 += part[(NG + g) * K + t];
-        p.pdt[tk * K + t] = s1;
+        for (int g = 0; g < NG; ++g) s1 += part[g * KH + t], s2 += part[(NG + g) * KH + t];
+        p.pdt[tk * K + c_lo + t] = s1;
         sRed[t] = s2;
       }
     }
   }
-  if (t < L) {
-    float db = p.dbw[tk * kC + t] + sDbI[t];
-    if (p.beta_logits) {
-      const float b = sBeta[t];
-      db *= b * (1.f - b);
-    }
-    p.o_dbeta[(int64_t(bos) + t) * p.HV + h] = db;
-  }
+  if (t < kC) p.dbi[(tk * NS + z) * kC + t] = t < L ? sDbI[t] : 0.f;
   if (p.gate != kGateNone) {
     __syncthreads();
     if (t == 0) {
       float s = 0.f;
-      for (int d = 0; d < K; ++d) s += sRed[d];
-      p.pA[tk] = s;
+      for (int d = 0; d < KH; ++d) s += sRed[d];
+      p.pA[tk * NS + z] = s;
     }
   }
 }
@@ -841,6 +880,21 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_qk_kernel(const BwdParams<Ti
       }
     }
   }
+  // dbeta of the group's value heads = the WY part + the intra slices' partials (in slice
+  // order), then the beta sigmoid's chain rule.
+  constexpr int NS = intra_bwd_splits(K);
+  for (int i = threadIdx.x; i < Gq * L; i += kThreads) {
+    const int g = i / L, r = i % L, hv = hk * Gq + g;
+    const int64_t tk = int64_t(ci) * p.HV + hv;
+    float di = 0.f;
+    for (int zs = 0; zs < NS; ++zs) di += p.dbi[(tk * NS + zs) * kC + r];
+    float db = p.dbw[tk * kC + r] + di;
+    if (p.beta_logits) {
+      const float b = p.beta[tk * kC + r];
+      db *= b * (1.f - b);
+    }
+    p.o_dbeta[(int64_t(bos) + r) * p.HV + hv] = db;
+  }
 }
 
 // ------------------------------------------------------------------ B6: gate parameter sums
@@ -855,7 +909,9 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_gate_sum_kernel(const BwdPar
   }
   if (p.o_dA && t == 0) {
     float s = 0.f;
-    for (int ci = 0; ci < p.NC; ++ci) s += p.pA[int64_t(ci) * p.HV + h];
+    constexpr int NS = intra_bwd_splits(K);
+    for (int ci = 0; ci < p.NC; ++ci)
+      for (int z = 0; z < NS; ++z) s += p.pA[(int64_t(ci) * p.HV + h) * NS + z];
     p.o_dA[h] = s;
   }
 }
@@ -873,7 +929,7 @@ void require_cuda(const Tensor& t, const char* what) {
 // Workspace offsets in floats (multiples of 64).
 struct Layout {
   int64_t meta, qg, kg, w, u, aqk, gl, G, qn, kn, beta, minv, h, vnew, ht;
-  int64_t dvnew, dh, daqk, dakk, dw, dq, dk, dG, dbw, pA, pdt, total;
+  int64_t dvnew, dh, daqk, dakk, dw, dq, dk, dG, dbw, dbi, pA, pdt, total;
 };
 
 Layout make_layout(const kda_cuda_detail::Plan& p) {
@@ -909,7 +965,8 @@ Layout make_layout(const kda_cuda_detail::Plan& p) {
   l.dk = take(tasks * C * p.K);
   l.dG = take(tasks * C * p.K);
   l.dbw = take(tasks * C);
-  l.pA = take(tasks);
+  l.dbi = take(tasks * intra_bwd_splits(int(p.K)) * C);
+  l.pA = take(tasks * intra_bwd_splits(int(p.K)));
   l.pdt = take(tasks * p.K);
   l.total = off;
   return l;
@@ -961,10 +1018,11 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profi
     prof.mark("state-bwd");
   }
   if (pl.NC > 0) {
-    size_t smem = size_t(sp_smem_floats(int(pl.V))) * sizeof(float);
+    size_t smem = size_t(sp_smem_floats<Tin>(int(pl.V))) * sizeof(float);
     set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_state_products_kernel<K, Tin>), smem,
              "state products");
-    kda_bwd_state_products_kernel<K, Tin><<<dim3(nc, hv), kThreads, smem>>>(bp);
+    kda_bwd_state_products_kernel<K, Tin>
+        <<<dim3(nc, hv, unsigned(sp_splits(K))), kThreads, smem>>>(bp);
     check_launch(kOp, "state products kernel");
     prof.mark("state-products");
     smem = size_t(wy_smem_floats(K, int(pl.V))) * sizeof(float);
@@ -974,7 +1032,8 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profi
     prof.mark("wy-bwd");
     smem = size_t(IntraBwdLayout(K).total) * sizeof(float);
     set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_intra_kernel<K, Tin>), smem, "intra bwd");
-    kda_bwd_intra_kernel<K, Tin><<<dim3(nc, hv), kThreads, smem>>>(bp);
+    kda_bwd_intra_kernel<K, Tin>
+        <<<dim3(nc, hv, unsigned(intra_bwd_splits(K))), kThreads, smem>>>(bp);
     check_launch(kOp, "intra bwd kernel");
     prof.mark("intra-bwd");
     kda_bwd_qk_kernel<K, Tin><<<dim3(nc, unsigned(pl.H)), kThreads>>>(bp);
@@ -1010,7 +1069,7 @@ void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_
   bp.vnew = ws + l.vnew;
   bp.dvnew = ws + l.dvnew, bp.dh = ws + l.dh, bp.daqk = ws + l.daqk, bp.dakk = ws + l.dakk;
   bp.dw = ws + l.dw, bp.dq = ws + l.dq, bp.dk = ws + l.dk, bp.dG = ws + l.dG;
-  bp.dbw = ws + l.dbw, bp.pA = ws + l.pA, bp.pdt = ws + l.pdt;
+  bp.dbw = ws + l.dbw, bp.dbi = ws + l.dbi, bp.pA = ws + l.pA, bp.pdt = ws + l.pdt;
   bp.o_dq = g.dq.data<float>();
   bp.o_dk = g.dk.data<float>();
   bp.o_dv = g.dv.data<float>();
