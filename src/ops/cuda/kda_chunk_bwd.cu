@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
       const int m0 = 16 * (warp >> 1), n0 = (BV / 2) * (warp & 1);
       float acc[1][WN / 2][4];
       zero(acc);
-      warp_mma<P>(acc, MatT{sA, kAqP}, Mat{sDO, kTP8}, m0, n0, m0, kC);
+      warp_mma<P>(acc, MatT{sA, kAqP}, Exact<Mat>{{sDO, kTP8}}, m0, n0, m0, kC);
       warp_mma<P>(acc, Mat{sKg, KA}, Mat{sDS, kTP8}, m0, n0, 0, K);
       float* dst = p.dvnew + tk * kC * p.V + v0;
       for_each(acc, m0, n0, [&](int r, int c, float x) {
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
             const int d = acc_row(m0, 0, e), c = acc_col(0, j, e);
             acc[0][j][e] = sGl[d] * sDS[d * kTP8 + c];
           }
-        warp_mma<P>(acc, MatT{sQg, KB}, Mat{sDO, kTP8}, m0, 0, 0, kend);
+        warp_mma<P>(acc, MatT{sQg, KB}, Exact<Mat>{{sDO, kTP8}}, m0, 0, 0, kend);
         warp_mma<P>(neg, MatT{sW, KB}, Mat{sDV, kTP8}, m0, 0, 0, kend);
 #pragma unroll
         for (int j = 0; j < WN; ++j)
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     constexpr int RB = kC / NS;
     float* da = p.daqk + tk * kC * kC + RB * z * kC;
     block_mma<P, 1, 2>(
-        RB, kC, V, MatIn<Tin>{sDO + RB * z * DP, DP}, MatT{sVn, VP},
+        RB, kC, V, Exact<MatIn<Tin>>{{sDO + RB * z * DP, DP}}, MatT{sVn, VP},
         [&](int r, int s, float acc) { da[r * kC + s] = s <= r + RB * z ? acc : 0.f; });
   }
   const float* GL = G + (L - 1) * K;
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     zero(a1);
     zero(a2);
     zero(a3);
-    warp_mma<P>(a1, MatIn<Tin>{sDO, DP}, MatT{sS, VP}, m0, n0, 0, V);
+    warp_mma<P>(a1, Exact<MatIn<Tin>>{{sDO, DP}}, MatT{sS, VP}, m0, n0, 0, V);
     warp_mma<P>(a2, Mat{sVn, VP}, MatT{sDS, VP}, m0, n0, 0, V);
     warp_mma<P>(a3, Mat{sDV, VP}, MatT{sS, VP}, m0, n0, 0, V);
 #pragma unroll

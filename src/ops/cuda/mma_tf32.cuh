@@ -54,15 +54,32 @@ struct MatT {
   __device__ __forceinline__ float operator()(int i, int j) const { return p[j * ld + i]; }
 };
 
+// Exact<View>: a view whose values are known to be exact in TF32 (e.g. bf16 inputs widened to
+// f32: 8-bit mantissas). 3xTF32 then skips that operand's split and the product with its (zero)
+// small part: the same sum, bit for bit (the skipped product adds exact zeros), one mma fewer.
+template <class V>
+struct Exact {
+  V v;
+  __device__ __forceinline__ float operator()(int i, int j) const { return v(i, j); }
+};
+template <class V>
+struct is_exact : std::false_type {};
+template <class V>
+struct is_exact<Exact<V>> : std::true_type {};
+
 __device__ __forceinline__ uint32_t tf32_bits(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
   return r;
 }
 
-// hi (and, for tf32x3, lo) TF32 parts of x.
-template <Prec P>
+// hi (and, for tf32x3, lo) TF32 parts of x; an exact x is its own hi (lo unused).
+template <Prec P, bool kExact = false>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  if constexpr (kExact) {
+    hi = __float_as_uint(x);
+    return;
+  }
   hi = tf32_bits(x);
   if constexpr (P == Prec::tf32x3) lo = tf32_bits(x - __uint_as_float(hi));
 }
@@ -105,6 +122,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, c
         }
     return;
   }
+  constexpr bool AX = is_exact<MA>::value, BX = is_exact<MB>::value;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 2
   for (int k = k0; k < k1; k += 8) {
@@ -112,24 +130,24 @@ __device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, c
 #pragma unroll
     for (int i = 0; i < WM; ++i) {
       const int r = m0 + 16 * i + g;
-      split<P>(A(r, k + t), ah[i][0], al[i][0]);
-      split<P>(A(r + 8, k + t), ah[i][1], al[i][1]);
-      split<P>(A(r, k + t + 4), ah[i][2], al[i][2]);
-      split<P>(A(r + 8, k + t + 4), ah[i][3], al[i][3]);
+      split<P, AX>(A(r, k + t), ah[i][0], al[i][0]);
+      split<P, AX>(A(r + 8, k + t), ah[i][1], al[i][1]);
+      split<P, AX>(A(r, k + t + 4), ah[i][2], al[i][2]);
+      split<P, AX>(A(r + 8, k + t + 4), ah[i][3], al[i][3]);
     }
 #pragma unroll
     for (int j = 0; j < WN; ++j) {
       const int c = n0 + 8 * j + g;
-      split<P>(B(k + t, c), bh[j][0], bl[j][0]);
-      split<P>(B(k + t + 4, c), bh[j][1], bl[j][1]);
+      split<P, BX>(B(k + t, c), bh[j][0], bl[j][0]);
+      split<P, BX>(B(k + t + 4, c), bh[j][1], bl[j][1]);
     }
 #pragma unroll
     for (int i = 0; i < WM; ++i)
 #pragma unroll
       for (int j = 0; j < WN; ++j) {
         if constexpr (P == Prec::tf32x3) {
-          mma_m16n8k8(acc[i][j], al[i], bh[j]);
-          mma_m16n8k8(acc[i][j], ah[i], bl[j]);
+          if constexpr (!AX) mma_m16n8k8(acc[i][j], al[i], bh[j]);
+          if constexpr (!BX) mma_m16n8k8(acc[i][j], ah[i], bl[j]);
         }
         mma_m16n8k8(acc[i][j], ah[i], bh[j]);
       }
