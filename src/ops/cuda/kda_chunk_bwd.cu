@@ -10,13 +10,13 @@
 //      starting at d_final_state (or 0):
 //        dh[c] = dS;  dV_new = A_qk^T dO + kg dS;  dS <- Diag(exp G_L) dS + qg^T dO - W^T dV_new
 //      and dinitial_state = the final dS.
-//   B4a per (chunk, head), contractions over V:
+//   B4a per (chunk, head, slice of 64 channels), contractions over V:
 //        dA_qk = tril_incl(dO V_new^T);  dq = scale exp(G) (dO S^T);  dk = exp(G_L - G) (V_new
 //        dS'^T) dW = -dV_new S^T;  dG = q dq - k dk;  dG_{L-1} += sum_r k dk + exp(G_L) rowsum(S .
 //        dS')
-//   B4b per (chunk, head), WY backward: dKB = M^-T dW, dVB = M^-T dV_new,
+//   B4b per (chunk, head, side: keys | values), WY backward: dKB = M^-T dW, dVB = M^-T dV_new,
 //        dA_kk = -stril(dKB W^T + dVB U^T), dv = beta dVB, dbeta = v.dVB + (exp(G) k).dKB,
-//        dk += beta exp(G) dKB, dG += beta exp(G) k dKB
+//        dk += beta exp(G) dKB, dG += beta exp(G) k dKB (dA_kk and dbeta as per-side partials)
 //   B4c per (chunk, head, slice of 64 channels), intra backward from a = scale dA_qk (s <= r)
 //      and b = dA_kk (s < r), with E_rs = exp(G_r - G_s) per channel:
 //        dq_r += sum_s a_rs k_s E_rs;  R_r = sum_s b_rs k_s E_rs;  dk_r += beta_r R_r;
@@ -94,12 +94,13 @@ struct BwdParams {
   float* dvnew;  // [NC, HV, C, V]
   float* dh;     // [NC, HV, K, V] gradient w.r.t. the state at the end of each chunk
   float* daqk;   // [NC, HV, C, C]
-  float* dakk;   // [NC, HV, C, C]
+  float* dakk;   // [NC, HV, C, C] X_K = dKB W^T (the WY backward's key side)
+  float* dakv;   // [NC, HV, C, C] X_V = dVB U^T (value side); dA_kk = -stril(X_K + X_V)
   float* dw;     // [NC, HV, C, K]
   float* dq;     // [NC, HV, C, K] per value head
   float* dk;     // [NC, HV, C, K] per value head
   float* dG;     // [NC, HV, C, K] gradient w.r.t. G
-  float* dbw;    // [NC, HV, C] dbeta from the WY backward
+  float* dbw;    // [NC, HV, 2, C] dbeta from the WY backward (key side, value side)
   float* dbi;    // [NC, HV, NS, C] intra dbeta per channel slice of the intra backward
   float* pA;     // [NC, HV, NS] dA_log partials (per channel slice)
   float* pdt;    // [NC, HV, K] d dt_bias partials
@@ -202,13 +203,29 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
     fetch_b(c_last);
     cp_async_commit();
   }
-  for (int ci = c_last; ci >= c_first; --ci) {
+  // dO of a chunk, loaded into registers one chunk ahead (its latency then hides behind the
+  // current chunk's products).
+  constexpr int ND = kC * BV / kThreads;
+  static_assert(kC * BV % kThreads == 0, "whole dO elements per thread");
+  float rdo[ND];
+  auto load_do = [&](int ci) {
     const int bos = p.chunk_bos[ci], L = p.chunk_len[ci];
-    const int64_t tk = task_of(ci);
-    for (int i = t; i < kC * BV; i += kThreads) {
-      const int r = i / BV, c = i % BV;
-      sDO[r * kTP8 + c] = r < L ? to_f(p.dO[((int64_t(bos) + r) * p.HV + h) * p.V + v0 + c]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+      const int i = t + kThreads * j, r = i / BV, c = i % BV;
+      rdo[j] = r < L ? to_f(p.dO[((int64_t(bos) + r) * p.HV + h) * p.V + v0 + c]) : 0.f;
     }
+  };
+  if (c_last >= c_first) load_do(c_last);
+  for (int ci = c_last; ci >= c_first; --ci) {
+    const int L = p.chunk_len[ci];
+    const int64_t tk = task_of(ci);
+#pragma unroll
+    for (int j = 0; j < ND; ++j) {
+      const int i = t + kThreads * j;
+      sDO[(i / BV) * kTP8 + i % BV] = rdo[j];
+    }
+    if (ci > c_first) load_do(ci - 1);
     {  // dh[c] = dS (the gradient w.r.t. the state at the end of chunk c)
       float* dst = p.dh + tk * K * p.V + v0;
       for (int i = t; i < K * BV / 4; i += kThreads) {
@@ -423,22 +440,28 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 constexpr int kMP = kC + 8;  // row stride of M^-1 in the WY backward (read as A = MatT)
 
+// One side per block: M^-1 [C][MP], then X and XB [C][N + 4] with N = max(K, V).
 __host__ __device__ constexpr int wy_smem_floats(int K, int V) {
-  return kC * kMP + 2 * kC * (K + 4) + 2 * kC * (V + 4);
+  return kC * kMP + 2 * kC * ((K > V ? K : V) + 4);
 }
 
+// Block (chunk, value head, side z). The two sides are independent until dA_kk and dbeta, which
+// leave as per-side partials (the intra backward and the GVA kernel add them):
+//   z = 0 (keys):   dKB = M^-T dW;      X_K = dKB W^T;   dk += beta exp(G) dKB;
+//                   dG += beta exp(G) k dKB;  dbeta_K = (exp(G) k) . dKB
+//   z = 1 (values): dVB = M^-T dV_new;  X_V = dVB U^T;   dv = beta dVB;  dbeta_V = v . dVB
+// and dA_kk = -stril(X_K + X_V).
 template <int K, class Tin>
-__global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Tin> p) {
+__global__ void __launch_bounds__(kThreads, 2) kda_bwd_wy_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin>;
-  constexpr int KP = K + 4;  // rows padded to K + 4
   extern __shared__ float4 smem4[];
-  const int V = p.V, VP = V + 4;
-  float* sM = reinterpret_cast<float*>(smem4);  // [C][MP]  M^-1, then dA_kk (over K)
-  float* sA = sM + kC * kMP;                    // [C][KP]  dW, then W
-  float* sB = sA + kC * KP;                     // [C][VP]  dV_new, then U
-  float* sKB = sB + kC * VP;                    // [C][KP]  dKB
-  float* sVB = sKB + kC * KP;                   // [C][VP]  dVB
+  const int V = p.V;
+  const int z = blockIdx.z;
+  const int N = z == 0 ? K : V, NP = N + 4;     // this side's width and row stride
+  float* sM = reinterpret_cast<float*>(smem4);  // [C][MP]  M^-1
+  float* sA = sM + kC * kMP;                    // [C][NP]  dW | dV_new, then W | U
+  float* sXB = sA + kC * NP;                    // [C][NP]  dKB | dVB
 
   const int t = threadIdx.x;
   const int ci = blockIdx.x, h = blockIdx.y;
@@ -446,78 +469,80 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_wy_kernel(const BwdParams<Ti
   const int64_t tk = int64_t(ci) * p.HV + h;
 
   cp_rows(sM, kMP, p.minv + tk * kC * kC, kC, kC, kC);
-  cp_rows(sA, KP, p.dw + tk * kC * K, K, kC, K);
-  cp_rows(sB, VP, p.dvnew + tk * kC * V, V, kC, V);
+  cp_rows(sA, NP, (z == 0 ? p.dw : p.dvnew) + tk * kC * N, N, kC, N);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  // dKB = M^-T dW, dVB = M^-T dV_new (M^-1[r][s] = 0 for r < s)
-  block_mma<P, 1, 4>(kC, K, kC, MatT{sM, kMP}, Mat{sA, KP},
-                     [&](int s, int d, float acc) { sKB[s * KP + d] = acc; });
-  block_mma<P, 1, 4>(kC, V, kC, MatT{sM, kMP}, Mat{sB, VP},
-                     [&](int s, int j, float acc) { sVB[s * VP + j] = acc; });
+  // dKB = M^-T dW | dVB = M^-T dV_new (M^-1[r][s] = 0 for r < s)
+  block_mma<P, 1, 4>(kC, N, kC, MatT{sM, kMP}, Mat{sA, NP},
+                     [&](int s, int d, float acc) { sXB[s * NP + d] = acc; });
   __syncthreads();
-  cp_rows(sA, KP, p.w + tk * kC * K, K, kC, K);
-  cp_rows(sB, VP, p.u + tk * kC * V, V, kC, V);
+  cp_rows(sA, NP, (z == 0 ? p.w : p.u) + tk * kC * N, N, kC, N);
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  {  // dA_kk = -stril(dKB W^T + dVB U^T) (the same thread mapping in both products)
-    float* da = p.dakk + tk * kC * kC;
-    block_mma<P, 1, 4>(kC, kC, K, Mat{sKB, KP}, MatT{sA, KP},
-                       [&](int r, int s, float acc) { sM[r * kMP + s] = acc; });
-    block_mma<P, 1, 4>(kC, kC, V, Mat{sVB, VP}, MatT{sB, VP}, [&](int r, int s, float acc) {
-      da[r * kC + s] = s < r ? -(sM[r * kMP + s] + acc) : 0.f;
-    });
+  {  // X_K = dKB W^T | X_V = dVB U^T (the intra backward forms dA_kk = -stril(X_K + X_V))
+    float* xo = (z == 0 ? p.dakk : p.dakv) + tk * kC * kC;
+    block_mma<P, 1, 4>(kC, kC, N, Mat{sXB, NP}, MatT{sA, NP},
+                       [&](int r, int s, float acc) { xo[r * kC + s] = acc; });
   }
-  // dv = beta dVB; dbeta = v . dVB + (exp(G) k) . dKB; dk += beta exp(G) dKB;
-  // dG += beta exp(G) k dKB. One warp per row.
+  // One warp per row; the loads of a row come before its stores (which could otherwise serialise
+  // them).
   const int warp = t >> 5, lane = t & 31;
-  const float* G = p.G + tk * kC * K;
-  const float* kn = p.kn + tk * kC * K;
-  float* dk = p.dk + tk * kC * K;
-  float* dG = p.dG + tk * kC * K;
-  // The loads of a row come before its stores (which could otherwise serialise them).
-  static_assert(K % 32 == 0, "whole lanes per row");
-  constexpr int NK = K / 32;
-  for (int s = warp; s < L; s += kThreads / 32) {
-    const int64_t tok = int64_t(bos) + s;
-    const float bs = p.beta[tk * kC + s];
-    float gv[4], ge[NK], gk[NK], gdk[NK], gdG[NK];
+  if (z == 0) {
+    static_assert(K % 32 == 0, "whole lanes per row");
+    constexpr int NK = K / 32;
+    const float* G = p.G + tk * kC * K;
+    const float* kn = p.kn + tk * kC * K;
+    float* dk = p.dk + tk * kC * K;
+    float* dG = p.dG + tk * kC * K;
+    for (int s = warp; s < L; s += kThreads / 32) {
+      const float bs = p.beta[tk * kC + s];
+      float ge[NK], gk[NK], gdk[NK], gdG[NK];
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {  // V <= 128
-      const int j = lane + 32 * jj;
-      gv[jj] = j < V ? to_f(p.v[(tok * p.HV + h) * V + j]) : 0.f;
-    }
-#pragma unroll
-    for (int dd = 0; dd < NK; ++dd) {
-      const int d = lane + 32 * dd;
-      ge[dd] = G[s * K + d];
-      gk[dd] = kn[s * K + d];
-      gdk[dd] = dk[s * K + d];
-      gdG[dd] = dG[s * K + d];
-    }
-    float db = 0.f;
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int j = lane + 32 * jj;
-      if (j < V) {
-        const float x = sVB[s * VP + j];
-        p.o_dv[(tok * p.HV + h) * V + j] = bs * x;
-        db = fmaf(gv[jj], x, db);
+      for (int dd = 0; dd < NK; ++dd) {
+        const int d = lane + 32 * dd;
+        ge[dd] = G[s * K + d];
+        gk[dd] = kn[s * K + d];
+        gdk[dd] = dk[s * K + d];
+        gdG[dd] = dG[s * K + d];
       }
-    }
+      float db = 0.f;
 #pragma unroll
-    for (int dd = 0; dd < NK; ++dd) {
-      const int d = lane + 32 * dd;
-      const float e = expf(ge[dd]), x = sKB[s * KP + d];
-      const float gk2 = e * gk[dd] * x;
-      db += gk2;
-      dk[s * K + d] = gdk[dd] + bs * e * x;
-      dG[s * K + d] = gdG[dd] + bs * gk2;
+      for (int dd = 0; dd < NK; ++dd) {
+        const int d = lane + 32 * dd;
+        const float e = expf(ge[dd]), x = sXB[s * NP + d];
+        const float gk2 = e * gk[dd] * x;
+        db += gk2;
+        dk[s * K + d] = gdk[dd] + bs * e * x;
+        dG[s * K + d] = gdG[dd] + bs * gk2;
+      }
+      for (int off = 16; off > 0; off >>= 1) db += __shfl_xor_sync(0xffffffffu, db, off);
+      if (lane == 0) p.dbw[(tk * 2 + 0) * kC + s] = db;
     }
-    for (int off = 16; off > 0; off >>= 1) db += __shfl_xor_sync(0xffffffffu, db, off);
-    if (lane == 0) p.dbw[tk * kC + s] = db;
+  } else {
+    for (int s = warp; s < L; s += kThreads / 32) {
+      const int64_t tok = int64_t(bos) + s;
+      const float bs = p.beta[tk * kC + s];
+      float gv[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {  // V <= 128
+        const int j = lane + 32 * jj;
+        gv[jj] = j < V ? to_f(p.v[(tok * p.HV + h) * V + j]) : 0.f;
+      }
+      float db = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = lane + 32 * jj;
+        if (j < V) {
+          const float x = sXB[s * NP + j];
+          p.o_dv[(tok * p.HV + h) * V + j] = bs * x;
+          db = fmaf(gv[jj], x, db);
+        }
+      }
+      for (int off = 16; off > 0; off >>= 1) db += __shfl_xor_sync(0xffffffffu, db, off);
+      if (lane == 0) p.dbw[(tk * 2 + 1) * kC + s] = db;
+    }
   }
 }
 
@@ -596,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
   for (int i = t; i < kC * kC; i += kThreads) {
     const int r = i / kC, s = i % kC;
     sCA[r * kAP2 + s] = p.scale * p.daqk[tk * kC * kC + i];
-    sCB[r * kAP2 + s] = p.dakk[tk * kC * kC + i];
+    sCB[r * kAP2 + s] = s < r ? -(p.dakk[tk * kC * kC + i] + p.dakv[tk * kC * kC + i]) : 0.f;
   }
   if (t < kC) sBeta[t] = p.beta[tk * kC + t], sDbI[t] = 0.f;
   cp_async_wait<0>();
@@ -888,7 +913,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_qk_kernel(const BwdParams<Ti
     const int64_t tk = int64_t(ci) * p.HV + hv;
     float di = 0.f;
     for (int zs = 0; zs < NS; ++zs) di += p.dbi[(tk * NS + zs) * kC + r];
-    float db = p.dbw[tk * kC + r] + di;
+    float db = (p.dbw[(tk * 2 + 1) * kC + r] + p.dbw[tk * 2 * kC + r]) + di;
     if (p.beta_logits) {
       const float b = p.beta[tk * kC + r];
       db *= b * (1.f - b);
@@ -929,7 +954,7 @@ void require_cuda(const Tensor& t, const char* what) {
 // Workspace offsets in floats (multiples of 64).
 struct Layout {
   int64_t meta, qg, kg, w, u, aqk, gl, G, qn, kn, beta, minv, h, vnew, ht;
-  int64_t dvnew, dh, daqk, dakk, dw, dq, dk, dG, dbw, dbi, pA, pdt, total;
+  int64_t dvnew, dh, daqk, dakk, dakv, dw, dq, dk, dG, dbw, dbi, pA, pdt, total;
 };
 
 Layout make_layout(const kda_cuda_detail::Plan& p) {
@@ -960,11 +985,12 @@ Layout make_layout(const kda_cuda_detail::Plan& p) {
   l.dh = take(tasks * p.K * p.V);
   l.daqk = take(tasks * C * C);
   l.dakk = take(tasks * C * C);
+  l.dakv = take(tasks * C * C);
   l.dw = take(tasks * C * p.K);
   l.dq = take(tasks * C * p.K);
   l.dk = take(tasks * C * p.K);
   l.dG = take(tasks * C * p.K);
-  l.dbw = take(tasks * C);
+  l.dbw = take(tasks * 2 * C);
   l.dbi = take(tasks * intra_bwd_splits(int(p.K)) * C);
   l.pA = take(tasks * intra_bwd_splits(int(p.K)));
   l.pdt = take(tasks * p.K);
@@ -1027,7 +1053,7 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profi
     prof.mark("state-products");
     smem = size_t(wy_smem_floats(K, int(pl.V))) * sizeof(float);
     set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_wy_kernel<K, Tin>), smem, "wy bwd");
-    kda_bwd_wy_kernel<K, Tin><<<dim3(nc, hv), kThreads, smem>>>(bp);
+    kda_bwd_wy_kernel<K, Tin><<<dim3(nc, hv, 2), kThreads, smem>>>(bp);
     check_launch(kOp, "wy bwd kernel");
     prof.mark("wy-bwd");
     smem = size_t(IntraBwdLayout(K).total) * sizeof(float);
@@ -1068,6 +1094,7 @@ void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_
   bp.kn = ws + l.kn, bp.beta = ws + l.beta, bp.minv = ws + l.minv, bp.h = ws + l.h;
   bp.vnew = ws + l.vnew;
   bp.dvnew = ws + l.dvnew, bp.dh = ws + l.dh, bp.daqk = ws + l.daqk, bp.dakk = ws + l.dakk;
+  bp.dakv = ws + l.dakv;
   bp.dw = ws + l.dw, bp.dq = ws + l.dq, bp.dk = ws + l.dk, bp.dG = ws + l.dG;
   bp.dbw = ws + l.dbw, bp.dbi = ws + l.dbi, bp.pA = ws + l.pA, bp.pdt = ws + l.pdt;
   bp.o_dq = g.dq.data<float>();
