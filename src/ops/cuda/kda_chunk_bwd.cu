@@ -66,6 +66,15 @@ constexpr int kC = 64;            // chunk size
 constexpr int kSub = 16;          // block size of the intra split
 constexpr int kThreads = 256;     // every kernel
 constexpr float kSpanMax = 80.f;  // as the forward: largest diagonal-block span for the split
+constexpr int kSliceK = 64;       // channels per block of the contractions and the intra backward
+
+// Channels per block of the channel-split kernels, and blocks per (chunk, head): K = 128 -> 2.
+__host__ __device__ constexpr int slice_k(int K) {
+  return K < kSliceK ? K : kSliceK;
+}
+__host__ __device__ constexpr int slices(int K) {
+  return K / slice_k(K);
+}
 
 static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
 
@@ -291,13 +300,7 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
 
 // ------------------------------------------------------------------ B4a: contractions over V
 
-constexpr int kSpKT = 16;                         // channels per S / dS' tile of the contractions
-__host__ __device__ constexpr int sp_kh(int K) {  // channels per block (K = 128: two blocks)
-  return K < 64 ? K : 64;
-}
-__host__ __device__ constexpr int sp_splits(int K) {
-  return K / sp_kh(K);
-}
+constexpr int kSpKT = 16;  // channels per S / dS' tile of the contractions
 
 // dO as read from the input (raw Tin: exact), with rows padded to V + 8 elements.
 template <class Tin>
@@ -318,14 +321,14 @@ __host__ __device__ constexpr int sp_smem_floats(int V) {
   return sp_do_floats<Tin>(V) + 2 * kC * (V + 4) + 2 * kSpKT * (V + 4) + kC * (kSpKT + 1) + kSpKT;
 }
 
-// Block (chunk, value head, channel slice z of sp_kh(K) channels): dA_qk rows C / NS z ..,
+// Block (chunk, value head, channel slice z of slice_k(K) channels): dA_qk rows C / NS z ..,
 // and dq, dk, dW, dG of the slice's channels, 16 channels (one S / dS' tile) at a time.
 template <int K, class Tin>
 __global__ void __launch_bounds__(kThreads, 2)
     kda_bwd_state_products_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin>;
-  constexpr int KH = sp_kh(K), NS = sp_splits(K), KT = kSpKT;
+  constexpr int KH = slice_k(K), NS = slices(K), KT = kSpKT;
   static_assert((kC / 16) * (KT / 8) == kThreads / 32, "one 16 x 8 tile per warp");
   extern __shared__ float4 smem4[];
   const int V = p.V, VP = V + 4, DP = V + 8;
@@ -550,21 +553,13 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_wy_kernel(const BwdParams
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kAP2 = kC + 4;  // row stride of dA_qk, dA_kk in the intra backward (A = Mat / MatT)
-constexpr int kIntraKH = 64;  // channels per block of the intra backward (K = 128: two blocks)
-
-__host__ __device__ constexpr int intra_bwd_kh(int K) {
-  return K < kIntraKH ? K : kIntraKH;
-}
-__host__ __device__ constexpr int intra_bwd_splits(int K) {
-  return K / intra_bwd_kh(K);
-}
 
 // Row strides: KH + 8 for the [C][KH] arrays (Y, Xq, Xk are read as B = Mat). The column sums P
 // live in registers and land in Y's place at the end. K = 128, V = 128: ~100 KB, two blocks per SM.
 struct IntraBwdLayout {
   int g, kk, ca, cb, xq, xk, y, beta, dbi, red, rp, total;
   __host__ __device__ IntraBwdLayout(int K) {
-    const int KP = intra_bwd_kh(K) + 8;
+    const int KP = slice_k(K) + 8;
     g = 0;                // G      [C][KP]
     kk = g + kC * KP;     // k^     [C][KP]
     ca = kk + kC * KP;    // scale dA_qk [C][kAP2]
@@ -587,7 +582,7 @@ template <int K, class Tin>
 __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin>;
-  constexpr int KH = intra_bwd_kh(K), NS = intra_bwd_splits(K), KP = KH + 8;
+  constexpr int KH = slice_k(K), NS = slices(K), KP = KH + 8;
   constexpr int TN = KH / 16, NPT = 4 * TN / kWarps;  // P: 16 x 16 tiles [C / 16][TN], per warp
   static_assert(NPT >= 1 && (4 * TN) % kWarps == 0, "whole P tiles per warp");
   extern __shared__ float4 smem4[];
@@ -907,7 +902,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_qk_kernel(const BwdParams<Ti
   }
   // dbeta of the group's value heads = the WY part + the intra slices' partials (in slice
   // order), then the beta sigmoid's chain rule.
-  constexpr int NS = intra_bwd_splits(K);
+  constexpr int NS = slices(K);
   for (int i = threadIdx.x; i < Gq * L; i += kThreads) {
     const int g = i / L, r = i % L, hv = hk * Gq + g;
     const int64_t tk = int64_t(ci) * p.HV + hv;
@@ -934,7 +929,7 @@ __global__ void __launch_bounds__(kThreads) kda_bwd_gate_sum_kernel(const BwdPar
   }
   if (p.o_dA && t == 0) {
     float s = 0.f;
-    constexpr int NS = intra_bwd_splits(K);
+    constexpr int NS = slices(K);
     for (int ci = 0; ci < p.NC; ++ci)
       for (int z = 0; z < NS; ++z) s += p.pA[(int64_t(ci) * p.HV + h) * NS + z];
     p.o_dA[h] = s;
@@ -991,8 +986,8 @@ Layout make_layout(const kda_cuda_detail::Plan& p) {
   l.dk = take(tasks * C * p.K);
   l.dG = take(tasks * C * p.K);
   l.dbw = take(tasks * 2 * C);
-  l.dbi = take(tasks * intra_bwd_splits(int(p.K)) * C);
-  l.pA = take(tasks * intra_bwd_splits(int(p.K)));
+  l.dbi = take(tasks * slices(int(p.K)) * C);
+  l.pA = take(tasks * slices(int(p.K)));
   l.pdt = take(tasks * p.K);
   l.total = off;
   return l;
@@ -1048,7 +1043,7 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profi
     set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_state_products_kernel<K, Tin>), smem,
              "state products");
     kda_bwd_state_products_kernel<K, Tin>
-        <<<dim3(nc, hv, unsigned(sp_splits(K))), kThreads, smem>>>(bp);
+        <<<dim3(nc, hv, unsigned(slices(K))), kThreads, smem>>>(bp);
     check_launch(kOp, "state products kernel");
     prof.mark("state-products");
     smem = size_t(wy_smem_floats(K, int(pl.V))) * sizeof(float);
@@ -1058,8 +1053,7 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profi
     prof.mark("wy-bwd");
     smem = size_t(IntraBwdLayout(K).total) * sizeof(float);
     set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_intra_kernel<K, Tin>), smem, "intra bwd");
-    kda_bwd_intra_kernel<K, Tin>
-        <<<dim3(nc, hv, unsigned(intra_bwd_splits(K))), kThreads, smem>>>(bp);
+    kda_bwd_intra_kernel<K, Tin><<<dim3(nc, hv, unsigned(slices(K))), kThreads, smem>>>(bp);
     check_launch(kOp, "intra bwd kernel");
     prof.mark("intra-bwd");
     kda_bwd_qk_kernel<K, Tin><<<dim3(nc, unsigned(pl.H)), kThreads>>>(bp);
