@@ -510,10 +510,12 @@ __device__ __forceinline__ void store1(__nv_bfloat16* p, float x) {
 
 // Per (sequence, value head, BV-wide V tile), chunks in order; eight warps, all products on
 // tensor cores (mma_tf32.cuh: 3xTF32 for bf16 inputs, FP32 FMA for f32).
-//   phase A: warps 0-3 V_new = U - W S, warps 4-7 qg S, rows 16 (w % 4) .. + 15, all BV columns;
-//   phase B: warps 0-3 O = qg S + A_qk V_new (rows 16 w .. + 15; A_qk lower triangular: the sum
-//            stops at the tile's last row), every warp S <- Diag(gl) S + kg^T V_new for the state
-//            rows 16 w' .. + 15 (w' = w, w + 8, ..; own elements: in place).
+//   phase A: warps 0-3 V_new = U - W S, warps 4-7 qg S, rows 16 (w % 4) .. + 15, all BV columns
+//            (no output: every warp V_new, rows 16 (w % 4) .., half the columns);
+//   phase B: O = qg S + A_qk V_new (rows 16 (w % 4) .. + 15, half the columns; A_qk lower
+//            triangular: the sum stops at the tile's last row), then every warp S <- Diag(gl) S
+//            + kg^T V_new for the state rows 16 w' .. + 15 (w' = w, w + 8, ..; own elements: in
+//            place).
 template <int K, int BV, class Tin>
 __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<Tin> p) {
   static_assert(K % 32 == 0 && K <= 128, "K must be 32, 64 or 128");
@@ -568,7 +570,7 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
       }
     }
 
-    if (p.o || warp < 4) {  // ---- phase A (qg S only with an output)
+    if (p.o) {  // ---- phase A: warps 0-3 V_new = U - W S, warps 4-7 qg S
       const int role = warp >> 2, m0 = 16 * (warp & 3);
       float acc[1][WN][4];
       zero(acc);
@@ -578,6 +580,12 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
                  [&](int r, int c, float x) { sVn[r * kT8 + c] = sU[r * kT8 + c] - x; });
       else
         for_each(acc, m0, 0, [&](int r, int c, float x) { sO[r * kT8 + c] = x; });
+    } else {  // ---- phase A without an output: V_new over all eight warps (half a tile row each)
+      const int m0 = 16 * (warp & 3), n0 = (BV / 2) * (warp >> 2);
+      float acc[1][WN / 2][4];
+      zero(acc);
+      warp_mma<P>(acc, Mat{sW, KA}, Mat{sS, kT8}, m0, n0, 0, K);
+      for_each(acc, m0, n0, [&](int r, int c, float x) { sVn[r * kT8 + c] = sU[r * kT8 + c] - x; });
     }
     __syncthreads();   // V_new, qg S complete; sW, sQg, sU free
     if (p.vnew_out) {  // backward recompute: V_new (all C rows; padded rows are zero)
@@ -597,15 +605,15 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
     __syncthreads();
 
     // ---- phase B
-    if (p.o && warp < kC / 16) {  // O = qg S + A_qk V_new
-      const int m0 = 16 * warp;
-      float acc[1][WN][4];
+    if (p.o) {  // O = qg S + A_qk V_new: rows 16 (w % 4) .., half the columns per warp
+      const int m0 = 16 * (warp & 3), n0 = (BV / 2) * (warp >> 2);
+      float acc[1][WN / 2][4];
 #pragma unroll
-      for (int j = 0; j < WN; ++j)
+      for (int j = 0; j < WN / 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][j][e] = sO[acc_row(m0, 0, e) * kT8 + acc_col(0, j, e)];
-      warp_mma<P>(acc, Mat{sAqk, kAqP}, Mat{sVn, kT8}, m0, 0, 0, m0 + 16);
-      for_each(acc, m0, 0, [&](int r, int c, float x) {
+        for (int e = 0; e < 4; ++e) acc[0][j][e] = sO[acc_row(m0, 0, e) * kT8 + acc_col(n0, j, e)];
+      warp_mma<P>(acc, Mat{sAqk, kAqP}, Mat{sVn, kT8}, m0, n0, 0, m0 + 16);
+      for_each(acc, m0, n0, [&](int r, int c, float x) {
         if (r < L) store1(p.o + ((int64_t(bos) + r) * p.HV + h) * p.V + v0 + c, x);
       });
     }
