@@ -5,7 +5,10 @@
 # the device (never committed).
 #
 # Usage: python3 bench/kda_chunk_bench.py --lib BUILD/bench/libhlm_kda_bench.so [--no-fla]
-#        [--rows 1,2,...] [--rep MS]
+#        [--rows 1,2,...] [--rep MS] [--tf32-stages M1,M2,...]
+# --tf32-stages (a library built with -DHLM_KDA_TF32_STUDY=ON): time ours once per mask of the
+# stages whose bf16 products run in plain TF32 (HLM_KDA_TF32_STAGES, kda_chunk_common.cuh), and
+# print every tensor's error and a digest of the output bits (to check that a change keeps them).
 #
 # Rows (TARGETS.md): K = V = 128, bf16 inputs, packed sequences of equal length, zero initial
 # state, the final state written; the backward starts from a random d o (no final-state gradient).
@@ -28,6 +31,8 @@
 # the backward reads them and d o again and writes dq, dk, dv, dg, dbeta.
 import argparse
 import ctypes
+import hashlib
+import os
 import sys
 import time
 
@@ -177,6 +182,7 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--rows", default="")
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms)")
+    ap.add_argument("--tf32-stages", default="", help="comma-separated stage masks")
     args = ap.parse_args()
     ours = Ours(args.lib)
     chunk_kda = None
@@ -216,6 +222,21 @@ def main():
             ours.lib.hlm_kda_destroy(h32)
             h32 = None
             h = ours.create(x, 1)
+            for mask in [m for m in args.tf32_stages.split(",") if m]:
+                os.environ["HLM_KDA_TF32_STAGES"] = mask
+                ours.check(fn(h))
+                r = ours.results(h, x, torch.bfloat16, grads)
+                ms = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25, rep=args.rep,
+                                             return_mode="median")
+                e = " ".join(f"{n} {rel(r[n], ref[n]):.2e}" for n in
+                             ("o", "ht", "dq", "dk", "dv", "dg", "dbeta") if n in r and n in ref)
+                digest = hashlib.sha256()
+                for n in sorted(r):
+                    digest.update(r[n].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+                print(f"{rid:>3} tf32 stages {mask:>5}: {ms:8.3f} ms | {e} | bits "
+                      f"{digest.hexdigest()[:16]}")
+                sys.stdout.flush()
+            os.environ.pop("HLM_KDA_TF32_STAGES", None)
             ours.check(fn(h))
             res_ours = ours.results(h, x, torch.bfloat16, grads)
             ms_ours = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25,

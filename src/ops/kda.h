@@ -47,6 +47,10 @@ struct KdaArgs {
   Tensor A_log;                     // [HV] f32 (gate only)
   Tensor dt_bias;                   // [HV*K] f32 (gate only, optional)
   double lower_bound = -5.0;        // gate == lower_bound only, in [-5, 0)
+  // CUDA chunked kernels with bf16 inputs: true takes 3xTF32 in every matrix product (gradients
+  // within ~1e-5 of the f32 path); false (default) plain TF32 wherever it was measured harmless
+  // (within ~5e-4; kda_chunk_common.cuh), 1.2x faster. f32 inputs: always FP32 FMA.
+  bool exact_bf16_products = false;
 };
 
 struct KdaOutput {

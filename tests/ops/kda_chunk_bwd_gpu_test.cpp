@@ -47,6 +47,7 @@ struct Case {
   Gate gate;
   bool cu_on_device = false;
   double scale = 0;
+  bool exact = false;  // KdaArgs::exact_bf16_products
 };
 
 std::string describe(const Case& c) {
@@ -58,11 +59,11 @@ std::string describe(const Case& c) {
                      : c.gate == Gate::strong      ? "plain strong-decay g"
                      : c.gate == Gate::lower_bound ? "fused lower-bound gate -5"
                                                    : "fused standard gate";
-  return fmt::format("case '{}': {} H={} HV={} K={} V={} lens [{}] {}, {}, {}{}", c.name,
-                     dtype_name(c.dt), c.H, c.HV, c.K, c.V, lens, gate,
-                     c.h0 ? "initial state" : "zero initial state",
-                     c.dht ? "d_final_state" : "no d_final_state",
-                     c.cu_on_device ? ", cu_seqlens on the device" : "");
+  return fmt::format(
+      "case '{}': {} H={} HV={} K={} V={} lens [{}] {}, {}, {}{}{}", c.name, dtype_name(c.dt), c.H,
+      c.HV, c.K, c.V, lens, gate, c.h0 ? "initial state" : "zero initial state",
+      c.dht ? "d_final_state" : "no d_final_state",
+      c.cu_on_device ? ", cu_seqlens on the device" : "", c.exact ? ", exact bf16 products" : "");
 }
 
 // Fresh NaN-poisoned outputs and workspace.
@@ -116,10 +117,13 @@ void run_case(const Case& c) {
   const Tensor d_o = randn({T, c.HV, c.V}, c.dt, rng);
   const Tensor dht = c.dht ? randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5) : Tensor();
   const KdaGrads ref = ops::kda_chunk_backward(cpu, d_o, dht);
-  const KdaArgs gpu = to_device(cpu, c.cu_on_device);
+  KdaArgs gpu = to_device(cpu, c.cu_on_device);
+  gpu.exact_bf16_products = c.exact;
   const Tensor d_o_g = d_o.to(Device::cuda);
   const Tensor dht_g = dht.defined() ? dht.to(Device::cuda) : Tensor();
-  const double tol = c.dt == DType::bf16 ? 3e-3 : 2e-5;
+  // bf16 with exact (3xTF32) products: ~1e-5 from the CPU; the long f32 sums dA_log and
+  // d dt_bias reach ~3e-5 (3xTF32 is 2^-22 per product, FP32 2^-24).
+  const double tol = c.dt == DType::bf16 ? (c.exact ? 1e-4 : 3e-3) : 2e-5;
 
   const KdaGrads out = ops::kda_chunk_backward_cuda(gpu, d_o_g, dht_g, poisoned(gpu));
   for (const Named& f : kFields) {
@@ -236,6 +240,16 @@ TEST(KdaChunkBwdGpu, Bf16) {
             Gate::lower_bound, true});
   run_case(
       {"bf16 standard h0", kOddLens, 2, 4, 128, 128, DType::bf16, true, false, Gate::standard});
+}
+
+// KdaArgs::exact_bf16_products: 3xTF32 in every product (the default's TF32 stages put the
+// gradients ~4e-4 from the CPU).
+TEST(KdaChunkBwdGpu, Bf16ExactProducts) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  run_case({"bf16 plain h0 dht exact", kOddLens, 2, 4, 128, 128, DType::bf16, true, true,
+            Gate::plain, false, 0, true});
+  run_case({"bf16 lower-bound exact", kOddLens, 2, 2, 128, 128, DType::bf16, false, false,
+            Gate::lower_bound, true, 0, true});
 }
 
 // Enough (sequence, head) pairs that the reverse state pass takes 64-wide V tiles (state_tile:

@@ -112,6 +112,7 @@ struct IntraParams {
   float lower_bound;  // gate == lower bound
   bool l2norm;        // q, k <- x / sqrt(sum x^2 + 1e-6)
   bool beta_logits;   // beta <- sigmoid(beta)
+  bool vec16;         // q, k, g (and dt_bias) 16-byte aligned: loaded 8 channels at a time
 };
 
 // State-pass kernel.
@@ -201,13 +202,30 @@ __device__ __forceinline__ T raw_zero() {
     return __float2bfloat16_rn(0.f);
 }
 
-template <int K, class Tin>
+// n consecutive elements (n * sizeof(T) a multiple of 16 bytes, p 16-byte aligned) as 16-byte
+// loads / stores.
+template <int n, class T>
+__device__ __forceinline__ void ld16(const T* p, T (&v)[n]) {
+  static_assert(n * sizeof(T) % 16 == 0, "whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < int(n * sizeof(T) / 16); ++c)
+    reinterpret_cast<uint4*>(v)[c] = reinterpret_cast<const uint4*>(p)[c];
+}
+template <int n, class T>
+__device__ __forceinline__ void st16(T* p, const T (&v)[n]) {
+  static_assert(n * sizeof(T) % 16 == 0, "whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < int(n * sizeof(T) / 16); ++c)
+    reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(v)[c];
+}
+
+template <int K, class Tin, bool kTf32>
 __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 : 2)
     kda_intra_kernel(const IntraParams<Tin> p) {
   static_assert(K % 32 == 0 && K <= 128, "K must be 32, 64 or 128");
   static_assert(kIntraThreads / 32 >= 2 * (kC / 8), "one warp per A tile of a block row");
   using namespace mma_cu;
-  constexpr Prec P = prec_for<Tin>;
+  constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KP = K + 4, RS = K + 8;
   constexpr int KX = K < kIntraKX ? K : kIntraKX, XP = KX + 4;  // channels per A pass
   constexpr int NT = kIntraThreads;
@@ -236,23 +254,46 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
 
   // ---- 1. load g (through the gate when fused), q, k, beta; zero the padded rows
   const float eA = (p.gate != kGateNone && p.A_log) ? expf(p.A_log[h]) : 1.f;
-#pragma unroll 4
-  for (int i = t; i < kC * K; i += NT) {
-    const int r = i / K, d = i % K;
-    float gv = 0.f;
-    Tin qv = raw_zero<Tin>(), kv = raw_zero<Tin>();
-    if (r < L) {
-      const int64_t tok = int64_t(bos) + r;
-      const float x = to_f(p.g[(tok * p.HV + h) * K + d]);
-      gv = p.gate == kGateNone
-               ? x
-               : gate_f(x + (p.dt_bias ? p.dt_bias[h * K + d] : 0.f), eA, p.gate, p.lower_bound);
-      qv = p.q[(tok * p.H + hk) * K + d];
-      kv = p.k[(tok * p.H + hk) * K + d];
+  auto gate_of = [&](float x, float bias) {
+    return p.gate == kGateNone ? x : gate_f(x + bias, eA, p.gate, p.lower_bound);
+  };
+  if (p.vec16) {  // 8 channels per thread and step (K % 8 == 0; rows of 16-byte multiples)
+    constexpr int E = 8;
+    for (int i = t; i < kC * K / E; i += NT) {
+      const int r = i / (K / E), d = E * (i % (K / E));
+      alignas(16) Tin qv[E], kv[E], gr[E];
+      alignas(16) float gv[E], bias[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) qv[e] = kv[e] = raw_zero<Tin>(), gv[e] = 0.f, bias[e] = 0.f;
+      if (r < L) {
+        const int64_t tok = int64_t(bos) + r;
+        ld16(p.g + (tok * p.HV + h) * K + d, gr);
+        if (p.gate != kGateNone && p.dt_bias) ld16(p.dt_bias + h * K + d, bias);
+        ld16(p.q + (tok * p.H + hk) * K + d, qv);
+        ld16(p.k + (tok * p.H + hk) * K + d, kv);
+#pragma unroll
+        for (int e = 0; e < E; ++e) gv[e] = gate_of(to_f(gr[e]), bias[e]);
+      }
+      st16(sG + r * KP + d, gv);
+      st16(sQ + r * RS + d, qv);
+      st16(sK + r * RS + d, kv);
     }
-    sG[r * KP + d] = gv;
-    sQ[r * RS + d] = qv;
-    sK[r * RS + d] = kv;
+  } else {
+#pragma unroll 4
+    for (int i = t; i < kC * K; i += NT) {
+      const int r = i / K, d = i % K;
+      float gv = 0.f;
+      Tin qv = raw_zero<Tin>(), kv = raw_zero<Tin>();
+      if (r < L) {
+        const int64_t tok = int64_t(bos) + r;
+        gv = gate_of(to_f(p.g[(tok * p.HV + h) * K + d]), p.dt_bias ? p.dt_bias[h * K + d] : 0.f);
+        qv = p.q[(tok * p.H + hk) * K + d];
+        kv = p.k[(tok * p.H + hk) * K + d];
+      }
+      sG[r * KP + d] = gv;
+      sQ[r * RS + d] = qv;
+      sK[r * RS + d] = kv;
+    }
   }
   if (t < kC) {
     float b = 0.f;
@@ -296,11 +337,16 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
   }
   __syncthreads();
   if (p.G_out) {  // backward recompute: G, normalised q / k, beta (read-only use of shared memory)
-    for (int i = t; i < kC * K; i += NT) {
-      const int r = i / K, d = i % K;
-      p.G_out[task * kC * K + i] = sG[r * KP + d];
-      p.qn_out[task * kC * K + i] = qn(r, d);
-      p.kn_out[task * kC * K + i] = kn(r, d);
+    constexpr int E = 4;
+    for (int i = t; i < kC * K / E; i += NT) {
+      const int r = i / (K / E), d = E * (i % (K / E));
+      alignas(16) float G[E], qv[E], kv[E];
+      ld16(sG + r * KP + d, G);
+#pragma unroll
+      for (int e = 0; e < E; ++e) qv[e] = qn(r, d + e), kv[e] = kn(r, d + e);
+      st16(p.G_out + task * kC * K + E * i, G);
+      st16(p.qn_out + task * kC * K + E * i, qv);
+      st16(p.kn_out + task * kC * K + E * i, kv);
     }
     if (t < kC) p.beta_out[task * kC + t] = sBeta[t];
   }
@@ -310,17 +356,22 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
   {
     float* qg = p.qg + task * kC * K;
     float* kg = p.kg + task * kC * K;
-#pragma unroll 4
-    for (int i = t; i < kC * K; i += NT) {
-      const int r = i / K, d = i % K;
-      float a = 0.f, b = 0.f;
+    constexpr int E = 4;  // 4 channels per thread and step: 16-byte shared / global accesses
+    for (int i = t; i < kC * K / E; i += NT) {
+      const int r = i / (K / E), d = E * (i % (K / E));
+      alignas(16) float a[E] = {0.f, 0.f, 0.f, 0.f}, b[E] = {0.f, 0.f, 0.f, 0.f};
       if (r < L) {
-        const float G = sG[r * KP + d];
-        a = p.scale * qn(r, d) * expf(G);  // exp(G) <= 1
-        b = kn(r, d) * expf(GL[d] - G);    // G_{L-1} <= G_r
+        alignas(16) float G[E], Gl[E];
+        ld16(sG + r * KP + d, G);
+        ld16(GL + d, Gl);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          a[e] = p.scale * qn(r, d + e) * expf(G[e]);  // exp(G) <= 1
+          b[e] = kn(r, d + e) * expf(Gl[e] - G[e]);    // G_{L-1} <= G_r
+        }
       }
-      qg[i] = a;
-      kg[i] = b;
+      st16(qg + E * i, a);
+      st16(kg + E * i, b);
     }
     if (t < K) p.gl[task * K + t] = expf(GL[t]);
   }
@@ -516,11 +567,11 @@ __device__ __forceinline__ void store1(__nv_bfloat16* p, float x) {
 //            triangular: the sum stops at the tile's last row), then every warp S <- Diag(gl) S
 //            + kg^T V_new for the state rows 16 w' .. + 15 (w' = w, w + 8, ..; own elements: in
 //            place).
-template <int K, int BV, class Tin>
+template <int K, int BV, class Tin, bool kTf32>
 __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<Tin> p) {
   static_assert(K % 32 == 0 && K <= 128, "K must be 32, 64 or 128");
   using namespace mma_cu;
-  constexpr Prec P = prec_for<Tin>;
+  constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KA = K + 4, KB = K + 8, kT8 = BV + 8, WN = BV / 8;
   extern __shared__ float4 smem4[];
   float* sW = reinterpret_cast<float*>(smem4);  // [C][KA]   W
@@ -823,9 +874,16 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
     ip.lower_bound = float(a.lower_bound);
     ip.l2norm = a.use_qk_l2norm;
     ip.beta_logits = a.beta_logits;
+    ip.vec16 =
+        aligned16(a.q) && aligned16(a.k) && aligned16(a.g) && (!ip.dt_bias || aligned16(a.dt_bias));
     const size_t smem = size_t(IntraLayout<Tin>(K, int(pl.V)).total) * sizeof(float);
-    set_smem(kOp, reinterpret_cast<const void*>(&kda_intra_kernel<K, Tin>), smem, "intra kernel");
-    kda_intra_kernel<K, Tin><<<dim3(unsigned(pl.NC), unsigned(pl.HV)), kIntraThreads, smem>>>(ip);
+    with_prec<kStageIntra, Tin>(a.exact_bf16_products, [&](auto tf32) {
+      constexpr bool F = decltype(tf32)::value;
+      set_smem(kOp, reinterpret_cast<const void*>(&kda_intra_kernel<K, Tin, F>), smem,
+               "intra kernel");
+      kda_intra_kernel<K, Tin, F>
+          <<<dim3(unsigned(pl.NC), unsigned(pl.HV)), kIntraThreads, smem>>>(ip);
+    });
     check_launch(kOp, "intra kernel");
   }
 
@@ -848,9 +906,12 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
   auto launch = [&](auto bv) {
     constexpr int BV = decltype(bv)::value;
     const size_t smem = size_t(state_smem_floats(K, BV)) * sizeof(float);
-    set_smem(kOp, reinterpret_cast<const void*>(&kda_state_kernel<K, BV, Tin>), smem,
-             "state kernel");
-    kda_state_kernel<K, BV, Tin><<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(sp);
+    with_prec<kStageState, Tin>(a.exact_bf16_products, [&](auto tf32) {
+      constexpr bool F = decltype(tf32)::value;
+      set_smem(kOp, reinterpret_cast<const void*>(&kda_state_kernel<K, BV, Tin, F>), smem,
+               "state kernel");
+      kda_state_kernel<K, BV, Tin, F><<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(sp);
+    });
     check_launch(kOp, "state kernel");
   };
   if (state_tile(pl) == 64)

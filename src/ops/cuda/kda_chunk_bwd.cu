@@ -165,10 +165,10 @@ __host__ __device__ constexpr int state_bwd_smem_floats(int K, int BV) {
 // 16 w' .. + 15 (w' = w, w + 8, ..; all BV columns) on tensor cores. Operands arrive by cp.async in
 // two groups per chunk, {A_qk, kg} and {qg, W, exp(G_L)}, each issued for the next (earlier) chunk
 // as soon as the current one has consumed its buffers.
-template <int K, int BV, class Tin>
+template <int K, int BV, class Tin, bool kTf32>
 __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
-  constexpr Prec P = prec_for<Tin>;
+  constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KA = K + 4, KB = K + 8, kTP8 = BV + 8, WN = BV / 8;
   extern __shared__ float4 smem4[];
   float* sDS = reinterpret_cast<float*>(smem4);  // [K][kTP8]
@@ -323,11 +323,11 @@ __host__ __device__ constexpr int sp_smem_floats(int V) {
 
 // Block (chunk, value head, channel slice z of slice_k(K) channels): dA_qk rows C / NS z ..,
 // and dq, dk, dW, dG of the slice's channels, 16 channels (one S / dS' tile) at a time.
-template <int K, class Tin>
+template <int K, class Tin, bool kTf32>
 __global__ void __launch_bounds__(kThreads, 2)
     kda_bwd_state_products_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
-  constexpr Prec P = prec_for<Tin>;
+  constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KH = slice_k(K), NS = slices(K), KT = kSpKT;
   static_assert((kC / 16) * (KT / 8) == kThreads / 32, "one 16 x 8 tile per warp");
   extern __shared__ float4 smem4[];
@@ -454,10 +454,10 @@ __host__ __device__ constexpr int wy_smem_floats(int K, int V) {
 //                   dG += beta exp(G) k dKB;  dbeta_K = (exp(G) k) . dKB
 //   z = 1 (values): dVB = M^-T dV_new;  X_V = dVB U^T;   dv = beta dVB;  dbeta_V = v . dVB
 // and dA_kk = -stril(X_K + X_V).
-template <int K, class Tin>
+template <int K, class Tin, bool kTf32>
 __global__ void __launch_bounds__(kThreads, 2) kda_bwd_wy_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
-  constexpr Prec P = prec_for<Tin>;
+  constexpr Prec P = prec_for<Tin, kTf32>;
   extern __shared__ float4 smem4[];
   const int V = p.V;
   const int z = blockIdx.z;
@@ -578,10 +578,10 @@ struct IntraBwdLayout {
 // Block (chunk, value head, channel slice z): channels c_lo = KH z .. c_lo + KH - 1. Everything
 // but dbeta and dA_log is per channel; their sums over the channels leave as per-slice partials
 // (dbi, pA), which the GVA kernel (dbeta) and the gate-sum kernel (dA_log) add in slice order.
-template <int K, class Tin>
+template <int K, class Tin, bool kTf32>
 __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdParams<Tin> p) {
   using namespace mma_cu;
-  constexpr Prec P = prec_for<Tin>;
+  constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KH = slice_k(K), NS = slices(K), KP = KH + 8;
   constexpr int TN = KH / 16, NPT = 4 * TN / kWarps;  // P: 16 x 16 tiles [C / 16][TN], per warp
   static_assert(NPT >= 1 && (4 * TN) % kWarps == 0, "whole P tiles per warp");
@@ -1020,16 +1020,20 @@ struct Profile {
 };
 
 template <int K, class Tin>
-void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profile& prof) {
+void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, bool exact,
+                Profile& prof) {
   const unsigned nc = unsigned(pl.NC), hv = unsigned(pl.HV);
   {
     auto launch = [&](auto bv) {
       constexpr int BV = decltype(bv)::value;
       const size_t smem = size_t(state_bwd_smem_floats(K, BV)) * sizeof(float);
-      set_smem(kOp, reinterpret_cast<const void*>(&kda_state_bwd_kernel<K, BV, Tin>), smem,
-               "state bwd");
-      kda_state_bwd_kernel<K, BV, Tin>
-          <<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(bp);
+      with_prec<kStageStateBwd, Tin>(exact, [&](auto tf32) {
+        constexpr bool F = decltype(tf32)::value;
+        set_smem(kOp, reinterpret_cast<const void*>(&kda_state_bwd_kernel<K, BV, Tin, F>), smem,
+                 "state bwd");
+        kda_state_bwd_kernel<K, BV, Tin, F>
+            <<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(bp);
+      });
       check_launch(kOp, "state bwd kernel");
     };
     if (kda_cuda_detail::state_tile(pl) == 64)
@@ -1040,20 +1044,30 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, Profi
   }
   if (pl.NC > 0) {
     size_t smem = size_t(sp_smem_floats<Tin>(int(pl.V))) * sizeof(float);
-    set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_state_products_kernel<K, Tin>), smem,
-             "state products");
-    kda_bwd_state_products_kernel<K, Tin>
-        <<<dim3(nc, hv, unsigned(slices(K))), kThreads, smem>>>(bp);
+    with_prec<kStageProducts, Tin>(exact, [&](auto tf32) {
+      constexpr bool F = decltype(tf32)::value;
+      set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_state_products_kernel<K, Tin, F>), smem,
+               "state products");
+      kda_bwd_state_products_kernel<K, Tin, F>
+          <<<dim3(nc, hv, unsigned(slices(K))), kThreads, smem>>>(bp);
+    });
     check_launch(kOp, "state products kernel");
     prof.mark("state-products");
     smem = size_t(wy_smem_floats(K, int(pl.V))) * sizeof(float);
-    set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_wy_kernel<K, Tin>), smem, "wy bwd");
-    kda_bwd_wy_kernel<K, Tin><<<dim3(nc, hv, 2), kThreads, smem>>>(bp);
+    with_prec<kStageWy, Tin>(exact, [&](auto tf32) {
+      constexpr bool F = decltype(tf32)::value;
+      set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_wy_kernel<K, Tin, F>), smem, "wy bwd");
+      kda_bwd_wy_kernel<K, Tin, F><<<dim3(nc, hv, 2), kThreads, smem>>>(bp);
+    });
     check_launch(kOp, "wy bwd kernel");
     prof.mark("wy-bwd");
     smem = size_t(IntraBwdLayout(K).total) * sizeof(float);
-    set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_intra_kernel<K, Tin>), smem, "intra bwd");
-    kda_bwd_intra_kernel<K, Tin><<<dim3(nc, hv, unsigned(slices(K))), kThreads, smem>>>(bp);
+    with_prec<kStageIntraBwd, Tin>(exact, [&](auto tf32) {
+      constexpr bool F = decltype(tf32)::value;
+      set_smem(kOp, reinterpret_cast<const void*>(&kda_bwd_intra_kernel<K, Tin, F>), smem,
+               "intra bwd");
+      kda_bwd_intra_kernel<K, Tin, F><<<dim3(nc, hv, unsigned(slices(K))), kThreads, smem>>>(bp);
+    });
     check_launch(kOp, "intra bwd kernel");
     prof.mark("intra-bwd");
     kda_bwd_qk_kernel<K, Tin><<<dim3(nc, unsigned(pl.H)), kThreads>>>(bp);
@@ -1109,11 +1123,11 @@ void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_
   bp.beta_logits = a.beta_logits;
   switch (pl.K) {
     case 32:
-      return launch_bwd<32, Tin>(pl, bp, prof);
+      return launch_bwd<32, Tin>(pl, bp, a.exact_bf16_products, prof);
     case 64:
-      return launch_bwd<64, Tin>(pl, bp, prof);
+      return launch_bwd<64, Tin>(pl, bp, a.exact_bf16_products, prof);
     case 128:
-      return launch_bwd<128, Tin>(pl, bp, prof);
+      return launch_bwd<128, Tin>(pl, bp, a.exact_bf16_products, prof);
     default:
       HLM_FAIL("{}: unsupported K={}", kOp, pl.K);
   }

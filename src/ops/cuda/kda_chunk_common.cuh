@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -62,6 +64,45 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ------------------------------------------------------------------ host helpers
+
+// The stages of the chunked forward and backward. With bf16 inputs each stage's products run
+// in plain TF32 or in 3xTF32 (mma_tf32.cuh); both are compiled. KdaArgs::exact_bf16_products
+// takes 3xTF32 everywhere; otherwise the stages of kTf32Stages (a bit per stage) take TF32. The
+// intra backward keeps 3xTF32: in TF32 it alone put dg 8.2e-3 and dA_log / d dt_bias 3e-2 to
+// 4e-2 from the FP32 path, while TF32 in all the other stages together stays within 4.2e-4
+// (bench/kda_chunk_notes.md). A build with HLM_KDA_TF32_STUDY reads the set from the environment
+// instead (HLM_KDA_TF32_STAGES, a bit mask) on every call: a measurement switch, not an API.
+enum KdaStage : int {
+  kStageIntra = 0,     // forward intra kernel (A_qk, A_kk, W, U), also in the recompute
+  kStageState = 1,     // forward state pass, also in the recompute
+  kStageStateBwd = 2,  // reverse state pass
+  kStageProducts = 3,  // backward contractions over V (dA_qk, dq, dk, dW)
+  kStageWy = 4,        // WY backward
+  kStageIntraBwd = 5,  // intra backward
+};
+inline constexpr unsigned kTf32Stages = 0x1fu;  // every stage but the intra backward
+
+inline unsigned tf32_stages(bool exact) {
+#ifdef HLM_KDA_TF32_STUDY
+  if (const char* e = std::getenv("HLM_KDA_TF32_STAGES"))
+    return unsigned(std::strtoul(e, nullptr, 0));
+#endif
+  return exact ? 0u : kTf32Stages;
+}
+
+// Calls f(std::bool_constant<tf32>) with the precision of stage S for inputs of type Tin (f32
+// inputs: always false, FP32 FMA).
+template <int S, class Tin, class F>
+void with_prec(bool exact, F&& f) {
+  if constexpr (std::is_same_v<Tin, float>) {
+    f(std::false_type{});
+  } else {
+    if ((tf32_stages(exact) >> S) & 1u)
+      f(std::true_type{});
+    else
+      f(std::false_type{});
+  }
+}
 
 inline int64_t round_up(int64_t x, int64_t m) {
   return (x + m - 1) / m * m;

@@ -30,18 +30,14 @@ namespace hlm::ops::mma_cu {
 
 enum class Prec { tf32, tf32x3, fp32 };
 
-// The precision of the KDA kernels' products. bf16 inputs: 3xTF32. f32 inputs: FP32 FMA, because
-// 3xTF32 (2^-22 per product against FP32's 2^-24) measured 2.6e-5 on d dt_bias, a long sum with
-// cancellation, against the FP32 path's 2e-5 bound. TF32 alone for bf16 (compile with
-// HLM_KDA_TF32_FOR_BF16, a measurement switch) is cheaper but measured too inexact in the
-// backward: max relative gradient error 8.2e-3 against the FP32 path (budget 3e-3; FLA 3.0e-3).
-template <class Tin>
-inline constexpr Prec prec_for = std::is_same_v<Tin, float> ? Prec::fp32 :
-#ifdef HLM_KDA_TF32_FOR_BF16
-                                                            Prec::tf32;
-#else
-                                                            Prec::tf32x3;
-#endif
+// The precision of the KDA kernels' products. f32 inputs: FP32 FMA, because 3xTF32 (2^-22 per
+// product against FP32's 2^-24) measured 2.6e-5 on d dt_bias, a long sum with cancellation,
+// against the FP32 path's 2e-5 bound. bf16 inputs: 3xTF32, or plain TF32 in the stages that
+// kda_cu::kTf32Stages selects (kda_chunk_common.cuh).
+template <class Tin, bool kTf32 = false>
+inline constexpr Prec prec_for = std::is_same_v<Tin, float> ? Prec::fp32
+                                 : kTf32                    ? Prec::tf32
+                                                            : Prec::tf32x3;
 
 struct Mat {
   const float* p;
@@ -67,21 +63,33 @@ struct is_exact : std::false_type {};
 template <class V>
 struct is_exact<Exact<V>> : std::true_type {};
 
-__device__ __forceinline__ uint32_t tf32_bits(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
+// TF32 operands as the tensor core reads them: mma.sync ignores the low 13 bits of a TF32 operand
+// register, so adding half a TF32 ulp (0x1000) to the bits of x rounds it to nearest, ties away
+// from zero: cvt.rna.tf32.f32's rounding, in one integer add instead of cvt's sequence (which also
+// handles Inf / NaN, never an operand here: every operand is a finite product of the kernels).
+__device__ __forceinline__ uint32_t tf32_operand(float x) {
+  return __float_as_uint(x) + 0x1000u;
+}
+// The value of that rounding as an f32 (the low bits cleared): hi of the 3xTF32 split.
+__device__ __forceinline__ float tf32_value(float x) {
+  return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
 }
 
-// hi (and, for tf32x3, lo) TF32 parts of x; an exact x is its own hi (lo unused).
+// hi (and, for tf32x3, lo) TF32 parts of x; an exact x is its own hi (lo unused). The same
+// operands, bit for bit, as cvt.rna of x and of x - tf32(x).
 template <Prec P, bool kExact = false>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   if constexpr (kExact) {
     hi = __float_as_uint(x);
     return;
   }
-  hi = tf32_bits(x);
-  if constexpr (P == Prec::tf32x3) lo = tf32_bits(x - __uint_as_float(hi));
+  if constexpr (P == Prec::tf32x3) {
+    const float h = tf32_value(x);
+    hi = __float_as_uint(h);
+    lo = tf32_operand(x - h);
+  } else {
+    hi = tf32_operand(x);
+  }
 }
 
 // d += a b for one m16n8k8 tile.
