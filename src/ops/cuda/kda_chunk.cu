@@ -27,9 +27,9 @@
 // accurate expf (their arguments reach -80).
 //
 // Kernel families (no atomics; every reduction has a fixed order). The matrix products run on
-// tensor cores for bf16 inputs (mma_tf32.cuh: 3xTF32 operands, FP32 accumulation) and in FP32 FMA
-// for f32 inputs (the same fragment ownership); the cumsum, norms, exps and the 16x16 substitutions
-// are FP32 FMA.
+// tensor cores for bf16 inputs (mma_tf32.cuh: TF32 operands, or 3xTF32 with exact_bf16_products;
+// the stage precisions of kda_chunk_common.cuh; FP32 accumulation) and in FP32 FMA for f32 inputs
+// (the same fragment ownership); the cumsum, norms, exps and the 16x16 substitutions are FP32 FMA.
 //   kda_intra_kernel<K, Tin>: grid (NC, HV), 512 threads, one block per (chunk, value head).
 //     Writes W, U, qg, kg, A_qk, gl for its chunk into the f32 workspace (all C rows). A_qk and
 //     A_kk by 16-row block rows (16 x 8 tiles over the 16 warps); M^-1: the four 16x16 diagonal
@@ -560,7 +560,7 @@ __device__ __forceinline__ void store1(__nv_bfloat16* p, float x) {
 }
 
 // Per (sequence, value head, BV-wide V tile), chunks in order; eight warps, all products on
-// tensor cores (mma_tf32.cuh: 3xTF32 for bf16 inputs, FP32 FMA for f32).
+// tensor cores (mma_tf32.cuh: TF32 or 3xTF32 for bf16 inputs, FP32 FMA for f32).
 //   phase A: warps 0-3 V_new = U - W S, warps 4-7 qg S, rows 16 (w % 4) .. + 15, all BV columns
 //            (no output: every warp V_new, rows 16 (w % 4) .., half the columns);
 //   phase B: O = qg S + A_qk V_new (rows 16 (w % 4) .. + 15, half the columns; A_qk lower

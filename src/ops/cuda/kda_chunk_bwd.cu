@@ -40,7 +40,8 @@
 // shuffles over fixed lanes, chunk-ordered sums of partials); every per-token result depends only
 // on its own chunk's data and its sequence's state chain, so a sequence gets the same bits alone
 // as in a packed batch. FP32 states and workspace; the matrix products on tensor cores
-// (mma_tf32.cuh: 3xTF32 operands and FP32 accumulation for bf16 inputs, FP32 FMA for f32), the
+// (mma_tf32.cuh: TF32 operands, 3xTF32 in the intra backward and with exact_bf16_products, FP32
+// accumulation, for bf16 inputs; FP32 FMA for f32), the
 // elementwise work in FP32.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
