@@ -65,6 +65,7 @@ using namespace kda_cu;
 constexpr int kC = 64;              // chunk size (== kKdaChunk)
 constexpr int kSub = 16;            // sub-chunk (block) size of the intra matrices
 constexpr int kIntraThreads = 512;  // intra kernel: one warp per row of a 16-row block
+constexpr int kIntraMaxV = 128;     // the largest V the kernels take
 constexpr int kThreads = 256;       // state kernel
 constexpr float kSpanMax = 80.f;    // largest decay span (nats) of a diagonal 16x16 block for
                                     // the split-reference product (else per element)
@@ -112,7 +113,7 @@ struct IntraParams {
   float lower_bound;  // gate == lower bound
   bool l2norm;        // q, k <- x / sqrt(sum x^2 + 1e-6)
   bool beta_logits;   // beta <- sigmoid(beta)
-  bool vec16;         // q, k, g (and dt_bias) 16-byte aligned: loaded 8 channels at a time
+  bool vec16;         // q, k, v, g (and dt_bias) 16-byte aligned: loaded 16 bytes at a time
 };
 
 // State-pass kernel.
@@ -493,20 +494,45 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
     for (int idx = t; idx < kC * kC; idx += NT)
       p.minv_out[task * kC * kC + idx] = sM[(idx / kC) * kAP + idx % kC];
 
-      // ---- 6. W = M^-1 (beta exp(G) k), U = M^-1 (beta v). beta exp(G) k replaces G in place;
-      // beta v then replaces the raw q and k.
+  // ---- 6. W = M^-1 (beta exp(G) k), U = M^-1 (beta v). beta exp(G) k replaces G in place;
+  // beta v then replaces the raw q and k. With vec16, v arrives 16 bytes per load, issued
+  // before the exp loop so that their latency overlaps it.
+  constexpr int EV = 16 / int(sizeof(Tin));                  // v elements per 16-byte load
+  constexpr int NVL = (kC * kIntraMaxV / EV + NT - 1) / NT;  // loads per thread at V = 128
+  alignas(16) Tin vr[NVL][EV];
+  const int vl_row = p.V / EV;  // loads per row
+  if (p.vec16) {
+#pragma unroll
+    for (int j = 0; j < NVL; ++j) {
+      const int i = t + j * NT, s = i / vl_row, c = EV * (i % vl_row);
+      if (i < kC * vl_row && s < L) ld16(p.v + ((int64_t(bos) + s) * p.HV + h) * p.V + c, vr[j]);
+    }
+  }
 #pragma unroll 4
   for (int i = t; i < kC * K; i += NT) {
     const int s = i / K, d = i % K;
     sG[s * KP + d] = kn(s, d) * (sBeta[s] * expf(sG[s * KP + d]));
   }
   __syncthreads();
-  for (int s = t >> 5; s < kC; s += NT / 32)  // a warp per row (V % 32 == 0)
-    for (int c = t & 31; c < p.V; c += 32) {
-      float x = 0.f;
-      if (s < L) x = sBeta[s] * to_f(p.v[((int64_t(bos) + s) * p.HV + h) * p.V + c]);
-      sVb[s * VP + c] = x;
+  if (p.vec16) {
+#pragma unroll
+    for (int j = 0; j < NVL; ++j) {
+      const int i = t + j * NT, s = i / vl_row, c = EV * (i % vl_row);
+      if (i < kC * vl_row) {
+        alignas(16) float x[EV];
+#pragma unroll
+        for (int e = 0; e < EV; ++e) x[e] = s < L ? sBeta[s] * to_f(vr[j][e]) : 0.f;
+        st16(sVb + s * VP + c, x);
+      }
     }
+  } else {
+    for (int s = t >> 5; s < kC; s += NT / 32)  // a warp per row (V % 32 == 0)
+      for (int c = t & 31; c < p.V; c += 32) {
+        float x = 0.f;
+        if (s < L) x = sBeta[s] * to_f(p.v[((int64_t(bos) + s) * p.HV + h) * p.V + c]);
+        sVb[s * VP + c] = x;
+      }
+  }
   __syncthreads();
   {  // M^-1 is lower triangular: a 16-row tile's sum stops at its last row
     float* w = p.w + task * kC * K;
@@ -874,8 +900,8 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
     ip.lower_bound = float(a.lower_bound);
     ip.l2norm = a.use_qk_l2norm;
     ip.beta_logits = a.beta_logits;
-    ip.vec16 =
-        aligned16(a.q) && aligned16(a.k) && aligned16(a.g) && (!ip.dt_bias || aligned16(a.dt_bias));
+    ip.vec16 = aligned16(a.q) && aligned16(a.k) && aligned16(a.v) && aligned16(a.g) &&
+               (!ip.dt_bias || aligned16(a.dt_bias));
     const size_t smem = size_t(IntraLayout<Tin>(K, int(pl.V)).total) * sizeof(float);
     with_prec<kStageIntra, Tin>(a.exact_bf16_products, [&](auto tf32) {
       constexpr bool F = decltype(tf32)::value;
