@@ -73,6 +73,13 @@ KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tenso
 
 KdaOutput kda_chunk(const KdaArgs& a);
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state);
+// Training pair: with CUDA tensors, *saved receives the intermediates the backward would
+// recompute (ops/kda_chunk_cuda.h, KdaChunkCudaBuffers::saved; f32, ~5.5 KiB per token and value
+// head at K = V = 128) and the backward given them skips its recompute, with the same bits. On
+// the CPU *saved is left undefined and the backward recomputes as always.
+KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved);
+KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state,
+                            const Tensor& saved);
 
 // Validated shapes of a call (throws hlm::Error naming the argument on any mismatch).
 struct KdaDims {

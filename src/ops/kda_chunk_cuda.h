@@ -6,9 +6,10 @@
 //          M^-1 = (I + A_kk)^-1 (16x16 diagonal blocks by forward substitution, then block rows),
 //          W = M^-1 (beta exp(G) k), U = M^-1 (beta v), and the pre-gated
 //          qg = scale q exp(G), kg = k exp(G_L - G), exp(G_L);
-//   state: one block per (sequence, value head, 32-wide V tile), sequential over the chunks:
-//          V_new = U - W S, O = qg S + A_qk V_new, S <- Diag(exp(G_L)) S + kg^T V_new.
-// FP32 arithmetic (FMA, no tensor cores yet), FP32 states; deterministic: fixed reduction orders,
+//   state: one block per (sequence, value head, 32- or 64-wide V tile), sequential over the
+//          chunks: V_new = U - W S, O = qg S + A_qk V_new, S <- Diag(exp(G_L)) S + kg^T V_new.
+// Matrix products on tensor cores (mma_tf32.cuh: TF32 / 3xTF32 operands for bf16 inputs, FP32 FMA
+// for f32), FP32 accumulation and states; deterministic: fixed reduction orders,
 // no atomics, bit-identical run to run, and a packed batch gives each sequence the bits it gets
 // alone.
 //
@@ -41,11 +42,20 @@ struct KdaChunkCudaBuffers {
   Tensor o;            // [T, HV, V], the input dtype
   Tensor final_state;  // [N, HV, K, V] f32
   Tensor workspace;    // f32, at least kda_chunk_cuda_workspace_floats(a) elements
+  // Training: f32, at least kda_chunk_cuda_saved_floats(a) elements. When defined, the forward
+  // stores there every intermediate the backward needs (its own workspace then goes unused) and
+  // the backward, given it as KdaChunkBwdCudaBuffers::saved, skips its recompute: the same bits
+  // as a backward that recomputes, for ~1.1x the forward's time.
+  Tensor saved;
 };
 
 // Number of f32 elements of the workspace the call needs (the intermediates W, U, qg, kg, A_qk,
 // exp(G_L) of every chunk plus the chunk table). Validates the arguments like the forward.
 int64_t kda_chunk_cuda_workspace_floats(const KdaArgs& a);
+// Number of f32 elements of KdaChunkCudaBuffers::saved: the workspace's intermediates plus G, q^,
+// k^, beta, M^-1, the chunk-start states h and V_new of every chunk (K = V = 128: ~5.5 KiB per
+// token and value head).
+int64_t kda_chunk_cuda_saved_floats(const KdaArgs& a);
 
 KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& buffers = {});
 
@@ -53,7 +63,8 @@ KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& bu
 // KDA chunked backward (src/ops/cuda/kda_chunk_bwd.cu): exactly the semantics of
 // ops::kda_chunk_backward for CUDA tensors (same KdaArgs as the forward, same argument checks and
 // supported shapes). It recomputes the forward intermediates (the forward's own kernels, storing
-// G, M^-1, the chunk-start states h and V_new as well), then runs a reverse state pass per
+// G, M^-1, the chunk-start states h and V_new as well) unless the forward saved them
+// (KdaChunkCudaBuffers::saved), then runs a reverse state pass per
 // (sequence, value head, V tile) and per-(chunk, head) kernels for the rest; FP32 arithmetic,
 // deterministic (no atomics, fixed reduction orders; a sequence gets the bits it gets alone).
 //   d_o: [T, HV, V] CUDA, contiguous, the dtype of q.  d_final_state: optional [N, HV, K, V] f32.
@@ -63,12 +74,19 @@ KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& bu
 // (always), dA_log [HV] / ddt_bias [HV*K] when the gate is fused and the tensor is given. The call
 // is synchronous.
 struct KdaChunkBwdCudaBuffers {
-  Tensor workspace;  // f32, at least kda_chunk_bwd_cuda_workspace_floats(a) elements
+  // f32, at least kda_chunk_bwd_cuda_workspace_floats(a, saved.defined()) elements
+  Tensor workspace;
+  // The forward's KdaChunkCudaBuffers::saved, written by kda_chunk_forward_cuda with the same
+  // KdaArgs (the same inputs, unchanged since): the backward reads the intermediates from it
+  // instead of recomputing them (the results are bit-identical either way).
+  Tensor saved;
   // Optional outputs (f32, the shapes above; each defined one is written instead of allocated).
   Tensor dq, dk, dv, dg, dbeta, dinitial_state, dA_log, ddt_bias;
 };
 
-int64_t kda_chunk_bwd_cuda_workspace_floats(const KdaArgs& a);
+// The backward's workspace: the recomputed intermediates and the backward's own scratch, or the
+// scratch alone when the forward saved the intermediates (`saved`).
+int64_t kda_chunk_bwd_cuda_workspace_floats(const KdaArgs& a, bool saved = false);
 
 KdaGrads kda_chunk_backward_cuda(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state,
                                  const KdaChunkBwdCudaBuffers& buffers = {});
@@ -96,6 +114,10 @@ struct Intermediates {
 };
 // Launches the forward's intra and state kernels (no output o), asynchronously.
 void recompute(const KdaArgs& a, const Plan& p, const Intermediates& x);
+// The layout of the saved intermediates (src/ops/cuda/kda_chunk_bwd.cu): their size in floats,
+// and the pointers into a buffer `base` of at least that size (x.ht points into it too).
+int64_t saved_floats(const Plan& p);
+Intermediates saved_intermediates(const Plan& p, float* base);
 // The V tile (32 or 64) of the sequential state passes, forward and reverse, for this call.
 int state_tile(const Plan& p);
 }  // namespace kda_cuda_detail

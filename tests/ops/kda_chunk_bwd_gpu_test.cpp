@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -367,6 +368,144 @@ TEST(KdaChunkBwdGpu, DispatchFromKdaChunk) {
   }
 }
 
+// The training forward (KdaChunkCudaBuffers::saved) and a backward that reads its intermediates
+// give the bits of the plain forward and of a backward that recomputes them: the saved buffer and
+// the backward's (smaller) workspace NaN-poisoned, f32 and bf16, GVA, fused gates, short and long
+// sequences; then the saved buffer reused by a second step on new inputs.
+void saved_vs_recompute(const Case& c) {
+  SCOPED_TRACE(describe(c));
+  const std::string name = describe(c);
+  Rng rng(testing::test_seed() ^ std::hash<std::string>{}(c.name));
+  const KdaArgs gpu = to_device(make_inputs(c, rng), c.cu_on_device);
+  const int64_t T = gpu.q.size(0), N = int64_t(c.lens.size());
+  const Tensor d_o = randn({T, c.HV, c.V}, c.dt, rng).to(Device::cuda);
+  const Tensor dht =
+      c.dht ? randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5).to(Device::cuda) : Tensor();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+
+  const ops::KdaOutput plain = ops::kda_chunk_forward_cuda(gpu);
+  const KdaGrads recomputed = ops::kda_chunk_backward_cuda(gpu, d_o, dht, poisoned(gpu));
+
+  ops::KdaChunkCudaBuffers fb;
+  fb.saved = Tensor::full({ops::kda_chunk_cuda_saved_floats(gpu)}, nan, DType::f32, Device::cuda);
+  const ops::KdaOutput trained = ops::kda_chunk_forward_cuda(gpu, fb);
+  EXPECT_TRUE(testing::bit_equal(trained.o, plain.o)) << name << ": o";
+  EXPECT_TRUE(testing::bit_equal(trained.final_state, plain.final_state)) << name << ": ht";
+  ops::KdaChunkBwdCudaBuffers bb = poisoned(gpu);
+  const int64_t scratch = ops::kda_chunk_bwd_cuda_workspace_floats(gpu, true);
+  EXPECT_EQ(scratch + ops::kda_chunk_cuda_saved_floats(gpu),
+            ops::kda_chunk_bwd_cuda_workspace_floats(gpu));
+  bb.workspace = Tensor::full({scratch}, nan, DType::f32, Device::cuda);
+  bb.saved = fb.saved;
+  const KdaGrads from_saved = ops::kda_chunk_backward_cuda(gpu, d_o, dht, bb);
+  bool same = true;
+  for (const Named& f : kFields) {
+    if (!(recomputed.*(f.field)).defined()) continue;
+    const bool eq = testing::bit_equal(from_saved.*(f.field), recomputed.*(f.field));
+    EXPECT_TRUE(eq) << name << ": " << f.name << " from the saved intermediates differs";
+    same = same && eq;
+  }
+  std::printf("  saved vs recompute (%s): %s\n", name.c_str(),
+              same ? "bit-identical" : "DIFFERENT");
+
+  // A second step through the same buffers with a new v and d o matches a fresh
+  // recomputing backward on those inputs: nothing of the first step leaks into the second.
+  KdaArgs g2 = gpu;
+  g2.v = randn(gpu.v.shape(), c.dt, rng).to(Device::cuda);
+  const Tensor d_o2 = randn({T, c.HV, c.V}, c.dt, rng).to(Device::cuda);
+  ops::kda_chunk_forward_cuda(g2, fb);
+  const KdaGrads s2 = ops::kda_chunk_backward_cuda(g2, d_o2, dht, bb);
+  const KdaGrads r2 = ops::kda_chunk_backward_cuda(g2, d_o2, dht);
+  for (const Named& f : kFields)
+    if ((r2.*(f.field)).defined())
+      EXPECT_TRUE(testing::bit_equal(s2.*(f.field), r2.*(f.field)))
+          << name << ": second step, " << f.name;
+}
+
+TEST(KdaChunkBwdGpu, SavedForwardMatchesRecompute) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  saved_vs_recompute({"saved bf16 lower-bound", kOddLens, 2, 4, 128, 128, DType::bf16, true, true,
+                      Gate::lower_bound});
+  saved_vs_recompute(
+      {"saved f32 plain h0", kOddLens, 1, 2, 128, 128, DType::f32, true, false, Gate::plain, true});
+  saved_vs_recompute({"saved bf16 standard K64",
+                      {1, 63, 65, 130, 0, 7},
+                      2,
+                      2,
+                      64,
+                      64,
+                      DType::bf16,
+                      false,
+                      true,
+                      Gate::standard});
+  saved_vs_recompute({"saved bf16 wide tile",
+                      {1, 63, 65, 300},
+                      8,
+                      24,
+                      128,
+                      128,
+                      DType::bf16,
+                      false,
+                      true,
+                      Gate::plain});
+  saved_vs_recompute(
+      {"saved f32 K32 V96", {1, 63, 65, 200}, 1, 3, 32, 96, DType::f32, true, true, Gate::plain});
+}
+
+// A copy of CUDA tensor t whose data starts one element past a 16-byte boundary.
+Tensor misaligned(const Tensor& t) {
+  const int64_t n = t.numel();
+  const Tensor flat = Tensor::zeros({n + 8}, t.dtype(), Device::cuda);
+  Tensor part = flat.slice(0, 1, n + 1);
+  part.copy_(t.contiguous().view({n}));
+  return part.view(t.shape());
+}
+
+// Inputs q, k, v, g not 16-byte aligned take the forward's element-wise loads instead of its
+// 16-byte ones: the same bits, forward and backward.
+TEST(KdaChunkBwdGpu, UnalignedInputsSameBits) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  for (const Case& c : {Case{"unaligned bf16 lower-bound", kOddLens, 2, 4, 128, 128, DType::bf16,
+                             true, true, Gate::lower_bound},
+                        Case{"unaligned f32 plain K64",
+                             {1, 63, 65, 130},
+                             1,
+                             2,
+                             64,
+                             64,
+                             DType::f32,
+                             false,
+                             false,
+                             Gate::plain}}) {
+    SCOPED_TRACE(describe(c));
+    Rng rng(testing::test_seed() ^ std::hash<std::string>{}(c.name));
+    const KdaArgs gpu = to_device(make_inputs(c, rng), false);
+    const int64_t T = gpu.q.size(0), N = int64_t(c.lens.size());
+    const Tensor d_o = randn({T, c.HV, c.V}, c.dt, rng).to(Device::cuda);
+    const Tensor dht =
+        c.dht ? randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5).to(Device::cuda) : Tensor();
+    const ops::KdaOutput ref_f = ops::kda_chunk_forward_cuda(gpu);
+    const KdaGrads ref_b = ops::kda_chunk_backward_cuda(gpu, d_o, dht);
+    for (int which = 0; which < 5; ++which) {  // q, k, v, g alone, then all four
+      KdaArgs u = gpu;
+      Tensor* ts[] = {&u.q, &u.k, &u.v, &u.g};
+      for (int i = 0; i < 4; ++i)
+        if (which == i || which == 4) *ts[i] = misaligned(*ts[i]);
+      ASSERT_NE(reinterpret_cast<uintptr_t>((which == 4 ? u.q : *ts[which]).raw()) % 16, 0u);
+      const ops::KdaOutput f = ops::kda_chunk_forward_cuda(u);
+      EXPECT_TRUE(testing::bit_equal(f.o, ref_f.o)) << "o, unaligned input " << which;
+      EXPECT_TRUE(testing::bit_equal(f.final_state, ref_f.final_state))
+          << "final_state, unaligned input " << which;
+      if (which < 4) continue;
+      const KdaGrads b = ops::kda_chunk_backward_cuda(u, d_o, dht);
+      for (const Named& nf : kFields)
+        if ((ref_b.*(nf.field)).defined())
+          EXPECT_TRUE(testing::bit_equal(b.*(nf.field), ref_b.*(nf.field)))
+              << nf.name << ", unaligned inputs";
+    }
+  }
+}
+
 TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
@@ -413,6 +552,21 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   {
     ops::KdaChunkBwdCudaBuffers buf;
     buf.dq = Tensor::empty({75, 1, 32}, DType::f32, Device::cuda);  // wrong shape
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
+  }
+  {  // saved buffers too small, or of the wrong dtype
+    const int64_t n = ops::kda_chunk_cuda_saved_floats(a);
+    ops::KdaChunkCudaBuffers fb;
+    fb.saved = Tensor::empty({n - 64}, DType::f32, Device::cuda);
+    EXPECT_THROW(ops::kda_chunk_forward_cuda(a, fb), Error);
+    fb.saved = Tensor::empty({n}, DType::bf16, Device::cuda);
+    EXPECT_THROW(ops::kda_chunk_forward_cuda(a, fb), Error);
+    ops::KdaChunkBwdCudaBuffers buf;
+    buf.saved = Tensor::empty({n - 64}, DType::f32, Device::cuda);
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
+    buf.saved = Tensor::empty({n}, DType::f32, Device::cuda);
+    buf.workspace = Tensor::empty({ops::kda_chunk_bwd_cuda_workspace_floats(a, true) - 64},
+                                  DType::f32, Device::cuda);
     EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
   }
 }
@@ -488,6 +642,16 @@ TEST(KdaChunkBwdGpu, Timing) {
     };
     const double bwd = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, b); });
     const double fwd = time([&] { ops::kda_chunk_forward_cuda(a, fb); });
+    // The training pair: the forward saves its intermediates, the backward reads them.
+    ops::KdaChunkCudaBuffers fs = fb;
+    fs.saved = Tensor::empty({ops::kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
+    ops::KdaChunkBwdCudaBuffers bs = b;
+    bs.workspace = Tensor::empty({ops::kda_chunk_bwd_cuda_workspace_floats(a, true)}, DType::f32,
+                                 Device::cuda);
+    bs.saved = fs.saved;
+    b.workspace = Tensor();  // the recomputing backward's workspace is not needed any more
+    const double fwd_s = time([&] { ops::kda_chunk_forward_cuda(a, fs); });
+    const double bwd_s = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, bs); });
     setenv("HLM_KDA_BWD_PROFILE", "1", 1);  // one more call with the stage times on stderr
     ops::kda_chunk_backward_cuda(a, d_o, dht, b);
     unsetenv("HLM_KDA_BWD_PROFILE");
@@ -495,8 +659,10 @@ TEST(KdaChunkBwdGpu, Timing) {
     cudaEventDestroy(e1);
     std::printf(
         "kda timing bf16 lower-bound+l2norm+beta_logits T=%lld H=%lld N=%lld K=V=128: backward "
-        "%.3f ms, forward %.3f ms, fwd+bwd %.3f ms\n",
-        (long long)sh.T, (long long)sh.H, (long long)sh.N, bwd, fwd, fwd + bwd);
+        "%.3f ms, forward %.3f ms, fwd+bwd %.3f ms; saved intermediates: forward %.3f ms, "
+        "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB saved)\n",
+        (long long)sh.T, (long long)sh.H, (long long)sh.N, bwd, fwd, fwd + bwd, fwd_s, bwd_s,
+        fwd_s + bwd_s, double(fs.saved.nbytes()) / 1e9);
   }
 }
 

@@ -209,6 +209,24 @@ TEST(KdaChunk, Deterministic) {
   EXPECT_TRUE(testing::bit_equal(g1.dbeta, g2.dbeta));
 }
 
+// The training-pair overloads on the CPU: nothing is saved (the saved intermediates are a CUDA
+// feature), the results are those of the plain calls, and a backward handed "saved" CPU data
+// refuses it.
+TEST(KdaChunk, SavedOverloadsOnTheCpu) {
+  Rng rng(testing::test_seed());
+  Problem p = make_problem(rng, {0, 150, 70}, 1, 2, 32, 32, DType::f32, true);
+  Tensor saved = Tensor::zeros({4}, DType::f32);
+  const auto o1 = ops::kda_chunk(p.a, &saved), o2 = ops::kda_chunk(p.a);
+  EXPECT_FALSE(saved.defined());
+  EXPECT_TRUE(testing::bit_equal(o1.o, o2.o));
+  EXPECT_TRUE(testing::bit_equal(o1.final_state, o2.final_state));
+  const auto g1 = ops::kda_chunk_backward(p.a, p.d_o, p.dht, Tensor()),
+             g2 = ops::kda_chunk_backward(p.a, p.d_o, p.dht);
+  EXPECT_TRUE(testing::bit_equal(g1.dq, g2.dq));
+  EXPECT_TRUE(testing::bit_equal(g1.dg, g2.dg));
+  EXPECT_THROW(ops::kda_chunk_backward(p.a, p.d_o, p.dht, Tensor::zeros({4}, DType::f32)), Error);
+}
+
 // Lower-bound gate at its floor over long chunks: G reaches about -320 inside a chunk. No
 // overflow, no NaN, and the chunked result still matches the recurrence.
 TEST(KdaChunk, LowerBoundFloorNoOverflow) {

@@ -559,9 +559,18 @@ DType compute_dtype(const KdaArgs& a) {
 
 // CUDA tensors go to the CUDA kernels (ops/kda_chunk_cuda.h: the same math, their own checks).
 KdaOutput kda_chunk(const KdaArgs& a) {
+  return kda_chunk(a, nullptr);
+}
+
+KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved) {
+  if (saved) *saved = Tensor();
   if (a.q.defined() && a.q.device() == Device::cuda) {
 #ifdef HLM_HAVE_CUDA
-    return kda_chunk_forward_cuda(a);
+    KdaChunkCudaBuffers b;
+    if (saved) b.saved = Tensor::empty({kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
+    KdaOutput out = kda_chunk_forward_cuda(a, b);
+    if (saved) *saved = b.saved;
+    return out;
 #else
     HLM_FAIL("kda_chunk: no CUDA support in this build");
 #endif
@@ -571,14 +580,23 @@ KdaOutput kda_chunk(const KdaArgs& a) {
 }
 
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final) {
+  return kda_chunk_backward(a, d_o, d_final, Tensor());
+}
+
+KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final,
+                            const Tensor& saved) {
   const char* op = "kda_chunk_backward";
   if (a.q.defined() && a.q.device() == Device::cuda) {
 #ifdef HLM_HAVE_CUDA
-    return kda_chunk_backward_cuda(a, d_o, d_final);
+    KdaChunkBwdCudaBuffers b;
+    b.saved = saved;
+    return kda_chunk_backward_cuda(a, d_o, d_final, b);
 #else
     HLM_FAIL("{}: no CUDA support in this build", op);
 #endif
   }
+  HLM_CHECK(!saved.defined(), "{}: saved intermediates come from a CUDA forward, got {}", op,
+            saved.describe());
   const KdaDims d = kda_check(a, op);
   HLM_CHECK(d_o.defined() && d_o.shape() == Shape({d.T, d.HV, d.V}),
             "{}: d_o must be [{}, {}, {}], got {}", op, d.T, d.HV, d.V,

@@ -975,20 +975,28 @@ KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& bu
   out.o = output_buffer(buffers.o, dt, {pl.T, pl.HV, pl.V}, kOp, "buffers.o");
   out.final_state = output_buffer(buffers.final_state, DType::f32, {pl.N, pl.HV, pl.K, pl.V}, kOp,
                                   "buffers.final_state");
-  const Tensor ws = workspace_buffer(buffers.workspace, pl.total, kOp);
+  // The intermediates: in the caller's `saved` buffer in the backward's layout (with G, q^, k^,
+  // beta, M^-1, h and V_new), or in the forward's own workspace.
+  const bool save = buffers.saved.defined();
+  const Tensor ws = save ? workspace_buffer(buffers.saved, kda_cuda_detail::saved_floats(pl), kOp,
+                                            "buffers.saved")
+                         : workspace_buffer(buffers.workspace, pl.total, kOp);
   float* wsp = ws.data<float>();
-  static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
-  device_copy(wsp + pl.off_meta, Device::cuda, pl.meta.data(), Device::cpu,
-              pl.meta.size() * sizeof(int32_t));
-
   kda_cuda_detail::Intermediates x;
-  x.meta = reinterpret_cast<const int*>(wsp + pl.off_meta);
-  x.qg = wsp + pl.off_qg;
-  x.kg = wsp + pl.off_kg;
-  x.w = wsp + pl.off_w;
-  x.u = wsp + pl.off_u;
-  x.aqk = wsp + pl.off_aqk;
-  x.gl = wsp + pl.off_gl;
+  if (save) {
+    x = kda_cuda_detail::saved_intermediates(pl, wsp);
+  } else {
+    x.meta = reinterpret_cast<const int*>(wsp + pl.off_meta);
+    x.qg = wsp + pl.off_qg;
+    x.kg = wsp + pl.off_kg;
+    x.w = wsp + pl.off_w;
+    x.u = wsp + pl.off_u;
+    x.aqk = wsp + pl.off_aqk;
+    x.gl = wsp + pl.off_gl;
+  }
+  static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
+  device_copy(const_cast<int*>(x.meta), Device::cuda, pl.meta.data(), Device::cpu,
+              pl.meta.size() * sizeof(int32_t));
   x.ht = out.final_state.data<float>();
   if (dt == DType::bf16)
     dispatch_k<__nv_bfloat16>(pl, a, x, static_cast<__nv_bfloat16*>(out.o.raw()));

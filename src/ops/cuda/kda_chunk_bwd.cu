@@ -947,10 +947,13 @@ void require_cuda(const Tensor& t, const char* what) {
   HLM_CHECK(aligned16(t), "{}: {} must be 16-byte aligned", kOp, what);
 }
 
-// Workspace offsets in floats (multiples of 64).
+// Workspace offsets in floats (multiples of 64), in two regions: the forward intermediates
+// (meta .. ht: `saved`, written by the recompute or kept from the forward) at offset 0 of their
+// base, and the backward's scratch (dvnew .. pdt) at offset 0 of theirs. One workspace holds both,
+// the scratch at `saved`; with the forward's saved buffer the workspace holds the scratch alone.
 struct Layout {
-  int64_t meta, qg, kg, w, u, aqk, gl, G, qn, kn, beta, minv, h, vnew, ht;
-  int64_t dvnew, dh, daqk, dakk, dakv, dw, dq, dk, dG, dbw, dbi, pA, pdt, total;
+  int64_t meta, qg, kg, w, u, aqk, gl, G, qn, kn, beta, minv, h, vnew, ht, saved;
+  int64_t dvnew, dh, daqk, dakk, dakv, dw, dq, dk, dG, dbw, dbi, pA, pdt, scratch;
 };
 
 Layout make_layout(const kda_cuda_detail::Plan& p) {
@@ -977,6 +980,8 @@ Layout make_layout(const kda_cuda_detail::Plan& p) {
   l.h = take(tasks * p.K * p.V);
   l.vnew = take(tasks * C * p.V);
   l.ht = take(p.N * p.HV * p.K * p.V);
+  l.saved = off;
+  off = 0;
   l.dvnew = take(tasks * C * p.V);
   l.dh = take(tasks * p.K * p.V);
   l.daqk = take(tasks * C * C);
@@ -990,7 +995,7 @@ Layout make_layout(const kda_cuda_detail::Plan& p) {
   l.dbi = take(tasks * slices(int(p.K)) * C);
   l.pA = take(tasks * slices(int(p.K)));
   l.pdt = take(tasks * p.K);
-  l.total = off;
+  l.scratch = off;
   return l;
 }
 
@@ -1084,7 +1089,8 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, bool 
 
 template <class Tin>
 void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_o,
-             const Tensor& d_final, float* ws, const Layout& l, KdaGrads& g, Profile& prof) {
+             const Tensor& d_final, const float* sv, float* ws, const Layout& l, KdaGrads& g,
+             Profile& prof) {
   BwdParams<Tin> bp{};
   bp.q = static_cast<const Tin*>(a.q.raw());
   bp.k = static_cast<const Tin*>(a.k.raw());
@@ -1094,14 +1100,14 @@ void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_
   bp.dht = d_final.defined() ? d_final.data<float>() : nullptr;
   bp.A_log = (a.gate && a.A_log.defined()) ? a.A_log.data<float>() : nullptr;
   bp.dt_bias = (a.gate && a.dt_bias.defined()) ? a.dt_bias.data<float>() : nullptr;
-  const int* meta = reinterpret_cast<const int*>(ws + l.meta);
+  const int* meta = reinterpret_cast<const int*>(sv + l.meta);
   bp.chunk_bos = meta;
   bp.chunk_len = meta + pl.NC;
   bp.first_chunk = meta + 2 * pl.NC;
-  bp.qg = ws + l.qg, bp.kg = ws + l.kg, bp.w = ws + l.w, bp.u = ws + l.u;
-  bp.aqk = ws + l.aqk, bp.gl = ws + l.gl, bp.G = ws + l.G, bp.qn = ws + l.qn;
-  bp.kn = ws + l.kn, bp.beta = ws + l.beta, bp.minv = ws + l.minv, bp.h = ws + l.h;
-  bp.vnew = ws + l.vnew;
+  bp.qg = sv + l.qg, bp.kg = sv + l.kg, bp.w = sv + l.w, bp.u = sv + l.u;
+  bp.aqk = sv + l.aqk, bp.gl = sv + l.gl, bp.G = sv + l.G, bp.qn = sv + l.qn;
+  bp.kn = sv + l.kn, bp.beta = sv + l.beta, bp.minv = sv + l.minv, bp.h = sv + l.h;
+  bp.vnew = sv + l.vnew;
   bp.dvnew = ws + l.dvnew, bp.dh = ws + l.dh, bp.daqk = ws + l.daqk, bp.dakk = ws + l.dakk;
   bp.dakv = ws + l.dakv;
   bp.dw = ws + l.dw, bp.dq = ws + l.dq, bp.dk = ws + l.dk, bp.dG = ws + l.dG;
@@ -1141,9 +1147,33 @@ Tensor output(const Tensor& given, const Shape& shape, const char* what) {
 
 }  // namespace
 
-int64_t kda_chunk_bwd_cuda_workspace_floats(const KdaArgs& a) {
-  return make_layout(kda_cuda_detail::plan(a, kOp)).total;
+int64_t kda_chunk_bwd_cuda_workspace_floats(const KdaArgs& a, bool saved) {
+  const Layout l = make_layout(kda_cuda_detail::plan(a, kOp));
+  return saved ? l.scratch : l.saved + l.scratch;
 }
+
+int64_t kda_chunk_cuda_saved_floats(const KdaArgs& a) {
+  return make_layout(kda_cuda_detail::plan(a, kOp)).saved;
+}
+
+namespace kda_cuda_detail {
+
+int64_t saved_floats(const Plan& p) {
+  return make_layout(p).saved;
+}
+
+Intermediates saved_intermediates(const Plan& p, float* base) {
+  const Layout l = make_layout(p);
+  Intermediates x;
+  x.meta = reinterpret_cast<const int*>(base + l.meta);
+  x.qg = base + l.qg, x.kg = base + l.kg, x.w = base + l.w, x.u = base + l.u;
+  x.aqk = base + l.aqk, x.gl = base + l.gl, x.G = base + l.G, x.qn = base + l.qn;
+  x.kn = base + l.kn, x.beta = base + l.beta, x.minv = base + l.minv, x.h = base + l.h;
+  x.vnew = base + l.vnew, x.ht = base + l.ht;
+  return x;
+}
+
+}  // namespace kda_cuda_detail
 
 KdaGrads kda_chunk_backward_cuda(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state,
                                  const KdaChunkBwdCudaBuffers& buffers) {
@@ -1174,28 +1204,29 @@ KdaGrads kda_chunk_backward_cuda(const KdaArgs& a, const Tensor& d_o, const Tens
   if (a.gate && a.dt_bias.defined())
     g.ddt_bias = output(buffers.ddt_bias, {pl.HV * pl.K}, "buffers.ddt_bias");
 
-  const Tensor ws = workspace_buffer(buffers.workspace, l.total, kOp);
-  float* wsp = ws.data<float>();
-  static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
-  device_copy(wsp + l.meta, Device::cuda, pl.meta.data(), Device::cpu,
-              pl.meta.size() * sizeof(int32_t));
-
-  // B1: the forward's kernels, storing what the backward needs.
-  kda_cuda_detail::Intermediates x;
-  x.meta = reinterpret_cast<const int*>(wsp + l.meta);
-  x.qg = wsp + l.qg, x.kg = wsp + l.kg, x.w = wsp + l.w, x.u = wsp + l.u;
-  x.aqk = wsp + l.aqk, x.gl = wsp + l.gl, x.G = wsp + l.G, x.qn = wsp + l.qn;
-  x.kn = wsp + l.kn, x.beta = wsp + l.beta, x.minv = wsp + l.minv, x.h = wsp + l.h;
-  x.vnew = wsp + l.vnew, x.ht = wsp + l.ht;
+  const bool saved = buffers.saved.defined();
+  const Tensor ws = workspace_buffer(buffers.workspace, saved ? l.scratch : l.saved + l.scratch,
+                                     kOp, "buffers.workspace");
   Profile prof;
   prof.mark("start");
-  kda_cuda_detail::recompute(a, pl, x);
-  prof.mark("recompute");
+  float* sv = nullptr;
+  if (saved) {  // B1 done by the forward
+    const Tensor s = workspace_buffer(buffers.saved, l.saved, kOp, "buffers.saved");
+    sv = s.data<float>();
+  } else {  // B1: the forward's kernels, storing what the backward needs
+    sv = ws.data<float>();
+    static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
+    device_copy(sv + l.meta, Device::cuda, pl.meta.data(), Device::cpu,
+                pl.meta.size() * sizeof(int32_t));
+    kda_cuda_detail::recompute(a, pl, kda_cuda_detail::saved_intermediates(pl, sv));
+    prof.mark("recompute");
+  }
+  float* scratch = saved ? ws.data<float>() : sv + l.saved;
 
   if (a.q.dtype() == DType::bf16)
-    run_bwd<__nv_bfloat16>(pl, a, d_o, d_final_state, wsp, l, g, prof);
+    run_bwd<__nv_bfloat16>(pl, a, d_o, d_final_state, sv, scratch, l, g, prof);
   else
-    run_bwd<float>(pl, a, d_o, d_final_state, wsp, l, g, prof);
+    run_bwd<float>(pl, a, d_o, d_final_state, sv, scratch, l, g, prof);
   device_synchronize();
   const cudaError_t err = cudaGetLastError();
   HLM_CHECK(err == cudaSuccess, "{}: kernels: {}", kOp, cudaGetErrorString(err));

@@ -143,14 +143,15 @@ inline Tensor output_buffer(const Tensor& given, DType dt, const Shape& shape, c
   return given;
 }
 
-// The f32 workspace of at least `floats` elements: the caller's, checked as above, or a new one.
-inline Tensor workspace_buffer(const Tensor& given, int64_t floats, const char* op) {
+// An f32 workspace of at least `floats` elements: the caller's, checked as above, or a new one.
+inline Tensor workspace_buffer(const Tensor& given, int64_t floats, const char* op,
+                               const char* what = "buffers.workspace") {
   if (!given.defined()) return Tensor::empty({floats}, DType::f32, Device::cuda);
   HLM_CHECK(given.device() == Device::cuda && given.is_contiguous() && aligned16(given) &&
                 given.dtype() == DType::f32 && given.numel() >= floats,
-            "{}: buffers.workspace must be a contiguous, 16-byte aligned CUDA f32 tensor of at "
-            "least {} elements, got {}",
-            op, floats, given.describe());
+            "{}: {} must be a contiguous, 16-byte aligned CUDA f32 tensor of at least {} elements, "
+            "got {}",
+            op, what, floats, given.describe());
   return given;
 }
 
