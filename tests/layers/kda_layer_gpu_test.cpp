@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -136,18 +137,23 @@ void cpu_vs_gpu(const KdaConfig& cfg, GemmKind kind, DType param_dt, DType x_dt,
     if (lin->bias()) rng.fill_uniform(lin->bias()->value, -0.5, 0.5);
   if (param_dt != DType::f32) ref.to_dtype(param_dt);
 
-  KdaLayer dev(cfg, policy, kPath, param_dt);
-  {
-    auto a = ref.named_parameters(), b = dev.named_parameters();
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      ASSERT_EQ(a[i].first, b[i].first);
-      ASSERT_EQ(a[i].second->value.dtype(), b[i].second->value.dtype()) << a[i].first;
+  // A GPU copy of ref under config c.
+  auto device_copy_of = [&](const KdaConfig& c) {
+    auto d = std::make_unique<KdaLayer>(c, policy, kPath, param_dt);
+    auto a = ref.named_parameters(), b = d->named_parameters();
+    EXPECT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+      EXPECT_EQ(a[i].first, b[i].first);
+      EXPECT_EQ(a[i].second->value.dtype(), b[i].second->value.dtype()) << a[i].first;
       b[i].second->value.copy_(a[i].second->value);
     }
-  }
-  dev.to(Device::cuda);
-  for (auto& [n, prm] : dev.named_parameters()) ASSERT_EQ(prm->value.device(), Device::cuda) << n;
+    d->to(Device::cuda);
+    for (auto& [n, prm] : d->named_parameters()) EXPECT_EQ(prm->value.device(), Device::cuda) << n;
+    return d;
+  };
+  const std::unique_ptr<KdaLayer> devp = device_copy_of(cfg);
+  KdaLayer& dev = *devp;
+  if (::testing::Test::HasFailure()) return;
 
   const Problem p = make_problem(cfg, {1, 63, 65, 300}, x_dt, rng);
   const Problem pg = to_gpu(p);
@@ -173,6 +179,13 @@ void cpu_vs_gpu(const KdaConfig& cfg, GemmKind kind, DType param_dt, DType x_dt,
   // Deterministic: the same bits run to run, and with selective recompute.
   bit_equal_runs(run(dev, pg), rg, "rerun");
   bit_equal_runs(run(dev, pg, /*recompute=*/true), rg, "recompute");
+  // The core's intermediates kept from the forward (save_core_intermediates): the same bits.
+  KdaConfig cs = cfg;
+  cs.save_core_intermediates = true;
+  const std::unique_ptr<KdaLayer> dev_saved = device_copy_of(cs);
+  bit_equal_runs(run(*dev_saved, pg), rg, "core intermediates saved");
+  bit_equal_runs(run(*dev_saved, pg, /*recompute=*/true), rg,
+                 "core intermediates saved, recompute");
 }
 
 TEST(KdaLayerGpu, LowerBoundGateLowRankF32) {

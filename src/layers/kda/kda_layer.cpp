@@ -465,8 +465,10 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
                z3 = z.view({T, HV, K});
   const ops::KdaArgs a =
       core_args(cfg_, q, k, v, z3, b, init.recurrent, cu, A_log_->value, dt_bias_->value);
-  const ops::KdaOutput out =
-      cfg_.core == KdaCoreImpl::chunk ? ops::kda_chunk(a) : ops::kda_recurrent(a);
+  Tensor core_saved;
+  const ops::KdaOutput out = cfg_.core != KdaCoreImpl::chunk     ? ops::kda_recurrent(a)
+                             : s && cfg_.save_core_intermediates ? ops::kda_chunk(a, &core_saved)
+                                                                 : ops::kda_chunk(a);
   const Tensor o = as_dtype(out.o, cdt);
   // Output gate, gated RMSNorm over V (one weight for all heads), output projection.
   const Tensor og =
@@ -493,6 +495,7 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
     s->o = o;
     s->og = og3;
     s->rstd = nr.rstd;
+    s->core = core_saved;
   }
   return y;
 }
@@ -554,7 +557,7 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
       core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent,
                 saved.cu_seqlens, A_log_->value, dt_bias_->value);
   const ops::KdaGrads cg = cfg_.core == KdaCoreImpl::chunk
-                               ? ops::kda_chunk_backward(a, gn.dx, dfin_rec)
+                               ? ops::kda_chunk_backward(a, gn.dx, dfin_rec, s->core)
                                : ops::kda_recurrent_backward(a, gn.dx, dfin_rec);
   accumulate(*A_log_, cg.dA_log);
   accumulate(*dt_bias_, cg.ddt_bias);
