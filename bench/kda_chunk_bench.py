@@ -5,7 +5,11 @@
 # the device (never committed).
 #
 # Usage: python3 bench/kda_chunk_bench.py --lib BUILD/bench/libhlm_kda_bench.so [--no-fla]
-#        [--rows 1,2,...] [--rep MS] [--tf32-stages M1,M2,...]
+#        [--rows 1,2,...] [--rep MS] [--tf32-stages M1,M2,...] [--no-saved]
+# Forward + backward rows time ours twice: "ours" recomputes the forward intermediates in the
+# backward (the least memory), "ours-s" has the forward save them (KdaChunkCudaBuffers::saved,
+# ~5.5 KiB per token and head more memory) and the backward skip its recompute; the two must give
+# the same bits ("same bits" / "DIFFERENT BITS" on the ours-s line). --no-saved skips ours-s.
 # --tf32-stages (a library built with -DHLM_KDA_TF32_STUDY=ON): time ours once per mask of the
 # stages whose bf16 products run in plain TF32 (HLM_KDA_TF32_STAGES, kda_chunk_common.cuh), and
 # print every tensor's error and a digest of the output bits (to check that a change keeps them).
@@ -71,6 +75,7 @@ class Ours:
         self.lib.hlm_kda_last_error.restype = ctypes.c_char_p
         for f in ("hlm_kda_forward", "hlm_kda_forward_backward", "hlm_kda_destroy"):
             getattr(self.lib, f).argtypes = [ctypes.c_void_p]
+        self.lib.hlm_kda_set_save.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.lib.hlm_kda_fetch.argtypes = [ctypes.c_void_p] * 9
         self.has_backward = bool(self.lib.hlm_kda_has_backward())
 
@@ -183,6 +188,7 @@ def main():
     ap.add_argument("--rows", default="")
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms)")
     ap.add_argument("--tf32-stages", default="", help="comma-separated stage masks")
+    ap.add_argument("--no-saved", action="store_true", help="fwd+bwd: skip the saved mode")
     args = ap.parse_args()
     ours = Ours(args.lib)
     chunk_kda = None
@@ -191,7 +197,7 @@ def main():
     want = {int(r) for r in args.rows.split(",") if r}
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
           f"{triton.__version__}  our backward: {'yes' if ours.has_backward else 'no'}")
-    hdr = (f"{'row':>3} {'T':>6} {'H':>3} {'N':>3} {'kind':>5} {'pass':>8} | {'impl':>4} "
+    hdr = (f"{'row':>3} {'T':>6} {'H':>3} {'N':>3} {'kind':>5} {'pass':>8} | {'impl':>6} "
            f"{'ms':>8} {'Mtok/s':>7} {'TFLOP/s':>8} {'GB/s':>7} {'roof':>6} | {'speed-up':>8} | "
            f"{'err o':>8} {'err grads (max)':>15}")
     print(hdr)
@@ -204,7 +210,7 @@ def main():
         x = make_inputs(T, HV, N, kind == "fused", seed=rid)
         flop, nbytes = models(T, HV, N, 128, 128, passes, 2)
         line = lambda impl, ms: (f"{rid:>3} {T:>6} {HV:>3} {N:>3} {kind:>5} {passes:>8} | "
-                                 f"{impl:>4} {ms:>8.3f} {T / ms / 1e3:>7.2f} "
+                                 f"{impl:>6} {ms:>8.3f} {T / ms / 1e3:>7.2f} "
                                  f"{flop / ms / 1e9:>8.1f} {nbytes / ms / 1e6:>7.0f} "
                                  f"{max(flop / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3 / ms:>6.1%}")
         # Reference: our FP32 path on the same (bf16-rounded) values.
@@ -213,7 +219,7 @@ def main():
         for n in ("q", "k", "v", "g", "beta", "do"):
             x32[n] = x[n].float().contiguous()
         h32 = ours.create(x32, 0)
-        ms_ours = None
+        ms_ours = ms_saved = None
         res_ours = None
         if not grads or ours.has_backward:
             fn = ours.lib.hlm_kda_forward_backward if grads else ours.lib.hlm_kda_forward
@@ -241,6 +247,14 @@ def main():
             res_ours = ours.results(h, x, torch.bfloat16, grads)
             ms_ours = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25,
                                               rep=args.rep, return_mode="median")
+            if grads and not args.no_saved:
+                ours.check(ours.lib.hlm_kda_set_save(h, 1))
+                ours.check(fn(h))
+                res_saved = ours.results(h, x, torch.bfloat16, grads)
+                ms_saved = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25,
+                                                   rep=args.rep, return_mode="median")
+                same_saved = all(torch.equal(res_saved[n], res_ours[n]) for n in res_ours)
+                del res_saved
             ours.lib.hlm_kda_destroy(h)
         else:
             ours.check(ours.lib.hlm_kda_forward(h32))
@@ -268,6 +282,10 @@ def main():
         if ms_ours is not None:
             ratio = f"{ms_fla / ms_ours:>8.2f}" if ms_fla else f"{'-':>8}"
             print(line("ours", ms_ours) + f" | {ratio} | {errs(res_ours)}")
+        if ms_saved is not None:
+            ratio = f"{ms_fla / ms_saved:>8.2f}" if ms_fla else f"{'-':>8}"
+            print(line("ours-s", ms_saved) + f" | {ratio} | "
+                  f"{'same bits' if same_saved else 'DIFFERENT BITS'}")
         sys.stdout.flush()
         del x, x32
         torch.cuda.empty_cache()

@@ -5,8 +5,10 @@
 //
 // Life of a handle: hlm_kda_create copies the caller's device tensors (PyTorch's) into tensors of
 // our own and allocates every output and workspace once, so that hlm_kda_forward /
-// hlm_kda_forward_backward time the kernels alone; hlm_kda_fetch copies the results back into the
-// caller's tensors; hlm_kda_destroy frees everything. Functions return 0, or -1 with the message
+// hlm_kda_forward_backward time the kernels alone; hlm_kda_set_save switches the forward to
+// saving its intermediates for the backward (KdaChunkCudaBuffers::saved), which then skips its
+// recompute; hlm_kda_fetch copies the results back into the caller's tensors; hlm_kda_destroy
+// frees everything. Functions return 0, or -1 with the message
 // in hlm_kda_last_error().
 #include <cstdint>
 #include <cstring>
@@ -137,6 +139,26 @@ void* hlm_kda_create(const HlmKdaProblem* p) {
     h = owned.release();
   });
   return rc == 0 ? h : nullptr;
+}
+
+// on != 0: the forward saves the backward's intermediates and the backward reads them (the
+// backward's workspace shrinks to its scratch); on == 0: the backward recomputes them (default).
+int hlm_kda_set_save(void* handle, int on) {
+  return guarded([&] {
+    Handle* h = static_cast<Handle*>(handle);
+    const hlm::ops::KdaArgs& a = h->args;
+    h->fwd.saved = Tensor();
+    h->bwd.saved = Tensor();
+    h->bwd.workspace = Tensor();  // freed before the new allocations
+    if (on) {
+      h->fwd.saved =
+          Tensor::empty({hlm::ops::kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
+      h->bwd.saved = h->fwd.saved;
+    }
+    if (h->d_o.defined())
+      h->bwd.workspace = Tensor::empty({hlm::ops::kda_chunk_bwd_cuda_workspace_floats(a, on != 0)},
+                                       DType::f32, Device::cuda);
+  });
 }
 
 int hlm_kda_forward(void* handle) {
