@@ -214,7 +214,7 @@ TEST(KdaChunk, Deterministic) {
 // refuses it.
 TEST(KdaChunk, SavedOverloadsOnTheCpu) {
   Rng rng(testing::test_seed());
-  Problem p = make_problem(rng, {0, 150, 70}, 1, 2, 32, 32, DType::f32, true);
+  Problem p = make_problem(rng, {0, 150, 220}, 1, 2, 32, 32, DType::f32, true);
   Tensor saved = Tensor::zeros({4}, DType::f32);
   const auto o1 = ops::kda_chunk(p.a, &saved), o2 = ops::kda_chunk(p.a);
   EXPECT_FALSE(saved.defined());
