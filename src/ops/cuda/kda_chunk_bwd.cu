@@ -312,14 +312,15 @@ struct MatIn {
 };
 
 // Shared floats: dO [C][V + 8] (Tin), V_new and dV_new [C][V + 4], one S and one dS' tile
-// [KT][V + 4], k dk [C][KT + 1], rowsum [KT]. bf16, V = 128: ~104 KB, two blocks per SM.
+// [KT][V + 4], k dk and dq [C][KT + 1], rowsum [KT]. bf16, V = 128: ~108 KB, two blocks per SM.
 template <class Tin>
 __host__ __device__ constexpr int sp_do_floats(int V) {
   return (kC * (V + 8) * int(sizeof(Tin)) + 15) / 16 * 4;
 }
 template <class Tin>
 __host__ __device__ constexpr int sp_smem_floats(int V) {
-  return sp_do_floats<Tin>(V) + 2 * kC * (V + 4) + 2 * kSpKT * (V + 4) + kC * (kSpKT + 1) + kSpKT;
+  return sp_do_floats<Tin>(V) + 2 * kC * (V + 4) + 2 * kSpKT * (V + 4) + 2 * kC * (kSpKT + 1) +
+         kSpKT;
 }
 
 // Block (chunk, value head, channel slice z of slice_k(K) channels): dA_qk rows C / NS z ..,
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KH = slice_k(K), NS = slices(K), KT = kSpKT;
-  static_assert((kC / 16) * (KT / 8) == kThreads / 32, "one 16 x 8 tile per warp");
+  static_assert(2 * (kC / 16) == kThreads / 32 && KT == 16, "two sides of 16 x 16 warp tiles");
   extern __shared__ float4 smem4[];
   const int V = p.V, VP = V + 4, DP = V + 8;
   Tin* sDO = reinterpret_cast<Tin*>(smem4);                             // [C][DP]
@@ -339,7 +340,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* sS = sDV + kC * VP;                                            // [KT][VP]
   float* sDS = sS + KT * VP;                                            // [KT][VP]
   float* sKD = sDS + KT * VP;                                           // [C][KT + 1]
-  float* sRow = sKD + kC * (KT + 1);                                    // [KT]
+  float* sDQ = sKD + kC * (KT + 1);                                     // [C][KT + 1]
+  float* sRow = sDQ + kC * (KT + 1);                                    // [KT]
 
   const int t = threadIdx.x, warp = t >> 5;
   const int ci = blockIdx.x, h = blockIdx.y, z = blockIdx.z, c_lo = KH * z;
@@ -378,46 +380,64 @@ __global__ void __launch_bounds__(kThreads, 2)
         [&](int r, int s, float acc) { da[r * kC + s] = s <= r + RB * z ? acc : 0.f; });
   }
   const float* GL = G + (L - 1) * K;
-  // Warp w owns the 16 x 8 tile (rows 16 (w / 2) .., channels d0 + 8 (w % 2) ..) of the three
-  // products; its G, exp(G_L), q^, k^ elements are loaded before the products (the stores below
-  // would otherwise serialise the loads).
-  //   dq = scale exp(G) (dO S^T);  dk = exp(G_L - G) (V_new dS'^T);  dG = q dq - k dk;
-  //   dW = -dV_new S^T
-  const int m0 = 16 * (warp >> 1), n0 = 8 * (warp & 1);
+  // Two sides of four warps; warp w owns rows 16 (w % 4) .. of the tile's 16 channels:
+  //   q side (w < 4): dq = scale exp(G) (dO S^T) and dW = -dV_new S^T (one S fragment for both);
+  //   k side (w >= 4): dk = exp(G_L - G) (V_new dS'^T).
+  // dG = q dq - k dk meets in shared memory after the tile's second barrier, one element per
+  // thread and row group (rows (t / 16) + 16 j, channel t % 16). Every global operand of a tile
+  // is loaded before its products (the stores would otherwise serialise the loads).
+  const bool qside = warp < 4;
+  const int m0 = 16 * (warp & 3), ei = t & 15, er = t >> 4;
   for (int d0 = c_lo; d0 < c_lo + KH; d0 += KT) {
-    // sS, sDS were last read before the first barrier of the previous tile.
+    // sS, sDS were last read before the second barrier of the previous tile.
     cp_rows(sS, VP, p.h + tk * K * V + int64_t(d0) * V, V, KT, V);
     cp_rows(sDS, VP, p.dh + tk * K * V + int64_t(d0) * V, V, KT, V);
     cp_async_commit();
-    float gG[4], gL[4], gq[4], gk[4];
+    float gG[2][4], gL[2][4], gk[2][4], gq[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = acc_row(m0, 0, e), d = d0 + acc_col(n0, 0, e);
-      gG[e] = G[r * K + d];
-      gL[e] = GL[d];
-      gq[e] = qn[r * K + d];
-      gk[e] = kn[r * K + d];
-    }
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = acc_row(m0, 0, e), d = d0 + acc_col(0, j, e);
+        gG[j][e] = G[r * K + d];
+        if (!qside) {
+          gL[j][e] = GL[d];
+          gk[j][e] = kn[r * K + d];
+        }
+      }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) gq[j] = qn[(er + 16 * j) * K + d0 + ei];
     cp_async_wait<0>();
-    __syncthreads();  // the tiles landed; sKD, sRow of the previous tile consumed
-    float a1[1][1][4], a2[1][1][4], a3[1][1][4];
-    zero(a1);
-    zero(a2);
-    zero(a3);
-    warp_mma<P>(a1, Exact<MatIn<Tin>>{{sDO, DP}}, MatT{sS, VP}, m0, n0, 0, V);
-    warp_mma<P>(a2, Mat{sVn, VP}, MatT{sDS, VP}, m0, n0, 0, V);
-    warp_mma<P>(a3, Mat{sDV, VP}, MatT{sS, VP}, m0, n0, 0, V);
+    __syncthreads();  // the tiles landed; sKD, sDQ, sRow of the previous tile consumed
+    if (qside) {
+      float a1[1][2][4], a3[1][2][4];
+      zero(a1);
+      zero(a3);
+      warp_mma_pair<P>(a1, Exact<MatIn<Tin>>{{sDO, DP}}, a3, Mat{sDV, VP}, MatT{sS, VP}, m0, 0, 0,
+                       V);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = acc_row(m0, 0, e), i = acc_col(n0, 0, e), d = d0 + i;
-      const float dqv = p.scale * expf(gG[e]) * a1[0][0][e];
-      const float dkd = expf(gL[e] - gG[e]) * a2[0][0][e];
-      const float kd = gk[e] * dkd;
-      dq[r * K + d] = dqv;
-      dk[r * K + d] = dkd;
-      dG[r * K + d] = gq[e] * dqv - kd;
-      dw[r * K + d] = -a3[0][0][e];
-      sKD[r * (KT + 1) + i] = kd;
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(m0, 0, e), i = acc_col(0, j, e), d = d0 + i;
+          const float dqv = p.scale * expf(gG[j][e]) * a1[0][j][e];
+          dq[r * K + d] = dqv;
+          dw[r * K + d] = -a3[0][j][e];
+          sDQ[r * (KT + 1) + i] = dqv;
+        }
+    } else {
+      float a2[1][2][4];
+      zero(a2);
+      warp_mma<P>(a2, Mat{sVn, VP}, MatT{sDS, VP}, m0, 0, 0, V);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(m0, 0, e), i = acc_col(0, j, e), d = d0 + i;
+          const float dkd = expf(gL[j][e] - gG[j][e]) * a2[0][j][e];
+          dk[r * K + d] = dkd;
+          sKD[r * (KT + 1) + i] = gk[j][e] * dkd;
+        }
     }
     {  // rowsum(S . dS'): 16 lanes per row, lane-strided, then a butterfly over the 16 lanes
       static_assert(kThreads == 16 * KT, "16 lanes per row");
@@ -431,11 +451,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (part == 0) sRow[i] = s;
     }
     __syncthreads();
-    if (t < KT) {  // dG_{L-1} += sum_r k dk + exp(G_L) rowsum(S . dS')
-      const int d = d0 + t;
+    // dG = q dq - k dk; row L - 1 also gets sum_r k dk + exp(G_L) rowsum(S . dS') (from t < KT).
+    const int d = d0 + ei;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = er + 16 * j;
+      if (r != L - 1) dG[r * K + d] = gq[j] * sDQ[r * (KT + 1) + ei] - sKD[r * (KT + 1) + ei];
+    }
+    if (t < KT) {
+      const int r = L - 1;
+      const float dgl = qn[r * K + d] * sDQ[r * (KT + 1) + t] - sKD[r * (KT + 1) + t];
       float s = 0.f;
-      for (int r = 0; r < kC; ++r) s += sKD[r * (KT + 1) + t];  // rows >= L are zero
-      dG[(L - 1) * K + d] += s + gl[d] * sRow[t];
+      for (int r2 = 0; r2 < kC; ++r2) s += sKD[r2 * (KT + 1) + t];  // rows >= L are zero
+      dG[r * K + d] = dgl + (s + gl[d] * sRow[t]);
     }
   }
 }
@@ -651,7 +679,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
     const int send = per_element ? n : ncol;  // columns taken by the split product
 
     // rows r = n .. n + 15: dq^intra_r = E_rn sum_{s < send} a_rs Y_s and R_r = E_rn sum_s
-    // b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores; warp w owns channels 8 w .. 8 w + 7.
+    // b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores (one Y fragment for both); warp w owns
+    // channels 8 w .. 8 w + 7.
     {
       float dbr[2] = {0.f, 0.f};  // k_r . R_r over the warp's channels, rows g and g + 8
       for (int c0 = 8 * warp; c0 < KH; c0 += 8 * kWarps) {
@@ -670,8 +699,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
         float aq[1][1][4], ab[1][1][4];
         zero(aq);
         zero(ab);
-        warp_mma<P>(aq, Mat{sCA, kAP2}, Mat{sY, KP}, n, c0, 0, send);
-        warp_mma<P>(ab, Mat{sCB, kAP2}, Mat{sY, KP}, n, c0, 0, send);
+        warp_mma_pair<P>(aq, Mat{sCA, kAP2}, ab, Mat{sCB, kAP2}, Mat{sY, KP}, n, c0, 0, send);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = acc_row(n, 0, e), d = acc_col(c0, 0, e);

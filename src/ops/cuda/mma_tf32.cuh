@@ -162,6 +162,56 @@ __device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, c
   }
 }
 
+// acc1 += A1 B and acc2 += A2 B over the same rows, columns and k range: each B fragment is
+// loaded and split once for both products. The same sums, bit for bit, as two warp_mma calls.
+template <Prec P, int WM, int WN, class MA1, class MA2, class MB>
+__device__ __forceinline__ void warp_mma_pair(float (&acc1)[WM][WN][4], const MA1& A1,
+                                              float (&acc2)[WM][WN][4], const MA2& A2, const MB& B,
+                                              int m0, int n0, int k0, int k1) {
+  if constexpr (P == Prec::fp32) {
+    warp_mma<P>(acc1, A1, B, m0, n0, k0, k1);
+    warp_mma<P>(acc2, A2, B, m0, n0, k0, k1);
+    return;
+  }
+  constexpr bool AX1 = is_exact<MA1>::value, AX2 = is_exact<MA2>::value, BX = is_exact<MB>::value;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 2
+  for (int k = k0; k < k1; k += 8) {
+    uint32_t ah1[WM][4], al1[WM][4], ah2[WM][4], al2[WM][4], bh[WN][2], bl[WN][2];
+#pragma unroll
+    for (int i = 0; i < WM; ++i) {
+      const int r = m0 + 16 * i + g;
+      split<P, AX1>(A1(r, k + t), ah1[i][0], al1[i][0]);
+      split<P, AX1>(A1(r + 8, k + t), ah1[i][1], al1[i][1]);
+      split<P, AX1>(A1(r, k + t + 4), ah1[i][2], al1[i][2]);
+      split<P, AX1>(A1(r + 8, k + t + 4), ah1[i][3], al1[i][3]);
+      split<P, AX2>(A2(r, k + t), ah2[i][0], al2[i][0]);
+      split<P, AX2>(A2(r + 8, k + t), ah2[i][1], al2[i][1]);
+      split<P, AX2>(A2(r, k + t + 4), ah2[i][2], al2[i][2]);
+      split<P, AX2>(A2(r + 8, k + t + 4), ah2[i][3], al2[i][3]);
+    }
+#pragma unroll
+    for (int j = 0; j < WN; ++j) {
+      const int c = n0 + 8 * j + g;
+      split<P, BX>(B(k + t, c), bh[j][0], bl[j][0]);
+      split<P, BX>(B(k + t + 4, c), bh[j][1], bl[j][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        if constexpr (P == Prec::tf32x3) {
+          if constexpr (!AX1) mma_m16n8k8(acc1[i][j], al1[i], bh[j]);
+          if constexpr (!BX) mma_m16n8k8(acc1[i][j], ah1[i], bl[j]);
+          if constexpr (!AX2) mma_m16n8k8(acc2[i][j], al2[i], bh[j]);
+          if constexpr (!BX) mma_m16n8k8(acc2[i][j], ah2[i], bl[j]);
+        }
+        mma_m16n8k8(acc1[i][j], ah1[i], bh[j]);
+        mma_m16n8k8(acc2[i][j], ah2[i], bh[j]);
+      }
+  }
+}
+
 template <int WM, int WN>
 __device__ __forceinline__ void zero(float (&acc)[WM][WN][4]) {
 #pragma unroll
