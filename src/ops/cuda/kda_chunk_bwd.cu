@@ -612,8 +612,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
   using namespace mma_cu;
   constexpr Prec P = prec_for<Tin, kTf32>;
   constexpr int KH = slice_k(K), NS = slices(K), KP = KH + 8;
-  constexpr int TN = KH / 16, NPT = 4 * TN / kWarps;  // P: 16 x 16 tiles [C / 16][TN], per warp
-  static_assert(NPT >= 1 && (4 * TN) % kWarps == 0, "whole P tiles per warp");
+  // P: 16 x 16 tiles [C / 16][TN], NPT per warp of the column side (kSide warps)
+  constexpr int kSide = kWarps / 2, TN = KH / 16, NPT = 4 * TN / kSide;
+  static_assert(NPT >= 1 && (4 * TN) % kSide == 0, "whole P tiles per warp");
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   const IntraBwdLayout lay(K);
@@ -678,106 +679,124 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
     const bool per_element = __syncthreads_or(wide) != 0;
     const int send = per_element ? n : ncol;  // columns taken by the split product
 
-    // rows r = n .. n + 15: dq^intra_r = E_rn sum_{s < send} a_rs Y_s and R_r = E_rn sum_s
-    // b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores (one Y fragment for both); warp w owns
-    // channels 8 w .. 8 w + 7.
-    {
-      float dbr[2] = {0.f, 0.f};  // k_r . R_r over the warp's channels, rows g and g + 8
-      for (int c0 = 8 * warp; c0 < KH; c0 += 8 * kWarps) {
+    // Two sides of four warps, both reading only X, Y, CA, CB, G, k^ and writing disjoint
+    // outputs:
+    //   row side (w < 4), rows r = n .. n + 15: dq^intra_r = E_rn sum_{s < send} a_rs Y_s and
+    //     R_r = E_rn sum_s b_rs Y_s (E_rn = exp(G_r - G_n)) on tensor cores, one Y fragment for
+    //     both; warp w owns channels 16 w .. 16 w + 15;
+    //   column side (w >= 4): the P tiles (below), warp 4 + w' owning tiles w', w' + 4, ...
+    if (warp < kSide) {
+      float dbr[2][2] = {};  // k_r . R_r per 8-channel group j, rows g and g + 8
+      for (int c0 = 16 * warp; c0 < KH; c0 += 16 * kSide) {
         // The global dq, dk, dG, q^ of the tile's elements, loaded before the products (the
         // stores below could otherwise serialise them).
-        float gq[4], gk[4], gG[4], gqn[4];
+        float gq[2][4], gk[2][4], gG[2][4], gqn[2][4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(n, 0, e), d = acc_col(c0, 0, e);
-          const bool in = r < L;
-          gq[e] = in ? dq[r * K + d] : 0.f;
-          gk[e] = in ? dk[r * K + d] : 0.f;
-          gG[e] = in ? dG[r * K + d] : 0.f;
-          gqn[e] = in ? qn[r * K + d] : 0.f;
-        }
-        float aq[1][1][4], ab[1][1][4];
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
+            const bool in = r < L;
+            gq[j][e] = in ? dq[r * K + d] : 0.f;
+            gk[j][e] = in ? dk[r * K + d] : 0.f;
+            gG[j][e] = in ? dG[r * K + d] : 0.f;
+            gqn[j][e] = in ? qn[r * K + d] : 0.f;
+          }
+        float aq[1][2][4], ab[1][2][4];
         zero(aq);
         zero(ab);
         warp_mma_pair<P>(aq, Mat{sCA, kAP2}, ab, Mat{sCB, kAP2}, Mat{sY, KP}, n, c0, 0, send);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(n, 0, e), d = acc_col(c0, 0, e);
-          const float E = expf(sG[r * KP + d] - sG[n * KP + d]);
-          float dqi = E * aq[0][0][e], R = E * ab[0][0][e];
-          if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
-            for (int s2 = n; s2 <= r; ++s2) {
-              const float kE = sK[s2 * KP + d] * expf(sG[r * KP + d] - sG[s2 * KP + d]);
-              dqi = fmaf(sCA[r * kAP2 + s2], kE, dqi);
-              R = fmaf(sCB[r * kAP2 + s2], kE, R);
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
+            const float E = expf(sG[r * KP + d] - sG[n * KP + d]);
+            float dqi = E * aq[0][j][e], R = E * ab[0][j][e];
+            if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
+              for (int s2 = n; s2 <= r; ++s2) {
+                const float kE = sK[s2 * KP + d] * expf(sG[r * KP + d] - sG[s2 * KP + d]);
+                dqi = fmaf(sCA[r * kAP2 + s2], kE, dqi);
+                R = fmaf(sCB[r * kAP2 + s2], kE, R);
+              }
+            }
+            const float kr = sK[r * KP + d], br = sBeta[r];
+            dbr[j][e >> 1] = fmaf(kr, R, dbr[j][e >> 1]);
+            if (r < L) {
+              dq[r * K + d] = gq[j][e] + dqi;
+              dk[r * K + d] = gk[j][e] + br * R;
+              dG[r * K + d] = gG[j][e] + (gqn[j][e] * dqi + br * kr * R);
             }
           }
-          const float kr = sK[r * KP + d], br = sBeta[r];
-          dbr[e >> 1] = fmaf(kr, R, dbr[e >> 1]);
-          if (r < L) {
-            dq[r * K + d] = gq[e] + dqi;
-            dk[r * K + d] = gk[e] + br * R;
-            dG[r * K + d] = gG[e] + (gqn[e] * dqi + br * kr * R);
-          }
+      }
+      // One partial per 8-channel group (over the 4 lanes t of a row), summed in group order
+      // after the barrier. KH <= 16 kSide: one pass of the loop above.
+      static_assert(slice_k(K) <= 16 * kSide, "one channel pass per warp");
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          dbr[j][e] += __shfl_xor_sync(0xffffffffu, dbr[j][e], 1);
+          dbr[j][e] += __shfl_xor_sync(0xffffffffu, dbr[j][e], 2);
+        }
+      if ((lane & 3) == 0 && 16 * warp < KH) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          sRowPart[(2 * warp + j) * kSub + (lane >> 2)] = dbr[j][0];
+          sRowPart[(2 * warp + j) * kSub + (lane >> 2) + 8] = dbr[j][1];
         }
       }
+    } else {
+      // columns s < send: P_s += exp(G_n - G_s) sum_{a < 16} (a_{n+a, s} Xq_a + b_{n+a, s} Xk_a),
+      // tensor cores, into the warp's P tiles; with per_element, the diagonal block's columns
+      // s = n .. n + 15 per element instead (rows r = s .. n + 15), in the same tiles.
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {  // over the 4 lanes (t) of a row
-        dbr[e] += __shfl_xor_sync(0xffffffffu, dbr[e], 1);
-        dbr[e] += __shfl_xor_sync(0xffffffffu, dbr[e], 2);
-      }
-      if ((lane & 3) == 0) {
-        sRowPart[warp * kSub + (lane >> 2)] = dbr[0];
-        sRowPart[warp * kSub + (lane >> 2) + 8] = dbr[1];
-      }
-    }
-    // columns s < send: P_s += exp(G_n - G_s) sum_{a < 16} (a_{n+a, s} Xq_a + b_{n+a, s} Xk_a),
-    // tensor cores, into the warp's P tiles; with per_element, the diagonal block's columns
-    // s = n .. n + 15 per element instead (rows r = s .. n + 15), in the same tiles.
+      for (int m = 0; m < NPT; ++m) {
+        const int tile = (warp - kSide) + kSide * m, m0 = 16 * (tile / TN), c0 = 16 * (tile % TN);
+        if (m0 < send) {
+          float acc[1][2][4];
+          zero(acc);
+          warp_mma<P>(acc, MatT{sCA + n * kAP2, kAP2}, Mat{sXq, KP}, m0, c0, 0, kSub);
+          warp_mma<P>(acc, MatT{sCB + n * kAP2, kAP2}, Mat{sXk, KP}, m0, c0, 0, kSub);
 #pragma unroll
-    for (int m = 0; m < NPT; ++m) {
-      const int tile = warp + kWarps * m, m0 = 16 * (tile / TN), c0 = 16 * (tile % TN);
-      if (m0 < send) {
-        float acc[1][2][4];
-        zero(acc);
-        warp_mma<P>(acc, MatT{sCA + n * kAP2, kAP2}, Mat{sXq, KP}, m0, c0, 0, kSub);
-        warp_mma<P>(acc, MatT{sCB + n * kAP2, kAP2}, Mat{sXk, KP}, m0, c0, 0, kSub);
+          for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int s2 = acc_row(m0, 0, e), d = acc_col(c0, j, e);
-            pacc[m][0][j][e] += expf(sG[n * KP + d] - sG[s2 * KP + d]) * acc[0][j][e];
-          }
-      } else if (per_element && m0 == n) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int s = acc_row(m0, 0, e), d = acc_col(c0, j, e);
-            float acc = 0.f;
-            for (int r = s; r < ncol; ++r) {
-              const float E = expf(sG[r * KP + d] - sG[s * KP + d]);
-              const float c =
-                  sCA[r * kAP2 + s] * qn[r * K + d] + sBeta[r] * sCB[r * kAP2 + s] * sK[r * KP + d];
-              acc = fmaf(c, E, acc);
+            for (int e = 0; e < 4; ++e) {
+              const int s2 = acc_row(m0, 0, e), d = acc_col(c0, j, e);
+              pacc[m][0][j][e] += expf(sG[n * KP + d] - sG[s2 * KP + d]) * acc[0][j][e];
             }
-            pacc[m][0][j][e] += acc;
-          }
+        } else if (per_element && m0 == n) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int s = acc_row(m0, 0, e), d = acc_col(c0, j, e);
+              float acc = 0.f;
+              for (int r = s; r < ncol; ++r) {
+                const float E = expf(sG[r * KP + d] - sG[s * KP + d]);
+                const float c = sCA[r * kAP2 + s] * qn[r * K + d] +
+                                sBeta[r] * sCB[r * kAP2 + s] * sK[r * KP + d];
+                acc = fmaf(c, E, acc);
+              }
+              pacc[m][0][j][e] += acc;
+            }
+        }
       }
     }
     __syncthreads();  // X, Y free for the next block row; the row updates complete
-    if (t < kSub) {   // intra dbeta of the block's rows: the warps' partials in warp order
+    if (t < kSub) {   // intra dbeta of the block's rows: the groups' partials in channel order
       float db = 0.f;
-      for (int w = 0; w < kWarps; ++w) db += sRowPart[w * kSub + t];
+      for (int w = 0; w < KH / 8; ++w) db += sRowPart[w * kSub + t];
       sDbI[n + t] = db;
     }
   }
   float* sP = sY;  // [C][KP] (Y is free after the last block row's barrier)
+  if (warp >= kSide) {
 #pragma unroll
-  for (int m = 0; m < NPT; ++m) {
-    const int tile = warp + kWarps * m, m0 = 16 * (tile / TN), c0 = 16 * (tile % TN);
-    for_each(pacc[m], m0, c0, [&](int s, int d, float x) { sP[s * KP + d] = x; });
+    for (int m = 0; m < NPT; ++m) {
+      const int tile = (warp - kSide) + kSide * m, m0 = 16 * (tile / TN), c0 = 16 * (tile % TN);
+      for_each(pacc[m], m0, c0, [&](int s, int d, float x) { sP[s * KP + d] = x; });
+    }
   }
   __syncthreads();
 
