@@ -23,8 +23,9 @@
 //     multiplied by a mask). A diagonal block that spans more (mean decay above ~5.3 nats per
 //     token; never with the lower-bound gate, which caps it at 5 * 15 = 75) forms exp(G_r - G_s)
 //     per element instead, only for s <= r (masked before the exp).
-// exp(-G) alone is never formed; exp(G) and exp(G_{L-1} - G) are <= 1. The factors use the
-// accurate expf (their arguments reach -80).
+// exp(-G) alone is never formed; exp(G) and exp(G_{L-1} - G) are <= 1. The factors take expf
+// for f32 inputs and __expf for bf16 inputs (exp_in, kda_chunk_common.cuh: ~6e-6 relative at the
+// 80-nat span, where the arguments reach -80).
 //
 // Kernel families (no atomics; every reduction has a fixed order). The matrix products run on
 // tensor cores for bf16 inputs (mma_tf32.cuh: TF32 operands, or 3xTF32 with exact_bf16_products;
@@ -367,14 +368,14 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
         ld16(GL + d, Gl);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          a[e] = p.scale * qn(r, d + e) * expf(G[e]);  // exp(G) <= 1
-          b[e] = kn(r, d + e) * expf(Gl[e] - G[e]);    // G_{L-1} <= G_r
+          a[e] = p.scale * qn(r, d + e) * exp_in<Tin>(G[e]);  // exp(G) <= 1
+          b[e] = kn(r, d + e) * exp_in<Tin>(Gl[e] - G[e]);    // G_{L-1} <= G_r
         }
       }
       st16(qg + E * i, a);
       st16(kg + E * i, b);
     }
-    if (t < K) p.gl[task * K + t] = expf(GL[t]);
+    if (t < K) p.gl[task * K + t] = exp_in<Tin>(GL[t]);
   }
 
   // ---- 4. A_qk (to global) and A_kk (to shared), one 16-row block row i at a time, all with the
@@ -409,13 +410,13 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
       for (int x0 = 0; x0 < K; x0 += KX) {
         for (int idx = t; idx < kSub * KX; idx += NT) {
           const int a = idx / KX, d = x0 + idx % KX;
-          const float e = expf(sG[(n + a) * KP + d] - sG[n * KP + d]);
+          const float e = exp_in<Tin>(sG[(n + a) * KP + d] - sG[n * KP + d]);
           sXq[a * XP + d - x0] = qn(n + a, d) * e;
           sXk[a * XP + d - x0] = kn(n + a, d) * e;
         }
         for (int idx = t; idx < ncol * KX; idx += NT) {
           const int s = idx / KX, d = x0 + idx % KX;
-          sY[s * XP + d - x0] = kn(s, d) * expf(sG[n * KP + d] - sG[s * KP + d]);
+          sY[s * XP + d - x0] = kn(s, d) * exp_in<Tin>(sG[n * KP + d] - sG[s * KP + d]);
         }
         __syncthreads();
         if (prod < 2) warp_mma<P>(acc, Mat{prod ? sXk : sXq, XP}, MatT{sY, XP}, 0, n0, 0, KX);
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
               x = 0.f;
               for (int d = 0; d < K; ++d)  // r >= s
                 x = fmaf(prod ? kn(r, d) : qn(r, d),
-                         kn(s, d) * expf(sG[r * KP + d] - sG[s * KP + d]), x);
+                         kn(s, d) * exp_in<Tin>(sG[r * KP + d] - sG[s * KP + d]), x);
             }
             v = prod == 0 ? p.scale * x : sBeta[r] * x;
           }
@@ -511,7 +512,7 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
 #pragma unroll 4
   for (int i = t; i < kC * K; i += NT) {
     const int s = i / K, d = i % K;
-    sG[s * KP + d] = kn(s, d) * (sBeta[s] * expf(sG[s * KP + d]));
+    sG[s * KP + d] = kn(s, d) * (sBeta[s] * exp_in<Tin>(sG[s * KP + d]));
   }
   __syncthreads();
   if (p.vec16) {

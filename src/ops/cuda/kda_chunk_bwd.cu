@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = acc_row(m0, 0, e), i = acc_col(0, j, e), d = d0 + i;
-          const float dqv = p.scale * expf(gG[j][e]) * a1[0][j][e];
+          const float dqv = p.scale * exp_in<Tin>(gG[j][e]) * a1[0][j][e];
           dq[r * K + d] = dqv;
           dw[r * K + d] = -a3[0][j][e];
           sDQ[r * (KT + 1) + i] = dqv;
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = acc_row(m0, 0, e), i = acc_col(0, j, e), d = d0 + i;
-          const float dkd = expf(gL[j][e] - gG[j][e]) * a2[0][j][e];
+          const float dkd = exp_in<Tin>(gL[j][e] - gG[j][e]) * a2[0][j][e];
           dk[r * K + d] = dkd;
           sKD[r * (KT + 1) + i] = gk[j][e] * dkd;
         }
@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_wy_kernel(const BwdParams
 #pragma unroll
       for (int dd = 0; dd < NK; ++dd) {
         const int d = lane + 32 * dd;
-        const float e = expf(ge[dd]), x = sXB[s * NP + d];
+        const float e = exp_in<Tin>(ge[dd]), x = sXB[s * NP + d];
         const float gk2 = e * gk[dd] * x;
         db += gk2;
         dk[s * K + d] = gdk[dd] + bs * e * x;
@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
     // Y_s = k_s exp(G_n - G_s) (s < n + 16)
     for (int idx = t; idx < kSub * KH; idx += kThreads) {
       const int a = idx / KH, d = idx % KH;
-      const float e = expf(sG[(n + a) * KP + d] - sG[n * KP + d]);
+      const float e = exp_in<Tin>(sG[(n + a) * KP + d] - sG[n * KP + d]);
       sXq[a * KP + d] = qn[(n + a) * K + d] * e;
       sXk[a * KP + d] = sBeta[n + a] * sK[(n + a) * KP + d] * e;
     }
@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
       const int s = idx / KH, d = idx % KH;
       const float x = sG[n * KP + d] - sG[s * KP + d];
       if (s >= n) wide |= !(fabsf(x) <= kSpanMax);
-      sY[s * KP + d] = sK[s * KP + d] * expf(x);
+      sY[s * KP + d] = sK[s * KP + d] * exp_in<Tin>(x);
     }
     // Also the barrier for X, Y. A slice decides for its own channels: the split and the
     // per-element sum are two exact forms of the same terms.
@@ -711,11 +711,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = acc_row(n, 0, e), d = acc_col(c0, j, e);
-            const float E = expf(sG[r * KP + d] - sG[n * KP + d]);
+            const float E = exp_in<Tin>(sG[r * KP + d] - sG[n * KP + d]);
             float dqi = E * aq[0][j][e], R = E * ab[0][j][e];
             if (per_element) {  // the diagonal block, exp(G_r - G_s) per element for s <= r
               for (int s2 = n; s2 <= r; ++s2) {
-                const float kE = sK[s2 * KP + d] * expf(sG[r * KP + d] - sG[s2 * KP + d]);
+                const float kE = sK[s2 * KP + d] * exp_in<Tin>(sG[r * KP + d] - sG[s2 * KP + d]);
                 dqi = fmaf(sCA[r * kAP2 + s2], kE, dqi);
                 R = fmaf(sCB[r * kAP2 + s2], kE, R);
               }
@@ -763,7 +763,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int s2 = acc_row(m0, 0, e), d = acc_col(c0, j, e);
-              pacc[m][0][j][e] += expf(sG[n * KP + d] - sG[s2 * KP + d]) * acc[0][j][e];
+              pacc[m][0][j][e] += exp_in<Tin>(sG[n * KP + d] - sG[s2 * KP + d]) * acc[0][j][e];
             }
         } else if (per_element && m0 == n) {
 #pragma unroll
@@ -773,7 +773,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
               const int s = acc_row(m0, 0, e), d = acc_col(c0, j, e);
               float acc = 0.f;
               for (int r = s; r < ncol; ++r) {
-                const float E = expf(sG[r * KP + d] - sG[s * KP + d]);
+                const float E = exp_in<Tin>(sG[r * KP + d] - sG[s * KP + d]);
                 const float c = sCA[r * kAP2 + s] * qn[r * K + d] +
                                 sBeta[r] * sCB[r * kAP2 + s] * sK[r * KP + d];
                 acc = fmaf(c, E, acc);
