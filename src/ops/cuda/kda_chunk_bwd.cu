@@ -865,7 +865,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
             dae = mul0(acc, g);
           } else {
             const float y = mul0(eA, x);
-            const float ds = sigmoid_f(y) * sigmoid_f(-y);
+            // sigmoid(y) sigmoid(-y) = e / (1 + e)^2 with e = exp(-|y|): one exp, one division
+            const float e = exp_in<Tin>(-fabsf(y)), rc = 1.f / (1.f + e);
+            const float ds = e * rc * rc;
             dz = mul0(mul0(acc * p.lower_bound, ds), eA);
             dae = mul0(dz, x);
           }
