@@ -111,6 +111,27 @@ __device__ __forceinline__ int acc_col(int n0, int j, int e) {
   return n0 + 8 * j + 2 * (threadIdx.x & 3) + (e & 1);
 }
 
+// One k step's fragments, split: A rows r, r + 8 at columns k + t, k + t + 4 (t = lane % 4;
+// r = the tile's first row + lane / 4), and B rows k + t, k + t + 4 at column c.
+template <Prec P, class MA>
+__device__ __forceinline__ void split_a(const MA& A, int r, int k, uint32_t (&hi)[4],
+                                        uint32_t (&lo)[4]) {
+  constexpr bool X = is_exact<MA>::value;
+  const int t = threadIdx.x & 3;
+  split<P, X>(A(r, k + t), hi[0], lo[0]);
+  split<P, X>(A(r + 8, k + t), hi[1], lo[1]);
+  split<P, X>(A(r, k + t + 4), hi[2], lo[2]);
+  split<P, X>(A(r + 8, k + t + 4), hi[3], lo[3]);
+}
+template <Prec P, class MB>
+__device__ __forceinline__ void split_b(const MB& B, int k, int c, uint32_t (&hi)[2],
+                                        uint32_t (&lo)[2]) {
+  constexpr bool X = is_exact<MB>::value;
+  const int t = threadIdx.x & 3;
+  split<P, X>(B(k + t, c), hi[0], lo[0]);
+  split<P, X>(B(k + t + 4, c), hi[1], lo[1]);
+}
+
 // acc += A[m0 .. m0 + 16 WM)[k0 .. k1) B[k0 .. k1)[n0 .. n0 + 8 WN), k1 - k0 a multiple of 8.
 // One warp (all 32 lanes, converged).
 template <Prec P, int WM, int WN, class MA, class MB>
@@ -131,24 +152,14 @@ __device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, c
     return;
   }
   constexpr bool AX = is_exact<MA>::value, BX = is_exact<MB>::value;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll 2
   for (int k = k0; k < k1; k += 8) {
     uint32_t ah[WM][4], al[WM][4], bh[WN][2], bl[WN][2];
 #pragma unroll
-    for (int i = 0; i < WM; ++i) {
-      const int r = m0 + 16 * i + g;
-      split<P, AX>(A(r, k + t), ah[i][0], al[i][0]);
-      split<P, AX>(A(r + 8, k + t), ah[i][1], al[i][1]);
-      split<P, AX>(A(r, k + t + 4), ah[i][2], al[i][2]);
-      split<P, AX>(A(r + 8, k + t + 4), ah[i][3], al[i][3]);
-    }
+    for (int i = 0; i < WM; ++i) split_a<P>(A, m0 + 16 * i + g, k, ah[i], al[i]);
 #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      const int c = n0 + 8 * j + g;
-      split<P, BX>(B(k + t, c), bh[j][0], bl[j][0]);
-      split<P, BX>(B(k + t + 4, c), bh[j][1], bl[j][1]);
-    }
+    for (int j = 0; j < WN; ++j) split_b<P>(B, k, n0 + 8 * j + g, bh[j], bl[j]);
 #pragma unroll
     for (int i = 0; i < WM; ++i)
 #pragma unroll
@@ -174,28 +185,17 @@ __device__ __forceinline__ void warp_mma_pair(float (&acc1)[WM][WN][4], const MA
     return;
   }
   constexpr bool AX1 = is_exact<MA1>::value, AX2 = is_exact<MA2>::value, BX = is_exact<MB>::value;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll 2
   for (int k = k0; k < k1; k += 8) {
     uint32_t ah1[WM][4], al1[WM][4], ah2[WM][4], al2[WM][4], bh[WN][2], bl[WN][2];
 #pragma unroll
     for (int i = 0; i < WM; ++i) {
-      const int r = m0 + 16 * i + g;
-      split<P, AX1>(A1(r, k + t), ah1[i][0], al1[i][0]);
-      split<P, AX1>(A1(r + 8, k + t), ah1[i][1], al1[i][1]);
-      split<P, AX1>(A1(r, k + t + 4), ah1[i][2], al1[i][2]);
-      split<P, AX1>(A1(r + 8, k + t + 4), ah1[i][3], al1[i][3]);
-      split<P, AX2>(A2(r, k + t), ah2[i][0], al2[i][0]);
-      split<P, AX2>(A2(r + 8, k + t), ah2[i][1], al2[i][1]);
-      split<P, AX2>(A2(r, k + t + 4), ah2[i][2], al2[i][2]);
-      split<P, AX2>(A2(r + 8, k + t + 4), ah2[i][3], al2[i][3]);
+      split_a<P>(A1, m0 + 16 * i + g, k, ah1[i], al1[i]);
+      split_a<P>(A2, m0 + 16 * i + g, k, ah2[i], al2[i]);
     }
 #pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      const int c = n0 + 8 * j + g;
-      split<P, BX>(B(k + t, c), bh[j][0], bl[j][0]);
-      split<P, BX>(B(k + t + 4, c), bh[j][1], bl[j][1]);
-    }
+    for (int j = 0; j < WN; ++j) split_b<P>(B, k, n0 + 8 * j + g, bh[j], bl[j]);
 #pragma unroll
     for (int i = 0; i < WM; ++i)
 #pragma unroll
