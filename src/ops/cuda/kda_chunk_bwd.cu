@@ -599,7 +599,7 @@ struct IntraBwdLayout {
     beta = y + kC * KP;   // beta   [C]
     dbi = beta + kC;      // intra dbeta over the block's channels [C]
     red = dbi + kC;       // [KH] dA_log partials per channel
-    rp = red + K;         // [warps][16] intra dbeta partials of a block row
+    rp = red + K;         // [KH / 8 <= warps][16] intra dbeta partials of a block row
     total = rp + kWarps * kSub;
   }
 };
@@ -652,7 +652,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
   cp_async_wait<0>();
   __syncthreads();
 
-  // P tiles of this warp: tile w + kWarps m -> rows 16 (tile / TN) .., channels 16 (tile % TN) ..
+  // P tiles of column-side warp kSide + w': tile w' + kSide m -> rows 16 (tile / TN) .., channels
+  // 16 (tile % TN) ..
   float pacc[NPT][1][2][4];
 #pragma unroll
   for (int m = 0; m < NPT; ++m) zero(pacc[m]);
