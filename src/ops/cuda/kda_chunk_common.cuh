@@ -29,10 +29,10 @@ __device__ __forceinline__ float sigmoid_f(float x) {
   return e / (1.f + e);
 }
 
-// e^x in the chunk kernels' decay factors: f32 inputs expf (within 1 ulp, 8 instructions); bf16
-// inputs __expf (ex2.approx of x log2 e, 2 instructions; at most 2 + 1.17 |x| ulp: ~6e-6 relative
-// at the largest split span, 80 nats, and ~1e-6 over one chunk's usual decay, far below the
-// rounding of the bf16 inputs). The gate activations keep expf.
+// e^x in the chunk kernels' decay factors (and the intra backward's lower-bound gate derivative):
+// f32 inputs expf (within 1 ulp, 8 instructions); bf16 inputs __expf (ex2.approx of x log2 e, 2
+// instructions; CUDA's bound of 2 + 1.17 |x| ulp is ~6e-6 relative at the largest split span, 80
+// nats, far below the rounding of the bf16 inputs). The other gate activations keep expf.
 template <class Tin>
 __device__ __forceinline__ float exp_in(float x) {
   if constexpr (std::is_same_v<Tin, float>)

@@ -175,6 +175,9 @@ __device__ __forceinline__ void warp_mma(float (&acc)[WM][WN][4], const MA& A, c
 
 // acc1 += A1 B and acc2 += A2 B over the same rows, columns and k range: each B fragment is
 // loaded and split once for both products. The same sums, bit for bit, as two warp_mma calls.
+// The mma loop is written out rather than shared with warp_mma: the mma asm is volatile, so its
+// order is kept as written, and interleaving the two accumulators keeps each one's three 3xTF32
+// products from issuing back to back on one dependency chain.
 template <Prec P, int WM, int WN, class MA1, class MA2, class MB>
 __device__ __forceinline__ void warp_mma_pair(float (&acc1)[WM][WN][4], const MA1& A1,
                                               float (&acc2)[WM][WN][4], const MA2& A2, const MB& B,
