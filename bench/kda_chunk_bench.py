@@ -6,10 +6,13 @@
 #
 # Usage: python3 bench/kda_chunk_bench.py --lib BUILD/bench/libhlm_kda_bench.so [--no-fla]
 #        [--rows 1,2,...] [--rep MS] [--tf32-stages M1,M2,...] [--no-saved]
-# Forward + backward rows time ours twice: "ours" recomputes the forward intermediates in the
-# backward (the least memory), "ours-s" has the forward save them (KdaChunkCudaBuffers::saved,
-# ~5.5 KiB per token and head more memory) and the backward skip its recompute; the two must give
-# the same bits ("same bits" / "DIFFERENT BITS" on the ours-s line). --no-saved skips ours-s.
+# Forward + backward rows time ours three times: "ours" recomputes the forward intermediates in
+# the backward (the least memory), "ours-k" has the forward keep A_qk and M^-1
+# (KdaChunkCudaBuffers::kept, 512 bytes per token and head, as FLA keeps its A_qk and A_kk) and the
+# backward recompute the rest, "ours-s" has the forward save all of them
+# (KdaChunkCudaBuffers::saved, ~5.5 KiB per token and head) and the backward skip its recompute;
+# all must give the same bits ("same bits" / "DIFFERENT BITS" on the ours-k and ours-s lines).
+# --no-saved skips ours-k and ours-s.
 # --tf32-stages (a library built with -DHLM_KDA_TF32_STUDY=ON): time ours once per mask of the
 # stages whose bf16 products run in plain TF32 (HLM_KDA_TF32_STAGES, kda_chunk_common.cuh), and
 # print every tensor's error and a digest of the output bits (to check that a change keeps them).
@@ -219,7 +222,7 @@ def main():
         for n in ("q", "k", "v", "g", "beta", "do"):
             x32[n] = x[n].float().contiguous()
         h32 = ours.create(x32, 0)
-        ms_ours = ms_saved = None
+        ms_ours = ms_saved = ms_kept = None
         res_ours = None
         if not grads or ours.has_backward:
             fn = ours.lib.hlm_kda_forward_backward if grads else ours.lib.hlm_kda_forward
@@ -248,13 +251,18 @@ def main():
             ms_ours = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25,
                                               rep=args.rep, return_mode="median")
             if grads and not args.no_saved:
-                ours.check(ours.lib.hlm_kda_set_save(h, 1))
-                ours.check(fn(h))
-                res_saved = ours.results(h, x, torch.bfloat16, grads)
-                ms_saved = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25,
+                for mode in (2, 1):
+                    ours.check(ours.lib.hlm_kda_set_save(h, mode))
+                    ours.check(fn(h))
+                    res_m = ours.results(h, x, torch.bfloat16, grads)
+                    ms_m = triton.testing.do_bench(lambda: ours.check(fn(h)), warmup=25,
                                                    rep=args.rep, return_mode="median")
-                same_saved = all(torch.equal(res_saved[n], res_ours[n]) for n in res_ours)
-                del res_saved
+                    same_m = all(torch.equal(res_m[n], res_ours[n]) for n in res_ours)
+                    del res_m
+                    if mode == 2:
+                        ms_kept, same_kept = ms_m, same_m
+                    else:
+                        ms_saved, same_saved = ms_m, same_m
             ours.lib.hlm_kda_destroy(h)
         else:
             ours.check(ours.lib.hlm_kda_forward(h32))
@@ -282,10 +290,12 @@ def main():
         if ms_ours is not None:
             ratio = f"{ms_fla / ms_ours:>8.2f}" if ms_fla else f"{'-':>8}"
             print(line("ours", ms_ours) + f" | {ratio} | {errs(res_ours)}")
-        if ms_saved is not None:
-            ratio = f"{ms_fla / ms_saved:>8.2f}" if ms_fla else f"{'-':>8}"
-            print(line("ours-s", ms_saved) + f" | {ratio} | "
-                  f"{'same bits' if same_saved else 'DIFFERENT BITS'}")
+        for name, ms_m, same_m in (("ours-k", ms_kept, ms_kept and same_kept),
+                                   ("ours-s", ms_saved, ms_saved and same_saved)):
+            if ms_m is not None:
+                ratio = f"{ms_fla / ms_m:>8.2f}" if ms_fla else f"{'-':>8}"
+                print(line(name, ms_m) + f" | {ratio} | "
+                      f"{'same bits' if same_m else 'DIFFERENT BITS'}")
         sys.stdout.flush()
         del x, x32
         torch.cuda.empty_cache()

@@ -7,9 +7,9 @@
 // our own and allocates every output and workspace once, so that hlm_kda_forward /
 // hlm_kda_forward_backward time the kernels alone; hlm_kda_set_save switches the forward to
 // saving its intermediates for the backward (KdaChunkCudaBuffers::saved), which then skips its
-// recompute; hlm_kda_fetch copies the results back into the caller's tensors; hlm_kda_destroy
-// frees everything. Functions return 0, or -1 with the message
-// in hlm_kda_last_error().
+// recompute, or to keeping A_qk and M^-1 (KdaChunkCudaBuffers::kept); hlm_kda_fetch copies the
+// results back into the caller's tensors; hlm_kda_destroy frees everything. Functions return 0, or
+// -1 with the message in hlm_kda_last_error().
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -141,23 +141,30 @@ void* hlm_kda_create(const HlmKdaProblem* p) {
   return rc == 0 ? h : nullptr;
 }
 
-// on != 0: the forward saves the backward's intermediates and the backward reads them (the
-// backward's workspace shrinks to its scratch); on == 0: the backward recomputes them (default).
-int hlm_kda_set_save(void* handle, int on) {
+// mode 1: the forward saves the backward's intermediates and the backward reads them (the
+// backward's workspace shrinks to its scratch); mode 2: the forward keeps A_qk and M^-1
+// (KdaChunkCudaBuffers::kept) and the backward recomputes the rest; mode 0: the backward
+// recomputes everything (default).
+int hlm_kda_set_save(void* handle, int mode) {
   return guarded([&] {
+    HLM_CHECK(mode >= 0 && mode <= 2, "hlm_kda_set_save: mode must be 0, 1 or 2, got {}", mode);
     Handle* h = static_cast<Handle*>(handle);
     const hlm::ops::KdaArgs& a = h->args;
-    h->fwd.saved = Tensor();
-    h->bwd.saved = Tensor();
+    h->fwd.saved = h->bwd.saved = Tensor();
+    h->fwd.kept = h->bwd.kept = Tensor();
     h->bwd.workspace = Tensor();  // freed before the new allocations
-    if (on) {
+    if (mode == 1) {
       h->fwd.saved =
           Tensor::empty({hlm::ops::kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
       h->bwd.saved = h->fwd.saved;
+    } else if (mode == 2) {
+      h->fwd.kept =
+          Tensor::empty({hlm::ops::kda_chunk_cuda_kept_floats(a)}, DType::f32, Device::cuda);
+      h->bwd.kept = h->fwd.kept;
     }
     if (h->d_o.defined())
-      h->bwd.workspace = Tensor::empty({hlm::ops::kda_chunk_bwd_cuda_workspace_floats(a, on != 0)},
-                                       DType::f32, Device::cuda);
+      h->bwd.workspace = Tensor::empty(
+          {hlm::ops::kda_chunk_bwd_cuda_workspace_floats(a, mode == 1)}, DType::f32, Device::cuda);
   });
 }
 

@@ -47,6 +47,12 @@ struct KdaChunkCudaBuffers {
   // the backward, given it as KdaChunkBwdCudaBuffers::saved, skips its recompute: the same bits
   // as a backward that recomputes, for ~1.1x the forward's time.
   Tensor saved;
+  // Training, the lighter alternative to `saved`: f32, at least kda_chunk_cuda_kept_floats(a)
+  // elements. When defined, the forward also stores there A_qk and M^-1 of every chunk (512 bytes
+  // per token and value head, as FLA keeps its A_qk and A_kk), and the backward, given it as
+  // KdaChunkBwdCudaBuffers::kept, recomputes everything else but not those two (its A products
+  // and the inverse): the same bits as a backward that recomputes all.
+  Tensor kept;
 };
 
 // Number of f32 elements of the workspace the call needs (the intermediates W, U, qg, kg, A_qk,
@@ -56,6 +62,9 @@ int64_t kda_chunk_cuda_workspace_floats(const KdaArgs& a);
 // k^, beta, M^-1, the chunk-start states h and V_new of every chunk (K = V = 128: ~5.5 KiB per
 // token and value head).
 int64_t kda_chunk_cuda_saved_floats(const KdaArgs& a);
+// Number of f32 elements of KdaChunkCudaBuffers::kept: A_qk and M^-1, [2, NC, HV, C, C] (NC the
+// number of chunks).
+int64_t kda_chunk_cuda_kept_floats(const KdaArgs& a);
 
 KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& buffers = {});
 
@@ -80,6 +89,9 @@ struct KdaChunkBwdCudaBuffers {
   // KdaArgs (the same inputs, unchanged since): the backward reads the intermediates from it
   // instead of recomputing them (the results are bit-identical either way).
   Tensor saved;
+  // Or the forward's KdaChunkCudaBuffers::kept (same conditions): the recompute reads A_qk and
+  // M^-1 from it instead of forming them.
+  Tensor kept;
   // Optional outputs (f32, the shapes above; each defined one is written instead of allocated).
   Tensor dq, dk, dv, dg, dbeta, dinitial_state, dA_log, ddt_bias;
 };
@@ -111,6 +123,7 @@ struct Intermediates {
   float* minv = nullptr;                 // [NC, HV, C, C]                  backward only
   float *h = nullptr, *vnew = nullptr;   // [NC, HV, K, V], [NC, HV, C, V]  backward only
   float* ht = nullptr;                   // [N, HV, K, V] final state (required)
+  bool a_kept = false;  // aqk and minv hold the forward's kept values: read, not formed
 };
 // Launches the forward's intra and state kernels (no output o), asynchronously.
 void recompute(const KdaArgs& a, const Plan& p, const Intermediates& x);
@@ -120,6 +133,8 @@ int64_t saved_floats(const Plan& p);
 Intermediates saved_intermediates(const Plan& p, float* base);
 // The V tile (32 or 64) of the sequential state passes, forward and reverse, for this call.
 int state_tile(const Plan& p);
+// Floats of the kept A_qk and M^-1 (KdaChunkCudaBuffers::kept).
+int64_t kept_floats(const Plan& p);
 }  // namespace kda_cuda_detail
 
 }  // namespace hlm::ops

@@ -408,6 +408,26 @@ void saved_vs_recompute(const Case& c) {
   std::printf("  saved vs recompute (%s): %s\n", name.c_str(),
               same ? "bit-identical" : "DIFFERENT");
 
+  // The lighter mode: the forward keeps A_qk and M^-1 (KdaChunkCudaBuffers::kept, NaN-poisoned
+  // first), the backward recomputes the rest from them.
+  ops::KdaChunkCudaBuffers fk;
+  fk.kept = Tensor::full({ops::kda_chunk_cuda_kept_floats(gpu)}, nan, DType::f32, Device::cuda);
+  const ops::KdaOutput kept = ops::kda_chunk_forward_cuda(gpu, fk);
+  EXPECT_TRUE(testing::bit_equal(kept.o, plain.o)) << name << ": o (kept)";
+  EXPECT_TRUE(testing::bit_equal(kept.final_state, plain.final_state)) << name << ": ht (kept)";
+  ops::KdaChunkBwdCudaBuffers bk = poisoned(gpu);
+  bk.kept = fk.kept;
+  const KdaGrads from_kept = ops::kda_chunk_backward_cuda(gpu, d_o, dht, bk);
+  bool same_k = true;
+  for (const Named& f : kFields) {
+    if (!(recomputed.*(f.field)).defined()) continue;
+    const bool eq = testing::bit_equal(from_kept.*(f.field), recomputed.*(f.field));
+    EXPECT_TRUE(eq) << name << ": " << f.name << " from the kept A_qk, M^-1 differs";
+    same_k = same_k && eq;
+  }
+  std::printf("  kept vs recompute (%s): %s\n", name.c_str(),
+              same_k ? "bit-identical" : "DIFFERENT");
+
   // A second step through the same buffers with a new v and d o matches a fresh
   // recomputing backward on those inputs: nothing of the first step leaks into the second.
   KdaArgs g2 = gpu;
@@ -415,11 +435,16 @@ void saved_vs_recompute(const Case& c) {
   const Tensor d_o2 = randn({T, c.HV, c.V}, c.dt, rng).to(Device::cuda);
   ops::kda_chunk_forward_cuda(g2, fb);
   const KdaGrads s2 = ops::kda_chunk_backward_cuda(g2, d_o2, dht, bb);
+  ops::kda_chunk_forward_cuda(g2, fk);
+  const KdaGrads k2 = ops::kda_chunk_backward_cuda(g2, d_o2, dht, bk);
   const KdaGrads r2 = ops::kda_chunk_backward_cuda(g2, d_o2, dht);
   for (const Named& f : kFields)
-    if ((r2.*(f.field)).defined())
+    if ((r2.*(f.field)).defined()) {
       EXPECT_TRUE(testing::bit_equal(s2.*(f.field), r2.*(f.field)))
           << name << ": second step, " << f.name;
+      EXPECT_TRUE(testing::bit_equal(k2.*(f.field), r2.*(f.field)))
+          << name << ": second step (kept), " << f.name;
+    }
 }
 
 TEST(KdaChunkBwdGpu, SavedForwardMatchesRecompute) {
@@ -569,6 +594,21 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
                                   DType::f32, Device::cuda);
     EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
   }
+  {  // kept buffers too small, or given with saved
+    const int64_t n = ops::kda_chunk_cuda_kept_floats(a);
+    ops::KdaChunkCudaBuffers fb;
+    fb.kept = Tensor::empty({n - 64}, DType::f32, Device::cuda);
+    EXPECT_THROW(ops::kda_chunk_forward_cuda(a, fb), Error);
+    fb.kept = Tensor::empty({n}, DType::f32, Device::cuda);
+    fb.saved = Tensor::empty({ops::kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
+    EXPECT_THROW(ops::kda_chunk_forward_cuda(a, fb), Error);
+    ops::KdaChunkBwdCudaBuffers buf;
+    buf.kept = Tensor::empty({n - 64}, DType::f32, Device::cuda);
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
+    buf.kept = fb.kept;
+    buf.saved = fb.saved;
+    EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
+  }
 }
 
 // The target shapes: bf16, fused lower-bound gate -5, use_qk_l2norm, beta logits, K = V = 128,
@@ -652,6 +692,21 @@ TEST(KdaChunkBwdGpu, Timing) {
     b.workspace = Tensor();  // the recomputing backward's workspace is not needed any more
     const double fwd_s = time([&] { ops::kda_chunk_forward_cuda(a, fs); });
     const double bwd_s = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, bs); });
+    const double saved_gb = double(fs.saved.nbytes()) / 1e9;
+    fs.saved = bs.saved = Tensor();
+    // The lighter pair: the forward keeps A_qk and M^-1, the backward recomputes the rest.
+    ops::KdaChunkCudaBuffers fk = fb;
+    fk.kept = Tensor::empty({ops::kda_chunk_cuda_kept_floats(a)}, DType::f32, Device::cuda);
+    ops::KdaChunkBwdCudaBuffers bk = b;
+    bk.workspace =
+        Tensor::empty({ops::kda_chunk_bwd_cuda_workspace_floats(a)}, DType::f32, Device::cuda);
+    bk.kept = fk.kept;
+    const double fwd_k = time([&] { ops::kda_chunk_forward_cuda(a, fk); });
+    const double bwd_k = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, bk); });
+    setenv("HLM_KDA_BWD_PROFILE", "1", 1);
+    ops::kda_chunk_backward_cuda(a, d_o, dht, bk);
+    unsetenv("HLM_KDA_BWD_PROFILE");
+    bk.workspace = Tensor();
     setenv("HLM_KDA_BWD_PROFILE", "1", 1);  // one more call with the stage times on stderr
     ops::kda_chunk_backward_cuda(a, d_o, dht, b);
     unsetenv("HLM_KDA_BWD_PROFILE");
@@ -660,9 +715,10 @@ TEST(KdaChunkBwdGpu, Timing) {
     std::printf(
         "kda timing bf16 lower-bound+l2norm+beta_logits T=%lld H=%lld N=%lld K=V=128: backward "
         "%.3f ms, forward %.3f ms, fwd+bwd %.3f ms; saved intermediates: forward %.3f ms, "
-        "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB saved)\n",
+        "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB saved); kept A_qk, M^-1: forward %.3f ms, "
+        "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB kept)\n",
         (long long)sh.T, (long long)sh.H, (long long)sh.N, bwd, fwd, fwd + bwd, fwd_s, bwd_s,
-        fwd_s + bwd_s, double(fs.saved.nbytes()) / 1e9);
+        fwd_s + bwd_s, saved_gb, fwd_k, bwd_k, fwd_k + bwd_k, double(fk.kept.nbytes()) / 1e9);
   }
 }
 

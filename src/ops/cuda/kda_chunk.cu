@@ -73,7 +73,7 @@ constexpr float kSpanMax = 80.f;    // largest decay span (nats) of a diagonal 1
 constexpr int kBV = 32;             // V tile of the state pass: 32, or 64 when that still fills
                                     // the GPU (state_tile)
 constexpr int kAP = kC + 4;         // row stride of the C x C shared matrices (A_kk, M^-1)
-constexpr int kTP = 3 * kSub + 1;   // row stride of the block-inverse scratch [16][48]
+constexpr int kTP = 3 * kSub + 4;   // row stride of the block-inverse scratch [16][48]
 constexpr int kIntraKX = 64;        // channels per pass of the intra kernel's A products
 
 static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
@@ -107,7 +107,10 @@ struct IntraParams {
   float* qn_out;    // [NC, HV, C, K]
   float* kn_out;    // [NC, HV, C, K]
   float* beta_out;  // [NC, HV, C]
-  float* minv_out;  // [NC, HV, C, C]
+  float* minv_out;  // [NC, HV, C, C] (also the forward's, when it keeps M^-1 for the backward)
+  // Backward recompute from the forward's kept A_qk (then read-only at aqk) and M^-1: the A
+  // products and the inverse are skipped; null otherwise.
+  const float* minv_in;  // [NC, HV, C, C]
   int H, HV, V;
   float scale;
   int gate;           // GateKind
@@ -185,13 +188,20 @@ __host__ __device__ constexpr int state_smem_floats(int K, int BV) {
 
 // ------------------------------------------------------------------ device helpers
 
-// The decay gate of kda_gate.h on x = z + dt_bias.
+// The decay gate of kda_gate.h on x = z + dt_bias. The lower-bound gate lb sigmoid(y), y = eA x,
+// takes, for bf16 inputs, e = exp(-|y|) and r = 1 / (1 + e) (sigmoid(y) = r for y >= 0, e r
+// below): one exp and one reciprocal, both the fast forms (exp_in, rcp_in). f32 inputs keep
+// sigmoid_f (expf, IEEE division).
+template <class Tin>
 __device__ __forceinline__ float gate_f(float x, float eA, int kind, float lb) {
   if (kind == kGateStandard) {
     const float sp = x > 20.f ? x : log1pf(expf(x));
     return -mul0(eA, sp);
   }
-  return lb * sigmoid_f(mul0(eA, x));
+  const float y = mul0(eA, x);
+  if constexpr (std::is_same_v<Tin, float>) return lb * sigmoid_f(y);
+  const float e = exp_in<Tin>(-fabsf(y)), r = rcp_in<Tin>(1.f + e);
+  return lb * (y >= 0.f ? r : e * r);
 }
 
 // ------------------------------------------------------------------ intra-chunk kernel
@@ -202,23 +212,6 @@ __device__ __forceinline__ T raw_zero() {
     return 0.f;
   else
     return __float2bfloat16_rn(0.f);
-}
-
-// n consecutive elements (n * sizeof(T) a multiple of 16 bytes, p 16-byte aligned) as 16-byte
-// loads / stores.
-template <int n, class T>
-__device__ __forceinline__ void ld16(const T* p, T (&v)[n]) {
-  static_assert(n * sizeof(T) % 16 == 0, "whole 16-byte chunks");
-#pragma unroll
-  for (int c = 0; c < int(n * sizeof(T) / 16); ++c)
-    reinterpret_cast<uint4*>(v)[c] = reinterpret_cast<const uint4*>(p)[c];
-}
-template <int n, class T>
-__device__ __forceinline__ void st16(T* p, const T (&v)[n]) {
-  static_assert(n * sizeof(T) % 16 == 0, "whole 16-byte chunks");
-#pragma unroll
-  for (int c = 0; c < int(n * sizeof(T) / 16); ++c)
-    reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(v)[c];
 }
 
 template <int K, class Tin, bool kTf32>
@@ -257,7 +250,7 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
   // ---- 1. load g (through the gate when fused), q, k, beta; zero the padded rows
   const float eA = (p.gate != kGateNone && p.A_log) ? expf(p.A_log[h]) : 1.f;
   auto gate_of = [&](float x, float bias) {
-    return p.gate == kGateNone ? x : gate_f(x + bias, eA, p.gate, p.lower_bound);
+    return p.gate == kGateNone ? x : gate_f<Tin>(x + bias, eA, p.gate, p.lower_bound);
   };
   if (p.vec16) {  // 8 channels per thread and step (K % 8 == 0; rows of 16-byte multiples)
     constexpr int E = 8;
@@ -344,8 +337,10 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
       const int r = i / (K / E), d = E * (i % (K / E));
       alignas(16) float G[E], qv[E], kv[E];
       ld16(sG + r * KP + d, G);
+      lds4(sQ + r * RS + d, qv);
+      lds4(sK + r * RS + d, kv);
 #pragma unroll
-      for (int e = 0; e < E; ++e) qv[e] = qn(r, d + e), kv[e] = kn(r, d + e);
+      for (int e = 0; e < E; ++e) qv[e] *= sRq[r], kv[e] *= sRk[r];
       st16(p.G_out + task * kC * K + E * i, G);
       st16(p.qn_out + task * kC * K + E * i, qv);
       st16(p.kn_out + task * kC * K + E * i, kv);
@@ -363,13 +358,16 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
       const int r = i / (K / E), d = E * (i % (K / E));
       alignas(16) float a[E] = {0.f, 0.f, 0.f, 0.f}, b[E] = {0.f, 0.f, 0.f, 0.f};
       if (r < L) {
-        alignas(16) float G[E], Gl[E];
+        alignas(16) float G[E], Gl[E], qr[E], kr[E];
         ld16(sG + r * KP + d, G);
         ld16(GL + d, Gl);
+        lds4(sQ + r * RS + d, qr);
+        lds4(sK + r * RS + d, kr);
+        const float rq = sRq[r], rk = sRk[r];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          a[e] = p.scale * qn(r, d + e) * exp_in<Tin>(G[e]);  // exp(G) <= 1
-          b[e] = kn(r, d + e) * exp_in<Tin>(Gl[e] - G[e]);    // G_{L-1} <= G_r
+          a[e] = p.scale * (qr[e] * rq) * exp_in<Tin>(G[e]);  // exp(G) <= 1
+          b[e] = (kr[e] * rk) * exp_in<Tin>(Gl[e] - G[e]);    // G_{L-1} <= G_r
         }
       }
       st16(qg + E * i, a);
@@ -378,122 +376,156 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
     if (t < K) p.gl[task * K + t] = exp_in<Tin>(GL[t]);
   }
 
-  // ---- 4. A_qk (to global) and A_kk (to shared), one 16-row block row i at a time, all with the
-  // reference row n = 16 i: Xq_r = q_r exp(G_r - G_n), Xk_r = k_r exp(G_r - G_n) for the 16 rows
-  // r of block row i, Y_s = k_s exp(G_n - G_s) for s < n + 16, and A[r][s] = Xq_r . Y_s.
-  //   s < n (off-diagonal blocks): both factors <= 1, always safe.
-  //   n <= s <= r (diagonal block): exp(G_r - G_n) >= exp(-span), exp(G_n - G_s) <= exp(span),
-  //     span = max_d (G_n - G_{n+15}); used while span <= kSpanMax (both factors normal and
-  //     finite; upper-triangle products are discarded by select). A block row whose diagonal block
-  //     spans more (mean decay > kSpanMax / 15 nats per token) forms exp(G_r - G_s) per element.
-  // X and Y are formed KX channels at a time (the tile accumulators persist over the passes).
-  // Warp w owns the 16 x 8 tile w of the block row: product w / nt (0: A_qk, 1: A_kk), columns
-  // 8 (w % nt) ..
-  {
-    float* sXq = sX;                 // [16][XP]
-    float* sXk = sX + kSub * XP;     // [16][XP]
-    float* sY = sX + 2 * kSub * XP;  // [64][XP]
-    float* aqk = p.aqk + task * kC * kC;
-    const int warp = t >> 5;
+  float* sM = sX;   // [C][kAP] M^-1 (steps 5, 6)
+  if (p.minv_in) {  // backward recompute from the forward's kept A_qk and M^-1: steps 4, 5 skipped
+    for (int i = t; i < kC * kC / 4; i += NT) {
+      const int r = i / (kC / 4), c = 4 * (i % (kC / 4));
+      st4(sM + r * kAP + c, ld4(p.minv_in + task * kC * kC + 4 * i));
+    }
+    __syncthreads();
+  } else {
+    // ---- 4. A_qk (to global) and A_kk (to shared), one 16-row block row i at a time, all with the
+    // reference row n = 16 i: Xq_r = q_r exp(G_r - G_n), Xk_r = k_r exp(G_r - G_n) for the 16 rows
+    // r of block row i, Y_s = k_s exp(G_n - G_s) for s < n + 16, and A[r][s] = Xq_r . Y_s.
+    //   s < n (off-diagonal blocks): both factors <= 1, always safe.
+    //   n <= s <= r (diagonal block): exp(G_r - G_n) >= exp(-span), exp(G_n - G_s) <= exp(span),
+    //     span = max_d (G_n - G_{n+15}); used while span <= kSpanMax (both factors normal and
+    //     finite; upper-triangle products are discarded by select). A block row whose diagonal
+    //     block spans more (mean decay > kSpanMax / 15 nats per token) forms exp(G_r - G_s) per
+    //     element.
+    // X and Y are formed KX channels at a time (the tile accumulators persist over the passes).
+    // Warp w owns the 16 x 8 tile w of the block row: product w / nt (0: A_qk, 1: A_kk), columns
+    // 8 (w % nt) ..
+    {
+      float* sXq = sX;                 // [16][XP]
+      float* sXk = sX + kSub * XP;     // [16][XP]
+      float* sY = sX + 2 * kSub * XP;  // [64][XP]
+      float* aqk = p.aqk + task * kC * kC;
+      const int warp = t >> 5;
 #pragma unroll  // constant n: constant divisors below
-    for (int i = 0; i < kC / kSub; ++i) {
-      const int n = kSub * i, ncol = n + kSub, nt = ncol / 8;
-      bool wide = false;
-      for (int idx = t; idx < kSub * K; idx += NT) {
-        const int s = n + idx / K, d = idx % K;
-        wide |= !(fabsf(sG[n * KP + d] - sG[s * KP + d]) <= kSpanMax);
-      }
-      const bool per_element = __syncthreads_or(wide) != 0;
-      const int prod = warp / nt, n0 = 8 * (warp % nt);  // prod 0: A_qk, 1: A_kk, >= 2: idle
-      float acc[1][1][4];
-      zero(acc);
-      for (int x0 = 0; x0 < K; x0 += KX) {
-        for (int idx = t; idx < kSub * KX; idx += NT) {
-          const int a = idx / KX, d = x0 + idx % KX;
-          const float e = exp_in<Tin>(sG[(n + a) * KP + d] - sG[n * KP + d]);
-          sXq[a * XP + d - x0] = qn(n + a, d) * e;
-          sXk[a * XP + d - x0] = kn(n + a, d) * e;
-        }
-        for (int idx = t; idx < ncol * KX; idx += NT) {
-          const int s = idx / KX, d = x0 + idx % KX;
-          sY[s * XP + d - x0] = kn(s, d) * exp_in<Tin>(sG[n * KP + d] - sG[s * KP + d]);
-        }
-        __syncthreads();
-        if (prod < 2) warp_mma<P>(acc, Mat{prod ? sXk : sXq, XP}, MatT{sY, XP}, 0, n0, 0, KX);
-        __syncthreads();  // X, Y free for the next pass
-      }
-      if (prod < 2)
-        for_each(acc, 0, n0, [&](int a, int s, float x) {
-          const int r = n + a;
-          float v = 0.f;  // s > r (A_qk) or s >= r (A_kk): zero
-          if (prod == 0 ? s <= r : s < r) {
-            if (per_element && s >= n) {
-              x = 0.f;
-              for (int d = 0; d < K; ++d)  // r >= s
-                x = fmaf(prod ? kn(r, d) : qn(r, d),
-                         kn(s, d) * exp_in<Tin>(sG[r * KP + d] - sG[s * KP + d]), x);
+      for (int i = 0; i < kC / kSub; ++i) {
+        const int n = kSub * i, ncol = n + kSub, nt = ncol / 8;
+        const int prod = warp / nt, n0 = 8 * (warp % nt);  // prod 0: A_qk, 1: A_kk, >= 2: idle
+        float acc[1][1][4];
+        zero(acc);
+        bool wide = false, per_element = false;
+        for (int x0 = 0; x0 < K; x0 += KX) {
+          // Four channels per thread: the sweep's rows 0..15 are Xq / Xk (rows n..n+15, where the
+          // diagonal block's span is checked too), rows 16.. are Y (rows 0..ncol-1).
+          constexpr int C4 = KX / 4, RPS = NT / C4;
+          const int c = 4 * (t % C4), d = x0 + c;
+          alignas(16) float gn[4];
+          ld16(sG + n * KP + d, gn);
+          for (int row = t / C4; row < kSub + ncol; row += RPS) {
+            alignas(16) float G[4], kr[4], y[4];
+            if (row < kSub) {  // warp-uniform: a warp's lanes cover NT / C4 / 16 = 2 rows
+              const int r = n + row;
+              alignas(16) float qr[4], xq[4];
+              ld16(sG + r * KP + d, G);
+              lds4(sQ + r * RS + d, qr);
+              lds4(sK + r * RS + d, kr);
+              const float rq = sRq[r], rk = sRk[r];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                wide |= !(fabsf(gn[e] - G[e]) <= kSpanMax);
+                const float ee = exp_in<Tin>(G[e] - gn[e]);
+                xq[e] = (qr[e] * rq) * ee;
+                y[e] = (kr[e] * rk) * ee;
+              }
+              st16(sXq + row * XP + c, xq);
+              st16(sXk + row * XP + c, y);
+            } else {
+              const int s = row - kSub;
+              ld16(sG + s * KP + d, G);
+              lds4(sK + s * RS + d, kr);
+              const float rk = sRk[s];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) y[e] = (kr[e] * rk) * exp_in<Tin>(gn[e] - G[e]);
+              st16(sY + s * XP + c, y);
             }
-            v = prod == 0 ? p.scale * x : sBeta[r] * x;
           }
-          if (prod == 0)
-            aqk[r * kC + s] = v;
+          if (x0 + KX < K)
+            __syncthreads();
           else
-            sA[r * kAP + s] = v;
-        });
-      for (int idx = t; idx < kSub * (kC - ncol); idx += NT)  // columns past the block row
-        aqk[(n + idx / (kC - ncol)) * kC + ncol + idx % (kC - ncol)] = 0.f;
+            per_element = __syncthreads_or(wide) != 0;
+          if (prod < 2) warp_mma<P>(acc, Mat{prod ? sXk : sXq, XP}, MatT{sY, XP}, 0, n0, 0, KX);
+          __syncthreads();  // X, Y free for the next pass
+        }
+        if (prod < 2)
+          for_each(acc, 0, n0, [&](int a, int s, float x) {
+            const int r = n + a;
+            float v = 0.f;  // s > r (A_qk) or s >= r (A_kk): zero
+            if (prod == 0 ? s <= r : s < r) {
+              if (per_element && s >= n) {
+                x = 0.f;
+                for (int d = 0; d < K; ++d)  // r >= s
+                  x = fmaf(prod ? kn(r, d) : qn(r, d),
+                           kn(s, d) * exp_in<Tin>(sG[r * KP + d] - sG[s * KP + d]), x);
+              }
+              v = prod == 0 ? p.scale * x : sBeta[r] * x;
+            }
+            if (prod == 0)
+              aqk[r * kC + s] = v;
+            else
+              sA[r * kAP + s] = v;
+          });
+        for (int idx = t; idx < kSub * (kC - ncol); idx += NT)  // columns past the block row
+          aqk[(n + idx / (kC - ncol)) * kC + ncol + idx % (kC - ncol)] = 0.f;
+      }
+      __syncthreads();  // A_kk complete
     }
-    __syncthreads();  // A_kk complete
-  }
 
-  // ---- 5. M^-1 = (I + A_kk)^-1 into sM (lower triangular, zeros above the diagonal).
-  // (a) the four 16x16 diagonal blocks D_b^-1 by forward substitution, one thread per column j,
-  //     the column in registers: X[r][j] = -sum_{m < r} A[r][m] X[m][j] (X[m][j] = 0 for m < j),
-  //     X[j][j] = 1;
-  // (b) block rows i = 1..3: T = A[block i][0, n) M^-1[0, n)[0, n);  M^-1[block i][0, n) = -D_i^-1
-  // T.
-  float* sM = sX;             // [C][kAP]
-  float* sT = sX + kC * kAP;  // [16][kTP]
-  for (int idx = t; idx < kC * kAP; idx += NT) sM[idx] = 0.f;
-  __syncthreads();
-  if (t < kC) {
-    const int n = t & ~(kSub - 1), jj = t & (kSub - 1);
-    float x[kSub];
+    // ---- 5. M^-1 = (I + A_kk)^-1 into sM (lower triangular, zeros above the diagonal).
+    // (a) the four 16x16 diagonal blocks D_b^-1 by forward substitution, one thread per column j,
+    //     the column in registers: X[r][j] = -sum_{m < r} A[r][m] X[m][j] (X[m][j] = 0 for m < j),
+    //     X[j][j] = 1;
+    // (b) block rows i = 1..3: T = A[block i][0, n) M^-1[0, n)[0, n);  M^-1[block i][0, n) =
+    // -D_i^-1 T.
+    float* sT = sX + kC * kAP;  // [16][kTP]
+    for (int idx = t; idx < kC * kAP; idx += NT) sM[idx] = 0.f;
+    __syncthreads();
+    if (t < kC) {
+      const int n = t & ~(kSub - 1), jj = t & (kSub - 1);
+      float x[kSub];
 #pragma unroll
-    for (int r = 0; r < kSub; ++r) x[r] = r == jj ? 1.f : 0.f;
+      for (int r = 0; r < kSub; ++r) x[r] = r == jj ? 1.f : 0.f;
 #pragma unroll
-    for (int r = 1; r < kSub; ++r) {
-      float acc = 0.f;
+      for (int r = 1; r < kSub; ++r) {
+        float acc = 0.f;
 #pragma unroll
-      for (int m = 0; m < r; ++m) acc = fmaf(sA[(n + r) * kAP + n + m], x[m], acc);
-      if (r > jj) x[r] = -acc;
+        for (int m = 0; m < r; ++m) acc = fmaf(sA[(n + r) * kAP + n + m], x[m], acc);
+        if (r > jj) x[r] = -acc;
+      }
+#pragma unroll
+      for (int r = 0; r < kSub; ++r) sM[(n + r) * kAP + n + jj] = x[r];
     }
-#pragma unroll
-    for (int r = 0; r < kSub; ++r) sM[(n + r) * kAP + n + jj] = x[r];
-  }
-  __syncthreads();
+    __syncthreads();
 #pragma unroll  // constant n: constant divisors below
-  for (int i = 1; i < kC / kSub; ++i) {
-    const int n = kSub * i;
-    for (int idx = t; idx < kSub * n; idx += NT) {
-      const int a = idx / n, c = idx % n;
-      float acc = 0.f;
-      for (int m = c; m < n; ++m) acc = fmaf(sA[(n + a) * kAP + m], sM[m * kAP + c], acc);
-      sT[a * kTP + c] = acc;
+    for (int i = 1; i < kC / kSub; ++i) {
+      // Four columns c .. c + 3 per thread (a float4 of M^-1 or T per step). Column c + j's sum
+      // starts at m = c, not c + j: the extra terms are products with the exact zeros of M^-1
+      // above its diagonal, so every element is the same sum, bit for bit, as one column at a time.
+      const int n = kSub * i, nc = n / 4;
+      for (int idx = t; idx < kSub * nc; idx += NT) {
+        const int a = idx / nc, c = 4 * (idx % nc);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int m = c; m < n; ++m) fma4(acc, sA[(n + a) * kAP + m], ld4(sM + m * kAP + c));
+        st4(sT + a * kTP + c, acc);
+      }
+      __syncthreads();
+      for (int idx = t; idx < kSub * nc; idx += NT) {
+        const int a = idx / nc, c = 4 * (idx % nc);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int m = 0; m <= a; ++m) fma4(acc, sM[(n + a) * kAP + n + m], ld4(sT + m * kTP + c));
+        st4(sM + (n + a) * kAP + c, make_float4(-acc.x, -acc.y, -acc.z, -acc.w));
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    for (int idx = t; idx < kSub * n; idx += NT) {
-      const int a = idx / n, c = idx % n;
-      float acc = 0.f;
-      for (int m = 0; m <= a; ++m) acc = fmaf(sM[(n + a) * kAP + n + m], sT[m * kTP + c], acc);
-      sM[(n + a) * kAP + c] = -acc;
-    }
-    __syncthreads();
-  }
 
-  if (p.minv_out)  // backward recompute
-    for (int idx = t; idx < kC * kC; idx += NT)
-      p.minv_out[task * kC * kC + idx] = sM[(idx / kC) * kAP + idx % kC];
+    if (p.minv_out)  // backward recompute, or the forward keeping M^-1
+      for (int idx = t; idx < kC * kC; idx += NT)
+        p.minv_out[task * kC * kC + idx] = sM[(idx / kC) * kAP + idx % kC];
+  }  // steps 4, 5
 
   // ---- 6. W = M^-1 (beta exp(G) k), U = M^-1 (beta v). beta exp(G) k replaces G in place;
   // beta v then replaces the raw q and k. With vec16, v arrives 16 bytes per load, issued
@@ -509,10 +541,15 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
       if (i < kC * vl_row && s < L) ld16(p.v + ((int64_t(bos) + s) * p.HV + h) * p.V + c, vr[j]);
     }
   }
-#pragma unroll 4
-  for (int i = t; i < kC * K; i += NT) {
-    const int s = i / K, d = i % K;
-    sG[s * KP + d] = kn(s, d) * (sBeta[s] * exp_in<Tin>(sG[s * KP + d]));
+  for (int i = t; i < kC * K / 4; i += NT) {
+    const int s = i / (K / 4), d = 4 * (i % (K / 4));
+    alignas(16) float G[4], kr[4];
+    ld16(sG + s * KP + d, G);
+    lds4(sK + s * RS + d, kr);
+    const float rk = sRk[s], b = sBeta[s];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) G[e] = (kr[e] * rk) * (b * exp_in<Tin>(G[e]));
+    st16(sG + s * KP + d, G);
   }
   __syncthreads();
   if (p.vec16) {
@@ -893,7 +930,8 @@ void run_kernels(const kda_cuda_detail::Plan& pl, const KdaArgs& a,
     ip.qn_out = x.qn;
     ip.kn_out = x.kn;
     ip.beta_out = x.beta;
-    ip.minv_out = x.minv;
+    ip.minv_out = x.a_kept ? nullptr : x.minv;
+    ip.minv_in = x.a_kept ? x.minv : nullptr;
     HLM_CHECK(!x.G == !x.qn && !x.G == !x.kn && !x.G == !x.beta, "{}: G, qn, kn, beta go together",
               kOp);
     ip.H = int(pl.H), ip.HV = int(pl.HV), ip.V = int(pl.V);
@@ -968,6 +1006,10 @@ int64_t kda_chunk_cuda_workspace_floats(const KdaArgs& a) {
   return make_plan(a).total;
 }
 
+int64_t kda_chunk_cuda_kept_floats(const KdaArgs& a) {
+  return kda_cuda_detail::kept_floats(make_plan(a));
+}
+
 KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& buffers) {
   const Plan pl = make_plan(a);
   const DType dt = a.q.dtype();
@@ -978,7 +1020,8 @@ KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& bu
                                   "buffers.final_state");
   // The intermediates: in the caller's `saved` buffer in the backward's layout (with G, q^, k^,
   // beta, M^-1, h and V_new), or in the forward's own workspace.
-  const bool save = buffers.saved.defined();
+  const bool save = buffers.saved.defined(), keep = buffers.kept.defined();
+  HLM_CHECK(!(save && keep), "{}: buffers.saved and buffers.kept are alternatives; give one", kOp);
   const Tensor ws = save ? workspace_buffer(buffers.saved, kda_cuda_detail::saved_floats(pl), kOp,
                                             "buffers.saved")
                          : workspace_buffer(buffers.workspace, pl.total, kOp);
@@ -994,6 +1037,12 @@ KdaOutput kda_chunk_forward_cuda(const KdaArgs& a, const KdaChunkCudaBuffers& bu
     x.u = wsp + pl.off_u;
     x.aqk = wsp + pl.off_aqk;
     x.gl = wsp + pl.off_gl;
+  }
+  if (keep) {  // A_qk and M^-1 into the caller's buffer, for the backward
+    const Tensor kb =
+        workspace_buffer(buffers.kept, kda_cuda_detail::kept_floats(pl), kOp, "buffers.kept");
+    x.aqk = kb.data<float>();
+    x.minv = x.aqk + pl.NC * pl.HV * kC * kC;
   }
   static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
   device_copy(const_cast<int*>(x.meta), Device::cuda, pl.meta.data(), Device::cpu,
@@ -1011,6 +1060,10 @@ namespace kda_cuda_detail {
 
 Plan plan(const KdaArgs& a, const char* op) {
   return make_plan(a, op);
+}
+
+int64_t kept_floats(const Plan& p) {
+  return 2 * p.NC * p.HV * kC * kC;
 }
 
 void recompute(const KdaArgs& a, const Plan& p, const Intermediates& x) {

@@ -662,18 +662,42 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
     const int n = kSub * ib, ncol = n + kSub;
     // Xq_r = q_r exp(G_r - G_n), Xk_r = beta_r k_r exp(G_r - G_n) (rows of block ib),
     // Y_s = k_s exp(G_n - G_s) (s < n + 16)
-    for (int idx = t; idx < kSub * KH; idx += kThreads) {
-      const int a = idx / KH, d = idx % KH;
-      const float e = exp_in<Tin>(sG[(n + a) * KP + d] - sG[n * KP + d]);
-      sXq[a * KP + d] = qn[(n + a) * K + d] * e;
-      sXk[a * KP + d] = sBeta[n + a] * sK[(n + a) * KP + d] * e;
-    }
+    // Four channels per thread: the sweep's rows 0..15 are Xq / Xk (rows n..n+15, where the
+    // diagonal block's span is checked too), rows 16.. are Y (rows 0..ncol-1).
     bool wide = false;
-    for (int idx = t; idx < ncol * KH; idx += kThreads) {
-      const int s = idx / KH, d = idx % KH;
-      const float x = sG[n * KP + d] - sG[s * KP + d];
-      if (s >= n) wide |= !(fabsf(x) <= kSpanMax);
-      sY[s * KP + d] = sK[s * KP + d] * exp_in<Tin>(x);
+    {
+      constexpr int C4 = KH / 4, RPS = kThreads / C4;
+      static_assert(RPS % 2 == 0 && 32 % C4 == 0, "warp-uniform X / Y rows");
+      const int c = 4 * (t % C4);
+      alignas(16) float gn[4];
+      ld16(sG + n * KP + c, gn);
+      for (int row = t / C4; row < kSub + ncol; row += RPS) {
+        alignas(16) float G[4], kv[4], y[4];
+        if (row < kSub) {
+          const int r = n + row;
+          alignas(16) float qv[4], xq[4];
+          ld16(sG + r * KP + c, G);
+          ld16(sK + r * KP + c, kv);
+          ld16(qn + r * K + c, qv);
+          const float br = sBeta[r];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            wide |= !(fabsf(gn[e] - G[e]) <= kSpanMax);
+            const float ee = exp_in<Tin>(G[e] - gn[e]);
+            xq[e] = qv[e] * ee;
+            y[e] = br * kv[e] * ee;
+          }
+          st16(sXq + row * KP + c, xq);
+          st16(sXk + row * KP + c, y);
+        } else {
+          const int s2 = row - kSub;
+          ld16(sG + s2 * KP + c, G);
+          ld16(sK + s2 * KP + c, kv);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) y[e] = kv[e] * exp_in<Tin>(gn[e] - G[e]);
+          st16(sY + s2 * KP + c, y);
+        }
+      }
     }
     // Also the barrier for X, Y. A slice decides for its own channels: the split and the
     // per-element sum are two exact forms of the same terms.
@@ -866,8 +890,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
             dae = mul0(acc, g);
           } else {
             const float y = mul0(eA, x);
-            // sigmoid(y) sigmoid(-y) = e / (1 + e)^2 with e = exp(-|y|): one exp, one division
-            const float e = exp_in<Tin>(-fabsf(y)), rc = 1.f / (1.f + e);
+            // sigmoid(y) sigmoid(-y) = e / (1 + e)^2 with e = exp(-|y|): one exp, one reciprocal
+            const float e = exp_in<Tin>(-fabsf(y)), rc = rcp_in<Tin>(1.f + e);
             const float ds = e * rc * rc;
             dz = mul0(mul0(acc * p.lower_bound, ds), eA);
             dae = mul0(dz, x);
@@ -1139,8 +1163,8 @@ void launch_bwd(const kda_cuda_detail::Plan& pl, const BwdParams<Tin>& bp, bool 
 
 template <class Tin>
 void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_o,
-             const Tensor& d_final, const float* sv, float* ws, const Layout& l, KdaGrads& g,
-             Profile& prof) {
+             const Tensor& d_final, const kda_cuda_detail::Intermediates& x, float* ws,
+             const Layout& l, KdaGrads& g, Profile& prof) {
   BwdParams<Tin> bp{};
   bp.q = static_cast<const Tin*>(a.q.raw());
   bp.k = static_cast<const Tin*>(a.k.raw());
@@ -1150,14 +1174,13 @@ void run_bwd(const kda_cuda_detail::Plan& pl, const KdaArgs& a, const Tensor& d_
   bp.dht = d_final.defined() ? d_final.data<float>() : nullptr;
   bp.A_log = (a.gate && a.A_log.defined()) ? a.A_log.data<float>() : nullptr;
   bp.dt_bias = (a.gate && a.dt_bias.defined()) ? a.dt_bias.data<float>() : nullptr;
-  const int* meta = reinterpret_cast<const int*>(sv + l.meta);
-  bp.chunk_bos = meta;
-  bp.chunk_len = meta + pl.NC;
-  bp.first_chunk = meta + 2 * pl.NC;
-  bp.qg = sv + l.qg, bp.kg = sv + l.kg, bp.w = sv + l.w, bp.u = sv + l.u;
-  bp.aqk = sv + l.aqk, bp.gl = sv + l.gl, bp.G = sv + l.G, bp.qn = sv + l.qn;
-  bp.kn = sv + l.kn, bp.beta = sv + l.beta, bp.minv = sv + l.minv, bp.h = sv + l.h;
-  bp.vnew = sv + l.vnew;
+  bp.chunk_bos = x.meta;
+  bp.chunk_len = x.meta + pl.NC;
+  bp.first_chunk = x.meta + 2 * pl.NC;
+  bp.qg = x.qg, bp.kg = x.kg, bp.w = x.w, bp.u = x.u;
+  bp.aqk = x.aqk, bp.gl = x.gl, bp.G = x.G, bp.qn = x.qn;
+  bp.kn = x.kn, bp.beta = x.beta, bp.minv = x.minv, bp.h = x.h;
+  bp.vnew = x.vnew;
   bp.dvnew = ws + l.dvnew, bp.dh = ws + l.dh, bp.daqk = ws + l.daqk, bp.dakk = ws + l.dakk;
   bp.dakv = ws + l.dakv;
   bp.dw = ws + l.dw, bp.dq = ws + l.dq, bp.dk = ws + l.dk, bp.dG = ws + l.dG;
@@ -1254,29 +1277,40 @@ KdaGrads kda_chunk_backward_cuda(const KdaArgs& a, const Tensor& d_o, const Tens
   if (a.gate && a.dt_bias.defined())
     g.ddt_bias = output(buffers.ddt_bias, {pl.HV * pl.K}, "buffers.ddt_bias");
 
-  const bool saved = buffers.saved.defined();
+  const bool saved = buffers.saved.defined(), kept = buffers.kept.defined();
+  HLM_CHECK(!(saved && kept), "{}: buffers.saved and buffers.kept are alternatives; give one", kOp);
   const Tensor ws = workspace_buffer(buffers.workspace, saved ? l.scratch : l.saved + l.scratch,
                                      kOp, "buffers.workspace");
   Profile prof;
   prof.mark("start");
   float* sv = nullptr;
+  kda_cuda_detail::Intermediates x;
   if (saved) {  // B1 done by the forward
     const Tensor s = workspace_buffer(buffers.saved, l.saved, kOp, "buffers.saved");
     sv = s.data<float>();
+    x = kda_cuda_detail::saved_intermediates(pl, sv);
   } else {  // B1: the forward's kernels, storing what the backward needs
     sv = ws.data<float>();
+    x = kda_cuda_detail::saved_intermediates(pl, sv);
+    if (kept) {  // A_qk and M^-1 as the forward kept them
+      const Tensor kb =
+          workspace_buffer(buffers.kept, kda_cuda_detail::kept_floats(pl), kOp, "buffers.kept");
+      x.aqk = kb.data<float>();
+      x.minv = x.aqk + pl.NC * pl.HV * kC * kC;
+      x.a_kept = true;
+    }
     static_assert(sizeof(int32_t) == sizeof(float), "the chunk table shares the f32 workspace");
     device_copy(sv + l.meta, Device::cuda, pl.meta.data(), Device::cpu,
                 pl.meta.size() * sizeof(int32_t));
-    kda_cuda_detail::recompute(a, pl, kda_cuda_detail::saved_intermediates(pl, sv));
+    kda_cuda_detail::recompute(a, pl, x);
     prof.mark("recompute");
   }
   float* scratch = saved ? ws.data<float>() : sv + l.saved;
 
   if (a.q.dtype() == DType::bf16)
-    run_bwd<__nv_bfloat16>(pl, a, d_o, d_final_state, sv, scratch, l, g, prof);
+    run_bwd<__nv_bfloat16>(pl, a, d_o, d_final_state, x, scratch, l, g, prof);
   else
-    run_bwd<float>(pl, a, d_o, d_final_state, sv, scratch, l, g, prof);
+    run_bwd<float>(pl, a, d_o, d_final_state, x, scratch, l, g, prof);
   device_synchronize();
   const cudaError_t err = cudaGetLastError();
   HLM_CHECK(err == cudaSuccess, "{}: kernels: {}", kOp, cudaGetErrorString(err));

@@ -29,16 +29,34 @@ __device__ __forceinline__ float sigmoid_f(float x) {
   return e / (1.f + e);
 }
 
-// e^x in the chunk kernels' decay factors (and the intra backward's lower-bound gate derivative):
-// f32 inputs expf (within 1 ulp, 8 instructions); bf16 inputs __expf (ex2.approx of x log2 e, 2
-// instructions; CUDA's bound of 2 + 1.17 |x| ulp is ~6e-6 relative at the largest split span, 80
-// nats, far below the rounding of the bf16 inputs). The other gate activations keep expf.
+// e^x in the chunk kernels' decay factors (and the gate activations of bf16 inputs): f32 inputs
+// expf (within 1 ulp, 8 instructions); bf16 inputs 2^(x log2 e) by ex2.approx.ftz (2
+// instructions: __expf without -ftz adds a range test and two scalings for subnormal results).
+// CUDA's bound for __expf, 2 + 1.17 |x| ulp, is ~6e-6 relative at the largest split span, 80
+// nats, far below the rounding of the bf16 inputs; results below 2^-126 (x < -87.3) flush to
+// zero, where the FP32 value is below 1.2e-38 of the terms it scales.
 template <class Tin>
 __device__ __forceinline__ float exp_in(float x) {
-  if constexpr (std::is_same_v<Tin, float>)
+  if constexpr (std::is_same_v<Tin, float>) {
     return expf(x);
-  else
-    return __expf(x);
+  } else {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+    return y;
+  }
+}
+
+// 1 / x for the gate activations: IEEE division for f32 inputs; for bf16 inputs the approximate
+// reciprocal (rcp.approx.ftz, within 1 ulp), taken only on x in [1, 2].
+template <class Tin>
+__device__ __forceinline__ float rcp_in(float x) {
+  if constexpr (std::is_same_v<Tin, float>) {
+    return 1.f / x;
+  } else {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
 }
 
 // a * b with 0 * anything = 0 (the gate's 0 * inf guard, as the CPU gate).
@@ -59,6 +77,34 @@ __device__ __forceinline__ void fma4(float4& acc, float a, float4 x) {
   acc.y = fmaf(a, x.y, acc.y);
   acc.z = fmaf(a, x.z, acc.z);
   acc.w = fmaf(a, x.w, acc.w);
+}
+
+// n consecutive elements (n * sizeof(T) a multiple of 16 bytes, p 16-byte aligned) as 16-byte
+// loads / stores.
+template <int n, class T>
+__device__ __forceinline__ void ld16(const T* p, T (&v)[n]) {
+  static_assert(n * sizeof(T) % 16 == 0, "whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < int(n * sizeof(T) / 16); ++c)
+    reinterpret_cast<uint4*>(v)[c] = reinterpret_cast<const uint4*>(p)[c];
+}
+template <int n, class T>
+__device__ __forceinline__ void st16(T* p, const T (&v)[n]) {
+  static_assert(n * sizeof(T) % 16 == 0, "whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < int(n * sizeof(T) / 16); ++c)
+    reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(v)[c];
+}
+
+// 4 consecutive elements of a raw (Tin) shared-memory row as f32 (p 4-element aligned).
+__device__ __forceinline__ void lds4(const float* p, float (&x)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+}
+__device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&x)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  x[0] = __uint_as_float(v.x << 16), x[1] = __uint_as_float(v.x & 0xffff0000u);
+  x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
 // cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fence.
