@@ -252,7 +252,10 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
   auto gate_of = [&](float x, float bias) {
     return p.gate == kGateNone ? x : gate_f<Tin>(x + bias, eA, p.gate, p.lower_bound);
   };
-  if (p.vec16) {  // 8 channels per thread and step (K % 8 == 0; rows of 16-byte multiples)
+  // 8 channels per thread and step (K % 8 == 0; rows of 16-byte multiples), the loop once per
+  // gate kind (kind a constant: no per-element branch on it)
+  auto load16 = [&](auto kind_c) {
+    constexpr int kind = decltype(kind_c)::value;
     constexpr int E = 8;
     for (int i = t; i < kC * K / E; i += NT) {
       const int r = i / (K / E), d = E * (i % (K / E));
@@ -263,16 +266,25 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
       if (r < L) {
         const int64_t tok = int64_t(bos) + r;
         ld16(p.g + (tok * p.HV + h) * K + d, gr);
-        if (p.gate != kGateNone && p.dt_bias) ld16(p.dt_bias + h * K + d, bias);
+        if (kind != kGateNone && p.dt_bias) ld16(p.dt_bias + h * K + d, bias);
         ld16(p.q + (tok * p.H + hk) * K + d, qv);
         ld16(p.k + (tok * p.H + hk) * K + d, kv);
 #pragma unroll
-        for (int e = 0; e < E; ++e) gv[e] = gate_of(to_f(gr[e]), bias[e]);
+        for (int e = 0; e < E; ++e)
+          gv[e] = kind == kGateNone ? to_f(gr[e])
+                                    : gate_f<Tin>(to_f(gr[e]) + bias[e], eA, kind, p.lower_bound);
       }
       st16(sG + r * KP + d, gv);
       st16(sQ + r * RS + d, qv);
       st16(sK + r * RS + d, kv);
     }
+  };
+  if (p.vec16 && p.gate == kGateLowerBound) {
+    load16(std::integral_constant<int, kGateLowerBound>{});
+  } else if (p.vec16 && p.gate == kGateStandard) {
+    load16(std::integral_constant<int, kGateStandard>{});
+  } else if (p.vec16) {
+    load16(std::integral_constant<int, kGateNone>{});
   } else {
 #pragma unroll 4
     for (int i = t; i < kC * K; i += NT) {
@@ -302,11 +314,18 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
 
   // ---- 2. G = cumsum of g (one thread per channel, rows in order: the CPU's bits), and the
   // q / k L2-norm factors (one warp per row; butterfly sums give every lane the same value)
-  if (t < K) {
+  if (t < K) {  // rows in batches of 8: the batch's loads issue together, then its sums in order
     float acc = 0.f;
-    for (int r = 0; r < kC; ++r) {
-      acc += sG[r * KP + t];
-      sG[r * KP + t] = acc;
+#pragma unroll 1
+    for (int r0 = 0; r0 < kC; r0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = sG[(r0 + j) * KP + t];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc += v[j];
+        sG[(r0 + j) * KP + t] = acc;
+      }
     }
   }
   {

@@ -643,10 +643,15 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
   cp_rows(sG, KP, p.G + tk * kC * K + c_lo, K, kC, KH);
   cp_rows(sK, KP, p.kn + tk * kC * K + c_lo, K, kC, KH);
   cp_async_commit();
-  for (int i = t; i < kC * kC; i += kThreads) {
-    const int r = i / kC, s = i % kC;
-    sCA[r * kAP2 + s] = p.scale * p.daqk[tk * kC * kC + i];
-    sCB[r * kAP2 + s] = s < r ? -(p.dakk[tk * kC * kC + i] + p.dakv[tk * kC * kC + i]) : 0.f;
+  for (int i = t; i < kC * kC / 4; i += kThreads) {  // four columns per step
+    const int r = i / (kC / 4), s = 4 * (i % (kC / 4));
+    const int64_t o = tk * kC * kC + 4 * i;
+    const float4 a = ld4(p.daqk + o), b = ld4(p.dakk + o), c = ld4(p.dakv + o);
+    st4(sCA + r * kAP2 + s,
+        make_float4(p.scale * a.x, p.scale * a.y, p.scale * a.z, p.scale * a.w));
+    st4(sCB + r * kAP2 + s,
+        make_float4(s < r ? -(b.x + c.x) : 0.f, s + 1 < r ? -(b.y + c.y) : 0.f,
+                    s + 2 < r ? -(b.z + c.z) : 0.f, s + 3 < r ? -(b.w + c.w) : 0.f));
   }
   if (t < kC) sBeta[t] = p.beta[tk * kC + t], sDbI[t] = 0.f;
   cp_async_wait<0>();
@@ -829,30 +834,45 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
   // thread per channel, rows last to first, in shared memory); the gate's chain rule (all
   // threads: thread t takes channel t % KH of the rows t / KH, t / KH + NT / KH, ..., so the dz
   // and dA_log sums run per thread, then over the NT / KH row groups in order).
-  // (Batches of kTB elements per thread: the global loads of a batch come before its stores.)
-  constexpr int kTB = 8;
-  for (int i0 = t; i0 < L * KH; i0 += kTB * kThreads) {
-    float gdk[kTB], gdG[kTB];
+  // (Four channels per step, batches of kTB4 steps per thread: the global loads of a batch come
+  // before its stores.)
+  {
+    constexpr int kTB4 = 4, G4 = KH / 4;
+    for (int i0 = t; i0 < L * G4; i0 += kTB4 * kThreads) {
+      float4 gdk[kTB4], gdG[kTB4];
 #pragma unroll
-    for (int b = 0; b < kTB; ++b) {
-      const int i = i0 + b * kThreads, r = i / KH, d = i % KH;
-      gdk[b] = i < L * KH ? dk[r * K + d] : 0.f;
-      gdG[b] = i < L * KH ? dG[r * K + d] : 0.f;
-    }
+      for (int b = 0; b < kTB4; ++b) {
+        const int i = i0 + b * kThreads, r = i / G4, d = 4 * (i % G4);
+        if (i < L * G4) gdk[b] = ld4(dk + r * K + d), gdG[b] = ld4(dG + r * K + d);
+      }
 #pragma unroll
-    for (int b = 0; b < kTB; ++b) {
-      const int i = i0 + b * kThreads, r = i / KH, d = i % KH;
-      if (i < L * KH) {
-        const float Pv = sP[r * KP + d];
-        dk[r * K + d] = gdk[b] + Pv;
-        sP[r * KP + d] = gdG[b] - sK[r * KP + d] * Pv;
+      for (int b = 0; b < kTB4; ++b) {
+        const int i = i0 + b * kThreads, r = i / G4, d = 4 * (i % G4);
+        if (i < L * G4) {
+          const float4 Pv = ld4(sP + r * KP + d), kv = ld4(sK + r * KP + d);
+          st4(dk + r * K + d,
+              make_float4(gdk[b].x + Pv.x, gdk[b].y + Pv.y, gdk[b].z + Pv.z, gdk[b].w + Pv.w));
+          st4(sP + r * KP + d, make_float4(gdG[b].x - kv.x * Pv.x, gdG[b].y - kv.y * Pv.y,
+                                           gdG[b].z - kv.z * Pv.z, gdG[b].w - kv.w * Pv.w));
+        }
       }
     }
   }
   __syncthreads();
-  if (t < KH) {
+  if (t < KH) {  // rows in batches of 8: the batch's loads issue together, then its sums in order
     float acc = 0.f;
-    for (int r = L - 1; r >= 0; --r) {
+    int r = L - 1;
+    for (; r >= 7; r -= 8) {
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = sP[(r - j) * KP + t];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc += v[j];
+        sP[(r - j) * KP + t] = acc;
+      }
+    }
+    for (; r >= 0; --r) {
       acc += sP[r * KP + t];
       sP[r * KP + t] = acc;
     }
@@ -865,44 +885,56 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
     const float eA = (p.gate != kGateNone && p.A_log) ? expf(p.A_log[h]) : 1.f;
     const float bias = (p.gate != kGateNone && p.dt_bias) ? p.dt_bias[h * K + dc] : 0.f;
     float sdt = 0.f, sA = 0.f;
-    for (int r0 = g0; r0 < L; r0 += kTB * NG) {
-      float gz[kTB];
+    constexpr int kTB = 8;  // rows per thread and batch: the batch's z loads before its work
+    // The loop once per gate kind (kind a constant: no per-element branch on it).
+    auto chain = [&](auto kind_c) {
+      constexpr int kind = decltype(kind_c)::value;
+      for (int r0 = g0; r0 < L; r0 += kTB * NG) {
+        float gz[kTB];
 #pragma unroll
-      for (int b = 0; b < kTB; ++b) {
-        const int r = r0 + b * NG;
-        gz[b] = (p.gate != kGateNone && r < L) ? to_f(p.z[((int64_t(bos) + r) * p.HV + h) * K + dc])
+        for (int b = 0; b < kTB; ++b) {
+          const int r = r0 + b * NG;
+          gz[b] = (kind != kGateNone && r < L) ? to_f(p.z[((int64_t(bos) + r) * p.HV + h) * K + dc])
                                                : 0.f;
-      }
-#pragma unroll
-      for (int b = 0; b < kTB; ++b) {
-        const int r = r0 + b * NG;
-        if (r >= L) break;
-        const float acc = sP[r * KP + d];
-        const int64_t oi = ((int64_t(bos) + r) * p.HV + h) * K + dc;
-        float out = acc;
-        if (p.gate != kGateNone) {
-          const float x = gz[b] + bias;
-          float dz, dae;
-          if (p.gate == kGateStandard) {
-            const float sp = x > 20.f ? x : log1pf(expf(x));
-            const float g = -mul0(eA, sp);
-            dz = -mul0(mul0(eA, sigmoid_f(x)), acc);
-            dae = mul0(acc, g);
-          } else {
-            const float y = mul0(eA, x);
-            // sigmoid(y) sigmoid(-y) = e / (1 + e)^2 with e = exp(-|y|): one exp, one reciprocal
-            const float e = exp_in<Tin>(-fabsf(y)), rc = rcp_in<Tin>(1.f + e);
-            const float ds = e * rc * rc;
-            dz = mul0(mul0(acc * p.lower_bound, ds), eA);
-            dae = mul0(dz, x);
-          }
-          out = dz;
-          sdt += dz;
-          sA += dae;
         }
-        p.o_dg[oi] = out;
+#pragma unroll
+        for (int b = 0; b < kTB; ++b) {
+          const int r = r0 + b * NG;
+          if (r >= L) break;
+          const float acc = sP[r * KP + d];
+          const int64_t oi = ((int64_t(bos) + r) * p.HV + h) * K + dc;
+          float out = acc;
+          if constexpr (kind != kGateNone) {
+            const float x = gz[b] + bias;
+            float dz, dae;
+            if constexpr (kind == kGateStandard) {
+              const float sp = x > 20.f ? x : log1pf(expf(x));
+              const float g = -mul0(eA, sp);
+              dz = -mul0(mul0(eA, sigmoid_f(x)), acc);
+              dae = mul0(acc, g);
+            } else {
+              const float y = mul0(eA, x);
+              // sigmoid(y) sigmoid(-y) = e / (1 + e)^2 with e = exp(-|y|): one exp, one
+              // reciprocal
+              const float e = exp_in<Tin>(-fabsf(y)), rc = rcp_in<Tin>(1.f + e);
+              const float ds = e * rc * rc;
+              dz = mul0(mul0(acc * p.lower_bound, ds), eA);
+              dae = mul0(dz, x);
+            }
+            out = dz;
+            sdt += dz;
+            sA += dae;
+          }
+          p.o_dg[oi] = out;
+        }
       }
-    }
+    };
+    if (p.gate == kGateLowerBound)
+      chain(std::integral_constant<int, kGateLowerBound>{});
+    else if (p.gate == kGateStandard)
+      chain(std::integral_constant<int, kGateStandard>{});
+    else
+      chain(std::integral_constant<int, kGateNone>{});
     if (p.gate != kGateNone) {
       float* part = sXq;  // [2][NG][KH] (X is free; 2 NT <= 32 KP)
       static_assert(2 * kThreads <= 2 * kSub * (KH + 8), "partials fit in Xq, Xk");
