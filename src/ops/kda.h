@@ -73,13 +73,17 @@ KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tenso
 
 KdaOutput kda_chunk(const KdaArgs& a);
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state);
-// Training pair: with CUDA tensors, *saved receives the intermediates the backward would
-// recompute (ops/kda_chunk_cuda.h, KdaChunkCudaBuffers::saved; f32, ~5.5 KiB per token and value
-// head at K = V = 128) and the backward given them skips its recompute, with the same bits. On
-// the CPU *saved is left undefined and the backward recomputes as always.
-KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved);
+// Training pair: with CUDA tensors, *saved receives what the forward keeps for the backward, and
+// the backward given it (with the same `what`) recomputes less, with the same bits:
+//   KdaSave::all   every intermediate the backward would recompute (KdaChunkCudaBuffers::saved;
+//                  f32, ~5.5 KiB per token and value head at K = V = 128): no recompute;
+//   KdaSave::kept  A_qk and M^-1 (KdaChunkCudaBuffers::kept; f32, 512 bytes per token and value
+//                  head): the backward recomputes the rest but not the A products and inverse.
+// On the CPU *saved is left undefined and the backward recomputes as always.
+enum class KdaSave : uint8_t { kept, all };
+KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved, KdaSave what = KdaSave::all);
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state,
-                            const Tensor& saved);
+                            const Tensor& saved, KdaSave what = KdaSave::all);
 
 // Validated shapes of a call (throws hlm::Error naming the argument on any mismatch).
 struct KdaDims {

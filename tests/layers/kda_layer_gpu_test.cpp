@@ -179,13 +179,17 @@ void cpu_vs_gpu(const KdaConfig& cfg, GemmKind kind, DType param_dt, DType x_dt,
   // Deterministic: the same bits run to run, and with selective recompute.
   bit_equal_runs(run(dev, pg), rg, "rerun");
   bit_equal_runs(run(dev, pg, /*recompute=*/true), rg, "recompute");
-  // The core's intermediates kept from the forward (save_core_intermediates): the same bits.
-  KdaConfig cs = cfg;
-  cs.save_core_intermediates = true;
-  const std::unique_ptr<KdaLayer> dev_saved = device_copy_of(cs);
-  bit_equal_runs(run(*dev_saved, pg), rg, "core intermediates saved");
-  bit_equal_runs(run(*dev_saved, pg, /*recompute=*/true), rg,
-                 "core intermediates saved, recompute");
+  // What the core's forward keeps (core_save; `dev` has the default, kept): the same bits
+  // with all of its intermediates and with none.
+  for (const KdaCoreSave cs_kind : {KdaCoreSave::all, KdaCoreSave::none}) {
+    const std::string what = cs_kind == KdaCoreSave::all ? "all" : "none";
+    KdaConfig cs = cfg;
+    cs.core_save = cs_kind;
+    const std::unique_ptr<KdaLayer> dev_saved = device_copy_of(cs);
+    bit_equal_runs(run(*dev_saved, pg), rg, "core_save " + what);
+    bit_equal_runs(run(*dev_saved, pg, /*recompute=*/true), rg,
+                   "core_save " + what + ", recompute");
+  }
 }
 
 TEST(KdaLayerGpu, LowerBoundGateLowRankF32) {

@@ -363,6 +363,11 @@ Tensor KdaLayer::conv_weight(int which, DType dt) const {
 
 namespace {
 
+// The ops-level kind of what the core's forward keeps (core_save != none).
+ops::KdaSave core_save_kind(const KdaConfig& cfg) {
+  return cfg.core_save == KdaCoreSave::all ? ops::KdaSave::all : ops::KdaSave::kept;
+}
+
 // The core op's arguments (gate, l2norm and beta sigmoid fused).
 ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& z, const Tensor& b, const Tensor& s0, const Tensor& cu,
@@ -466,9 +471,10 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
   const ops::KdaArgs a =
       core_args(cfg_, q, k, v, z3, b, init.recurrent, cu, A_log_->value, dt_bias_->value);
   Tensor core_saved;
-  const ops::KdaOutput out = cfg_.core != KdaCoreImpl::chunk     ? ops::kda_recurrent(a)
-                             : s && cfg_.save_core_intermediates ? ops::kda_chunk(a, &core_saved)
-                                                                 : ops::kda_chunk(a);
+  const ops::KdaOutput out = cfg_.core != KdaCoreImpl::chunk ? ops::kda_recurrent(a)
+                             : s && cfg_.core_save != KdaCoreSave::none
+                                 ? ops::kda_chunk(a, &core_saved, core_save_kind(cfg_))
+                                 : ops::kda_chunk(a);
   const Tensor o = as_dtype(out.o, cdt);
   // Output gate, gated RMSNorm over V (one weight for all heads), output projection.
   const Tensor og =
@@ -556,9 +562,10 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   const ops::KdaArgs a =
       core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent,
                 saved.cu_seqlens, A_log_->value, dt_bias_->value);
-  const ops::KdaGrads cg = cfg_.core == KdaCoreImpl::chunk
-                               ? ops::kda_chunk_backward(a, gn.dx, dfin_rec, s->core)
-                               : ops::kda_recurrent_backward(a, gn.dx, dfin_rec);
+  const ops::KdaGrads cg =
+      cfg_.core == KdaCoreImpl::chunk
+          ? ops::kda_chunk_backward(a, gn.dx, dfin_rec, s->core, core_save_kind(cfg_))
+          : ops::kda_recurrent_backward(a, gn.dx, dfin_rec);
   accumulate(*A_log_, cg.dA_log);
   accumulate(*dt_bias_, cg.ddt_bias);
   const Tensor dz = as_dtype(cg.dg, cdt).contiguous().view({T, HV * K});

@@ -70,6 +70,8 @@ const char* kda_naming_name(KdaNaming n);  // "glm5_next", "glm5_next_transforme
 // Which core op the layer runs: the chunked op (training and prefill), or the FP64 recurrence
 // (a reference mode: its results are rounded to the compute dtype).
 enum class KdaCoreImpl : uint8_t { chunk, recurrent };
+// What the CUDA chunk core's training forward keeps for its backward (KdaConfig::core_save).
+enum class KdaCoreSave : uint8_t { none, kept, all };
 
 // The layer's configuration. The defaults are GLM-5.3-Flash's (spec/kda.md 5). The model config
 // parser fills the fields; validate() checks every field (hlm::Error naming it) and the KdaLayer
@@ -89,10 +91,14 @@ struct KdaConfig {
   double norm_eps = 1e-5;     // o_norm eps (GLM passes rms_norm_eps)
   KdaNaming naming = KdaNaming::glm5_next;
   KdaCoreImpl core = KdaCoreImpl::chunk;
-  // CUDA chunk core in training: the forward keeps the core's intermediates for the backward
-  // (f32, ~5.5 KiB per token and value head at K = V = 128) and the backward skips the core's
-  // recompute: the same bits, ~1.2x faster core forward + backward, much more activation memory.
-  bool save_core_intermediates = false;
+  // CUDA chunk core in training: what its forward keeps for the backward (the same bits in all
+  // three; K = V = 128, f32):
+  //   none: nothing, the backward recomputes every intermediate (the least memory);
+  //   kept: A_qk and M^-1 (512 bytes per token and value head, as FLA keeps its A_qk and A_kk):
+  //         the backward recomputes the rest, ~4% faster core forward + backward;
+  //   all:  every intermediate (~5.5 KiB per token and value head): the backward skips the
+  //         recompute, ~1.2x faster core forward + backward, much more activation memory.
+  KdaCoreSave core_save = KdaCoreSave::kept;
 
   void validate() const;  // throws hlm::Error naming the field and the expected range
   int64_t qk_dim() const { return num_heads * head_k_dim; }    // H K
@@ -129,7 +135,7 @@ class KdaLayer : public Module {
     Tensor o;                    // [T, HV, V] core output
     Tensor og;                   // [T, HV, V] output-gate logits
     Tensor rstd;                 // [T, HV] o_norm 1 / sqrt(mean(o^2) + eps)
-    Tensor core;                 // the core's intermediates (save_core_intermediates, CUDA)
+    Tensor core;                 // what the core's forward kept (core_save, CUDA)
   };
 
   struct Grads {

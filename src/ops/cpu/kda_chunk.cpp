@@ -562,14 +562,18 @@ KdaOutput kda_chunk(const KdaArgs& a) {
   return kda_chunk(a, nullptr);
 }
 
-KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved) {
+KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved, KdaSave what) {
   if (saved) *saved = Tensor();
   if (a.q.defined() && a.q.device() == Device::cuda) {
 #ifdef HLM_HAVE_CUDA
     KdaChunkCudaBuffers b;
-    if (saved) b.saved = Tensor::empty({kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
+    Tensor* buf = what == KdaSave::all ? &b.saved : &b.kept;
+    if (saved)
+      *buf = Tensor::empty(
+          {what == KdaSave::all ? kda_chunk_cuda_saved_floats(a) : kda_chunk_cuda_kept_floats(a)},
+          DType::f32, Device::cuda);
     KdaOutput out = kda_chunk_forward_cuda(a, b);
-    if (saved) *saved = b.saved;
+    if (saved) *saved = *buf;
     return out;
 #else
     HLM_FAIL("kda_chunk: no CUDA support in this build");
@@ -584,12 +588,12 @@ KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d
 }
 
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final,
-                            const Tensor& saved) {
+                            const Tensor& saved, KdaSave what) {
   const char* op = "kda_chunk_backward";
   if (a.q.defined() && a.q.device() == Device::cuda) {
 #ifdef HLM_HAVE_CUDA
     KdaChunkBwdCudaBuffers b;
-    b.saved = saved;
+    (what == KdaSave::all ? b.saved : b.kept) = saved;
     return kda_chunk_backward_cuda(a, d_o, d_final, b);
 #else
     HLM_FAIL("{}: no CUDA support in this build", op);
