@@ -24,8 +24,8 @@
 //     token; never with the lower-bound gate, which caps it at 5 * 15 = 75) forms exp(G_r - G_s)
 //     per element instead, only for s <= r (masked before the exp).
 // exp(-G) alone is never formed; exp(G) and exp(G_{L-1} - G) are <= 1. The factors take expf
-// for f32 inputs and __expf for bf16 inputs (exp_in, kda_chunk_common.cuh: ~6e-6 relative at the
-// 80-nat span, where the arguments reach -80).
+// for f32 inputs and ex2.approx.ftz for bf16 inputs (exp_in, kda_chunk_common.cuh: ~6e-6 relative
+// at the 80-nat span, where the arguments reach -80).
 //
 // Kernel families (no atomics; every reduction has a fixed order). The matrix products run on
 // tensor cores for bf16 inputs (mma_tf32.cuh: TF32 operands, or 3xTF32 with exact_bf16_products;
