@@ -386,47 +386,44 @@ void saved_vs_recompute(const Case& c) {
   const ops::KdaOutput plain = ops::kda_chunk_forward_cuda(gpu);
   const KdaGrads recomputed = ops::kda_chunk_backward_cuda(gpu, d_o, dht, poisoned(gpu));
 
+  // A training forward's o and final state bit-equal to the plain forward's.
+  auto same_as_plain = [&](const ops::KdaChunkCudaBuffers& fbuf, const char* mode) {
+    const ops::KdaOutput out = ops::kda_chunk_forward_cuda(gpu, fbuf);
+    EXPECT_TRUE(testing::bit_equal(out.o, plain.o)) << name << ": o (" << mode << ")";
+    EXPECT_TRUE(testing::bit_equal(out.final_state, plain.final_state))
+        << name << ": ht (" << mode << ")";
+  };
   ops::KdaChunkCudaBuffers fb;
   fb.saved = Tensor::full({ops::kda_chunk_cuda_saved_floats(gpu)}, nan, DType::f32, Device::cuda);
-  const ops::KdaOutput trained = ops::kda_chunk_forward_cuda(gpu, fb);
-  EXPECT_TRUE(testing::bit_equal(trained.o, plain.o)) << name << ": o";
-  EXPECT_TRUE(testing::bit_equal(trained.final_state, plain.final_state)) << name << ": ht";
+  same_as_plain(fb, "saved");
   ops::KdaChunkBwdCudaBuffers bb = poisoned(gpu);
   const int64_t scratch = ops::kda_chunk_bwd_cuda_workspace_floats(gpu, true);
   EXPECT_EQ(scratch + ops::kda_chunk_cuda_saved_floats(gpu),
             ops::kda_chunk_bwd_cuda_workspace_floats(gpu));
   bb.workspace = Tensor::full({scratch}, nan, DType::f32, Device::cuda);
   bb.saved = fb.saved;
-  const KdaGrads from_saved = ops::kda_chunk_backward_cuda(gpu, d_o, dht, bb);
-  bool same = true;
-  for (const Named& f : kFields) {
-    if (!(recomputed.*(f.field)).defined()) continue;
-    const bool eq = testing::bit_equal(from_saved.*(f.field), recomputed.*(f.field));
-    EXPECT_TRUE(eq) << name << ": " << f.name << " from the saved intermediates differs";
-    same = same && eq;
-  }
-  std::printf("  saved vs recompute (%s): %s\n", name.c_str(),
-              same ? "bit-identical" : "DIFFERENT");
+  // Every gradient of `from` bit-equal to the recomputing backward's.
+  auto same_as_recomputed = [&](const KdaGrads& from, const char* mode) {
+    bool same = true;
+    for (const Named& f : kFields) {
+      if (!(recomputed.*(f.field)).defined()) continue;
+      const bool eq = testing::bit_equal(from.*(f.field), recomputed.*(f.field));
+      EXPECT_TRUE(eq) << name << ": " << f.name << " (" << mode << ") differs";
+      same = same && eq;
+    }
+    std::printf("  %s vs recompute (%s): %s\n", mode, name.c_str(),
+                same ? "bit-identical" : "DIFFERENT");
+  };
+  same_as_recomputed(ops::kda_chunk_backward_cuda(gpu, d_o, dht, bb), "saved");
 
   // The lighter mode: the forward keeps A_qk and M^-1 (KdaChunkCudaBuffers::kept, NaN-poisoned
   // first), the backward recomputes the rest from them.
   ops::KdaChunkCudaBuffers fk;
   fk.kept = Tensor::full({ops::kda_chunk_cuda_kept_floats(gpu)}, nan, DType::f32, Device::cuda);
-  const ops::KdaOutput kept = ops::kda_chunk_forward_cuda(gpu, fk);
-  EXPECT_TRUE(testing::bit_equal(kept.o, plain.o)) << name << ": o (kept)";
-  EXPECT_TRUE(testing::bit_equal(kept.final_state, plain.final_state)) << name << ": ht (kept)";
+  same_as_plain(fk, "kept");
   ops::KdaChunkBwdCudaBuffers bk = poisoned(gpu);
   bk.kept = fk.kept;
-  const KdaGrads from_kept = ops::kda_chunk_backward_cuda(gpu, d_o, dht, bk);
-  bool same_k = true;
-  for (const Named& f : kFields) {
-    if (!(recomputed.*(f.field)).defined()) continue;
-    const bool eq = testing::bit_equal(from_kept.*(f.field), recomputed.*(f.field));
-    EXPECT_TRUE(eq) << name << ": " << f.name << " from the kept A_qk, M^-1 differs";
-    same_k = same_k && eq;
-  }
-  std::printf("  kept vs recompute (%s): %s\n", name.c_str(),
-              same_k ? "bit-identical" : "DIFFERENT");
+  same_as_recomputed(ops::kda_chunk_backward_cuda(gpu, d_o, dht, bk), "kept");
 
   // A second step through the same buffers with a new v and d o matches a fresh
   // recomputing backward on those inputs: nothing of the first step leaks into the second.

@@ -668,7 +668,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_bwd_intra_kernel(const BwdPar
     // Xq_r = q_r exp(G_r - G_n), Xk_r = beta_r k_r exp(G_r - G_n) (rows of block ib),
     // Y_s = k_s exp(G_n - G_s) (s < n + 16)
     // Four channels per thread: the sweep's rows 0..15 are Xq / Xk (rows n..n+15, where the
-    // diagonal block's span is checked too), rows 16.. are Y (rows 0..ncol-1).
+    // diagonal block's span is checked too), rows 16.. are Y (rows 0..ncol-1). The forward intra
+    // kernel's loop has the same shape over other operands (raw q / k rows with their norm
+    // factors, no beta), so the two are written out.
     bool wide = false;
     {
       constexpr int C4 = KH / 4, RPS = kThreads / C4;
