@@ -437,7 +437,7 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
           ld16(sG + n * KP + d, gn);
           for (int row = t / C4; row < kSub + ncol; row += RPS) {
             alignas(16) float G[4], kr[4], y[4];
-            if (row < kSub) {  // warp-uniform: a warp's lanes cover NT / C4 / 16 = 2 rows
+            if (row < kSub) {  // warp-uniform: a warp covers 32 / C4 rows (2 at KX = 64)
               const int r = n + row;
               alignas(16) float qr[4], xq[4];
               ld16(sG + r * KP + d, G);
