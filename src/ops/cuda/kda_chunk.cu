@@ -432,6 +432,7 @@ __global__ void __launch_bounds__(kIntraThreads, std::is_same_v<Tin, float> ? 1 
           // Four channels per thread: the sweep's rows 0..15 are Xq / Xk (rows n..n+15, where the
           // diagonal block's span is checked too), rows 16.. are Y (rows 0..ncol-1).
           constexpr int C4 = KX / 4, RPS = NT / C4;
+          static_assert(32 % C4 == 0 && kSub % (32 / C4) == 0, "warp-uniform X / Y rows");
           const int c = 4 * (t % C4), d = x0 + c;
           alignas(16) float gn[4];
           ld16(sG + n * KP + d, gn);
