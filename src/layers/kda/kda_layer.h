@@ -95,7 +95,7 @@ struct KdaConfig {
   // three; K = V = 128, f32):
   //   none: nothing, the backward recomputes every intermediate (the least memory);
   //   kept: A_qk and M^-1 (512 bytes per token and value head, as FLA keeps its A_qk and A_kk):
-  //         the backward recomputes the rest, ~4% faster core forward + backward;
+  //         the backward recomputes the rest, 3-5% faster core forward + backward;
   //   all:  every intermediate (~5.5 KiB per token and value head): the backward skips the
   //         recompute, ~1.2x faster core forward + backward, much more activation memory.
   KdaCoreSave core_save = KdaCoreSave::kept;
