@@ -37,6 +37,14 @@ bool cuda_available() {
   return cuda_device_count() > 0;
 }
 
+bool cuda_emulated() {
+#ifdef HLM_CUDA_EMU
+  return true;
+#else
+  return false;
+#endif
+}
+
 void* device_alloc(Device d, size_t nbytes) {
   if (nbytes == 0) nbytes = 1;
   if (d == Device::cpu) {

@@ -11,6 +11,9 @@ namespace hlm {
 // Number of usable CUDA devices (0 in a CPU-only build or when no GPU/driver is present).
 int cuda_device_count();
 bool cuda_available();
+// True in the build whose CUDA device is the CPU emulation (HLM_CUDA_EMU, tools/cuda_emu): its
+// kernels compute what they compute on a GPU, but their timings mean nothing.
+bool cuda_emulated();
 
 void* device_alloc(Device d, size_t nbytes);  // 64-byte aligned on the CPU; never returns null
 void device_free(Device d, void* p);

@@ -40,9 +40,13 @@ __device__ __forceinline__ float exp_in(float x) {
   if constexpr (std::is_same_v<Tin, float>) {
     return expf(x);
   } else {
+#ifdef HLM_CUDA_EMU
+    return ::hlm::emu::ex2_approx_ftz(x * 1.44269504088896341f);
+#else
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
     return y;
+#endif
   }
 }
 
@@ -53,9 +57,13 @@ __device__ __forceinline__ float rcp_in(float x) {
   if constexpr (std::is_same_v<Tin, float>) {
     return 1.f / x;
   } else {
+#ifdef HLM_CUDA_EMU
+    return ::hlm::emu::rcp_approx_ftz(x);
+#else
     float y;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+#endif
   }
 }
 
@@ -107,18 +115,31 @@ __device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&x)[4]) {
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-// cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fence.
+// cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fence. (The CPU
+// emulation build, HLM_CUDA_EMU, has its own forms of the PTX in this file and mma_tf32.cuh.)
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+#ifdef HLM_CUDA_EMU
+  ::hlm::emu::cp_async(smem, gmem, 16);
+#else
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() {
+#ifdef HLM_CUDA_EMU
+  ::hlm::emu::cp_async_commit();
+#else
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
 }
 // Wait until at most N of this thread's most recent groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#ifdef HLM_CUDA_EMU
+  ::hlm::emu::cp_async_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
 }
 
 // ------------------------------------------------------------------ host helpers

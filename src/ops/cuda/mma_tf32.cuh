@@ -95,11 +95,15 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
 // d += a b for one m16n8k8 tile.
 __device__ __forceinline__ void mma_m16n8k8(float (&d)[4], const uint32_t (&a)[4],
                                             const uint32_t (&b)[2]) {
+#ifdef HLM_CUDA_EMU
+  ::hlm::emu::mma_m16n8k8_tf32(d, a, b);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 // The accumulator element (i, j, e) of a warp tile at (m0, n0) sits at row m0 + 16 i + g + 8 (e /

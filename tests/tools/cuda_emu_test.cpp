@@ -1,0 +1,238 @@
+// The CPU emulation of CUDA (tools/cuda_emu), in the HLM_CUDA_EMU build only: the tensor-core
+// product against the fragment layout of the PTX ISA (mma.m16n8k8 .tf32) and a 64 x 64 x 32
+// product through mma_tf32.cuh against FP64, shuffles in every mode, barrier counts, cp.async
+// copies that land only at the wait, and the checks that abort a faulty kernel: a deadlocked
+// barrier, a race (HLM_EMU_RACECHECK), an access past an allocation, a bad launch configuration.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "cuda_emu.h"
+#include "ops/cuda/mma_tf32.cuh"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+template <class T>
+T* device_array(size_t n) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
+  return static_cast<T*>(p);
+}
+
+// A random float with all 23 mantissa bits random (so TF32 truncation matters).
+float rand_float(Rng& rng) {
+  return float(rng.uniform() * 2.0 - 1.0);
+}
+
+float tf32_trunc(float x) {
+  return __uint_as_float(__float_as_uint(x) & 0xffffe000u);
+}
+
+// The fragment layout as the PTX ISA states it (lane = 4 g + t): A a0 (g, t), a1 (g + 8, t),
+// a2 (g, t + 4), a3 (g + 8, t + 4); B b0 (t, g), b1 (t + 4, g); C / D c0 (g, 2t), c1 (g, 2t + 1),
+// c2 (g + 8, 2t), c3 (g + 8, 2t + 1). D = A B + C with TF32 operands (low 13 bits ignored).
+TEST(CudaEmu, MmaFragmentsFollowThePtxLayout) {
+  Rng rng(testing::test_seed());
+  float A[16][8], B[8][8], C[16][8];
+  for (auto& r : A)
+    for (float& x : r) x = rand_float(rng);
+  for (auto& r : B)
+    for (float& x : r) x = rand_float(rng);
+  for (auto& r : C)
+    for (float& x : r) x = rand_float(rng);
+  float* D = device_array<float>(16 * 8);
+  emu::launch(emu::LaunchConfig(1, 32), [&]() {
+    const int l = int(threadIdx.x), g = l >> 2, t = l & 3;
+    const uint32_t a[4] = {__float_as_uint(A[g][t]), __float_as_uint(A[g + 8][t]),
+                           __float_as_uint(A[g][t + 4]), __float_as_uint(A[g + 8][t + 4])};
+    const uint32_t b[2] = {__float_as_uint(B[t][g]), __float_as_uint(B[t + 4][g])};
+    float d[4] = {C[g][2 * t], C[g][2 * t + 1], C[g + 8][2 * t], C[g + 8][2 * t + 1]};
+    emu::mma_m16n8k8_tf32(d, a, b);
+    D[g * 8 + 2 * t] = d[0], D[g * 8 + 2 * t + 1] = d[1];
+    D[(g + 8) * 8 + 2 * t] = d[2], D[(g + 8) * 8 + 2 * t + 1] = d[3];
+  });
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 8; ++j) {
+      double ref = C[i][j];
+      for (int k = 0; k < 8; ++k) ref += double(tf32_trunc(A[i][k])) * tf32_trunc(B[k][j]);
+      EXPECT_NEAR(D[i * 8 + j], ref, 1e-6 * (1 + std::fabs(ref))) << "element " << i << ", " << j;
+    }
+  cudaFree(D);
+}
+
+// The project's warp products (mma_tf32.cuh) on the emulated tensor cores: a 64 x 64 product over
+// k = 32 by 8 warps, in TF32 (rounded operands: ~1e-3 relative per product) and 3xTF32 (~1e-6),
+// against FP64.
+TEST(CudaEmu, WarpMmaProductsAgainstFp64) {
+  using namespace ops::mma_cu;
+  constexpr int M = 64, N = 64, Kd = 32, LD = Kd + 4;
+  Rng rng(testing::test_seed());
+  std::vector<float> a(M * LD), b(N * LD);  // A [M][Kd], B^T [N][Kd], row-major, padded
+  for (float& x : a) x = rand_float(rng);
+  for (float& x : b) x = rand_float(rng);
+  std::vector<double> ref(M * N);
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j)
+      for (int k = 0; k < Kd; ++k) ref[i * N + j] += double(a[i * LD + k]) * b[j * LD + k];
+  double norm = 0;
+  for (double r : ref) norm += r * r;
+  for (int prec = 0; prec < 2; ++prec) {
+    float* out = device_array<float>(M * N);
+    emu::launch(emu::LaunchConfig(1, 256), [&]() {
+      auto store = [&](int r, int c, float x) { out[r * N + c] = x; };
+      if (prec == 0)
+        block_mma<Prec::tf32, 1, 4>(M, N, Kd, Mat{a.data(), LD}, MatT{b.data(), LD}, store);
+      else
+        block_mma<Prec::tf32x3, 1, 4>(M, N, Kd, Mat{a.data(), LD}, MatT{b.data(), LD}, store);
+    });
+    double err = 0;
+    for (int i = 0; i < M * N; ++i) err += (out[i] - ref[i]) * (out[i] - ref[i]);
+    const double rel = std::sqrt(err / norm);
+    std::printf("  %s: rel_l2 %.3e\n", prec ? "3xTF32" : "TF32", rel);
+    if (prec == 0) {
+      EXPECT_LT(rel, 2e-3);
+      EXPECT_GT(rel, 1e-5);  // the operands were rounded: TF32 is not FP32
+    } else {
+      EXPECT_LT(rel, 3e-6);
+    }
+    cudaFree(out);
+  }
+}
+
+TEST(CudaEmu, ShufflesInEveryMode) {
+  int* out = device_array<int>(4 * 64);
+  emu::launch(emu::LaunchConfig(1, 64), [&]() {
+    const int t = int(threadIdx.x), v = 1000 + t;
+    out[t] = __shfl_xor_sync(0xffffffffu, v, 5);
+    out[64 + t] = __shfl_sync(0xffffffffu, v, 3, 16);
+    out[128 + t] = __shfl_up_sync(0xffffffffu, v, 2, 8);
+    out[192 + t] = __shfl_down_sync(0xffffffffu, v, 1);
+  });
+  for (int t = 0; t < 64; ++t) {
+    const int w = t & ~31, l = t & 31;
+    EXPECT_EQ(out[t], 1000 + w + (l ^ 5)) << t;
+    EXPECT_EQ(out[64 + t], 1000 + w + (l & ~15) + 3) << t;
+    EXPECT_EQ(out[128 + t], 1000 + t - ((l & 7) >= 2 ? 2 : 0)) << t;
+    EXPECT_EQ(out[192 + t], 1000 + t + (l < 31 ? 1 : 0)) << t;
+  }
+  cudaFree(out);
+}
+
+TEST(CudaEmu, BarrierCountsAndExitedThreads) {
+  int* out = device_array<int>(3 * 96);
+  emu::launch(emu::LaunchConfig(2, 96), [&]() {
+    const int t = int(threadIdx.x), b = int(blockIdx.x);
+    const int n = __syncthreads_count(t % 3 == 0);
+    const int any = __syncthreads_or(t == 95 && b == 1);
+    if (t >= 64) return;  // exited threads do not hold the next barrier
+    const int all = __syncthreads_and(1);
+    if (b == 1) out[t] = n, out[96 + t] = any, out[192 + t] = all;
+  });
+  for (int t = 0; t < 64; ++t) {
+    EXPECT_EQ(out[t], 32) << t;
+    EXPECT_EQ(out[96 + t], 1) << t;
+    EXPECT_EQ(out[192 + t], 1) << t;
+  }
+  cudaFree(out);
+}
+
+// cp.async lands when the thread waits for its group: before the wait the destination still
+// holds what it held (shared memory starts as NaN bytes).
+TEST(CudaEmu, CpAsyncLandsAtTheWait) {
+  float* src = device_array<float>(8);
+  for (int i = 0; i < 8; ++i) src[i] = float(i + 1);
+  float* out = device_array<float>(3 * 8);
+  emu::launch(emu::LaunchConfig(1, 2, 64), [&]() {
+    float* sm = static_cast<float*>(emu::dynamic_smem());
+    const int t = int(threadIdx.x);
+    emu::cp_async(sm + 4 * t, src + 4 * t, 16);
+    emu::cp_async_commit();
+    out[4 * t] = sm[4 * t];  // not landed yet
+    emu::cp_async(sm + 8 + 4 * t, src + 4 * t, 16);
+    emu::cp_async_commit();
+    emu::cp_async_wait(1);  // the first group landed, the second may not have
+    out[8 + 4 * t] = sm[4 * t];
+    out[16 + 4 * t] = sm[8 + 4 * t];
+    emu::cp_async_wait(0);
+  });
+  for (int t = 0; t < 2; ++t) {
+    EXPECT_TRUE(std::isnan(out[4 * t])) << t;
+    EXPECT_EQ(out[8 + 4 * t], float(4 * t + 1)) << t;
+    EXPECT_TRUE(std::isnan(out[16 + 4 * t])) << t;
+  }
+  cudaFree(src);
+  cudaFree(out);
+}
+
+TEST(CudaEmu, BadLaunchConfigurationIsAnError) {
+  (void)cudaGetLastError();
+  emu::launch(emu::LaunchConfig(1, 2048), []() {});
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  emu::launch(emu::LaunchConfig(1, 32, 300000), []() {});
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+using CudaEmuDeathTest = ::testing::Test;
+
+TEST(CudaEmuDeathTest, DivergentBarrierAborts) {
+  EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 64),
+                           []() {
+                             if (threadIdx.x == 0)
+                               (void)__shfl_xor_sync(0xffffffffu, 1, 1);
+                             else
+                               __syncthreads();
+                           }),
+               "cannot proceed");
+}
+
+// Thread t writes shared element t and reads t + 1 with no barrier between: the value read
+// depends on the order the threads run in, which the race check finds.
+void racy_neighbour(int* out, bool barrier) {
+  emu::launch(emu::LaunchConfig(2, 64, 64 * sizeof(int)), [=]() {
+    int* sm = static_cast<int*>(emu::dynamic_smem());
+    const int t = int(threadIdx.x);
+    sm[t] = t;
+    if (barrier) __syncthreads();
+    out[blockIdx.x * 64 + t] = sm[(t + 1) % 64];
+  });
+}
+
+TEST(CudaEmuDeathTest, RaceCheckFindsAMissingBarrier) {
+  int* out = device_array<int>(128);
+  EXPECT_DEATH(
+      {
+        setenv("HLM_EMU_RACECHECK", "1", 1);
+        racy_neighbour(out, false);
+      },
+      "race check");
+  const char* was = std::getenv("HLM_EMU_RACECHECK");
+  const std::string before = was ? was : "";
+  setenv("HLM_EMU_RACECHECK", "1", 1);
+  racy_neighbour(out, true);
+  if (was)
+    setenv("HLM_EMU_RACECHECK", before.c_str(), 1);
+  else
+    unsetenv("HLM_EMU_RACECHECK");
+  for (int t = 0; t < 128; ++t) EXPECT_EQ(out[t], (t % 64 + 1) % 64) << t;
+  cudaFree(out);
+}
+
+TEST(CudaEmuDeathTest, AccessPastAnAllocationFaults) {
+  float* p = device_array<float>(64);  // 256 bytes, the allocation granule
+  EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 65), [=]() { p[threadIdx.x] = 1.f; }), "");
+  emu::launch(emu::LaunchConfig(1, 64), [=]() { p[threadIdx.x] = 1.f; });
+  EXPECT_EQ(p[63], 1.f);
+  cudaFree(p);
+}
+
+}  // namespace
+}  // namespace hlm

@@ -1,0 +1,250 @@
+// cuda_emu.h: CUDA C++ device code compiled by the host compiler and run on the CPU.
+//
+// The emulation build (CMake option HLM_CUDA_EMU) compiles every .cu file of src/ as C++ (after
+// tools/cuda_emu/rewrite.cpp has turned its kernel launches into calls of hlm::emu::launch) with
+// this header first, and links tools/cuda_emu/runtime.cpp in place of the CUDA runtime and
+// cuBLAS. The GPU tests then run on a machine without a GPU, against the same CPU references.
+//
+// What is emulated, and how:
+//   - A launch runs its blocks one after another. The threads of a block are fibers (each its own
+//     stack) on one OS thread; a thread runs until it reaches a barrier (__syncthreads*), a warp
+//     collective (__shfl*_sync, __syncwarp, __ballot_sync, mma.sync) or its end, then the next
+//     runnable thread runs. A barrier releases when every thread of the block that has not
+//     exited waits at it; a warp collective when every lane of its mask waits at the same kind.
+//     A barrier that can never release (divergent __syncthreads, a collective missing a lane)
+//     aborts with the waiting threads listed.
+//   - Memory is host memory: device allocations end at a guard page (a kernel that writes or
+//     reads past the end of its allocation faults), dynamic shared memory too; dynamic shared
+//     memory is filled with NaN bytes (0xff) before each block, as shared memory is garbage on a
+//     GPU.
+//   - cp.async copies are performed when the thread waits for their group (cp.async.wait_group),
+//     not when issued: reading the destination before the wait reads the stale contents, as a
+//     GPU may.
+//   - mma.sync.m16n8k8 (TF32): the operands' low 13 bits are ignored as the tensor core ignores
+//     them; the products and their sum with the accumulator are formed in FP64 and rounded once
+//     (the hardware's internal rounding is not documented: results agree to FP32 rounding, not
+//     to the bit). ex2.approx / rcp.approx: exp2f and IEEE division with subnormals flushed.
+//   - Race check (HLM_EMU_RACECHECK=1): every launch runs twice from the same device memory,
+//     threads and blocks in forward and then in reverse order, and the two must leave every
+//     device allocation with the same bytes; a difference (a missing barrier, a read of memory
+//     another block writes) aborts with the allocation and offset.
+// Not emulated: timing, streams (everything is synchronous), atomics, textures, warp-level
+// divergence inside a collective's mask.
+#pragma once
+
+// CUDA's host headers define __shared__ only when it is not defined yet: per-block arrays
+// declared in device code become thread-local statics (blocks run one at a time per OS thread).
+#define __shared__ static thread_local
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#ifndef HLM_CUDA_EMU
+#define HLM_CUDA_EMU 1
+#endif
+
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#undef __forceinline__
+#define __forceinline__ inline
+#undef __global__
+#define __global__
+#undef __device__
+#define __device__
+#undef __host__
+#define __host__
+
+namespace hlm::emu {
+
+// The launch configuration of <<<grid, block, smem, stream>>>.
+struct LaunchConfig {
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+  LaunchConfig(dim3 g, dim3 b, size_t s = 0, cudaStream_t st = nullptr)
+      : grid(g), block(b), smem(s), stream(st) {}
+};
+
+// Runs body(ctx) as every thread of every block of the launch; returns when all have ended.
+// An invalid configuration sets the error that cudaGetLastError returns.
+void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx);
+
+template <class F>
+void launch(const LaunchConfig& cfg, F&& body) {
+  using Fn = std::remove_reference_t<F>;
+  launch_impl(
+      cfg, [](void* c) { (*static_cast<Fn*>(c))(); }, &body);
+}
+
+// The running thread's coordinates (set by the scheduler before it resumes a thread).
+extern thread_local uint3 t_thread_idx, t_block_idx;
+extern thread_local dim3 t_block_dim, t_grid_dim;
+
+void* dynamic_smem();
+
+// Barriers and warp collectives.
+int syncthreads_count(int pred);
+void syncwarp(unsigned mask);
+enum class Shfl { idx, up, down, bfly };
+uint64_t shfl(unsigned mask, uint64_t value, Shfl mode, int arg, int width);
+unsigned ballot(unsigned mask, int pred);
+// d += a b for one m16n8k8 tile, TF32 operands, FP32 accumulators: the fragments of
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32.
+void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+
+// cp.async: the copy is recorded, and performed by cp_async_wait (or at the thread's end).
+void cp_async(void* dst, const void* src, int bytes);
+void cp_async_commit();
+void cp_async_wait(int pending_groups);
+
+inline float flush_subnormal(float x) {
+  return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x;
+}
+// ex2.approx.ftz.f32 and rcp.approx.ftz.f32 (exact rather than approximate: within their bounds).
+inline float ex2_approx_ftz(float x) {
+  return flush_subnormal(std::exp2(flush_subnormal(x)));
+}
+inline float rcp_approx_ftz(float x) {
+  return flush_subnormal(1.f / flush_subnormal(x));
+}
+
+template <class T>
+uint64_t to_bits(const T& v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffles move 8 bytes at most");
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <class T>
+T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+
+}  // namespace hlm::emu
+
+#define threadIdx (::hlm::emu::t_thread_idx)
+#define blockIdx (::hlm::emu::t_block_idx)
+#define blockDim (::hlm::emu::t_block_dim)
+#define gridDim (::hlm::emu::t_grid_dim)
+#ifndef warpSize
+#define warpSize 32
+#endif
+
+// ---- intrinsics of device code, as host functions
+
+inline void __syncthreads() {
+  (void)::hlm::emu::syncthreads_count(0);
+}
+inline int __syncthreads_count(int p) {
+  return ::hlm::emu::syncthreads_count(p != 0);
+}
+inline int __syncthreads_or(int p) {
+  return ::hlm::emu::syncthreads_count(p != 0) != 0;
+}
+inline int __syncthreads_and(int p) {
+  return ::hlm::emu::syncthreads_count(p == 0) == 0;
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  ::hlm::emu::syncwarp(mask);
+}
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  using namespace ::hlm::emu;
+  return from_bits<T>(shfl(mask, to_bits(v), Shfl::idx, src, width));
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  using namespace ::hlm::emu;
+  return from_bits<T>(shfl(mask, to_bits(v), Shfl::up, int(d), width));
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  using namespace ::hlm::emu;
+  return from_bits<T>(shfl(mask, to_bits(v), Shfl::down, int(d), width));
+}
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  using namespace ::hlm::emu;
+  return from_bits<T>(shfl(mask, to_bits(v), Shfl::bfly, lane_mask, width));
+}
+inline unsigned __ballot_sync(unsigned mask, int p) {
+  return ::hlm::emu::ballot(mask, p != 0);
+}
+inline int __any_sync(unsigned mask, int p) {
+  return ::hlm::emu::ballot(mask, p != 0) != 0;
+}
+inline int __all_sync(unsigned mask, int p) {
+  return ::hlm::emu::ballot(mask, p != 0) == ::hlm::emu::ballot(mask, 1);
+}
+
+inline unsigned __float_as_uint(float x) {
+  return ::hlm::emu::from_bits<unsigned>(::hlm::emu::to_bits(x));
+}
+inline float __uint_as_float(unsigned x) {
+  return ::hlm::emu::from_bits<float>(::hlm::emu::to_bits(x));
+}
+inline int __float_as_int(float x) {
+  return ::hlm::emu::from_bits<int>(::hlm::emu::to_bits(x));
+}
+inline float __int_as_float(int x) {
+  return ::hlm::emu::from_bits<float>(::hlm::emu::to_bits(x));
+}
+inline long long __double_as_longlong(double x) {
+  return ::hlm::emu::from_bits<long long>(::hlm::emu::to_bits(x));
+}
+inline double __longlong_as_double(long long x) {
+  return ::hlm::emu::from_bits<double>(::hlm::emu::to_bits(x));
+}
+inline float __expf(float x) {
+  return std::exp(x);
+}
+inline float __logf(float x) {
+  return std::log(x);
+}
+inline float __fdividef(float a, float b) {
+  return a / b;
+}
+inline float __frcp_rn(float x) {
+  return 1.f / x;
+}
+inline float __fmaf_rn(float a, float b, float c) {
+  return std::fma(a, b, c);
+}
+inline float __fadd_rn(float a, float b) {
+  return a + b;
+}
+inline float __fmul_rn(float a, float b) {
+  return a * b;
+}
+inline float __saturatef(float x) {
+  return x < 0.f ? 0.f : (x > 1.f ? 1.f : x);
+}
+inline float rsqrtf(float x) {
+  return 1.f / std::sqrt(x);
+}
+inline double rsqrt(double x) {
+  return 1.0 / std::sqrt(x);
+}
+inline int __popc(unsigned x) {
+  return __builtin_popcount(x);
+}
+inline int __clz(int x) {
+  return x == 0 ? 32 : __builtin_clz(unsigned(x));
+}
+inline int __ffs(int x) {
+  return __builtin_ffs(x);
+}
+template <class T>
+T __ldg(const T* p) {
+  return *p;
+}
+inline size_t __cvta_generic_to_shared(const void* p) {
+  return reinterpret_cast<size_t>(p);
+}
