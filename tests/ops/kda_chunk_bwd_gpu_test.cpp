@@ -424,6 +424,25 @@ void saved_vs_recompute(const Case& c) {
   ops::KdaChunkBwdCudaBuffers bk = poisoned(gpu);
   bk.kept = fk.kept;
   same_as_recomputed(ops::kda_chunk_backward_cuda(gpu, d_o, dht, bk), "kept");
+  // ... and it reads them: NaN in either half of the kept buffer (A_qk, then M^-1) reaches the
+  // gradients, where a backward that recomputed them would give the finite bits checked above.
+  const int64_t half = ops::kda_chunk_cuda_kept_floats(gpu) / 2;
+  for (int part = 0; part < 2; ++part) {
+    ops::KdaChunkBwdCudaBuffers bn = poisoned(gpu);
+    bn.kept = Tensor::empty(fk.kept.shape(), DType::f32, Device::cuda);
+    bn.kept.copy_(fk.kept);
+    bn.kept.slice(0, part * half, (part + 1) * half)
+        .copy_(Tensor::full({half}, nan, DType::f32, Device::cuda));
+    const KdaGrads g = ops::kda_chunk_backward_cuda(gpu, d_o, dht, bn);
+    int64_t nans = 0;
+    for (const Named& f : kFields) {
+      if (!(g.*(f.field)).defined()) continue;
+      const Tensor h = (g.*(f.field)).to(Device::cpu).to(DType::f64);
+      for (int64_t i = 0; i < h.numel(); ++i) nans += std::isnan(h.data<double>()[i]);
+    }
+    EXPECT_GT(nans, 0) << name << ": the backward ignored the kept "
+                       << (part == 0 ? "A_qk" : "M^-1");
+  }
 
   // A second step through the same buffers with a new v and d o matches a fresh
   // recomputing backward on those inputs: nothing of the first step leaks into the second.
@@ -614,6 +633,7 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
 // 2048 random tokens tiled along T (the values do not change the work). Asserts nothing on speed.
 TEST(KdaChunkBwdGpu, Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";
   struct Shape3 {
     int64_t T, H, N;
   };

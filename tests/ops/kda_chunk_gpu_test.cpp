@@ -282,6 +282,7 @@ TEST(KdaChunkGpu, RejectsBadArguments) {
 // Inputs are 2048 random tokens tiled along T (the values do not change the work).
 TEST(KdaChunkGpu, DISABLED_Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";
   struct Shape3 {
     int64_t T, H, N;
   };
