@@ -81,9 +81,11 @@ void launch(const LaunchConfig& cfg, F&& body) {
       cfg, [](void* c) { (*static_cast<Fn*>(c))(); }, &body);
 }
 
-// The running thread's coordinates (set by the scheduler before it resumes a thread).
-extern thread_local uint3 t_thread_idx, t_block_idx;
-extern thread_local dim3 t_block_dim, t_grid_dim;
+// The running thread's coordinates (set by the scheduler before it resumes a thread). Inline
+// variables of a type without a constructor (blockDim and gridDim are dim3 in CUDA: the same
+// three fields), so that no TU reaches them through a thread_local initialisation wrapper (g++ 12
+// with -fsanitize=undefined reports a null pointer on such accesses).
+inline thread_local uint3 t_thread_idx, t_block_idx, t_block_dim, t_grid_dim;
 
 void* dynamic_smem();
 

@@ -24,9 +24,6 @@
 
 namespace hlm::emu {
 
-thread_local uint3 t_thread_idx, t_block_idx;
-thread_local dim3 t_block_dim, t_grid_dim;
-
 namespace {
 
 [[noreturn]] void die(const char* fmt, ...) {
@@ -385,13 +382,16 @@ void complete_collective(Block& b, int w) {
         C[g + 8][2 * t] = L[l].d[2];
         C[g + 8][2 * t + 1] = L[l].d[3];
       }
+      // Each sum in k order, C first; the loop over j inside, so that it vectorises.
+      double S[16][8];
+      for (int i = 0; i < 16; ++i) {
+        for (int j = 0; j < 8; ++j) S[i][j] = C[i][j];
+        for (int k = 0; k < 8; ++k)
+          for (int j = 0; j < 8; ++j) S[i][j] += double(A[i][k]) * double(B[k][j]);
+      }
       float D[16][8];
       for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 8; ++j) {
-          double s = C[i][j];
-          for (int k = 0; k < 8; ++k) s += double(A[i][k]) * double(B[k][j]);
-          D[i][j] = float(s);
-        }
+        for (int j = 0; j < 8; ++j) D[i][j] = float(S[i][j]);
       for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
         L[l].d[0] = D[g][2 * t];
@@ -525,8 +525,8 @@ void run_grid(const LaunchConfig& cfg, void (*body)(void*), void* ctx, bool reve
   b.smem = smem.ptr;
   Block* outer_block = t_block;
   t_block = &b;
-  t_block_dim = cfg.block;
-  t_grid_dim = cfg.grid;
+  t_block_dim = uint3{cfg.block.x, cfg.block.y, cfg.block.z};
+  t_grid_dim = uint3{cfg.grid.x, cfg.grid.y, cfg.grid.z};
   const uint64_t nb = uint64_t(cfg.grid.x) * cfg.grid.y * cfg.grid.z;
   for (uint64_t j = 0; j < nb; ++j) {
     const uint64_t i = reverse ? nb - 1 - j : j;
