@@ -2,7 +2,9 @@
 # Install what is missing, build, and run the whole test suite:
 #  1. the Release build (CUDA kernels compiled when nvcc is present) and all its tests; GPU tests
 #     (ctest label gpu) skip with a reason when no GPU is present;
-#  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+#  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
+#  3. where the CUDA toolkit is installed, the GPU tests on the CPU emulation of CUDA
+#     (tools/cuda_emu: the same kernels compiled as C++), with the race check on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -22,3 +24,12 @@ echo "== tests (ASan + UBSan, CPU) =="
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 (cd build-asan && ctest --output-on-failure --no-tests=error -j"$jobs" -L cpu --timeout 1800)
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== build (CUDA kernels emulated on the CPU) =="
+  bash scripts/build.sh build-emu -DHLM_CUDA_EMU=ON -DHLM_BUILD_BENCH=OFF
+  echo "== GPU tests on the CPU emulation, race check on =="
+  (cd build-emu && HLM_EMU_RACECHECK=1 ctest --output-on-failure --no-tests=error -j"$jobs" \
+    -L 'gpu|emu' --timeout 1800)
+else
+  echo "== no CUDA toolkit: the GPU tests on the CPU emulation are skipped =="
+fi
