@@ -24,6 +24,8 @@
 //     them; the products and their sum with the accumulator are formed in FP64 and rounded once
 //     (the hardware's internal rounding is not documented: results agree to FP32 rounding, not
 //     to the bit). ex2.approx / rcp.approx: exp2f and IEEE division with subnormals flushed.
+//   - HLM_EMU_REVERSE=1 runs the threads of each block and the blocks of each grid in reverse
+//     order.
 //   - Race check (HLM_EMU_RACECHECK=1): every launch runs twice from the same device memory,
 //     threads and blocks in forward and then in reverse order, and the two must leave every
 //     device allocation with the same bytes; a difference (a missing barrier, a read of memory
