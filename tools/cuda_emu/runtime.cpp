@@ -287,6 +287,8 @@ void perform_copies(Lane& l, size_t upto) {
   for (size_t& e : l.group_end) e -= upto;
 }
 
+// Releases the barrier: the waiting lanes enter the run queue, but the running one (the last to
+// arrive, or none when the release comes from a lane that exited), which goes on.
 void release_barrier(Block& b) {
   b.barrier_result = b.barrier_count;
   b.barrier_count = 0;
@@ -294,9 +296,12 @@ void release_barrier(Block& b) {
   const int n = int(b.lanes.size());
   for (int j = 0; j < n; ++j) {
     Lane& l = b.lanes[size_t(b.reverse ? n - 1 - j : j)];
-    if (l.state == State::barrier && &l != t_lane) enqueue(b, l);
+    if (l.state != State::barrier) continue;
+    if (&l == t_lane)
+      l.state = State::runnable;
+    else
+      enqueue(b, l);
   }
-  t_lane->state = State::runnable;
 }
 
 float tf32(uint32_t bits) {
@@ -441,16 +446,7 @@ void finish_lane(Lane& l) {
   Block& b = *t_block;
   --b.live;
   ++b.exited[size_t(l.index / 32)];
-  if (b.at_barrier > 0 && b.at_barrier == b.live) {
-    b.barrier_result = b.barrier_count;
-    b.barrier_count = 0;
-    b.at_barrier = 0;
-    const int n = int(b.lanes.size());
-    for (int j = 0; j < n; ++j) {
-      Lane& o = b.lanes[size_t(b.reverse ? n - 1 - j : j)];
-      if (o.state == State::barrier) enqueue(b, o);
-    }
-  }
+  if (b.at_barrier > 0 && b.at_barrier == b.live) release_barrier(b);
 }
 
 void lane_main(void* arg) {
