@@ -1,8 +1,9 @@
 // The CPU emulation of CUDA (tools/cuda_emu), in the HLM_CUDA_EMU build only: the tensor-core
 // product against the fragment layout of the PTX ISA (mma.m16n8k8 .tf32) and a 64 x 64 x 32
-// product through mma_tf32.cuh against FP64, shuffles in every mode, barrier counts, cp.async
-// copies that land only at the wait, and the checks that abort a faulty kernel: a deadlocked
-// barrier, a race (HLM_EMU_RACECHECK), an access past an allocation, a bad launch configuration.
+// product through mma_tf32.cuh against FP64, shuffles in every mode, ballot / any / all (also on
+// two disjoint half-warp masks at once), barrier counts, cp.async copies that land only at the
+// wait, and the checks that abort a faulty kernel: a deadlocked barrier, a race
+// (HLM_EMU_RACECHECK), an access past an allocation, a bad launch configuration.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -122,6 +123,26 @@ TEST(CudaEmu, ShufflesInEveryMode) {
     EXPECT_EQ(out[64 + t], 1000 + w + (l & ~15) + 3) << t;
     EXPECT_EQ(out[128 + t], 1000 + t - ((l & 7) >= 2 ? 2 : 0)) << t;
     EXPECT_EQ(out[192 + t], 1000 + t + (l < 31 ? 1 : 0)) << t;
+  }
+  cudaFree(out);
+}
+
+TEST(CudaEmu, BallotAnyAll) {
+  unsigned* out = device_array<unsigned>(4 * 64);
+  emu::launch(emu::LaunchConfig(1, 64), [&]() {
+    const int t = int(threadIdx.x), l = t & 31;
+    out[t] = __ballot_sync(0xffffffffu, l % 3 == 0);
+    out[64 + t] = unsigned(__any_sync(0xffffffffu, t == 40));              // only in warp 1
+    out[128 + t] = unsigned(__all_sync(0xffffffffu, t < 60));              // warp 1 has 60..63
+    out[192 + t] = unsigned(__all_sync(0x0000ffffu << (l & 16), l < 60));  // half-warp masks
+  });
+  unsigned every_third = 0;
+  for (int l = 0; l < 32; l += 3) every_third |= 1u << l;
+  for (int t = 0; t < 64; ++t) {
+    EXPECT_EQ(out[t], every_third) << t;
+    EXPECT_EQ(out[64 + t], t >= 32 ? 1u : 0u) << t;
+    EXPECT_EQ(out[128 + t], t < 32 ? 1u : 0u) << t;
+    EXPECT_EQ(out[192 + t], 1u) << t;
   }
   cudaFree(out);
 }

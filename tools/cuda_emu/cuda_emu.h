@@ -30,8 +30,8 @@
 //     threads and blocks in forward and then in reverse order, and the two must leave every
 //     device allocation with the same bytes; a difference (a missing barrier, a read of memory
 //     another block writes) aborts with the allocation and offset.
-// Not emulated: timing, streams (everything is synchronous), atomics, textures, warp-level
-// divergence inside a collective's mask.
+// Not emulated: timing, streams (everything is synchronous), atomics, textures, and the
+// interleaving of a warp's lanes between two collectives (they run one after another).
 #pragma once
 
 // CUDA's host headers define __shared__ only when it is not defined yet: per-block arrays
@@ -185,7 +185,7 @@ inline int __any_sync(unsigned mask, int p) {
   return ::hlm::emu::ballot(mask, p != 0) != 0;
 }
 inline int __all_sync(unsigned mask, int p) {
-  return ::hlm::emu::ballot(mask, p != 0) == ::hlm::emu::ballot(mask, 1);
+  return ::hlm::emu::ballot(mask, p != 0) == mask;
 }
 
 inline unsigned __float_as_uint(float x) {

@@ -287,16 +287,14 @@ void perform_copies(Lane& l, size_t upto) {
   for (size_t& e : l.group_end) e -= upto;
 }
 
-// Releases the barrier: the waiting lanes enter the run queue, but the running one (the last to
-// arrive, or none when the release comes from a lane that exited), which goes on.
-void release_barrier(Block& b) {
-  b.barrier_result = b.barrier_count;
-  b.barrier_count = 0;
-  b.at_barrier = 0;
-  const int n = int(b.lanes.size());
+// Every lane of L[0..n) waiting in state `waiting` enters the run queue (in the block's order),
+// but the running lane (the last to arrive), which goes on. For a warp collective (L a warp,
+// n <= 32) only the lanes of `mask`: lanes of a disjoint mask may wait at another one.
+void wake(Block& b, Lane* L, int n, State waiting, unsigned mask = 0xffffffffu) {
   for (int j = 0; j < n; ++j) {
-    Lane& l = b.lanes[size_t(b.reverse ? n - 1 - j : j)];
-    if (l.state != State::barrier) continue;
+    const int i = b.reverse ? n - 1 - j : j;
+    Lane& l = L[i];
+    if (l.state != waiting || (i < 32 && !((mask >> i) & 1u))) continue;
     if (&l == t_lane)
       l.state = State::runnable;
     else
@@ -304,29 +302,32 @@ void release_barrier(Block& b) {
   }
 }
 
+// Releases the barrier (from its last arrival, or from a lane's exit: then the running lane is
+// done and not among the waiting).
+void release_barrier(Block& b) {
+  b.barrier_result = b.barrier_count;
+  b.barrier_count = 0;
+  b.at_barrier = 0;
+  wake(b, b.lanes.data(), int(b.lanes.size()), State::barrier);
+}
+
 float tf32(uint32_t bits) {
   return __uint_as_float(bits & 0xffffe000u);
 }
 
-// Completes the collective of warp w (every lane of the mask is waiting at it).
-void complete_collective(Block& b, int w) {
+// Completes the collective of the lanes `mask` of warp w (each of them waits at it).
+void complete_collective(Block& b, int w, unsigned mask) {
   Lane* L = &b.lanes[size_t(w) * 32];
   const int n = std::min(32, int(b.lanes.size()) - 32 * w);
-  const Lane* first = nullptr;
-  for (int i = 0; i < n; ++i)
-    if (L[i].state == State::collective) {
-      first = &L[i];
-      break;
-    }
+  const Lane* first = t_lane;
   for (int i = 0; i < n; ++i) {
-    if (L[i].state != State::collective) continue;
-    if (L[i].kind != first->kind || L[i].mask != first->mask)
+    if (!((mask >> i) & 1u)) continue;
+    if (L[i].kind != first->kind || L[i].mask != mask)
       die("warp %d of block (%u,%u,%u): lanes %d and %d meet at different warp collectives (%s, "
           "mask %08x; %s, mask %08x)",
           w, t_block_idx.x, t_block_idx.y, t_block_idx.z, first->index % 32, i,
-          kind_name(first->kind), first->mask, kind_name(L[i].kind), L[i].mask);
+          kind_name(first->kind), mask, kind_name(L[i].kind), L[i].mask);
   }
-  const unsigned mask = first->mask;
   switch (first->kind) {
     case Kind::sync:
       break;
@@ -407,36 +408,41 @@ void complete_collective(Block& b, int w) {
       break;
     }
   }
-  for (int j = 0; j < n; ++j) {
-    Lane& l = L[b.reverse ? n - 1 - j : j];
-    if (l.state == State::collective && &l != t_lane) enqueue(b, l);
-  }
-  t_lane->state = State::runnable;
-  b.arrived[size_t(w)] = 0;
+  wake(b, L, n, State::collective, mask);
+  if (mask == 0xffffffffu) b.arrived[size_t(w)] = 0;
 }
 
 // The calling lane waits at a warp collective described by its fields; the last lane of the
-// mask to arrive completes it for all.
+// mask to arrive completes it for all. Lanes of disjoint masks may meet at collectives of their
+// own at the same time (two half-warp reductions, say); lanes named in one mask that wait at
+// another collective abort the run.
 void collective() {
   Block& b = *t_block;
   Lane& me = *t_lane;
-  const int w = me.index / 32;
+  const int w = me.index / 32, n = std::min(32, int(b.lanes.size()) - 32 * w);
+  Lane* L = &b.lanes[size_t(w) * 32];
   if (!((me.mask >> (me.index % 32)) & 1u))
     die("lane %d of warp %d calls %s with mask %08x, which leaves it out", me.index % 32, w,
         kind_name(me.kind), me.mask);
   me.state = State::collective;
-  if (b.exited[size_t(w)] > 0) {
-    const int n = std::min(32, int(b.lanes.size()) - 32 * w);
+  if (b.exited[size_t(w)] > 0)
     for (int i = 0; i < n; ++i)
-      if (((me.mask >> i) & 1u) && b.lanes[size_t(32 * w + i)].state == State::done)
+      if (((me.mask >> i) & 1u) && L[i].state == State::done)
         die("warp %d: %s with mask %08x names lane %d, which has exited", w, kind_name(me.kind),
             me.mask, i);
+  if (me.mask == 0xffffffffu) {  // the common case: a count, no scan
+    if (++b.arrived[size_t(w)] == 32)
+      complete_collective(b, w, me.mask);
+    else
+      yield();
+    return;
   }
-  const int need = me.mask == 0xffffffffu ? 32 : __builtin_popcount(me.mask);
-  if (++b.arrived[size_t(w)] == need)
-    complete_collective(b, w);
-  else
-    yield();
+  for (int i = 0; i < n; ++i)
+    if (((me.mask >> i) & 1u) && L[i].state != State::collective) {
+      yield();
+      return;
+    }
+  complete_collective(b, w, me.mask);
 }
 
 void finish_lane(Lane& l) {
