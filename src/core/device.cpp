@@ -87,12 +87,16 @@ void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes
 }
 
 void device_memset_zero(Device d, void* p, size_t nbytes) {
+  device_memset(d, p, 0, nbytes);
+}
+
+void device_memset(Device d, void* p, int byte, size_t nbytes) {
   if (d == Device::cpu) {
-    std::memset(p, 0, nbytes);
+    std::memset(p, byte, nbytes);
     return;
   }
 #ifdef HLM_HAVE_CUDA
-  HLM_CUDA_CHECK(cudaMemset(p, 0, nbytes));
+  HLM_CUDA_CHECK(cudaMemset(p, byte, nbytes));
 #endif
 }
 

@@ -20,6 +20,8 @@ void device_free(Device d, void* p);
 // Copy nbytes between any two devices (synchronous).
 void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
 void device_memset_zero(Device d, void* p, size_t nbytes);
+// Every byte of [p, p + nbytes) set to `byte` (e.g. 0xFF: the NaN poison of the tests).
+void device_memset(Device d, void* p, int byte, size_t nbytes);
 void device_synchronize();
 
 }  // namespace hlm

@@ -82,4 +82,47 @@ inline void require_contiguous(const Tensor& t, const char* op, const char* what
             op, what, shape_str(t.strides()), t.describe());
 }
 
+// ---- the layer ops that also run on CUDA (conv1d, rmsnorm, l2norm, kda_gate, activations) ----
+// Dtype rules on CUDA (the CPU accepts f32 / f64 only, except kda_gate's z):
+//   activations (x, dy, y): f32, f64 or bf16, computed in f32 (f64 for f64).
+//   x-like tensors (x, dy, gate, conv state, outputs): f32, f64 or bf16, one dtype.
+//   parameters w and their gradients dw: x's dtype, or f32 when x is bf16.
+//   rstd: the computation dtype (x's dtype; f32 when x is bf16).
+//   kda_gate: z f32 / f64 / bf16; A_log, dt_bias, dg and all outputs in the computation dtype.
+// CUDA tensors must be contiguous.
+
+// A floating tensor on the CPU (f32 / f64) or on CUDA (f32 / f64 / bf16, contiguous).
+inline void require_float_dev(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  if (t.device() == Device::cpu) {
+    HLM_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::f64,
+              "{}: {} must be f32 or f64, got {}", op, what, t.describe());
+    return;
+  }
+  HLM_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::f64 || t.dtype() == DType::bf16,
+            "{}: {} must be f32, f64 or bf16 on CUDA, got {}", op, what, t.describe());
+  HLM_CHECK(t.numel() == 0 || t.is_contiguous(),
+            "{}: {} must be contiguous on CUDA, got strides {} for {}", op, what,
+            shape_str(t.strides()), t.describe());
+}
+
+inline void require_same_device(const Tensor& t, const Tensor& ref, const char* op,
+                                const char* what, const char* ref_name) {
+  HLM_CHECK(t.device() == ref.device(), "{}: {} must be on the device of {} ({}), got {}", op, what,
+            ref_name, ref.describe(), t.describe());
+}
+
+// A parameter (w) or its gradient (dw) of an op on x: x's dtype, or f32 when x is bf16.
+inline void require_param_dtype(const Tensor& t, const Tensor& x, const char* op,
+                                const char* what) {
+  HLM_CHECK(t.dtype() == x.dtype() || (x.dtype() == DType::bf16 && t.dtype() == DType::f32),
+            "{}: {} must have the dtype of x ({}){}, got {}", op, what, dtype_name(x.dtype()),
+            x.dtype() == DType::bf16 ? " or f32" : "", t.describe());
+}
+
+// The dtype an op on `dt` computes in (and stores rstd in): f32 for bf16.
+inline DType compute_dtype(DType dt) {
+  return dt == DType::bf16 ? DType::f32 : dt;
+}
+
 }  // namespace hlm::ops::detail

@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "ops/activations.h"
 #include "ops/conv1d.h"
+#include "ops/dispatch.h"
 #include "ops/kda_gate.h"
 #include "ops/l2norm.h"
 #include "ops/layer_ops_cuda.h"
@@ -22,8 +23,8 @@ namespace hlm {
 namespace {
 
 struct Poison {
-  Poison() { ops::cuda::set_poison_outputs(true); }
-  ~Poison() { ops::cuda::set_poison_outputs(false); }
+  Poison() { ops::set_poison_outputs(true); }
+  ~Poison() { ops::set_poison_outputs(false); }
 };
 
 Tensor gpu(const Tensor& t) {

@@ -101,6 +101,10 @@ __device__ __forceinline__ A warp_sum(A x) {
 
 void check_launch(const char* what);
 
+// A new contiguous CUDA tensor for an output or a workspace (NaN-poisoned while the test hook of
+// ops/dispatch.h is on).
+Tensor alloc(const Shape& shape, DType dt);
+
 inline unsigned blocks_for(int64_t n, int threads) {
   return unsigned((n + threads - 1) / threads);
 }

@@ -1,5 +1,5 @@
-// RMSNorm, gated RMSNorm (ops/rmsnorm.h) and L2 norm (ops/l2norm.h) on CUDA, the math of
-// ops/cpu/rmsnorm.cpp and ops/cpu/l2norm.cpp:
+// RMSNorm, gated RMSNorm (ops/rmsnorm.h) and L2 norm (ops/l2norm.h) on CUDA (ops/cuda/norms.cuh),
+// the math of ops/cpu/rmsnorm.cpp and ops/cpu/l2norm.cpp:
 //   rmsnorm:  rstd = 1 / sqrt(sum x^2 / D + eps),  y = x rstd w (* sigmoid(g))
 //             dn = dy (* s),  dg = dy x rstd w s (1 - s),
 //             dx = rstd w dn - rstd^3 / D x sum_j(dn_j w_j x_j),  dw += sum_rows dn x rstd
@@ -14,7 +14,7 @@
 #include <initializer_list>
 
 #include "ops/cuda/layer_ops_common.cuh"
-#include "ops/layer_ops_cuda.h"
+#include "ops/cuda/norms.cuh"
 
 namespace hlm::ops::cuda {
 namespace {

@@ -1,0 +1,124 @@
+// The front door of RMSNorm and gated RMSNorm (ops/rmsnorm.h): argument checks, output
+// allocation, and the switch to the CPU reference (ops/cpu/rmsnorm.cpp) or the CUDA kernels
+// (ops/cuda/norms.cu).
+#include "ops/rmsnorm.h"
+
+#include "ops/cpu/rmsnorm.h"
+#include "ops/cuda/norms.cuh"
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+
+namespace {
+
+void check_common(const char* op, const Tensor& x, const Tensor& w) {
+  detail::require_float_dev(x, op, "x");
+  HLM_CHECK(x.dim() >= 1, "{}: x must be [..., D], got {}", op, x.describe());
+  detail::require_float_dev(w, op, "w");
+  detail::require_same_device(w, x, op, "w", "x");
+  detail::require_param_dtype(w, x, op, "w");
+  detail::require_shape(w, {x.size(-1)}, op, "w");
+}
+
+void check_backward(const char* op, const Tensor& dy, const Tensor& x, const Tensor& w,
+                    const Tensor& rstd, const Tensor& dw) {
+  check_common(op, x, w);
+  detail::require_float_dev(dy, op, "dy");
+  detail::require_same_device(dy, x, op, "dy", "x");
+  detail::require_same_dtype(dy, x, op, "dy", "x");
+  detail::require_shape(dy, x.shape(), op, "dy");
+  detail::require_float_dev(rstd, op, "rstd");
+  detail::require_same_device(rstd, x, op, "rstd", "x");
+  HLM_CHECK(rstd.dtype() == detail::compute_dtype(x.dtype()), "{}: rstd must be {}, got {}", op,
+            dtype_name(detail::compute_dtype(x.dtype())), rstd.describe());
+  detail::require_shape(rstd, detail::leading_shape(x), op, "rstd");
+  detail::require_float_dev(dw, op, "dw");
+  detail::require_same_device(dw, x, op, "dw", "x");
+  detail::require_param_dtype(dw, x, op, "dw");
+  detail::require_shape(dw, w.shape(), op, "dw");
+  detail::require_contiguous(dw, op, "dw");
+}
+
+void check_gate(const char* op, const Tensor& gate, const Tensor& x) {
+  detail::require_float_dev(gate, op, "gate");
+  detail::require_same_device(gate, x, op, "gate", "x");
+  detail::require_same_dtype(gate, x, op, "gate", "x");
+  detail::require_shape(gate, x.shape(), op, "gate");
+}
+
+RmsNormResult forward(const char* op, const Tensor& x_, const Tensor* gate_, const Tensor& w_,
+                      double eps) {
+  HLM_CHECK(eps >= 0, "{}: eps must be >= 0, got {}", op, eps);
+  const Tensor x = x_.contiguous(), w = w_.contiguous();
+  const Tensor gate = gate_ ? gate_->contiguous() : Tensor();
+  const Tensor* g = gate_ ? &gate : nullptr;
+  const Device dev = x.device();
+  RmsNormResult out{
+      detail::new_output(x.shape(), x.dtype(), dev),
+      detail::new_output(detail::leading_shape(x), detail::compute_dtype(x.dtype()), dev)};
+  switch (dev) {
+    case Device::cpu:
+      cpu::rmsnorm_forward(x, g, w, eps, out.y, out.rstd);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::rmsnorm_forward(x, g, w, eps, out.y, out.rstd));
+      break;
+  }
+  return out;
+}
+
+GatedRmsNormGrads backward(const char* op, const Tensor& dy_, const Tensor& x_, const Tensor* gate_,
+                           const Tensor& w_, const Tensor& rstd_, Tensor& dw) {
+  const Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(),
+               rstd = rstd_.contiguous();
+  const Tensor gate = gate_ ? gate_->contiguous() : Tensor();
+  const Tensor* g = gate_ ? &gate : nullptr;
+  const Device dev = x.device();
+  GatedRmsNormGrads out;
+  out.dx = detail::new_output(x.shape(), x.dtype(), dev);
+  if (g) out.dgate = detail::new_output(x.shape(), x.dtype(), dev);
+  Tensor* dgate = g ? &out.dgate : nullptr;
+  switch (dev) {
+    case Device::cpu:
+      cpu::rmsnorm_backward(dy, x, g, w, rstd, out.dx, dgate, dw);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::rmsnorm_backward(dy, x, g, w, rstd, out.dx, dgate, dw));
+      break;
+  }
+  return out;
+}
+
+}  // namespace
+
+RmsNormResult rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
+  constexpr const char* op = "rmsnorm_forward";
+  check_common(op, x, w);
+  return forward(op, x, nullptr, w, eps);
+}
+
+Tensor rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                        Tensor& dw) {
+  constexpr const char* op = "rmsnorm_backward";
+  check_backward(op, dy, x, w, rstd, dw);
+  return backward(op, dy, x, nullptr, w, rstd, dw).dx;
+}
+
+RmsNormResult gated_rmsnorm_forward(const Tensor& x, const Tensor& gate, const Tensor& w,
+                                    double eps) {
+  constexpr const char* op = "gated_rmsnorm_forward";
+  check_common(op, x, w);
+  check_gate(op, gate, x);
+  return forward(op, x, &gate, w, eps);
+}
+
+GatedRmsNormGrads gated_rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gate,
+                                         const Tensor& w, const Tensor& rstd, Tensor& dw) {
+  constexpr const char* op = "gated_rmsnorm_backward";
+  check_backward(op, dy, x, w, rstd, dw);
+  check_gate(op, gate, x);
+  return backward(op, dy, x, &gate, w, rstd, dw);
+}
+
+}  // namespace hlm::ops
