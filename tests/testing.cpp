@@ -185,3 +185,29 @@ Tensor cpu(const Tensor& t) {
 }
 
 }  // namespace hlm::testing
+
+namespace hlm::testing {
+
+void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no hlm::Error (expected one mentioning '" << needle << "')";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "'" << e.what() << "' does not mention '" << needle << "'";
+  }
+}
+
+Tensor cu_of(const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> cu{0};
+  for (int64_t l : lengths) cu.push_back(cu.back() + l);
+  return Tensor::from_vector<int64_t>({int64_t(cu.size())}, cu);
+}
+
+int64_t total(const std::vector<int64_t>& lengths) {
+  int64_t t = 0;
+  for (int64_t l : lengths) t += l;
+  return t;
+}
+
+}  // namespace hlm::testing

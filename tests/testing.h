@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -53,6 +54,13 @@ double dot(const Tensor& a, const Tensor& b);
 // Standard normal draws (f64, from `rng`) with every row of the last dimension scaled to unit L2
 // norm, then converted to `dt`: realistic q / k inputs for the KDA tests.
 Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng);
+
+// f() must throw hlm::Error whose message contains `needle`.
+void expect_error(const std::function<void()>& f, const std::string& needle);
+
+// cu_seqlens (i64 [N+1], CPU) of a packed batch of sequences of these lengths, and their sum.
+Tensor cu_of(const std::vector<int64_t>& lengths);
+int64_t total(const std::vector<int64_t>& lengths);
 
 // Copies of t on the GPU / the host (an undefined t stays undefined): for the GPU tests.
 Tensor gpu(const Tensor& t);

@@ -25,16 +25,14 @@
 namespace hlm {
 namespace {
 
+using hlm::testing::cu_of;
+using hlm::testing::expect_error;
+using hlm::testing::total;
+
 using hlm::testing::bit_equal;
 using hlm::testing::grad_check;
 using hlm::testing::test_seed;
 using Vec = std::vector<double>;
-
-int64_t total(const std::vector<int64_t>& lens) {
-  int64_t t = 0;
-  for (int64_t l : lens) t += l;
-  return t;
-}
 
 IndexerConfig tiny_config(int64_t P, int64_t rope, DType dt, int64_t K) {
   IndexerConfig c;
@@ -209,10 +207,6 @@ Naive naive_indexer(DsaIndexer& m, const Vec& h, const Vec& cq, const std::vecto
 
 Tensor tensor_of(const Vec& v, const Shape& s, DType dt = DType::f64) {
   return Tensor::from_values(s, v, dt);
-}
-
-Tensor cu_of(const std::vector<int64_t>& lens) {
-  return ops::cu_seqlens_from_lengths(lens);
 }
 
 TEST(DsaIndexerLayer, ScoresMatchNaiveFp64Loop) {
@@ -725,16 +719,6 @@ TEST(DsaIndexerLayer, ParametersNamesInitAndApeStaysFp32) {
 }
 
 // ---- bad config / input -----------------------------------------------------------------------
-
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected hlm::Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' does not mention '" << needle << "'";
-  }
-}
 
 TEST(DsaIndexerLayer, BadConfigAndInputThrowClearErrors) {
   Rng rng(test_seed());

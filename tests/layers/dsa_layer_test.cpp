@@ -19,23 +19,14 @@
 namespace hlm {
 namespace {
 
+using hlm::testing::cu_of;
+using hlm::testing::total;
+
 using hlm::testing::bit_equal;
 using hlm::testing::close;
 using hlm::testing::grad_check;
 using hlm::testing::test_seed;
 using Vec = std::vector<double>;
-
-Tensor cu_of(const std::vector<int64_t>& lens) {
-  std::vector<int64_t> cu{0};
-  for (int64_t l : lens) cu.push_back(cu.back() + l);
-  return Tensor::from_vector<int64_t>({int64_t(cu.size())}, cu);
-}
-
-int64_t total(const std::vector<int64_t>& lens) {
-  int64_t t = 0;
-  for (int64_t l : lens) t += l;
-  return t;
-}
 
 std::vector<int64_t> starts_of(const std::vector<int64_t>& lens) {
   std::vector<int64_t> st;

@@ -19,21 +19,13 @@
 namespace hlm {
 namespace {
 
+using hlm::testing::expect_error;
+
 using testing::bit_equal;
 using testing::close;
 using testing::dot;
 using testing::grad_check;
 using testing::test_seed;
-
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no hlm::Error (expected one mentioning '" << needle << "')";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "'" << e.what() << "' does not mention '" << needle << "'";
-  }
-}
 
 double sigm(double x) {
   return 1.0 / (1.0 + std::exp(-x));

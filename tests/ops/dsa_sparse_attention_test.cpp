@@ -13,16 +13,12 @@
 namespace hlm::ops {
 namespace {
 
+using hlm::testing::cu_of;
+
 using hlm::testing::bit_equal;
 using hlm::testing::close;
 using hlm::testing::grad_check;
 using hlm::testing::test_seed;
-
-Tensor cu_of(const std::vector<int64_t>& lens) {
-  std::vector<int64_t> cu{0};
-  for (int64_t l : lens) cu.push_back(cu.back() + l);
-  return Tensor::from_vector<int64_t>({int64_t(cu.size())}, cu);
-}
 
 std::vector<int64_t> starts(const std::vector<int64_t>& lens) {
   std::vector<int64_t> st;
