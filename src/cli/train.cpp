@@ -69,6 +69,16 @@ void run_train(const TrainArgs& a) {
 
   train::TrainerOptions opts;
   opts.stop_after = a.stop_after;
+  // The typed options win over the config file and --set.
+  const auto from_args = [&a](train::TrainConfig& c) {
+    if (a.steps) c.steps = *a.steps;
+    if (a.seed) {
+      if (*a.seed < 0) throw Error(fmt::format("--seed must be >= 0, got {}", *a.seed));
+      c.seed = uint64_t(*a.seed);
+    }
+    // The data path is relative to the current directory (not to the config file).
+    if (!a.data.empty()) c.data_path = fs::absolute(a.data).string();
+  };
   train::TrainConfig cfg;
   if (!a.resume.empty()) {
     if (!a.config.empty())
@@ -89,24 +99,15 @@ void run_train(const TrainArgs& a) {
           fmt::format("--resume: the model of a checkpoint cannot change (model overrides: "
                       "{}); only training settings can be set",
                       fmt::join(ov.model, " ")));
-    std::vector<std::string> sets = a.sets;
-    if (a.steps) sets.push_back(fmt::format("steps={}", *a.steps));
-    if (a.seed) sets.push_back(fmt::format("seed={}", *a.seed));
-    cfg = train::make_train_config(ck.train_config, sets, a.resume + "/" + train::kTrainerStateFile,
-                                   "");
+    cfg = train::make_train_config(ck.train_config, a.sets,
+                                   a.resume + "/" + train::kTrainerStateFile, "", from_args);
     opts.out_dir = a.resume;
     opts.resume = true;
   } else {
     const std::string path = a.config.empty() ? find_default_config() : a.config;
     nlohmann::json j = train::read_train_config_file(path);
-    std::vector<std::string> sets = a.sets;
-    if (a.steps) sets.push_back(fmt::format("steps={}", *a.steps));
-    if (a.seed) sets.push_back(fmt::format("seed={}", *a.seed));
-    if (!a.data.empty()) {
-      // The data path is relative to the current directory (not to the config file).
-      sets.push_back("data=" + nlohmann::json(fs::absolute(a.data).string()).dump());
-    }
-    cfg = train::make_train_config(j, sets, path, fs::path(path).parent_path().string());
+    cfg =
+        train::make_train_config(j, a.sets, path, fs::path(path).parent_path().string(), from_args);
     if (a.out.empty()) {
       // The default directory: the first of runs/mqar, runs/mqar-2, ... that holds no run.
       std::string out = kDefaultOut;

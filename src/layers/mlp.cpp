@@ -6,8 +6,6 @@
 //           dx = gate_proj.backward(dg) + up_proj.backward(du)  (added in that order; dW +=)
 #include "layers/mlp.h"
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 
 #include "core/rng.h"
@@ -53,21 +51,6 @@ Tensor add(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-int64_t json_int(const nlohmann::json& j, const char* key, const char* what) {
-  HLM_CHECK(j.contains(key), "{}: config key '{}' is required", what, key);
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number_integer(), "{}: config key '{}' must be an integer, got {}", what, key,
-            v.dump());
-  return v.get<int64_t>();
-}
-
-double json_double(const nlohmann::json& j, const char* key, double dflt, const char* what) {
-  if (!j.contains(key) || j.at(key).is_null()) return dflt;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number(), "{}: config key '{}' must be a number, got {}", what, key, v.dump());
-  return v.get<double>();
-}
-
 }  // namespace
 
 void DenseMlpConfig::validate() const {
@@ -79,18 +62,6 @@ void DenseMlpConfig::validate() const {
             "DenseMlpConfig.dtype must be f64, f32 or bf16, got {}", dtype_name(dtype));
   HLM_CHECK(std::isfinite(init_std) && init_std >= 0,
             "DenseMlpConfig.init_std must be finite and >= 0, got {}", init_std);
-}
-
-DenseMlpConfig DenseMlpConfig::from_hf_json(const nlohmann::json& j) {
-  const char* what = "DenseMlpConfig::from_hf_json";
-  HLM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", what, j.type_name());
-  DenseMlpConfig c;
-  c.hidden_size = json_int(j, "hidden_size", what);
-  c.intermediate_size = json_int(j, "intermediate_size", what);
-  c.swiglu_limit = json_double(j, "swiglu_limit", 0.0, what);
-  c.init_std = json_double(j, "initializer_range", 0.02, what);
-  c.validate();
-  return c;
 }
 
 DenseMlp::DenseMlp(const DenseMlpConfig& cfg, const PrecisionPolicy& policy,

@@ -23,8 +23,6 @@
 // rounded once to x's dtype. Every step is per token: a packed batch gives its sequences' rows.
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <string>
 
@@ -45,9 +43,6 @@ struct DenseMlpConfig {
   // Throws hlm::Error naming the field: sizes < 1, swiglu_limit NaN, dtype not f64/f32/bf16,
   // init_std < 0 or not finite.
   void validate() const;
-  // From an HF (text) config object: hidden_size and intermediate_size (required), swiglu_limit
-  // (absent: no clamp), initializer_range (0.02). Validated.
-  static DenseMlpConfig from_hf_json(const nlohmann::json& config);
 };
 
 class DenseMlp : public Module {

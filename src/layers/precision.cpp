@@ -1,11 +1,10 @@
 // Precision policy (layers/precision.h): config parsing, per-module resolution, keep-in-FP32 names.
 #include "layers/precision.h"
 
-#include <nlohmann/json.hpp>
-
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace hlm {
 
@@ -154,108 +153,54 @@ GemmPrecision PrecisionPolicy::resolve(const std::string& module_path, ModuleRol
   return p;
 }
 
-namespace {
-
-const char* json_type(const nlohmann::json& v) {
-  return v.type_name();
-}
-
-bool read_bool(const nlohmann::json& j, const char* key, bool current) {
-  if (!j.contains(key)) return current;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_boolean(), "precision config: '{}' must be true or false, got {} {}", key,
-            json_type(v), v.dump());
-  return v.get<bool>();
-}
-
-const nlohmann::json* read_string(const nlohmann::json& j, const char* key) {
-  if (!j.contains(key)) return nullptr;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_string(), "precision config: '{}' must be a string, got {} {}", key, json_type(v),
-            v.dump());
-  return &v;
-}
-
-}  // namespace
-
 PrecisionPolicy PrecisionPolicy::from_json(const nlohmann::json& j) {
-  HLM_CHECK(j.is_object(), "precision config: expected a JSON object, got {}", json_type(j));
-  PrecisionPolicy p;
-  if (auto* v = read_string(j, "gemm_precision")) {
-    const std::string s = v->get<std::string>();
-    HLM_CHECK(s == "native" || s == "fp32" || s == "bf16" || s == "fp8_block" || s == "fp8",
-              "precision config: 'gemm_precision' is '{}', expected native, fp32, bf16, fp8_block "
-              "or fp8",
-              s);
-    p.default_kind = parse_gemm_kind(s);
-  }
-  bool have_format = false;
-  if (auto* v = read_string(j, "fp8_format")) {
-    const std::string s = v->get<std::string>();
-    HLM_CHECK(s == "e4m3" || s == "hybrid",
-              "precision config: 'fp8_format' is '{}', expected e4m3 or hybrid (E4M3 forward, "
-              "E5M2 gradients)",
-              s);
-    p.grad_format = s == "hybrid" ? Fp8Format::e5m2 : Fp8Format::e4m3;
-    have_format = true;
-  }
-  if (auto* v = read_string(j, "fp8_grad_format")) {
-    const std::string s = v->get<std::string>();
-    HLM_CHECK(s == "e4m3" || s == "e5m2",
-              "precision config: 'fp8_grad_format' is '{}', expected e4m3 or e5m2", s);
-    const Fp8Format g = s == "e5m2" ? Fp8Format::e5m2 : Fp8Format::e4m3;
-    HLM_CHECK(!have_format || g == p.grad_format,
-              "precision config: 'fp8_grad_format' {} contradicts 'fp8_format' {}", s,
-              j.at("fp8_format").get<std::string>());
-    p.grad_format = g;
-  }
-  p.pow2_scales = read_bool(j, "fp8_pow2_scales", p.pow2_scales);
-  p.kda_disable_fp8 = read_bool(j, "kda_disable_fp8", p.kda_disable_fp8);
-  p.mla_proj_disable_quantization =
-      read_bool(j, "mla_proj_disable_quantization", p.mla_proj_disable_quantization);
-  p.dsa_indexer_qk_proj_disable_quantization = read_bool(
-      j, "dsa_indexer_qk_proj_disable_quantization", p.dsa_indexer_qk_proj_disable_quantization);
-  p.dsa_indexer_kpool_use_quantization =
-      read_bool(j, "dsa_indexer_kpool_use_quantization", p.dsa_indexer_kpool_use_quantization);
+  JsonReader r(j, "precision config");
+  return read(r);
+}
 
-  if (j.contains("quantization_config") && !j.at("quantization_config").is_null()) {
-    const auto& q = j.at("quantization_config");
-    HLM_CHECK(q.is_object(), "precision config: 'quantization_config' must be an object, got {}",
-              json_type(q));
-    if (auto* m = read_string(q, "quant_method")) {
-      HLM_CHECK(m->get<std::string>() == "fp8",
-                "precision config: quantization_config.quant_method '{}' is not supported "
-                "(expected fp8)",
-                m->get<std::string>());
+PrecisionPolicy PrecisionPolicy::read(JsonReader& r) {
+  PrecisionPolicy p;
+  p.default_kind = r.get_enum("gemm_precision", p.default_kind,
+                              {{"native", GemmKind::native},
+                               {"fp32", GemmKind::native},
+                               {"bf16", GemmKind::bf16},
+                               {"fp8_block", GemmKind::fp8_block},
+                               {"fp8", GemmKind::fp8_block}});
+  // fp8_format (Megatron --fp8-format): "hybrid" means E5M2 gradients.
+  const auto format =
+      r.opt_enum<Fp8Format>("fp8_format", {{"e4m3", Fp8Format::e4m3}, {"hybrid", Fp8Format::e5m2}});
+  const auto grad = r.opt_enum<Fp8Format>("fp8_grad_format",
+                                          {{"e4m3", Fp8Format::e4m3}, {"e5m2", Fp8Format::e5m2}});
+  if (format && grad && *format != *grad)
+    r.error("fp8_grad_format", fmt::format("({}) contradicts 'fp8_format' ({})",
+                                           r.object().at("fp8_grad_format").dump(),
+                                           r.object().at("fp8_format").dump()));
+  p.grad_format = grad ? *grad : format.value_or(p.grad_format);
+  p.pow2_scales = r.get_bool("fp8_pow2_scales", p.pow2_scales);
+  p.kda_disable_fp8 = r.get_bool("kda_disable_fp8", p.kda_disable_fp8);
+  p.mla_proj_disable_quantization =
+      r.get_bool("mla_proj_disable_quantization", p.mla_proj_disable_quantization);
+  p.dsa_indexer_qk_proj_disable_quantization = r.get_bool(
+      "dsa_indexer_qk_proj_disable_quantization", p.dsa_indexer_qk_proj_disable_quantization);
+  p.dsa_indexer_kpool_use_quantization =
+      r.get_bool("dsa_indexer_kpool_use_quantization", p.dsa_indexer_kpool_use_quantization);
+
+  // quantization_config: only the keys below are read; the others (activation_scheme, ...) are
+  // the serving engines'.
+  if (auto q = r.opt_child("quantization_config")) {
+    q->expect_one_of("quant_method", {"fp8"});
+    q->expect_one_of("fmt", {"e4m3"});
+    if (const nlohmann::json* b = q->find_non_null("weight_block_size")) {
+      const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
+                      (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&
+                      (*b)[1].get<int64_t>() == 128;
+      if (!ok) q->fail("weight_block_size", "[128, 128] (the only block size)", *b);
     }
-    if (auto* f = read_string(q, "fmt")) {
-      HLM_CHECK(f->get<std::string>() == "e4m3",
-                "precision config: quantization_config.fmt '{}' is not supported (expected e4m3)",
-                f->get<std::string>());
-    }
-    if (q.contains("weight_block_size") && !q.at("weight_block_size").is_null()) {
-      const auto& b = q.at("weight_block_size");
-      const bool ok = b.is_array() && b.size() == 2 && b[0].is_number_integer() &&
-                      b[1].is_number_integer() && b[0].get<int64_t>() == 128 &&
-                      b[1].get<int64_t>() == 128;
-      HLM_CHECK(ok,
-                "precision config: quantization_config.weight_block_size must be [128, 128], "
-                "got {}",
-                b.dump());
-    }
-    if (q.contains("modules_to_not_convert") && !q.at("modules_to_not_convert").is_null()) {
-      const auto& m = q.at("modules_to_not_convert");
-      HLM_CHECK(m.is_array(),
-                "precision config: quantization_config.modules_to_not_convert must be a list of "
-                "strings, got {}",
-                json_type(m));
-      for (size_t i = 0; i < m.size(); ++i) {
-        HLM_CHECK(m[i].is_string() && !m[i].get<std::string>().empty(),
-                  "precision config: quantization_config.modules_to_not_convert[{}] must be a "
-                  "non-empty string, got {}",
-                  i, m[i].dump());
-        p.modules_to_not_convert.push_back(m[i].get<std::string>());
-      }
+    if (auto m = q->opt_string_list("modules_to_not_convert")) {
+      for (size_t i = 0; i < m->size(); ++i)
+        if ((*m)[i].empty())
+          q->error(fmt::format("modules_to_not_convert[{}]", i), "must be a non-empty string");
+      p.modules_to_not_convert = std::move(*m);
     }
   }
   return p;

@@ -32,6 +32,8 @@
 
 namespace hlm {
 
+class JsonReader;  // core/json.h
+
 enum class GemmKind : uint8_t { native, bf16, fp8_block };
 
 struct GemmPrecision {
@@ -97,6 +99,9 @@ class PrecisionPolicy {
   //                           "fmt": "e4m3" (other: error), ...}
   // A known key with the wrong type or an unknown value throws hlm::Error naming the key.
   static PrecisionPolicy from_json(const nlohmann::json& config);
+  // The same keys through a reader of the enclosing config (they count as read, and messages
+  // name the reader's document): ModelConfig::from_json reads them so.
+  static PrecisionPolicy read(JsonReader& config);
 };
 
 // Parameters that stay FP32 through BF16 casts, the optimizer and checkpoints (Param::keep_fp32),

@@ -7,12 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <limits>
 #include <set>
-#include <sstream>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace hlm {
 
@@ -104,48 +102,16 @@ const std::set<std::string> kWrapperKeys = {"vision_config",
                                             "text_config"};
 
 // Known HF fields that do not change the model hybridlm builds: accepted and ignored.
-const std::set<std::string> kIgnoredKeys = {"architectures",
-                                            "auto_map",
-                                            "torch_dtype",
-                                            "dtype",
-                                            "transformers_version",
-                                            "_name_or_path",
-                                            "use_cache",
-                                            "head_dim",
-                                            "model_max_length",
-                                            "vision_config",
-                                            "image_token_id",
-                                            "video_token_id",
-                                            "image_start_token_id",
-                                            "image_end_token_id",
-                                            "video_start_token_id",
-                                            "video_end_token_id",
-                                            "use_grouped_topk",
-                                            "output_attentions",
-                                            "output_hidden_states",
-                                            "return_dict",
-                                            "tokenizer_class",
-                                            "attn_implementation",
-                                            "experts_implementation",
-                                            "keys_to_ignore_at_inference",
-                                            // written by transformers' save_pretrained
-                                            "output_router_logits",
-                                            "chunk_size_feed_forward",
-                                            "is_encoder_decoder",
-                                            "id2label",
-                                            "label2id",
-                                            "problem_type"};
-
-// The keys PrecisionPolicy::from_json reads (layers/precision.h).
-const char* const kPrecisionKeys[] = {"gemm_precision",
-                                      "fp8_format",
-                                      "fp8_grad_format",
-                                      "fp8_pow2_scales",
-                                      "kda_disable_fp8",
-                                      "mla_proj_disable_quantization",
-                                      "dsa_indexer_qk_proj_disable_quantization",
-                                      "dsa_indexer_kpool_use_quantization",
-                                      "quantization_config"};
+const std::set<std::string> kIgnoredKeys = {
+    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
+    "use_cache", "head_dim", "model_max_length", "vision_config", "image_token_id",
+    "video_token_id", "image_start_token_id", "image_end_token_id", "video_start_token_id",
+    "video_end_token_id", "use_grouped_topk", "output_attentions", "output_hidden_states",
+    "return_dict", "tokenizer_class", "attn_implementation", "experts_implementation",
+    "keys_to_ignore_at_inference",
+    // written by transformers' save_pretrained
+    "output_router_logits", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type"};
 
 // Other spellings of our fields (Kimi-Linear / vLLM / HF aliases) -> the canonical name.
 const std::pair<const char*, const char*> kAliases[] = {
@@ -156,106 +122,6 @@ const std::pair<const char*, const char*> kAliases[] = {
     {"num_expert_group", "n_group"},
     {"moe_router_activation_func", "scoring_func"},
     {"gate_lower_bound", "linear_lower_bound"},
-};
-
-// Reads typed fields of one JSON object and remembers which keys were read, so that the rest
-// can be reported as unknown.
-class Reader {
- public:
-  Reader(const json& obj, std::string what) : obj_(obj), what_(std::move(what)) {}
-
-  const json* find(const std::string& key) {
-    used_.insert(key);
-    auto it = obj_.find(key);
-    return it == obj_.end() ? nullptr : &*it;
-  }
-  const json* find_non_null(const std::string& key) {
-    const json* v = find(key);
-    return v && !v->is_null() ? v : nullptr;
-  }
-  void mark(const std::string& key) { used_.insert(key); }
-  const std::string& what() const { return what_; }
-
-  [[noreturn]] void fail(const std::string& key, const std::string& expected, const json& got) {
-    HLM_FAIL("{}: '{}' must be {}, got {}", what_, key, expected, got.dump());
-  }
-
-  int64_t to_int(const std::string& key, const json& v, int64_t min) {
-    if (!v.is_number_integer()) fail(key, "an integer", v);
-    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
-      fail(key, "an integer that fits in 64 bits", v);
-    const int64_t x = v.get<int64_t>();
-    if (x < min) fail(key, fmt::format("an integer >= {}", min), v);
-    return x;
-  }
-  int64_t get_int(const std::string& key, int64_t def, int64_t min) {
-    const json* v = find(key);
-    return v ? to_int(key, *v, min) : def;
-  }
-  // Absent or null -> nullopt.
-  std::optional<int64_t> get_opt_int(const std::string& key, int64_t min) {
-    const json* v = find_non_null(key);
-    if (!v) return std::nullopt;
-    return to_int(key, *v, min);
-  }
-  double to_double(const std::string& key, const json& v) {
-    if (!v.is_number()) fail(key, "a number", v);
-    return v.get<double>();
-  }
-  double get_double(const std::string& key, double def) {
-    const json* v = find(key);
-    return v ? to_double(key, *v) : def;
-  }
-  bool get_bool(const std::string& key, bool def) {
-    const json* v = find(key);
-    if (!v) return def;
-    if (!v->is_boolean()) fail(key, "true or false", *v);
-    return v->get<bool>();
-  }
-  std::optional<std::string> get_opt_string(const std::string& key) {
-    const json* v = find_non_null(key);
-    if (!v) return std::nullopt;
-    if (!v->is_string()) fail(key, "a string", *v);
-    return v->get<std::string>();
-  }
-  // A field that must hold one of `allowed` when present (and is not stored).
-  void expect_string_in(const std::string& key, std::initializer_list<const char*> allowed) {
-    auto s = get_opt_string(key);
-    if (!s) return;
-    for (const char* a : allowed)
-      if (*s == a) return;
-    std::string list;
-    for (const char* a : allowed) list += fmt::format("{}'{}'", list.empty() ? "" : " or ", a);
-    HLM_FAIL("{}: '{}' is '{}', hybridlm supports only {}", what_, key, *s, list);
-  }
-  std::vector<std::string> get_string_list(const std::string& key, const json& v) {
-    if (!v.is_array()) fail(key, "a list of strings", v);
-    std::vector<std::string> out;
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (!v[i].is_string()) fail(fmt::format("{}[{}]", key, i), "a string", v[i]);
-      out.push_back(v[i].get<std::string>());
-    }
-    return out;
-  }
-
-  // Every key not read and not in `ignored` is an error naming all of them.
-  void finish(const std::set<std::string>& ignored) const {
-    std::vector<std::string> unknown;
-    for (auto it = obj_.begin(); it != obj_.end(); ++it)
-      if (!used_.count(it.key()) && !ignored.count(it.key())) unknown.push_back(it.key());
-    if (unknown.empty()) return;
-    std::string names;
-    for (auto& u : unknown) names += fmt::format("{}'{}'", names.empty() ? "" : ", ", u);
-    HLM_FAIL(
-        "{}: unknown field{} {} (not a glm5_next / kimi_linear field hybridlm knows; the "
-        "accepted fields are listed in docs/model_config.md)",
-        what_, unknown.size() > 1 ? "s" : "", names);
-  }
-
- private:
-  const json& obj_;
-  std::string what_;
-  std::set<std::string> used_;
 };
 
 void move_alias(json& text, const std::string& alias, const std::string& canonical,
@@ -287,54 +153,36 @@ LinearAttnLists expand_linear_attn_config(json& text, const std::string& what) {
     text.erase("linear_attn_config");
     return lists;
   }
-  HLM_CHECK(it->is_object(), "{}: 'linear_attn_config' must be an object, got {}", what,
-            it->dump());
   const json lac = *it;
   text.erase("linear_attn_config");
+  JsonReader r(lac, what, "linear_attn_config");
+  if (const json* v = r.find("kda_layers")) lists.kda_layers = *v;
+  if (const json* v = r.find("full_attn_layers")) lists.full_attn_layers = *v;
+  if (r.get_bool("use_full_rank_gate", false)) {
+    for (const char* k : {"kda_f_lora_rank", "kda_gate_lora_rank"}) {
+      auto f = text.find(k);
+      if (f != text.end() && !f->is_null() && *f != 0)
+        r.error("use_full_rank_gate", fmt::format("is true but '{}' is {}", k, f->dump()));
+      text[k] = 0;
+    }
+  }
   const std::pair<const char*, const char*> mapped[] = {
       {"num_heads", "linear_num_heads"},
       {"head_dim", "linear_head_dim"},
       {"short_conv_kernel_size", "linear_conv_kernel_dim"},
       {"gate_lower_bound", "linear_lower_bound"},
   };
-  for (auto e = lac.begin(); e != lac.end(); ++e) {
-    const std::string& k = e.key();
-    if (k == "kda_layers") {
-      lists.kda_layers = e.value();
-      continue;
-    }
-    if (k == "full_attn_layers") {
-      lists.full_attn_layers = e.value();
-      continue;
-    }
-    if (k == "use_full_rank_gate") {
-      HLM_CHECK(e.value().is_boolean(),
-                "{}: 'linear_attn_config.use_full_rank_gate' must be true or false, got {}", what,
-                e.value().dump());
-      if (e.value().get<bool>()) {
-        for (const char* r : {"kda_f_lora_rank", "kda_gate_lora_rank"}) {
-          auto f = text.find(r);
-          HLM_CHECK(f == text.end() || f->is_null() || *f == 0,
-                    "{}: 'linear_attn_config.use_full_rank_gate' is true but '{}' is {}", what, r,
-                    f == text.end() ? "" : f->dump());
-          text[r] = 0;
-        }
-      }
-      continue;
-    }
-    const char* flat = nullptr;
-    for (auto& [a, b] : mapped)
-      if (k == a) flat = b;
-    HLM_CHECK(flat != nullptr,
-              "{}: unknown field 'linear_attn_config.{}' (expected kda_layers, full_attn_layers, "
-              "num_heads, head_dim, short_conv_kernel_size, gate_lower_bound, use_full_rank_gate)",
-              what, k);
+  for (auto [k, flat] : mapped) {
+    const json* v = r.find(k);
+    if (!v) continue;
     auto f = text.find(flat);
-    HLM_CHECK(f == text.end() || *f == e.value(),
-              "{}: 'linear_attn_config.{}' ({}) and '{}' ({}) disagree", what, k, e.value().dump(),
-              flat, f == text.end() ? "" : f->dump());
-    text[flat] = e.value();
+    if (f != text.end() && *f != *v)
+      r.error(k, fmt::format("({}) and '{}' ({}) disagree", v->dump(), flat, f->dump()));
+    text[flat] = *v;
   }
+  r.check_unknown_keys({},
+                       "(expected kda_layers, full_attn_layers, num_heads, head_dim, "
+                       "short_conv_kernel_size, gate_lower_bound, use_full_rank_gate)");
   lists.present = !lists.kda_layers.is_null() || !lists.full_attn_layers.is_null();
   if (lists.present) {
     HLM_CHECK(!lists.kda_layers.is_null() && !lists.full_attn_layers.is_null(),
@@ -402,54 +250,42 @@ LayerKind layer_kind_from_string(const std::string& s, Family fam, const std::st
       what, field, s);
 }
 
-RopeScaling parse_rope(Reader& r, const std::string& key, const json& v,
-                       std::optional<double>* theta) {
+// rope_scaling / rope_parameters (YaRN): absent fields keep the RopeScaling defaults; a
+// rope_theta inside goes to *theta.
+RopeScaling parse_rope(JsonReader& o, std::optional<double>* theta) {
   RopeScaling rs;
-  if (!v.is_object()) r.fail(key, "an object or null", v);
-  std::string type;
-  for (auto e = v.begin(); e != v.end(); ++e) {
-    const std::string k = e.key(), full = key + "." + k;
-    const json& x = e.value();
-    if (k == "type" || k == "rope_type") {
-      if (!x.is_string()) r.fail(full, "a string", x);
-      HLM_CHECK(type.empty() || type == x.get<std::string>(),
-                "{}: '{}.type' and '{}.rope_type' disagree", r.what(), key, key);
-      type = x.get<std::string>();
-    } else if (k == "factor") {
-      rs.factor = r.to_double(full, x);
-    } else if (k == "original_max_position_embeddings") {
-      rs.original_max_position_embeddings = r.to_int(full, x, 0);
-    } else if (k == "beta_fast") {
-      rs.beta_fast = r.to_double(full, x);
-    } else if (k == "beta_slow") {
-      rs.beta_slow = r.to_double(full, x);
-    } else if (k == "mscale") {
-      rs.mscale = r.to_double(full, x);
-    } else if (k == "mscale_all_dim") {
-      rs.mscale_all_dim = r.to_double(full, x);
-    } else if (k == "rope_theta") {
-      *theta = r.to_double(full, x);
-    } else if (k == "partial_rotary_factor") {
-      HLM_CHECK(x.is_number() && x.get<double>() == 1.0, "{}: '{}' is {}, only 1.0 is supported",
-                r.what(), full, x.dump());
-    } else {
-      HLM_FAIL(
-          "{}: unknown field '{}' (expected type / rope_type, factor, "
-          "original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, "
-          "rope_theta)",
-          r.what(), full);
-    }
+  std::string type = o.get_string("type", "");
+  const std::string rope_type = o.get_string("rope_type", "");
+  if (type.empty()) {
+    type = rope_type;
+  } else if (!rope_type.empty() && rope_type != type) {
+    o.error("type",
+            fmt::format("({}) and '{}' ({}) disagree", type, o.path_of("rope_type"), rope_type));
   }
+  rs.factor = o.get_double("factor", rs.factor);
+  rs.original_max_position_embeddings =
+      o.get_int("original_max_position_embeddings", rs.original_max_position_embeddings, {0});
+  rs.beta_fast = o.get_double("beta_fast", rs.beta_fast);
+  rs.beta_slow = o.get_double("beta_slow", rs.beta_slow);
+  rs.mscale = o.get_double("mscale", rs.mscale);
+  rs.mscale_all_dim = o.get_double("mscale_all_dim", rs.mscale_all_dim);
+  if (const json* v = o.find("rope_theta")) *theta = o.to_double(*v, "rope_theta");
+  if (const json* v = o.find("partial_rotary_factor");
+      v && o.to_double(*v, "partial_rotary_factor") != 1.0)
+    o.error("partial_rotary_factor", fmt::format("is {}, only 1.0 is supported", v->dump()));
+  o.check_unknown_keys({},
+                       "(expected type / rope_type, factor, original_max_position_embeddings, "
+                       "beta_fast, beta_slow, mscale, mscale_all_dim, rope_theta)");
   if (type.empty() || type == "default" || type == "none") return RopeScaling{};
-  HLM_CHECK(type == "yarn" || type == "deepseek_yarn",
-            "{}: '{}.type' is '{}', expected default, yarn or deepseek_yarn", r.what(), key, type);
+  if (type != "yarn" && type != "deepseek_yarn")
+    o.error("type", fmt::format("is '{}', expected default, yarn or deepseek_yarn", type));
   rs.type = type;
   return rs;
 }
 
 ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& lists,
                        const std::string& what) {
-  Reader r(text, what);
+  JsonReader r(text, what);
   r.mark("model_type");
   ModelConfig c;
   if (fam == Family::kimi_linear) {  // what Kimi-Linear does not have
@@ -461,38 +297,38 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
   }
 
   // ---- model ----
-  c.vocab_size = r.get_int("vocab_size", c.vocab_size, 1);
-  c.hidden_size = r.get_int("hidden_size", c.hidden_size, 1);
-  c.num_hidden_layers = r.get_int("num_hidden_layers", c.num_hidden_layers, 1);
+  c.vocab_size = r.get_int("vocab_size", c.vocab_size, {1});
+  c.hidden_size = r.get_int("hidden_size", c.hidden_size, {1});
+  c.num_hidden_layers = r.get_int("num_hidden_layers", c.num_hidden_layers, {1});
   c.rms_norm_eps = r.get_double("rms_norm_eps", c.rms_norm_eps);
   c.tie_word_embeddings = r.get_bool("tie_word_embeddings", c.tie_word_embeddings);
   c.initializer_range = r.get_double("initializer_range", c.initializer_range);
-  c.max_position_embeddings = r.get_int("max_position_embeddings", c.max_position_embeddings, 1);
-  c.intermediate_size = r.get_int("intermediate_size", c.intermediate_size, 0);
+  c.max_position_embeddings = r.get_int("max_position_embeddings", c.max_position_embeddings, {1});
+  c.intermediate_size = r.get_int("intermediate_size", c.intermediate_size, {0});
   if (const json* v = r.find("swiglu_limit"))
-    c.swiglu_limit = v->is_null() ? 0.0 : r.to_double("swiglu_limit", *v);
-  r.expect_string_in("hidden_act", {"silu"});
+    c.swiglu_limit = v->is_null() ? 0.0 : r.to_double(*v, "swiglu_limit");
+  r.expect_one_of("hidden_act", {"silu"});  // the only activation
   if (r.get_bool("attention_bias", false))
     HLM_FAIL("{}: 'attention_bias' is true; hybridlm's attention projections have no bias", what);
   if (const json* v = r.find_non_null("attention_dropout"))
-    HLM_CHECK(r.to_double("attention_dropout", *v) == 0.0,
+    HLM_CHECK(r.to_double(*v, "attention_dropout") == 0.0,
               "{}: 'attention_dropout' is {}; hybridlm does not implement dropout (expected 0)",
               what, v->dump());
 
   // ---- KDA ----
-  c.kda.num_heads = r.get_int("linear_num_heads", c.kda.num_heads, 1);
-  c.kda.num_v_heads = r.get_int("linear_num_value_heads", c.kda.num_heads, 1);
-  c.kda.head_dim = r.get_int("linear_head_dim", c.kda.head_dim, 1);
-  c.kda.v_head_dim = r.get_int("linear_value_head_dim", c.kda.head_dim, 1);
-  c.kda.conv_kernel = r.get_int("linear_conv_kernel_dim", c.kda.conv_kernel, 1);
+  c.kda.num_heads = r.get_int("linear_num_heads", c.kda.num_heads, {1});
+  c.kda.num_v_heads = r.get_int("linear_num_value_heads", c.kda.num_heads, {1});
+  c.kda.head_dim = r.get_int("linear_head_dim", c.kda.head_dim, {1});
+  c.kda.v_head_dim = r.get_int("linear_value_head_dim", c.kda.head_dim, {1});
+  c.kda.conv_kernel = r.get_int("linear_conv_kernel_dim", c.kda.conv_kernel, {1});
   for (auto [key, dst] : {std::pair{"kda_f_lora_rank", &c.kda.f_lora_rank},
                           std::pair{"kda_gate_lora_rank", &c.kda.g_lora_rank}}) {
     const json* v = r.find(key);
-    *dst = !v ? c.kda.head_dim : v->is_null() ? 0 : r.to_int(key, *v, 0);
+    *dst = !v ? c.kda.head_dim : v->is_null() ? 0 : r.to_int(*v, key, {0});
   }
   if (const json* v = r.find("linear_lower_bound"))
     c.kda.lower_bound =
-        v->is_null() ? std::nullopt : std::optional<double>(r.to_double("linear_lower_bound", *v));
+        v->is_null() ? std::nullopt : std::optional<double>(r.to_double(*v, "linear_lower_bound"));
   c.kda.use_a_log = r.get_bool("linear_use_a_log", c.kda.use_a_log);
   c.kda.output_gate_bias = r.get_bool("linear_output_gate_bias", c.kda.output_gate_bias);
   for (auto [key, lo, hi] :
@@ -500,39 +336,36 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
         std::tuple{"linear_dt_init_range", &c.kda.dt_init_min, &c.kda.dt_init_max}}) {
     const json* v = r.find(key);
     if (!v) continue;
-    if (!v->is_array() || v->size() != 2 || !(*v)[0].is_number() || !(*v)[1].is_number())
-      r.fail(key, "a list [min, max] of two numbers", *v);
-    *lo = (*v)[0].get<double>();
-    *hi = (*v)[1].get<double>();
+    if (!v->is_array() || v->size() != 2) r.fail(key, "a list [min, max] of two numbers", *v);
+    *lo = r.to_double((*v)[0], fmt::format("{}[0]", key));
+    *hi = r.to_double((*v)[1], fmt::format("{}[1]", key));
   }
   c.kda.dt_init_floor = r.get_double("linear_dt_init_floor", c.kda.dt_init_floor);
 
   // ---- MLA ----
-  c.mla.num_heads = r.get_int("num_attention_heads", c.mla.num_heads, 1);
-  c.mla.num_kv_heads = r.get_int("num_key_value_heads", c.mla.num_heads, 1);
+  c.mla.num_heads = r.get_int("num_attention_heads", c.mla.num_heads, {1});
+  c.mla.num_kv_heads = r.get_int("num_key_value_heads", c.mla.num_heads, {1});
   if (const json* v = r.find("q_lora_rank"))
-    c.mla.q_lora_rank = v->is_null() ? 0 : r.to_int("q_lora_rank", *v, 0);
-  c.mla.kv_lora_rank = r.get_int("kv_lora_rank", c.mla.kv_lora_rank, 1);
-  c.mla.qk_nope_head_dim = r.get_int("qk_nope_head_dim", c.mla.qk_nope_head_dim, 1);
-  c.mla.qk_rope_head_dim = r.get_int("qk_rope_head_dim", c.mla.qk_rope_head_dim, 0);
-  c.mla.v_head_dim = r.get_int("v_head_dim", c.mla.v_head_dim, 1);
-  if (auto qk = r.get_opt_int("qk_head_dim", 1))
+    c.mla.q_lora_rank = v->is_null() ? 0 : r.to_int(*v, "q_lora_rank", {0});
+  c.mla.kv_lora_rank = r.get_int("kv_lora_rank", c.mla.kv_lora_rank, {1});
+  c.mla.qk_nope_head_dim = r.get_int("qk_nope_head_dim", c.mla.qk_nope_head_dim, {1});
+  c.mla.qk_rope_head_dim = r.get_int("qk_rope_head_dim", c.mla.qk_rope_head_dim, {0});
+  c.mla.v_head_dim = r.get_int("v_head_dim", c.mla.v_head_dim, {1});
+  if (auto qk = r.opt_int("qk_head_dim", {1}))
     HLM_CHECK(*qk == c.mla.qk_head_dim(),
               "{}: 'qk_head_dim' is {}, expected qk_nope_head_dim + qk_rope_head_dim = {}", what,
               *qk, c.mla.qk_head_dim());
   c.mla.use_nope = r.get_bool("mla_use_nope", c.mla.use_nope);
   if (const json* v = r.find_non_null("partial_rotary_factor"))
-    HLM_CHECK(r.to_double("partial_rotary_factor", *v) == 1.0,
+    HLM_CHECK(r.to_double(*v, "partial_rotary_factor") == 1.0,
               "{}: 'partial_rotary_factor' is {}, only 1.0 is supported (qk_rope_head_dim sets "
               "the rotated width)",
               what, v->dump());
   std::optional<double> theta_field, theta_params;
-  if (const json* v = r.find_non_null("rope_theta")) theta_field = r.to_double("rope_theta", *v);
+  if (const json* v = r.find_non_null("rope_theta")) theta_field = r.to_double(*v, "rope_theta");
   std::optional<RopeScaling> rs_scaling, rs_params;
-  if (const json* v = r.find_non_null("rope_scaling"))
-    rs_scaling = parse_rope(r, "rope_scaling", *v, &theta_field);
-  if (const json* v = r.find_non_null("rope_parameters"))
-    rs_params = parse_rope(r, "rope_parameters", *v, &theta_params);
+  if (auto o = r.opt_child("rope_scaling")) rs_scaling = parse_rope(*o, &theta_field);
+  if (auto o = r.opt_child("rope_parameters")) rs_params = parse_rope(*o, &theta_params);
   HLM_CHECK(!rs_scaling || !rs_params || *rs_scaling == *rs_params,
             "{}: 'rope_scaling' and 'rope_parameters' disagree", what);
   HLM_CHECK(!theta_field || !theta_params || *theta_field == *theta_params,
@@ -542,10 +375,10 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
   c.mla.rope_scaling = rs_scaling ? *rs_scaling : rs_params.value_or(RopeScaling{});
 
   // ---- indexer ----
-  c.indexer.n_heads = r.get_int("index_n_heads", c.indexer.n_heads, 1);
-  c.indexer.head_dim = r.get_int("index_head_dim", c.indexer.head_dim, 1);
-  c.indexer.topk = r.get_int("index_topk", c.indexer.topk, 1);
-  c.indexer.kpool = r.get_int("index_kpool", c.indexer.kpool, 1);
+  c.indexer.n_heads = r.get_int("index_n_heads", c.indexer.n_heads, {1});
+  c.indexer.head_dim = r.get_int("index_head_dim", c.indexer.head_dim, {1});
+  c.indexer.topk = r.get_int("index_topk", c.indexer.topk, {1});
+  c.indexer.kpool = r.get_int("index_kpool", c.indexer.kpool, {1});
   c.indexer.kpool_compress = r.get_bool("index_kpool_compress", c.indexer.kpool_compress);
   c.indexer.kpool_always_select_tail =
       r.get_bool("index_kpool_always_select_tail", c.indexer.kpool_always_select_tail);
@@ -557,7 +390,7 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
   if (!r.get_bool("index_dsa_use_layernorm", true))
     HLM_FAIL("{}: 'index_dsa_use_layernorm' is false; the indexer key LayerNorm is always on",
              what);
-  if (auto f = r.get_opt_int("index_topk_freq", 1))
+  if (auto f = r.opt_int("index_topk_freq", {1}))
     HLM_CHECK(*f == 1,
               "{}: 'index_topk_freq' is {}; derived index sharing is not supported (give "
               "indexer_types instead)",
@@ -568,43 +401,44 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
 
   // ---- MoE ----
   if (const json* v = r.find("n_routed_experts"))  // null: no experts
-    c.moe.n_routed_experts = v->is_null() ? 0 : r.to_int("n_routed_experts", *v, 0);
-  c.moe.num_experts_per_tok = r.get_int("num_experts_per_tok", c.moe.num_experts_per_tok, 1);
-  c.moe.n_shared_experts = r.get_int("n_shared_experts", c.moe.n_shared_experts, 0);
-  c.moe.moe_intermediate_size = r.get_int("moe_intermediate_size", c.moe.moe_intermediate_size, 1);
-  c.moe.n_group = r.get_int("n_group", c.moe.n_group, 1);
-  c.moe.topk_group = r.get_int("topk_group", c.moe.topk_group, 1);
+    c.moe.n_routed_experts = v->is_null() ? 0 : r.to_int(*v, "n_routed_experts", {0});
+  c.moe.num_experts_per_tok = r.get_int("num_experts_per_tok", c.moe.num_experts_per_tok, {1});
+  c.moe.n_shared_experts = r.get_int("n_shared_experts", c.moe.n_shared_experts, {0});
+  c.moe.moe_intermediate_size =
+      r.get_int("moe_intermediate_size", c.moe.moe_intermediate_size, {1});
+  c.moe.n_group = r.get_int("n_group", c.moe.n_group, {1});
+  c.moe.topk_group = r.get_int("topk_group", c.moe.topk_group, {1});
   c.moe.routed_scaling_factor = r.get_double("routed_scaling_factor", c.moe.routed_scaling_factor);
   c.moe.norm_topk_prob = r.get_bool("norm_topk_prob", c.moe.norm_topk_prob);
   c.moe.router_aux_loss_coef = r.get_double("router_aux_loss_coef", c.moe.router_aux_loss_coef);
   c.moe.bias_update_rate = r.get_double("moe_router_bias_update_rate", c.moe.bias_update_rate);
-  r.expect_string_in("scoring_func", {"sigmoid"});
-  r.expect_string_in("topk_method", {"noaux_tc"});
-  r.expect_string_in("moe_router_dtype", {"float32", "fp32"});
+  // The only router hybridlm implements.
+  r.expect_one_of("scoring_func", {"sigmoid"});
+  r.expect_one_of("topk_method", {"noaux_tc"});
+  r.expect_one_of("moe_router_dtype", {"float32", "fp32"});
 
   // ---- mHC, MTP ----
   c.mhc.enabled = r.get_bool("mhc", c.mhc.enabled);
-  c.mhc.hc_mult = r.get_int("hc_mult", c.mhc.hc_mult, 1);
-  c.mhc.sinkhorn_iters = r.get_int("hc_sinkhorn_iters", c.mhc.sinkhorn_iters, 1);
+  c.mhc.hc_mult = r.get_int("hc_mult", c.mhc.hc_mult, {1});
+  c.mhc.sinkhorn_iters = r.get_int("hc_sinkhorn_iters", c.mhc.sinkhorn_iters, {1});
   c.mhc.hc_eps = r.get_double("hc_eps", c.mhc.hc_eps);
-  c.mtp.num_layers = r.get_int("num_nextn_predict_layers", c.mtp.num_layers, 0);
+  c.mtp.num_layers = r.get_int("num_nextn_predict_layers", c.mtp.num_layers, {0});
   c.mtp.loss_scaling_factor = r.get_double("mtp_loss_scaling_factor", c.mtp.loss_scaling_factor);
 
   // ---- precision ----
-  for (const char* k : kPrecisionKeys) r.mark(k);
-  c.precision = PrecisionPolicy::from_json(text);
+  c.precision = PrecisionPolicy::read(r);
   if (auto it = text.find("quantization_config"); it != text.end() && !it->is_null())
     c.quantization_config = *it;
 
   // ---- token ids ----
-  c.bos_token_id = r.get_opt_int("bos_token_id", 0);
-  c.pad_token_id = r.get_opt_int("pad_token_id", 0);
+  c.bos_token_id = r.opt_int("bos_token_id", {0});
+  c.pad_token_id = r.opt_int("pad_token_id", {0});
   if (const json* v = r.find_non_null("eos_token_id")) {
     if (v->is_array()) {
       for (size_t i = 0; i < v->size(); ++i)
-        c.eos_token_ids.push_back(r.to_int(fmt::format("eos_token_id[{}]", i), (*v)[i], 0));
+        c.eos_token_ids.push_back(r.to_int((*v)[i], fmt::format("eos_token_id[{}]", i), {0}));
     } else {
-      c.eos_token_ids.push_back(r.to_int("eos_token_id", *v, 0));
+      c.eos_token_ids.push_back(r.to_int(*v, "eos_token_id", {0}));
     }
   }
 
@@ -616,7 +450,7 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
   };
   std::vector<Source> sources;
   if (const json* v = r.find_non_null("layer_types")) {
-    const auto names = r.get_string_list("layer_types", *v);
+    const auto names = r.to_string_list(*v, "layer_types");
     HLM_CHECK(int64_t(names.size()) == n,
               "{}: 'layer_types' has {} entries but num_hidden_layers is {}", what, names.size(),
               n);
@@ -626,7 +460,7 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
           layer_kind_from_string(names[i], fam, fmt::format("layer_types[{}]", i), what));
     sources.push_back(std::move(s));
   }
-  if (auto p = r.get_opt_string("layer_pattern")) {
+  if (auto p = r.opt_string("layer_pattern")) {
     HLM_CHECK(int64_t(p->size()) == n,
               "{}: 'layer_pattern' '{}' has {} symbols but num_hidden_layers is {}", what, *p,
               p->size(), n);
@@ -660,8 +494,8 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
 
   // mlp_layer_types, or first_k_dense_replace / moe_layer_freq (DeepSeek rule: MoE iff
   // experts exist, i >= first_k_dense_replace and i % moe_layer_freq == 0).
-  const std::optional<int64_t> first_k = r.get_opt_int("first_k_dense_replace", 0);
-  const std::optional<int64_t> freq = r.get_opt_int("moe_layer_freq", 1);
+  const std::optional<int64_t> first_k = r.opt_int("first_k_dense_replace", {0});
+  const std::optional<int64_t> freq = r.opt_int("moe_layer_freq", {1});
   std::vector<MlpKind> derived;
   for (int64_t i = 0; i < n; ++i)
     derived.push_back(c.moe.n_routed_experts > 0 && i >= first_k.value_or(3) &&
@@ -669,7 +503,7 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
                           ? MlpKind::moe
                           : MlpKind::dense);
   if (const json* v = r.find_non_null("mlp_layer_types")) {
-    const auto names = r.get_string_list("mlp_layer_types", *v);
+    const auto names = r.to_string_list(*v, "mlp_layer_types");
     HLM_CHECK(int64_t(names.size()) == n,
               "{}: 'mlp_layer_types' has {} entries but num_hidden_layers is {}", what,
               names.size(), n);
@@ -695,7 +529,7 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
   }
 
   if (const json* v = r.find_non_null("indexer_types")) {
-    const auto names = r.get_string_list("indexer_types", *v);
+    const auto names = r.to_string_list(*v, "indexer_types");
     HLM_CHECK(int64_t(names.size()) == n,
               "{}: 'indexer_types' has {} entries but num_hidden_layers is {}", what, names.size(),
               n);
@@ -708,7 +542,9 @@ ModelConfig parse_text(const json& text, Family fam, const LinearAttnLists& list
     c.indexer_kinds.assign(size_t(n), IndexerKind::full);
   }
 
-  r.finish(kIgnoredKeys);
+  r.check_unknown_keys(kIgnoredKeys,
+                       "(not a glm5_next / kimi_linear field hybridlm knows; the accepted fields "
+                       "are listed in docs/model_config.md)");
   c.validate(what);
   return c;
 }
@@ -887,30 +723,20 @@ void ModelConfig::validate(const std::string& what) const {
 }
 
 ModelConfig ModelConfig::from_json(const json& config, const std::string& what) {
-  HLM_CHECK(config.is_object(), "{}: a config must be a JSON object, got {}", what,
-            config.type_name());
-  auto mt = config.find("model_type");
-  HLM_CHECK(mt != config.end() && mt->is_string(),
-            "{}: 'model_type' is missing or not a string (expected glm5_next, glm5_next_text or "
-            "kimi_linear)",
-            what);
-  const std::string model_type = mt->get<std::string>();
+  JsonReader top(config, what);
+  const json* mt = top.find("model_type");
+  if (!mt)
+    top.error("model_type", "is missing (expected glm5_next, glm5_next_text or kimi_linear)");
+  const std::string model_type = top.to_string(*mt, "model_type");
   const Family fam = family_of(model_type, what);
 
   json text;
-  auto tc = config.find("text_config");
-  if (tc != config.end() && !tc->is_null()) {
+  if (top.has("text_config") && !config.at("text_config").is_null()) {
     HLM_CHECK(model_type == "glm5_next",
               "{}: 'text_config' is only expected in a glm5_next config (model_type is {})", what,
               model_type);
-    HLM_CHECK(tc->is_object(), "{}: 'text_config' must be an object, got {}", what,
-              tc->type_name());
-    text = *tc;
-    if (auto it = text.find("model_type"); it != text.end()) {
-      HLM_CHECK(it->is_string() && it->get<std::string>() == "glm5_next_text",
-                "{}: 'text_config.model_type' is {}, expected \"glm5_next_text\"", what,
-                it->dump());
-    }
+    text = top.child("text_config").object();
+    JsonReader(text, what, "text_config").expect_one_of("model_type", {"glm5_next_text"});
     // Text fields at the top level (e.g. quantization_config, a legacy layer_types copy) join
     // text_config; a value that contradicts text_config is an error.
     for (auto it = config.begin(); it != config.end(); ++it) {
@@ -930,18 +756,6 @@ ModelConfig ModelConfig::from_json(const json& config, const std::string& what) 
   for (auto& [alias, canonical] : kAliases) move_alias(text, alias, canonical, what);
   const LinearAttnLists lists = expand_linear_attn_config(text, what);
   return parse_text(text, fam, lists, what);
-}
-
-json read_json_file(const std::string& path) {
-  std::ifstream f(path);
-  HLM_CHECK(f.good(), "cannot open '{}'", path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    HLM_FAIL("{}: malformed JSON: {}", path, e.what());
-  }
 }
 
 ModelConfig ModelConfig::load(const std::string& path) {

@@ -12,11 +12,11 @@
 // The per-layer structure comes from layer_types, our compact layer_pattern ("KKKD"),
 // linear_attn_config's layer lists (0-based for glm5_next, 1-based for kimi_linear), or the
 // GLM-5.3-Flash default (layer i is DSA iff i % 4 == 3); when several are given they must agree.
-// An unknown field is an hlm::Error naming it (a list of known-but-ignored HF fields such as
-// architectures or transformers_version is accepted); an inconsistent or mistyped field is an
-// hlm::Error naming the field and what was expected. Missing fields take the defaults of the
-// struct members below (the GLM-5.3-Flash values), except where docs/model_config.md says
-// otherwise for kimi_linear.
+// Fields are read with JsonReader (core/json.h). An unknown field is an hlm::Error naming it (a
+// list of known-but-ignored HF fields such as architectures or transformers_version is
+// accepted); an inconsistent or mistyped field is an hlm::Error naming the file, the field and
+// what was expected. Missing fields take the defaults of the struct members below (the
+// GLM-5.3-Flash values), except where docs/model_config.md says otherwise for kimi_linear.
 //
 // The per-family structs (KdaHparams, MlaHparams, ...) hold the config.json fields; the layers
 // have their own configs (KdaConfig, MlaConfig, ...), filled from these by the model.
@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "core/json.h"  // read_json_file
 #include "layers/precision.h"
 
 namespace hlm {
@@ -209,9 +210,6 @@ struct ModelConfig {
 
   bool operator==(const ModelConfig& o) const;
 };
-
-// Read a JSON file; a malformed file is an hlm::Error naming the path and the parse error.
-nlohmann::json read_json_file(const std::string& path);
 
 // `--set key=value` overrides, applied to the JSON before ModelConfig::from_json.
 //  value: JSON text when it parses as JSON (numbers, true/false, null, "quoted", [lists],

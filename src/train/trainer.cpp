@@ -8,10 +8,12 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <set>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "model/checkpoint.h"
 #include "ops/cross_entropy.h"
 
@@ -25,57 +27,10 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// ---- typed access to the training-config JSON ---------------------------------------------------
-
-std::string json_type(const json& v) {
-  return v.is_null() ? "null" : std::string(v.type_name());
-}
-
-int64_t get_int(const json& v, const std::string& key, const std::string& what) {
-  if (v.is_number_integer()) return v.get<int64_t>();
-  if (v.is_number_float()) {
-    const double d = v.get<double>();
-    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return int64_t(d);
-  }
-  throw Error(
-      fmt::format("{}: '{}' must be an integer, got {} ({})", what, key, v.dump(), json_type(v)));
-}
-
-double get_double(const json& v, const std::string& key, const std::string& what) {
-  if (v.is_number()) return v.get<double>();
-  throw Error(
-      fmt::format("{}: '{}' must be a number, got {} ({})", what, key, v.dump(), json_type(v)));
-}
-
-bool get_bool(const json& v, const std::string& key, const std::string& what) {
-  if (v.is_boolean()) return v.get<bool>();
-  throw Error(fmt::format("{}: '{}' must be true or false, got {} ({})", what, key, v.dump(),
-                          json_type(v)));
-}
-
-std::string get_string(const json& v, const std::string& key, const std::string& what) {
-  if (v.is_string()) return v.get<std::string>();
-  throw Error(
-      fmt::format("{}: '{}' must be a string, got {} ({})", what, key, v.dump(), json_type(v)));
-}
-
 std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
   return s;
-}
-
-const std::vector<std::string>& mqar_keys() {
-  static const std::vector<std::string> k = {"vocab_size", "num_keys",       "min_pairs",
-                                             "max_pairs",  "query_fraction", "loss_on_all_tokens"};
-  return k;
-}
-
-DType parse_param_dtype(const std::string& s, const std::string& what) {
-  if (s == "f32" || s == "float32") return DType::f32;
-  if (s == "bf16" || s == "bfloat16") return DType::bf16;
-  if (s == "f64" || s == "float64") return DType::f64;
-  throw Error(fmt::format("{}: 'dtype' must be \"f32\", \"bf16\" or \"f64\", got \"{}\"", what, s));
 }
 
 // A relative path: against base_dir when the file exists there, else as given (current directory).
@@ -147,7 +102,7 @@ int64_t parse_meta_int(const safetensors::Metadata& m, const std::string& key,
 NonfinitePolicy parse_nonfinite_policy(const std::string& s) {
   if (s == "stop") return NonfinitePolicy::stop;
   if (s == "skip") return NonfinitePolicy::skip;
-  throw Error(fmt::format("'nonfinite' must be \"stop\" or \"skip\", got \"{}\"", s));
+  throw Error(fmt::format("the non-finite policy must be \"stop\" or \"skip\", got \"{}\"", s));
 }
 
 const char* nonfinite_policy_name(NonfinitePolicy p) {
@@ -187,161 +142,121 @@ const std::vector<std::string>& train_config_keys() {
   return k;
 }
 
-TrainConfig TrainConfig::from_json(const json& j, const std::string& what,
-                                   const std::string& base_dir) {
-  if (!j.is_object())
-    throw Error(
-        fmt::format("{}: a training config must be a JSON object, got {}", what, json_type(j)));
-  const auto& known = train_config_keys();
-  TrainConfig c;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string& k = it.key();
-    const json& v = it.value();
-    if (!k.empty() && k[0] == '_') continue;  // "_comment" and the like
-    if (std::find(known.begin(), known.end(), k) == known.end())
-      throw Error(
-          fmt::format("{}: unknown key '{}' (known keys: {}; a model config field goes "
-                      "under \"model\" or is set with --set model.{}=...)",
-                      what, k, join(known), k));
-    if (k == "model_overrides") {
-      if (!v.is_array())
-        throw Error(
-            fmt::format("{}: 'model_overrides' must be a list of \"key=value\" strings, "
-                        "got {}",
-                        what, json_type(v)));
-      for (const auto& o : v)
-        if (!o.is_string() || o.get<std::string>().find('=') == std::string::npos)
-          throw Error(
-              fmt::format("{}: 'model_overrides' entries must be \"key=value\" strings, "
-                          "got {}",
-                          what, o.dump()));
-    } else if (k == "model") {
-      if (v.is_string()) {
-        const std::string p = resolve_path(v.get<std::string>(), base_dir);
-        c.model = read_json_file(p);
-        c.model_source = p;
-      } else if (v.is_object()) {
-        c.model = v;
-        c.model_source = "inline";
-      } else {
-        throw Error(fmt::format(
-            "{}: 'model' must be a model config path or an inline config object, got {}", what,
-            json_type(v)));
-      }
-    } else if (k == "dtype") {
-      c.dtype = parse_param_dtype(get_string(v, k, what), what);
-    } else if (k == "recompute") {
-      const std::string s = get_string(v, k, what);
-      try {
-        c.recompute = parse_recompute(s);
-      } catch (const Error& e) {
-        throw Error(fmt::format("{}: 'recompute': {}", what, e.what()));
-      }
-    } else if (k == "mtp") {
-      c.mtp = get_bool(v, k, what);
-    } else if (k == "steps") {
-      c.steps = get_int(v, k, what);
-    } else if (k == "tokens_per_step") {
-      c.tokens_per_step = get_int(v, k, what);
-    } else if (k == "seed") {
-      const int64_t s = get_int(v, k, what);
-      if (s < 0) throw Error(fmt::format("{}: 'seed' must be >= 0, got {}", what, s));
-      c.seed = uint64_t(s);
-    } else if (k == "schedule") {
-      const std::string s = get_string(v, k, what);
-      try {
-        c.schedule = parse_schedule_kind(s);
-      } catch (const Error& e) {
-        throw Error(fmt::format("{}: 'schedule': {}", what, e.what()));
-      }
-    } else if (k == "lr") {
-      c.lr = get_double(v, k, what);
-    } else if (k == "warmup_steps") {
-      c.warmup_steps = get_int(v, k, what);
-    } else if (k == "min_lr_ratio") {
-      c.min_lr_ratio = get_double(v, k, what);
-    } else if (k == "decay_steps") {
-      c.decay_steps = get_int(v, k, what);
-    } else if (k == "weight_decay") {
-      c.adamw.weight_decay = get_double(v, k, what);
-    } else if (k == "beta1") {
-      c.adamw.beta1 = get_double(v, k, what);
-    } else if (k == "beta2") {
-      c.adamw.beta2 = get_double(v, k, what);
-    } else if (k == "eps") {
-      c.adamw.eps = get_double(v, k, what);
-    } else if (k == "grad_clip") {
-      c.adamw.max_grad_norm = get_double(v, k, what);
-    } else if (k == "eval_interval") {
-      c.eval_interval = get_int(v, k, what);
-    } else if (k == "eval_batches") {
-      c.eval_batches = get_int(v, k, what);
-    } else if (k == "log_interval") {
-      c.log_interval = get_int(v, k, what);
-    } else if (k == "checkpoint_interval") {
-      c.checkpoint_interval = get_int(v, k, what);
-    } else if (k == "dsa_dense_warmup_steps") {
-      c.dsa_dense_warmup_steps = get_int(v, k, what);
-    } else if (k == "nonfinite") {
-      const std::string s = get_string(v, k, what);
-      try {
-        c.nonfinite = parse_nonfinite_policy(s);
-      } catch (const Error& e) {
-        throw Error(fmt::format("{}: {}", what, e.what()));
-      }
-    } else if (k == "data") {
-      c.data_path = v.is_null() ? std::string() : get_string(v, k, what);
-      c.data_path = resolve_path(c.data_path, base_dir);
-    } else if (k == "seq_len") {
-      c.seq_len = get_int(v, k, what);
-    } else if (k == "shuffle") {
-      c.shuffle = get_bool(v, k, what);
-    } else if (k == "mqar") {
-      if (!v.is_object())
-        throw Error(fmt::format("{}: 'mqar' must be an object, got {}", what, json_type(v)));
-      const auto& mk = mqar_keys();
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        const std::string key = "mqar." + m.key();
-        const json& mv = m.value();
-        if (std::find(mk.begin(), mk.end(), m.key()) == mk.end())
-          throw Error(
-              fmt::format("{}: unknown key '{}' (known mqar keys: {})", what, key, join(mk)));
-        if (m.key() == "vocab_size") c.mqar.vocab_size = get_int(mv, key, what);
-        if (m.key() == "num_keys") c.mqar.num_keys = get_int(mv, key, what);
-        if (m.key() == "min_pairs") c.mqar.min_pairs = get_int(mv, key, what);
-        if (m.key() == "max_pairs") c.mqar.max_pairs = get_int(mv, key, what);
-        if (m.key() == "query_fraction") c.mqar.query_fraction = get_double(mv, key, what);
-        if (m.key() == "loss_on_all_tokens") c.mqar.loss_on_all_tokens = get_bool(mv, key, what);
-      }
+namespace {
+
+// The model config of a training config: `model` (a path, read relative to base_dir, or an
+// inline object; absent: configs/tiny.json), then its `model_overrides`, then `extra` overrides,
+// parsed once. Sets c.model and c.model_source.
+void read_model(JsonReader& r, const std::vector<std::string>& extra, const std::string& base_dir,
+                TrainConfig& c) {
+  json m;
+  const json* v = r.find("model");
+  if (!v) {
+    c.model_source = resolve_path("configs/tiny.json", base_dir);
+    m = read_json_file(c.model_source);
+  } else if (v->is_string()) {
+    c.model_source = resolve_path(v->get<std::string>(), base_dir);
+    m = read_json_file(c.model_source);
+  } else if (v->is_object()) {
+    c.model_source = "inline";
+    m = *v;
+  } else {
+    r.fail("model", "a model config path or an inline config object", *v);
+  }
+  std::vector<std::string> overrides;
+  if (const json* l = r.find("model_overrides")) {
+    if (!l->is_array()) r.fail("model_overrides", "a list of \"key=value\" strings", *l);
+    for (size_t i = 0; i < l->size(); ++i) {
+      const std::string name = fmt::format("model_overrides[{}]", i);
+      overrides.push_back(r.to_string((*l)[i], name));
+      if (overrides.back().find('=') == std::string::npos)
+        r.fail(name, "a \"key=value\" string", (*l)[i]);
     }
   }
-  if (!j.contains("mqar")) {
-    // Defaults relative to the model (resolved in mqar_config()).
-    c.mqar.vocab_size = 0;
-    c.mqar.num_keys = 0;
-  } else {
-    if (!j["mqar"].contains("vocab_size")) c.mqar.vocab_size = 0;
-    if (!j["mqar"].contains("num_keys")) c.mqar.num_keys = 0;
+  overrides.insert(overrides.end(), extra.begin(), extra.end());
+  apply_overrides(m, overrides);
+  if (!overrides.empty()) c.model_source += " with " + join(overrides, " ");
+  c.model = ModelConfig::from_json(m, "model config (" + c.model_source + ")");
+}
+
+// The training config of `j`, not validated.
+TrainConfig parse_train_config(const json& j, const std::string& what, const std::string& base_dir,
+                               const std::vector<std::string>& model_overrides) {
+  JsonReader r(j, what);
+  TrainConfig c;
+  // "model" and "model_overrides" are read last, after the unknown-key check, so that a
+  // misspelt key is named before the default model config is looked for.
+  r.mark("model");
+  r.mark("model_overrides");
+  c.dtype = r.get_enum("dtype", c.dtype,
+                       {{"f32", DType::f32},
+                        {"float32", DType::f32},
+                        {"bf16", DType::bf16},
+                        {"bfloat16", DType::bf16},
+                        {"f64", DType::f64},
+                        {"float64", DType::f64}});
+  c.recompute = r.get_parsed("recompute", c.recompute, parse_recompute);
+  c.mtp = r.get_bool("mtp", c.mtp);
+  c.steps = r.get_int("steps", c.steps);
+  c.tokens_per_step = r.get_int("tokens_per_step", c.tokens_per_step);
+  c.seed = uint64_t(r.get_int("seed", int64_t(c.seed), {0, std::numeric_limits<int64_t>::max()}));
+  c.schedule = r.get_parsed("schedule", c.schedule, parse_schedule_kind);
+  c.lr = r.get_double("lr", c.lr);
+  c.warmup_steps = r.get_int("warmup_steps", c.warmup_steps);
+  c.min_lr_ratio = r.get_double("min_lr_ratio", c.min_lr_ratio);
+  c.decay_steps = r.get_int("decay_steps", c.decay_steps);
+  c.adamw.weight_decay = r.get_double("weight_decay", c.adamw.weight_decay);
+  c.adamw.beta1 = r.get_double("beta1", c.adamw.beta1);
+  c.adamw.beta2 = r.get_double("beta2", c.adamw.beta2);
+  c.adamw.eps = r.get_double("eps", c.adamw.eps);
+  c.adamw.max_grad_norm = r.get_double("grad_clip", c.adamw.max_grad_norm);
+  c.eval_interval = r.get_int("eval_interval", c.eval_interval);
+  c.eval_batches = r.get_int("eval_batches", c.eval_batches);
+  c.log_interval = r.get_int("log_interval", c.log_interval);
+  c.checkpoint_interval = r.get_int("checkpoint_interval", c.checkpoint_interval);
+  c.dsa_dense_warmup_steps = r.get_int("dsa_dense_warmup_steps", c.dsa_dense_warmup_steps);
+  c.nonfinite = r.get_parsed("nonfinite", c.nonfinite, parse_nonfinite_policy);
+  c.data_path = resolve_path(r.opt_string("data").value_or(""), base_dir);
+  c.seq_len = r.get_int("seq_len", c.seq_len);
+  c.shuffle = r.get_bool("shuffle", c.shuffle);
+  // mqar: vocab_size and num_keys default to 0 (resolved against the model in mqar_config()).
+  c.mqar.vocab_size = 0;
+  c.mqar.num_keys = 0;
+  if (r.has("mqar")) {
+    JsonReader m = r.child("mqar");
+    c.mqar.vocab_size = m.get_int("vocab_size", c.mqar.vocab_size);
+    c.mqar.num_keys = m.get_int("num_keys", c.mqar.num_keys);
+    c.mqar.min_pairs = m.get_int("min_pairs", c.mqar.min_pairs);
+    c.mqar.max_pairs = m.get_int("max_pairs", c.mqar.max_pairs);
+    c.mqar.query_fraction = m.get_double("query_fraction", c.mqar.query_fraction);
+    c.mqar.loss_on_all_tokens = m.get_bool("loss_on_all_tokens", c.mqar.loss_on_all_tokens);
+    m.check_unknown_keys({},
+                         "(known mqar keys: vocab_size, num_keys, min_pairs, max_pairs, "
+                         "query_fraction, loss_on_all_tokens)");
   }
-  if (c.model_source.empty()) {
-    // No "model" key: the default model config.
-    const std::string p = resolve_path("configs/tiny.json", base_dir);
-    c.model = read_json_file(p);
-    c.model_source = p;
-  }
-  if (j.contains("model_overrides") && !j["model_overrides"].empty()) {
-    std::vector<std::string> mo;
-    for (const auto& o : j["model_overrides"]) mo.push_back(o.get<std::string>());
-    apply_overrides(c.model, mo);
-    c.model_source += " with " + join(mo, " ");
-  }
+  for (auto it = j.begin(); it != j.end(); ++it)
+    if (!it.key().empty() && it.key()[0] == '_') r.mark(it.key());  // "_comment" and the like
+  const std::vector<std::string> unknown = r.unread_keys();
+  if (!unknown.empty())
+    r.check_unknown_keys({}, fmt::format("(known keys: {}; a model config field goes under "
+                                         "\"model\" or is set with --set model.{}=...)",
+                                         join(train_config_keys()), unknown[0]));
+  read_model(r, model_overrides, base_dir, c);
+  return c;
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::from_json(const json& j, const std::string& what,
+                                   const std::string& base_dir) {
+  TrainConfig c = parse_train_config(j, what, base_dir, {});
   c.validate(what);
   return c;
 }
 
 json TrainConfig::to_json() const {
   json j = json::object();
-  j["model"] = model;
+  j["model"] = model.to_json();
   j["dtype"] = dtype_name(dtype);
   j["recompute"] = recompute_name(recompute);
   j["mtp"] = mtp;
@@ -374,14 +289,9 @@ json TrainConfig::to_json() const {
   return j;
 }
 
-ModelConfig TrainConfig::model_config() const {
-  return ModelConfig::from_json(model, "model config (" + model_source + ")");
-}
-
 MqarConfig TrainConfig::mqar_config() const {
   MqarConfig m = mqar;
-  const ModelConfig mc = model_config();
-  if (m.vocab_size == 0) m.vocab_size = mc.vocab_size;
+  if (m.vocab_size == 0) m.vocab_size = model.vocab_size;
   if (m.num_keys == 0) m.num_keys = m.vocab_size / 2;
   m.tokens_per_step = tokens_per_step;
   m.eval_batches = eval_batches;
@@ -433,12 +343,12 @@ void TrainConfig::validate(const std::string& what) const {
   need(seq_len >= 0, fmt::format("'seq_len' must be >= 0 (0: tokens_per_step), got {}", seq_len));
   need(mqar.vocab_size >= 0 && mqar.num_keys >= 0,
        "'mqar.vocab_size' and 'mqar.num_keys' must be >= 0 (0: from the model)");
-  const ModelConfig mc = model_config();
+  model.validate("model config (" + model_source + ")");
   if (data_path.empty()) {
     const MqarConfig m = mqar_config();
-    need(m.vocab_size <= mc.vocab_size,
+    need(m.vocab_size <= model.vocab_size,
          fmt::format("'mqar.vocab_size' {} exceeds the model's vocab_size {}", m.vocab_size,
-                     mc.vocab_size));
+                     model.vocab_size));
     try {
       MqarTask check(m);
     } catch (const Error& e) {
@@ -480,57 +390,25 @@ SplitOverrides split_overrides(const std::vector<std::string>& key_values) {
 }
 
 TrainConfig make_train_config(json j, const std::vector<std::string>& overrides,
-                              const std::string& what, const std::string& base_dir) {
-  if (!j.is_object())
-    throw Error(
-        fmt::format("{}: a training config must be a JSON object, got {}", what, json_type(j)));
+                              const std::string& what, const std::string& base_dir,
+                              const std::function<void(TrainConfig&)>& adjust) {
+  const JsonReader top(j, what);  // throws unless j is an object
   const SplitOverrides ov = split_overrides(overrides);
   for (const auto& kv : ov.train) {
     const size_t eq = kv.find('=');
     apply_override(j, kv.substr(0, eq), kv.substr(eq + 1));
   }
   const std::string label = overrides.empty() ? what : what + " with --set " + join(overrides, " ");
-  // The model config: loaded here, then the file's model_overrides, then the --set ones.
-  if (!j.contains("model")) j["model"] = "configs/tiny.json";
-  json m;
-  std::string source;
-  if (j["model"].is_string()) {
-    source = resolve_path(j["model"].get<std::string>(), base_dir);
-    m = read_json_file(source);
-  } else if (j["model"].is_object()) {
-    m = j["model"];
-    source = "inline";
-  } else {
-    throw Error(
-        fmt::format("{}: 'model' must be a model config path or an inline config object, got {}",
-                    what, json_type(j["model"])));
-  }
-  std::vector<std::string> mo;
-  if (j.contains("model_overrides")) {
-    const json& l = j["model_overrides"];
-    if (!l.is_array())
-      throw Error(
-          fmt::format("{}: 'model_overrides' must be a list of \"key=value\" strings, got {}", what,
-                      json_type(l)));
-    for (const auto& o : l) {
-      if (!o.is_string() || o.get<std::string>().find('=') == std::string::npos)
-        throw Error(fmt::format(
-            "{}: 'model_overrides' entries must be \"key=value\" strings, got {}", what, o.dump()));
-      mo.push_back(o.get<std::string>());
-    }
-    j.erase("model_overrides");
-  }
-  mo.insert(mo.end(), ov.model.begin(), ov.model.end());
-  apply_overrides(m, mo);
-  j["model"] = m;
   TrainConfig c;
   try {
-    c = TrainConfig::from_json(j, label, base_dir);
+    // The model config: loaded, then the file's model_overrides, then the --set ones.
+    c = parse_train_config(j, label, base_dir, ov.model);
   } catch (const Error& e) {
     if (ov.model.empty()) throw;
     throw Error(fmt::format("{} (model overrides: {})", e.what(), join(ov.model, " ")));
   }
-  c.model_source = mo.empty() ? source : source + " with " + join(mo, " ");
+  if (adjust) adjust(c);
+  c.validate(label);
   return c;
 }
 
@@ -591,13 +469,12 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   cfg_.validate();
   HLM_CHECK(!opts_.out_dir.empty(), "trainer: the output directory is empty");
   HLM_CHECK(opts_.stop_after >= 0, "trainer: stop_after must be >= 0, got {}", opts_.stop_after);
-  mcfg_ = cfg_.model_config();
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
   mo.seed = cfg_.seed;
   mo.recompute = cfg_.recompute;
   mo.mtp = cfg_.mtp;
-  model_ = std::make_unique<HybridModel>(mcfg_, mo);
+  model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
   opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
   sched_ = std::make_unique<LrSchedule>(cfg_.schedule_config());
@@ -612,15 +489,15 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     tc.shuffle = cfg_.shuffle;
     tc.seed = cfg_.seed;
     const bool is_bin = fs::path(cfg_.data_path).extension() == ".bin";
-    HLM_CHECK(is_bin || mcfg_.vocab_size >= kByteVocab,
+    HLM_CHECK(is_bin || cfg_.model.vocab_size >= kByteVocab,
               "--data {} is byte-level text: it needs a model vocab_size of at least {} (256 bytes "
               "+ BOS + EOS), the model has {} (add --set model.vocab_size={})",
-              cfg_.data_path, kByteVocab, mcfg_.vocab_size, kByteVocab);
-    data_ = open_data_file(cfg_.data_path, mcfg_.vocab_size, tc);
-    HLM_CHECK(data_->vocab_size() <= mcfg_.vocab_size,
+              cfg_.data_path, kByteVocab, cfg_.model.vocab_size, kByteVocab);
+    data_ = open_data_file(cfg_.data_path, cfg_.model.vocab_size, tc);
+    HLM_CHECK(data_->vocab_size() <= cfg_.model.vocab_size,
               "--data {}: the data needs a vocabulary of {} tokens, the model has vocab_size {} "
               "(set model.vocab_size={})",
-              cfg_.data_path, data_->vocab_size(), mcfg_.vocab_size, data_->vocab_size());
+              cfg_.data_path, data_->vocab_size(), cfg_.model.vocab_size, data_->vocab_size());
   }
   if (opts_.resume) resume_from_checkpoint();
   start_step_ = step_;
@@ -648,9 +525,9 @@ void Trainer::resume_from_checkpoint() {
   } catch (const Error& e) {
     throw Error(fmt::format("{}: the stored training config is invalid: {}", state_path, e.what()));
   }
-  const ModelConfig ckm = ckcfg.model_config();
-  if (!(ckm == mcfg_)) {
-    const auto diff = json_differences(ckm.to_json(), mcfg_.to_json());
+  const ModelConfig& ckm = ckcfg.model;
+  if (!(ckm == cfg_.model)) {
+    const auto diff = json_differences(ckm.to_json(), cfg_.model.to_json());
     throw Error(fmt::format(
         "--resume {}: the model config differs from the checkpoint's ({}); a resumed run keeps "
         "its model",
@@ -688,8 +565,8 @@ void Trainer::resume_from_checkpoint() {
       throw Error(
           fmt::format("--resume {}: {} is damaged: {}", dir, checkpoint::kConfigFile, e.what()));
     }
-    if (!(on_disk == mcfg_)) {
-      const auto diff = json_differences(on_disk.to_json(), mcfg_.to_json());
+    if (!(on_disk == cfg_.model)) {
+      const auto diff = json_differences(on_disk.to_json(), cfg_.model.to_json());
       throw Error(
           fmt::format("--resume {}: {} differs from the model config stored in {} ({}); "
                       "the checkpoint was modified",
@@ -812,7 +689,7 @@ void Trainer::save() {
   checkpoint::SaveOptions mo;
   mo.metadata["hlm_train_step"] = std::to_string(step_);
   mo.after_temp_written = opts_.hooks.after_temp_written;
-  checkpoint::save_module(dir, *model_, &mcfg_, mo);
+  checkpoint::save_module(dir, *model_, &cfg_.model, mo);
   if (opts_.hooks.after_checkpoint) opts_.hooks.after_checkpoint(step_);
 }
 
@@ -833,13 +710,13 @@ TrainSummary Trainer::run() {
     checkpoint::write_file_atomic(path_in(dir, kTrainConfigFile),
                                   std::vector<uint8_t>(text.begin(), text.end()));
   }
-  log(
-      fmt::format("model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
-                  "{} parameters ({}, recompute {})",
-                  mcfg_.num_hidden_layers, mcfg_.layer_pattern(), mcfg_.hidden_size,
-                  mcfg_.vocab_size, mcfg_.mhc.streams(), model_->num_moe_layers(),
-                  cfg_.mtp && mcfg_.mtp.num_layers > 0 ? "on" : "off", model_->parameter_count(),
-                  dtype_name(cfg_.dtype), recompute_name(cfg_.recompute)));
+  log(fmt::format(
+      "model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
+      "{} parameters ({}, recompute {})",
+      cfg_.model.num_hidden_layers, cfg_.model.layer_pattern(), cfg_.model.hidden_size,
+      cfg_.model.vocab_size, cfg_.model.mhc.streams(), model_->num_moe_layers(),
+      cfg_.mtp && cfg_.model.mtp.num_layers > 0 ? "on" : "off", model_->parameter_count(),
+      dtype_name(cfg_.dtype), recompute_name(cfg_.recompute)));
   log(fmt::format("model config: {}", cfg_.model_source));
   log(fmt::format("data: {}", data_->describe()));
   if (mqar_)
@@ -880,7 +757,7 @@ TrainSummary Trainer::run() {
     const DsaStage want = dense ? DsaStage::dense_warmup : DsaStage::sparse;
     if (!have_stage || want != stage) {
       model_->set_dsa_stage(want);
-      if (have_stage && mcfg_.count_layers(LayerKind::dsa) > 0)
+      if (have_stage && cfg_.model.count_layers(LayerKind::dsa) > 0)
         line(fmt::format("step {}: DSA indexer stage -> sparse", s));
       stage = want;
       have_stage = true;

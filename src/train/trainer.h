@@ -47,10 +47,11 @@ const char* nonfinite_policy_name(NonfinitePolicy p);
 // The training config (JSON; docs/training.md lists every key). Unknown keys are errors.
 struct TrainConfig {
   // ---- model ----
-  nlohmann::json model = nlohmann::json::object();  // the model config.json (resolved, inline)
+  // The model config, parsed once from the JSON key "model" (a config.json path or an inline
+  // object) with the key "model_overrides" (a list of "key=value" strings) applied first.
+  // to_json() writes it inline (ModelConfig::to_json) and no overrides.
+  ModelConfig model;
   std::string model_source;  // where it came from: a path, or "inline" (informational)
-  // (The JSON key "model_overrides", a list of "key=value" strings, is applied to `model` by
-  // from_json(); to_json() writes the result inline and no overrides.)
   DType dtype = DType::f32;  // parameter dtype: f32, bf16 (FP32 masters) or f64
   Recompute recompute = Recompute::none;
   bool mtp = true;  // build the MTP block when the model config has one
@@ -94,13 +95,13 @@ struct TrainConfig {
   // Every key, resolved (the model config inline): from_json(to_json()) gives an equal config.
   nlohmann::json to_json() const;
 
-  ModelConfig model_config() const;  // ModelConfig::from_json(model)
-  MqarConfig mqar_config() const;    // mqar with the defaults resolved against the model
+  MqarConfig mqar_config() const;  // mqar with the defaults resolved against the model
   ScheduleConfig schedule_config() const;
   void validate(const std::string& what = "training config") const;
 };
 
-// The keys from_json() accepts at the top level of a training config.
+// The keys of a training config (from_json() also accepts "model_overrides" and "_comment"-style
+// keys); split_overrides() routes a --set key whose first component is one of them here.
 const std::vector<std::string>& train_config_keys();
 
 // Reads a training-config file (JSON; a bad file is an error naming it).
@@ -116,9 +117,12 @@ SplitOverrides split_overrides(const std::vector<std::string>& key_values);
 
 // Builds a training config from its JSON form and overrides: training overrides first (so
 // "model=path" can pick the model file), then the model config (a path is read, relative to
-// base_dir), then the model overrides. Errors name the override or the key.
+// base_dir), then the model overrides, then `adjust` (typed settings that win over the file and
+// the overrides, e.g. the command line's --steps), then validate(). Errors name the override or
+// the key.
 TrainConfig make_train_config(nlohmann::json j, const std::vector<std::string>& overrides,
-                              const std::string& what, const std::string& base_dir);
+                              const std::string& what, const std::string& base_dir,
+                              const std::function<void(TrainConfig&)>& adjust = {});
 
 // ---- the trainer ----------------------------------------------------------------------------
 
@@ -206,7 +210,6 @@ class Trainer {
 
   TrainConfig cfg_;
   TrainerOptions opts_;
-  ModelConfig mcfg_;
   std::unique_ptr<HybridModel> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<LrSchedule> sched_;

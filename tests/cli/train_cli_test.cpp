@@ -1,7 +1,8 @@
 // `hybridlm train` run as a user runs it (the built binary): a short run writes its files and a
 // summary, --stop-after + --resume continues to the same weights as a straight run, and bad
 // requests (--device cuda, an unknown --set key, an occupied --out, a NaN-producing lr, a damaged
-// config) exit with status 2 and a clear message. Skips when the binary has not been built.
+// config, bad --steps / --seed values) exit with status 2 and a clear message. Skips when the
+// binary has not been built.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -120,6 +121,15 @@ TEST_F(TrainCli, BadRequestsExitWithStatus2) {
   EXPECT_EQ(run("--config train.json --out r3 --set lr=1e30 --set grad_clip=0"), 2);
   EXPECT_NE(read("err.txt").find("step "), std::string::npos) << read("err.txt");
   EXPECT_NE(read("err.txt").find("not finite"), std::string::npos) << read("err.txt");
+  // The typed options are validated like the file's keys, and win over --set.
+  EXPECT_EQ(run("--config train.json --out r6 --set steps=4 --steps 0"), 2);
+  EXPECT_NE(read("err.txt").find("'steps' must be >= 1, got 0"), std::string::npos)
+      << read("err.txt");
+  EXPECT_EQ(run("--config train.json --out r7 --seed -1"), 2);
+  EXPECT_NE(read("err.txt").find("--seed must be >= 0"), std::string::npos) << read("err.txt");
+  EXPECT_EQ(run("--config train.json --out r8 --set steps=2.5"), 2);
+  EXPECT_NE(read("err.txt").find("'steps' must be an integer, got 2.5"), std::string::npos)
+      << read("err.txt");
   EXPECT_EQ(run("--resume nowhere"), 2);
   EXPECT_NE(read("err.txt").find("no training run to resume"), std::string::npos);
   std::ofstream(path("broken.json")) << R"({"model": "small_model.json", "steps": 2, "lrate": 1})";

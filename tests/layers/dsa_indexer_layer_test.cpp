@@ -5,8 +5,6 @@
 // packed batch == documents, precision flags, keep-in-FP32 of ape, and bad input.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -744,23 +742,6 @@ TEST(DsaIndexerLayer, BadConfigAndInputThrowClearErrors) {
     c.hadamard = false;
     EXPECT_NO_THROW(c.validate());  // non-power-of-two is fine without the rotation
   }
-  // HF config parsing.
-  const auto j = nlohmann::json::parse(R"({"hidden_size": 64, "q_lora_rank": 32,
-      "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16, "qk_rope_head_dim": 0,
-      "index_kpool": 4, "index_kpool_always_select_tail": true, "indexer_rope_interleave": true})");
-  const IndexerConfig hc = IndexerConfig::from_hf_json(j);
-  EXPECT_EQ(hc.kpool, 4);
-  EXPECT_EQ(hc.index_width(), 19);
-  auto j2 = j;
-  j2["index_topk"] = 18;
-  expect_error([&] { IndexerConfig::from_hf_json(j2); }, "divisible");
-  j2 = j;
-  j2.erase("index_head_dim");
-  expect_error([&] { IndexerConfig::from_hf_json(j2); }, "index_head_dim");
-  j2 = j;
-  j2["index_kpool"] = "4";
-  expect_error([&] { IndexerConfig::from_hf_json(j2); }, "index_kpool");
-
   // Inputs.
   DsaIndexer m(tiny_config(2, 0, DType::f32, 4), native_policy(), "idx");
   const Tensor h = randn({6, 6}, DType::f32, rng), cq = randn({6, 5}, DType::f32, rng);

@@ -4,8 +4,6 @@
 // bf16 streams and errors.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <functional>
 #include <string>
@@ -360,22 +358,6 @@ TEST(MhcSiteModule, InferenceBadInputsAndBadConfigThrow) {
   c = site_cfg(8, DType::f32, 0);
   c.init_std = -0.1;
   expect_error([&] { make(c); }, "init_std");
-  // HF config keys
-  const MhcSiteConfig h = MhcSiteConfig::from_hf_json(nlohmann::json{{"hidden_size", 64},
-                                                                     {"hc_mult", 4},
-                                                                     {"hc_eps", 1e-6},
-                                                                     {"hc_sinkhorn_iters", 20},
-                                                                     {"rms_norm_eps", 1e-5}});
-  EXPECT_EQ(h.hidden_size, 64);
-  EXPECT_EQ(h.hc_mult, 4);
-  EXPECT_EQ(h.sinkhorn_iters, 20);
-  EXPECT_EQ(h.norm_eps, 1e-5);
-  expect_error([] { MhcSiteConfig::from_hf_json(nlohmann::json{{"hc_mult", 4}}); }, "hidden_size");
-  expect_error(
-      [] {
-        MhcSiteConfig::from_hf_json(nlohmann::json{{"hidden_size", 8}, {"hc_mult", 2.5}});
-      },
-      "hc_mult");
 }
 
 }  // namespace

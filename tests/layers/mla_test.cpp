@@ -1,11 +1,9 @@
 // MLA (layers/dsa/mla.h): the whole forward against a naive FP64 loop written here (projections,
 // RMSNorm, RoPE as complex multiplication, causal softmax attention per sequence), gradients
 // against central finite differences in FP64, expanded == absorbed, packing, recompute, precision
-// policy, bf16 parameters, config parsing and bad input.
+// policy, bf16 parameters, config validation and bad input.
 #include <gtest/gtest.h>
 #include <omp.h>
-
-#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <complex>
@@ -330,68 +328,6 @@ TEST(MlaConfig, SoftmaxScaleAndYarnFrequencies) {
   EXPECT_DOUBLE_EQ(r.rope_attention_factor(),
                    (0.1 * std::log(4.0) + 1) / (0.05 * std::log(4.0) + 1));
   EXPECT_DOUBLE_EQ(yarn_get_mscale(1.0, 3.0), 1.0);
-}
-
-TEST(MlaConfig, FromHfJson) {
-  const OneThread one_thread;
-  using nlohmann::json;
-  // GLM-5.3-Flash text config (NoPE).
-  const json glm = {{"hidden_size", 4096},    {"num_attention_heads", 64}, {"q_lora_rank", 1536},
-                    {"kv_lora_rank", 512},    {"qk_nope_head_dim", 256},   {"qk_rope_head_dim", 0},
-                    {"v_head_dim", 256},      {"rms_norm_eps", 1e-5},      {"mla_use_nope", true},
-                    {"rope_scaling", nullptr}};
-  const MlaConfig g = MlaConfig::from_hf_json(glm);
-  EXPECT_EQ(g.hidden_size, 4096);
-  EXPECT_EQ(g.q_lora_rank, 1536);
-  EXPECT_FALSE(g.rotary());
-  EXPECT_DOUBLE_EQ(g.softmax_scale_value(), 1.0 / 16);
-  // Kimi-Linear: q_lora_rank null, rope dims present but not rotated.
-  json kimi = glm;
-  kimi["q_lora_rank"] = nullptr;
-  kimi["qk_nope_head_dim"] = 128, kimi["qk_rope_head_dim"] = 64, kimi["v_head_dim"] = 128;
-  const MlaConfig k = MlaConfig::from_hf_json(kimi);
-  EXPECT_EQ(k.q_lora_rank, 0);
-  EXPECT_EQ(k.qk_rope_head_dim, 64);
-  EXPECT_FALSE(k.rope);
-  EXPECT_DOUBLE_EQ(k.softmax_scale_value(), 1.0 / std::sqrt(192.0));
-  // DeepSeek-V3 style YaRN.
-  json ds = glm;
-  ds["mla_use_nope"] = false, ds["qk_nope_head_dim"] = 128, ds["qk_rope_head_dim"] = 64;
-  ds["rope_scaling"] = {{"type", "yarn"},
-                        {"factor", 40},
-                        {"beta_fast", 32},
-                        {"beta_slow", 1},
-                        {"mscale", 1.0},
-                        {"mscale_all_dim", 1.0},
-                        {"original_max_position_embeddings", 4096}};
-  const MlaConfig d = MlaConfig::from_hf_json(ds);
-  ASSERT_TRUE(d.yarn.has_value());
-  EXPECT_EQ(d.yarn->factor, 40);
-  EXPECT_EQ(d.yarn->original_max_position_embeddings, 4096);
-  EXPECT_NEAR(d.softmax_scale_value() * std::sqrt(192.0), 1.8738, 1e-4);
-  // Errors name the key.
-  auto expect_error = [](const json& j, const std::string& key) {
-    try {
-      MlaConfig::from_hf_json(j);
-      ADD_FAILURE() << "no error for " << key;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
-    }
-  };
-  json bad = glm;
-  bad.erase("kv_lora_rank");
-  expect_error(bad, "kv_lora_rank");
-  bad = glm, bad["hidden_size"] = "4096";
-  expect_error(bad, "hidden_size");
-  bad = glm, bad["mla_use_nope"] = 1;
-  expect_error(bad, "mla_use_nope");
-  bad = ds, bad["rope_scaling"]["type"] = "linear";
-  expect_error(bad, "linear");
-  bad = ds, bad["rope_scaling"]["factor"] = "x";
-  expect_error(bad, "factor");
-  bad = glm, bad["qk_rope_head_dim"] = 64, bad["mla_use_nope"] = false,
-  bad["rope_scaling"] = ds["rope_scaling"], bad["rope_scaling"]["factor"] = 0.5;
-  expect_error(bad, "yarn.factor");
 }
 
 TEST(Mla, ParameterNamesAndShapes) {

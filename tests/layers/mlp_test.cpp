@@ -3,8 +3,6 @@
 // the precision policy, bf16 parameters, and configuration errors.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -274,27 +272,6 @@ TEST(DenseMlp, BadConfigAndInputsThrow) {
   c = mlp_cfg(8, 8, 10, DType::f32, 0);
   c.init_std = -1;
   expect_error([&] { make(c); }, "init_std");
-  // HF config
-  const DenseMlpConfig h = DenseMlpConfig::from_hf_json(
-      nlohmann::json{{"hidden_size", 32}, {"intermediate_size", 96}, {"swiglu_limit", 10.0}});
-  EXPECT_EQ(h.hidden_size, 32);
-  EXPECT_EQ(h.intermediate_size, 96);
-  EXPECT_EQ(h.swiglu_limit, 10.0);
-  EXPECT_EQ(
-      DenseMlpConfig::from_hf_json(nlohmann::json{{"hidden_size", 32}, {"intermediate_size", 96}})
-          .swiglu_limit,
-      0.0);  // DeepSeek-V3: no clamp
-  expect_error(
-      [] {
-        DenseMlpConfig::from_hf_json(nlohmann::json{{"hidden_size", 32}});
-      },
-      "intermediate_size");
-  expect_error(
-      [] {
-        DenseMlpConfig::from_hf_json(
-            nlohmann::json{{"hidden_size", "x"}, {"intermediate_size", 9}});
-      },
-      "hidden_size");
   // inputs
   DenseMlp m(mlp_cfg(8, 8, 10, DType::f32, 0), pol, "mlp");
   Rng rng(test_seed());

@@ -4,8 +4,6 @@
 // GEMM precision against per-expert Linear layers, the bias update, bf16 and errors.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <functional>
 #include <numeric>
@@ -529,33 +527,6 @@ TEST(MoeLayer, BadConfigAndInputsThrow) {
     k.edit(c);
     expect_error([&] { make(c); }, std::string("MoeConfig.") + k.field);
   }
-  // HF keys
-  const nlohmann::json j{{"hidden_size", 64},
-                         {"n_routed_experts", 16},
-                         {"num_experts_per_tok", 4},
-                         {"moe_intermediate_size", 32},
-                         {"n_group", 4},
-                         {"topk_group", 2},
-                         {"swiglu_limit", 10.0},
-                         {"router_aux_loss_coef", 0.001},
-                         {"routed_scaling_factor", 2.5}};
-  const MoeConfig h = MoeConfig::from_hf_json(j);
-  EXPECT_EQ(h.n_experts, 16);
-  EXPECT_EQ(h.top_k, 4);
-  EXPECT_EQ(h.n_group, 4);
-  EXPECT_EQ(h.topk_group, 2);
-  EXPECT_EQ(h.swiglu_limit, 10.0);
-  EXPECT_EQ(h.aux_loss_coeff, 0.001);
-  EXPECT_EQ(h.n_shared_experts, 1);
-  nlohmann::json bad = j;
-  bad.erase("n_routed_experts");
-  expect_error([&] { MoeConfig::from_hf_json(bad); }, "n_routed_experts");
-  bad = j;
-  bad["norm_topk_prob"] = 1;
-  expect_error([&] { MoeConfig::from_hf_json(bad); }, "norm_topk_prob");
-  bad = j;
-  bad["topk_group"] = 5;
-  expect_error([&] { MoeConfig::from_hf_json(bad); }, "topk_group");
   // inputs
   MoeLayer m(ok, pol, "model.layers.3.mlp");
   Rng rng(test_seed());

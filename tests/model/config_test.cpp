@@ -1,13 +1,20 @@
 // ModelConfig (model/config.h): the shipped configs, nested glm5_next and kimi_linear inputs,
-// every error class naming its field, to_json round trips and --set overrides.
+// every error class naming its field, the layer configs the model builds from the HF fields,
+// to_json round trips and --set overrides.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "core/error.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/hybrid_model.h"
 
 namespace hlm {
 namespace {
@@ -341,7 +348,7 @@ TEST(ModelConfig, ErrorsNameTheField) {
     return j;
   };
   // unknown fields: every one is named
-  EXPECT_TRUE(fails_naming(with("hiden_size", 64), {"unknown field", "hiden_size"}));
+  EXPECT_TRUE(fails_naming(with("hiden_size", 64), {"unknown key", "hiden_size"}));
   json two = with("foo", 1);
   two["bar"] = 2;
   EXPECT_TRUE(fails_naming(two, {"'foo'", "'bar'"}));
@@ -435,6 +442,136 @@ TEST(ModelConfig, ErrorsNameTheField) {
   EXPECT_THROW(read_json_file(src_path("configs/does_not_exist.json")), Error);
 }
 
+// The HF fields reach the layer configs the model builds (model/hybrid_model.h): each layer
+// family's fields, defaults and type errors, read once by ModelConfig::from_json.
+TEST(ModelConfig, FillsTheLayerConfigs) {
+  auto with = [](json j, const char* key, json v) {
+    j[key] = v;
+    return j;
+  };
+  // MLA, GLM-5.3-Flash (NoPE): no rotation, scale d_n^-1/2 = 1/16.
+  const ModelConfig glm = ModelConfig::load(src_path("configs/glm5_3_flash.json"));
+  const MlaConfig g = dsa_layer_config(glm, DType::f32, 0).mla;
+  EXPECT_EQ(g.hidden_size, 4096);
+  EXPECT_EQ(g.num_heads, 64);
+  EXPECT_EQ(g.q_lora_rank, 1536);
+  EXPECT_EQ(g.kv_lora_rank, 512);
+  EXPECT_EQ(g.qk_nope_head_dim, 256);
+  EXPECT_EQ(g.qk_rope_head_dim, 0);
+  EXPECT_EQ(g.v_head_dim, 256);
+  EXPECT_EQ(g.rms_norm_eps, 1e-5);
+  EXPECT_FALSE(g.rotary());
+  EXPECT_FALSE(g.yarn.has_value());
+  EXPECT_DOUBLE_EQ(g.softmax_scale_value(), 1.0 / 16);
+  // Kimi-Linear: q_lora_rank null -> 0; pe channels present but not rotated.
+  const MlaConfig k = dsa_layer_config(ModelConfig::from_json(kimi_linear()), DType::f32, 0).mla;
+  EXPECT_EQ(k.q_lora_rank, 0);
+  EXPECT_EQ(k.qk_rope_head_dim, 64);
+  EXPECT_FALSE(k.rope);
+  EXPECT_DOUBLE_EQ(k.softmax_scale_value(), 1.0 / std::sqrt(192.0));
+  // DeepSeek-V3-style YaRN on rotated pe channels.
+  json ds = tiny_json();
+  ds["mla_use_nope"] = false;
+  ds["qk_nope_head_dim"] = 128;
+  ds["qk_rope_head_dim"] = 64;
+  ds["rope_theta"] = 50000.0;
+  ds["rope_scaling"] = {{"type", "yarn"},
+                        {"factor", 40},
+                        {"beta_fast", 32},
+                        {"beta_slow", 1},
+                        {"mscale", 1.0},
+                        {"mscale_all_dim", 1.0},
+                        {"original_max_position_embeddings", 4096}};
+  const DsaLayerConfig dd = dsa_layer_config(ModelConfig::from_json(ds), DType::f32, 0);
+  const MlaConfig& d = dd.mla;
+  EXPECT_TRUE(d.rotary());
+  EXPECT_EQ(d.rope_theta, 50000.0);
+  ASSERT_TRUE(d.yarn.has_value());
+  EXPECT_EQ(d.yarn->factor, 40);
+  EXPECT_EQ(d.yarn->original_max_position_embeddings, 4096);
+  EXPECT_EQ(d.yarn->beta_fast, 32);
+  EXPECT_EQ(d.yarn->beta_slow, 1);
+  // m = 0.1 ln(40) + 1 squared, times (d_n + d_r)^-1/2.
+  EXPECT_NEAR(d.softmax_scale_value() * std::sqrt(192.0), 1.8738, 1e-4);
+  EXPECT_EQ(dd.indexer->rope_dim, 64);  // the indexer rotates as the attention does
+  EXPECT_EQ(dd.indexer->rope_theta, 50000.0);
+  EXPECT_TRUE(
+      fails_naming(with(tiny_json(), "mla_use_nope", 1), {"'mla_use_nope'", "true or false"}));
+  json bad = ds;
+  bad["rope_scaling"]["factor"] = "x";
+  EXPECT_TRUE(fails_naming(bad, {"'rope_scaling.factor'", "number", "\"x\""}));
+  bad["rope_scaling"]["factor"] = 0.5;
+  EXPECT_TRUE(fails_naming(bad, {"rope_scaling.factor", ">= 1"}));
+
+  // Indexer (KPool): P = 4 of top-k 16 tokens, the tail pool always selected: 16 + 3 indices.
+  const ModelConfig tiny = ModelConfig::from_json(tiny_json());
+  const DsaLayerConfig t = dsa_layer_config(tiny, DType::f32, 0);
+  ASSERT_TRUE(t.indexer.has_value());
+  EXPECT_EQ(t.indexer->hidden_size, 64);
+  EXPECT_EQ(t.indexer->q_lora_rank, 32);
+  EXPECT_EQ(t.indexer->n_heads, 2);
+  EXPECT_EQ(t.indexer->head_dim, 16);
+  EXPECT_EQ(t.indexer->topk, 16);
+  EXPECT_EQ(t.indexer->kpool, 4);
+  EXPECT_EQ(t.indexer->rope_dim, 0);
+  EXPECT_TRUE(t.indexer->rope_interleave);
+  EXPECT_TRUE(t.indexer->kpool_always_select_tail);
+  EXPECT_EQ(t.indexer->index_width(), 19);
+  EXPECT_EQ(
+      dsa_layer_config(ModelConfig::from_json(with(tiny_json(), "index_kpool", 1)), DType::f32, 0)
+          .indexer->index_width(),
+      16);  // the plain lightning indexer
+  EXPECT_TRUE(fails_naming(with(tiny_json(), "index_kpool", "4"), {"'index_kpool'", "integer"}));
+  EXPECT_TRUE(fails_naming(with(tiny_json(), "index_head_dim", 0), {"'index_head_dim'"}));
+
+  // mHC site: streams, Sinkhorn iterations and eps; its RMSNorm eps is rms_norm_eps.
+  const MhcSiteConfig h = mhc_site_config(
+      ModelConfig::from_json(with(tiny_json(), "rms_norm_eps", 3e-6)), DType::f32, 0);
+  EXPECT_EQ(h.hidden_size, 64);
+  EXPECT_EQ(h.hc_mult, 4);
+  EXPECT_EQ(h.sinkhorn_iters, 20);
+  EXPECT_EQ(h.hc_eps, 1e-6);
+  EXPECT_EQ(h.norm_eps, 3e-6);
+  EXPECT_EQ(h.init_std, 0.02);
+  EXPECT_TRUE(
+      fails_naming(with(tiny_json(), "hc_mult", 2.5), {"'hc_mult'", "integer >= 1", "2.5"}));
+
+  // Dense MLP: sizes and the SwiGLU clamp (null: no clamp; Kimi-Linear has none).
+  const DenseMlpConfig m = dense_mlp_config(tiny, DType::f32, 0);
+  EXPECT_EQ(m.hidden_size, 64);
+  EXPECT_EQ(m.intermediate_size, 128);
+  EXPECT_EQ(m.swiglu_limit, 10.0);
+  EXPECT_EQ(dense_mlp_config(ModelConfig::from_json(with(tiny_json(), "swiglu_limit", nullptr)),
+                             DType::f32, 0)
+                .swiglu_limit,
+            0.0);
+  EXPECT_EQ(dense_mlp_config(ModelConfig::from_json(kimi_linear()), DType::f32, 0).swiglu_limit,
+            0.0);
+  EXPECT_TRUE(fails_naming(with(tiny_json(), "hidden_size", "x"), {"'hidden_size'", "integer"}));
+
+  // MoE: experts, top-k, groups, scaling, aux loss; n_shared_experts defaults to 1.
+  json mj = tiny_json();
+  mj["n_routed_experts"] = 16;
+  mj["num_experts_per_tok"] = 4;
+  mj["n_group"] = 4;
+  mj["topk_group"] = 2;
+  mj.erase("n_shared_experts");
+  const MoeConfig e = moe_layer_config(ModelConfig::from_json(mj), DType::f32, 0);
+  EXPECT_EQ(e.hidden_size, 64);
+  EXPECT_EQ(e.n_experts, 16);
+  EXPECT_EQ(e.top_k, 4);
+  EXPECT_EQ(e.n_group, 4);
+  EXPECT_EQ(e.topk_group, 2);
+  EXPECT_EQ(e.moe_intermediate_size, 32);
+  EXPECT_EQ(e.n_shared_experts, 1);
+  EXPECT_TRUE(e.norm_topk_prob);
+  EXPECT_EQ(e.routed_scaling_factor, 2.5);
+  EXPECT_EQ(e.swiglu_limit, 10.0);
+  EXPECT_EQ(e.aux_loss_coeff, 0.001);
+  EXPECT_TRUE(fails_naming(with(mj, "norm_topk_prob", 1), {"'norm_topk_prob'", "true or false"}));
+  EXPECT_TRUE(fails_naming(with(mj, "topk_group", 5), {"topk_group", "n_group"}));
+}
+
 TEST(ModelConfig, ToJsonRoundTrip) {
   std::vector<ModelConfig> configs = {ModelConfig::load(src_path("configs/tiny.json")),
                                       ModelConfig::load(src_path("configs/glm5_3_flash.json")),
@@ -507,6 +644,125 @@ TEST(ModelConfig, ToJsonRoundTrip) {
   EXPECT_TRUE(differs([](ModelConfig& c) { c.precision.pow2_scales = true; }));
   EXPECT_TRUE(differs([](ModelConfig& c) { c.indexer_kinds[3] = IndexerKind::shared; }));
   EXPECT_TRUE(differs([](ModelConfig& c) { c.pad_token_id = 3; }));
+}
+
+// config.json as checkpoints write it (save_config: to_json().dump(2) and a newline) for
+// configs/tiny.json, byte for byte: the text written before the training config held the typed
+// ModelConfig. A checkpoint's config.json must not change when the code that reads configs does.
+TEST(ModelConfig, CheckpointConfigJsonTextIsStable) {
+  const std::string expected = R"json({
+  "bos_token_id": null,
+  "dsa_indexer_kpool_use_quantization": false,
+  "dsa_indexer_loss_coeff": 0.0,
+  "dsa_indexer_qk_proj_disable_quantization": false,
+  "dsa_indexer_use_sparse_loss": false,
+  "eos_token_id": null,
+  "first_k_dense_replace": 1,
+  "fp8_grad_format": "e4m3",
+  "fp8_pow2_scales": false,
+  "gemm_precision": "native",
+  "hc_eps": 1e-06,
+  "hc_mult": 4,
+  "hc_sinkhorn_iters": 20,
+  "hidden_act": "silu",
+  "hidden_size": 64,
+  "index_head_dim": 16,
+  "index_kpool": 4,
+  "index_kpool_always_select_tail": true,
+  "index_kpool_compress": true,
+  "index_n_heads": 2,
+  "index_share_for_mtp_iteration": true,
+  "index_topk": 16,
+  "indexer_rope_interleave": true,
+  "indexer_types": [
+    "full",
+    "full",
+    "full",
+    "full"
+  ],
+  "initializer_range": 0.02,
+  "intermediate_size": 128,
+  "kda_disable_fp8": false,
+  "kda_f_lora_rank": 32,
+  "kda_gate_lora_rank": 32,
+  "kv_lora_rank": 32,
+  "layer_types": [
+    "linear_attention",
+    "linear_attention",
+    "linear_attention",
+    "deepseek_sparse_attention"
+  ],
+  "linear_A_init_range": [
+    1.0,
+    16.0
+  ],
+  "linear_conv_kernel_dim": 4,
+  "linear_dt_init_floor": 0.0001,
+  "linear_dt_init_range": [
+    0.001,
+    0.1
+  ],
+  "linear_head_dim": 32,
+  "linear_lower_bound": -5.0,
+  "linear_num_heads": 2,
+  "linear_num_value_heads": 2,
+  "linear_output_gate_bias": false,
+  "linear_use_a_log": true,
+  "linear_value_head_dim": 32,
+  "max_position_embeddings": 4096,
+  "mhc": true,
+  "mla_proj_disable_quantization": false,
+  "mla_use_nope": true,
+  "mlp_layer_types": [
+    "dense",
+    "sparse",
+    "sparse",
+    "sparse"
+  ],
+  "model_type": "glm5_next_text",
+  "moe_intermediate_size": 32,
+  "moe_layer_freq": 1,
+  "moe_router_bias_update_rate": 0.001,
+  "moe_router_dtype": "float32",
+  "mtp_loss_scaling_factor": 0.1,
+  "n_group": 1,
+  "n_routed_experts": 8,
+  "n_shared_experts": 1,
+  "norm_topk_prob": true,
+  "num_attention_heads": 2,
+  "num_experts_per_tok": 2,
+  "num_hidden_layers": 4,
+  "num_key_value_heads": 2,
+  "num_nextn_predict_layers": 1,
+  "pad_token_id": null,
+  "q_lora_rank": 32,
+  "qk_head_dim": 16,
+  "qk_nope_head_dim": 16,
+  "qk_rope_head_dim": 0,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "rope_theta": 10000.0,
+  "routed_scaling_factor": 2.5,
+  "router_aux_loss_coef": 0.001,
+  "scoring_func": "sigmoid",
+  "swiglu_limit": 10.0,
+  "tie_word_embeddings": false,
+  "topk_group": 1,
+  "topk_method": "noaux_tc",
+  "v_head_dim": 16,
+  "vocab_size": 128
+}
+)json";
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("hlm_config_test_" + std::to_string(::getpid()) + ".json"))
+                               .string();
+  const ModelConfig c = ModelConfig::load(src_path("configs/tiny.json"));
+  checkpoint::save_config(path, c);
+  std::stringstream ss;
+  ss << std::ifstream(path).rdbuf();
+  std::filesystem::remove(path);
+  EXPECT_EQ(ss.str(), expected);
+  EXPECT_EQ(ModelConfig::from_json(json::parse(expected)), c);  // parse -> write -> parse
 }
 
 TEST(ModelConfig, Overrides) {

@@ -141,7 +141,69 @@ TEST(TrainerConfig, RoundTripsAndResolvesDefaults) {
   EXPECT_EQ(c.schedule_config().total_steps, 7);
   const TrainConfig d = TrainConfig::from_json(c.to_json(), "round trip");
   EXPECT_EQ(d.to_json(), c.to_json());
-  EXPECT_TRUE(d.model_config() == c.model_config());
+  EXPECT_TRUE(d.model == c.model);
+  // The model config is parsed once into the typed struct and written back from it.
+  EXPECT_EQ(c.model, ModelConfig::from_json(small_model()));
+  EXPECT_EQ(c.model_source, "inline");
+  EXPECT_EQ(c.to_json().at("model"), c.model.to_json());
+  // "model_overrides" apply to the model before it is parsed (also through from_json).
+  json j = small_train(7);
+  j["model_overrides"] = {"hidden_size=32", "hc_mult=2"};
+  const TrainConfig o = TrainConfig::from_json(j, "test");
+  EXPECT_EQ(o.model.hidden_size, 32);
+  EXPECT_EQ(o.model.mhc.hc_mult, 2);
+  EXPECT_EQ(o.model_source, "inline with hidden_size=32 hc_mult=2");
+  EXPECT_FALSE(o.to_json().contains("model_overrides"));
+  // Keys starting with '_' are comments; seeds use the whole int64 range.
+  j = small_train(7);
+  j["_comment"] = "a note";
+  j["seed"] = int64_t(1) << 62;
+  EXPECT_EQ(TrainConfig::from_json(j, "test").seed, uint64_t(1) << 62);
+}
+
+TEST(TrainerConfig, TypedSettingsWinAndAreValidated) {
+  // The command line's typed options (make_train_config's adjust) come after --set.
+  const TrainConfig c = make_train_config(small_train(3), {"steps=5", "seed=4"}, "cfg", "",
+                                          [](TrainConfig& t) { t.steps = 9; });
+  EXPECT_EQ(c.steps, 9);
+  EXPECT_EQ(c.seed, 4u);
+  EXPECT_EQ(c.schedule_config().total_steps, 9);
+  // Validation runs after them: a bad file value they replace is fine, a bad value they set
+  // is refused.
+  json zero = small_train(0);
+  EXPECT_EQ(make_train_config(zero, {}, "cfg", "", [](TrainConfig& t) { t.steps = 2; }).steps, 2);
+  EXPECT_NE(error_of([&] {
+              make_train_config(small_train(3), {}, "cfg", "", [](TrainConfig& t) { t.steps = 0; });
+            }).find("'steps' must be >= 1, got 0"),
+            std::string::npos);
+}
+
+TEST(TrainerConfig, IntegersAreIntegers) {
+  auto err = [](const char* key, json v) {
+    json j = small_train(3);
+    j[key] = v;
+    return error_of([&] { TrainConfig::from_json(j, "cfg.json"); });
+  };
+  EXPECT_NE(err("steps", 5.0).find("cfg.json: 'steps' must be an integer, got 5.0"),
+            std::string::npos);
+  EXPECT_NE(err("steps", 1e30).find("'steps' must be an integer, got 1e+30"), std::string::npos);
+  EXPECT_NE(err("seed", -1).find("'seed' must be an integer in [0, 9223372036854775807], got -1"),
+            std::string::npos);
+  EXPECT_NE(err("seed", json::parse("18446744073709551615")).find("'seed'"), std::string::npos);
+  EXPECT_NE(err("lr", "big").find("'lr' must be a finite number, got \"big\""), std::string::npos);
+  EXPECT_NE(err("shuffle", 1).find("'shuffle' must be true or false"), std::string::npos);
+  EXPECT_NE(err("dtype", "f16").find("'dtype' must be one of \"f32\""), std::string::npos);
+  EXPECT_NE(err("recompute", "some").find("'recompute'"), std::string::npos);
+  EXPECT_NE(err("mqar", {{"max_pairs", 2.5}}).find("'mqar.max_pairs' must be an integer"),
+            std::string::npos);
+  EXPECT_NE(err("mqar", nullptr).find("'mqar' must be an object"), std::string::npos);
+  EXPECT_NE(err("model", 3).find("'model' must be a model config path or an inline config object"),
+            std::string::npos);
+  // A model config error names the model's source and the field.
+  json m = small_model();
+  m["hidden_size"] = "16";
+  EXPECT_NE(err("model", m).find("model config (inline): 'hidden_size' must be an integer >= 1"),
+            std::string::npos);
 }
 
 TEST(TrainerConfig, RefusesUnknownKeysAndWrongTypes) {
@@ -184,15 +246,15 @@ TEST(TrainerConfig, OverridesGoToTheTrainerOrTheModel) {
                                           "cfg", "");
   EXPECT_EQ(c.lr, 0.5);
   EXPECT_EQ(c.mqar.max_pairs, 3);
-  EXPECT_EQ(c.model_config().hidden_size, 32);
-  EXPECT_EQ(c.model_config().num_hidden_layers, 3);
+  EXPECT_EQ(c.model.hidden_size, 32);
+  EXPECT_EQ(c.model.num_hidden_layers, 3);
   EXPECT_NE(error_of([] { split_overrides({"novalue"}); }).find("key=value"), std::string::npos);
   // The file's model_overrides apply to its model; --set model.X comes after them and wins.
   json j = small_train(3);
   j["model_overrides"] = {"hidden_size=32", "intermediate_size=40"};
   const TrainConfig d = make_train_config(j, {"model.hidden_size=48"}, "cfg", "");
-  EXPECT_EQ(d.model_config().hidden_size, 48);
-  EXPECT_EQ(d.model_config().intermediate_size, 40);
+  EXPECT_EQ(d.model.hidden_size, 48);
+  EXPECT_EQ(d.model.intermediate_size, 40);
   EXPECT_FALSE(d.to_json().contains("model_overrides"));
   j["model_overrides"] = "hidden_size=32";
   EXPECT_NE(error_of([&] { make_train_config(j, {}, "cfg", ""); }).find("'model_overrides'"),
@@ -221,9 +283,14 @@ TEST_F(TrainerTest, AFewStepsReduceTheLoss) {
   // The final files: HF-layout weights + config, the resumable state, the training config.
   for (const char* f : {"model.safetensors", "config.json", kTrainerStateFile, kTrainConfigFile})
     EXPECT_TRUE(fs::exists(dir_ / f)) << f;
-  EXPECT_TRUE(ModelConfig::load(dir_.string()) == t.config().model_config());
+  EXPECT_TRUE(ModelConfig::load(dir_.string()) == t.config().model);
+  {
+    std::ifstream f(dir_ / "config.json");
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text, t.config().model.to_json().dump(2) + "\n");  // written from the typed config
+  }
   // The weights load into a fresh model.
-  HybridModel fresh(t.config().model_config(), {DType::f32, 99});
+  HybridModel fresh(t.config().model, {DType::f32, 99});
   checkpoint::load_module(dir_.string(), fresh);
   auto pa = fresh.named_parameters(), pb = t.model().named_parameters();
   for (size_t i = 0; i < pa.size(); ++i)
@@ -492,9 +559,9 @@ void check_recovers(const fs::path& dir, int64_t expect_step) {
   const TrainerCheckpoint ck = read_trainer_checkpoint(dir.string());
   if (expect_step >= 0) EXPECT_EQ(ck.step, expect_step);
   const TrainConfig cfg = kill_config(2);
-  HybridModel m(cfg.model_config(), {});
+  HybridModel m(cfg.model, {});
   EXPECT_NO_THROW(checkpoint::load_module(dir.string(), m));
-  EXPECT_TRUE(ModelConfig::load(dir.string()) == cfg.model_config());
+  EXPECT_TRUE(ModelConfig::load(dir.string()) == cfg.model);
   TrainerOptions o = quiet(dir);
   o.resume = true;
   Trainer t(cfg, o);

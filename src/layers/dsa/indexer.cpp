@@ -15,8 +15,6 @@
 // gradient dtype (f32, or f64 for f64 parameters); dh and dc_q are written (=).
 #include "layers/dsa/indexer.h"
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <vector>
 
@@ -72,54 +70,6 @@ void IndexerConfig::validate() const {
 
 int64_t IndexerConfig::index_width() const {
   return (kpool > 1 && kpool_always_select_tail) ? topk + kpool - 1 : topk;
-}
-
-namespace {
-
-int64_t json_int(const nlohmann::json& j, const char* key, bool required, int64_t def) {
-  if (!j.contains(key) || j.at(key).is_null()) {
-    HLM_CHECK(!required, "indexer config: '{}' is required", key);
-    return def;
-  }
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number_integer(), "indexer config: '{}' must be an integer, got {}", key,
-            v.dump());
-  return v.get<int64_t>();
-}
-
-bool json_bool(const nlohmann::json& j, const char* key, bool def) {
-  if (!j.contains(key) || j.at(key).is_null()) return def;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_boolean(), "indexer config: '{}' must be true or false, got {}", key, v.dump());
-  return v.get<bool>();
-}
-
-}  // namespace
-
-IndexerConfig IndexerConfig::from_hf_json(const nlohmann::json& j) {
-  HLM_CHECK(j.is_object(), "indexer config: expected a JSON object, got {}", j.type_name());
-  IndexerConfig c;
-  c.hidden_size = json_int(j, "hidden_size", true, 0);
-  c.q_lora_rank = json_int(j, "q_lora_rank", true, 0);
-  c.n_heads = json_int(j, "index_n_heads", true, 0);
-  c.head_dim = json_int(j, "index_head_dim", true, 0);
-  c.topk = json_int(j, "index_topk", true, 0);
-  c.rope_dim = json_int(j, "qk_rope_head_dim", false, 0);
-  if (j.contains("rope_theta") && !j.at("rope_theta").is_null()) {
-    HLM_CHECK(j.at("rope_theta").is_number(),
-              "indexer config: 'rope_theta' must be a number, got {}", j.at("rope_theta").dump());
-    c.rope_theta = j.at("rope_theta").get<double>();
-  }
-  c.rope_interleave = json_bool(j, "indexer_rope_interleave", true);
-  c.kpool = json_int(j, "index_kpool", false, 1);
-  c.kpool_always_select_tail = json_bool(j, "index_kpool_always_select_tail", true);
-  const bool compress = json_bool(j, "index_kpool_compress", true);
-  HLM_CHECK(compress || c.kpool <= 1,
-            "indexer config: 'index_kpool_compress' = false with index_kpool = {} is not supported "
-            "(only compressed pools are implemented)",
-            c.kpool);
-  c.validate();
-  return c;
 }
 
 // ---------------------------------------------------------------------------------------------

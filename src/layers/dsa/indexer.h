@@ -66,8 +66,6 @@
 // at no extra cost and are returned (dh, dc_q) for callers that want them.
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <string>
 
@@ -106,11 +104,6 @@ struct IndexerConfig {
   void validate() const;
   // Width of the selection rows: K, or K + P - 1 with KPool and the tail.
   int64_t index_width() const;
-  // From an HF config object (flat text config): hidden_size, q_lora_rank, index_n_heads,
-  // index_head_dim, index_topk (required); qk_rope_head_dim (0), rope_theta (10000),
-  // indexer_rope_interleave (true), index_kpool (1), index_kpool_always_select_tail (true),
-  // index_kpool_compress (true; false with index_kpool > 1 is rejected). Validated.
-  static IndexerConfig from_hf_json(const nlohmann::json& config);
 };
 
 enum class IndexerLossStage : uint8_t {

@@ -19,8 +19,6 @@
 // dv), each sum in index order; no atomics.
 #include "layers/dsa/mla.h"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -131,83 +129,6 @@ double MlaConfig::rope_attention_factor() const {
   if (yarn->attention_factor > 0) return yarn->attention_factor;
   return yarn_get_mscale(yarn->factor, yarn->mscale) /
          yarn_get_mscale(yarn->factor, yarn->mscale_all_dim);
-}
-
-namespace {
-
-const char* json_kind(const nlohmann::json& v) {
-  return v.type_name();
-}
-
-int64_t json_int(const nlohmann::json& j, const char* key, bool required, int64_t dflt) {
-  if (!j.contains(key) || j[key].is_null()) {
-    HLM_CHECK(!required, "MLA config: required key '{}' is missing", key);
-    return dflt;
-  }
-  const auto& v = j[key];
-  HLM_CHECK(v.is_number_integer(), "MLA config: '{}' must be an integer, got {} {}", key,
-            json_kind(v), v.dump());
-  return v.get<int64_t>();
-}
-
-double json_num(const nlohmann::json& j, const char* key, double dflt) {
-  if (!j.contains(key) || j[key].is_null()) return dflt;
-  const auto& v = j[key];
-  HLM_CHECK(v.is_number(), "MLA config: '{}' must be a number, got {} {}", key, json_kind(v),
-            v.dump());
-  return v.get<double>();
-}
-
-}  // namespace
-
-MlaConfig MlaConfig::from_hf_json(const nlohmann::json& j) {
-  HLM_CHECK(j.is_object(), "MLA config: expected a JSON object, got {}", json_kind(j));
-  MlaConfig c;
-  c.hidden_size = json_int(j, "hidden_size", true, 0);
-  c.num_heads = json_int(j, "num_attention_heads", true, 0);
-  c.q_lora_rank = json_int(j, "q_lora_rank", false, 0);
-  c.kv_lora_rank = json_int(j, "kv_lora_rank", true, 0);
-  c.qk_nope_head_dim = json_int(j, "qk_nope_head_dim", true, 0);
-  c.qk_rope_head_dim = json_int(j, "qk_rope_head_dim", true, 0);
-  c.v_head_dim = json_int(j, "v_head_dim", true, 0);
-  c.rms_norm_eps = json_num(j, "rms_norm_eps", c.rms_norm_eps);
-  c.rope_theta = json_num(j, "rope_theta", c.rope_theta);
-  if (j.contains("mla_use_nope") && !j["mla_use_nope"].is_null()) {
-    HLM_CHECK(j["mla_use_nope"].is_boolean(), "MLA config: 'mla_use_nope' must be a bool, got {}",
-              j["mla_use_nope"].dump());
-    c.rope = !j["mla_use_nope"].get<bool>();
-  }
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    const auto& r = j["rope_scaling"];
-    HLM_CHECK(r.is_object(), "MLA config: 'rope_scaling' must be an object or null, got {}",
-              r.dump());
-    std::string type;
-    for (const char* k : {"type", "rope_type"})
-      if (r.contains(k)) {
-        HLM_CHECK(r[k].is_string(), "MLA config: 'rope_scaling.{}' must be a string, got {}", k,
-                  r[k].dump());
-        type = r[k].get<std::string>();
-      }
-    if (type == "yarn" || type == "deepseek_yarn") {
-      YarnConfig y;
-      y.factor = json_num(r, "factor", y.factor);
-      y.original_max_position_embeddings =
-          json_num(r, "original_max_position_embeddings", y.original_max_position_embeddings);
-      y.beta_fast = json_num(r, "beta_fast", y.beta_fast);
-      y.beta_slow = json_num(r, "beta_slow", y.beta_slow);
-      y.mscale = json_num(r, "mscale", y.mscale);
-      y.mscale_all_dim = json_num(r, "mscale_all_dim", y.mscale_all_dim);
-      y.attention_factor = json_num(r, "attention_factor", y.attention_factor);
-      c.yarn = y;
-    } else {
-      HLM_CHECK(type == "default" || type.empty(),
-                "MLA config: rope_scaling type '{}' is not supported (expected yarn, "
-                "deepseek_yarn or default)",
-                type);
-    }
-  }
-  c.validate();
-  return c;
 }
 
 // ---- helpers ----------------------------------------------------------------------------------

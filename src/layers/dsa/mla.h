@@ -34,8 +34,6 @@
 // bf16 weight).
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <optional>
 #include <string>
 #include <vector>
@@ -99,13 +97,6 @@ struct MlaConfig {
   // m(factor, mscale) / m(factor, mscale_all_dim) when both are non-zero, else m(factor, 1);
   // 1 without YaRN.
   double rope_attention_factor() const;
-
-  // From an HF config.json object: hidden_size, num_attention_heads, q_lora_rank (null -> 0),
-  // kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rms_norm_eps, rope_theta,
-  // mla_use_nope (with d_r > 0: rope off), rope_scaling {type | rope_type: "yarn" |
-  // "deepseek_yarn", factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
-  // mscale_all_dim, attention_factor}. A missing required key or a wrong type throws naming it.
-  static MlaConfig from_hf_json(const nlohmann::json& config);
 };
 
 class Mla : public Module {

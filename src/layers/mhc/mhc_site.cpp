@@ -10,8 +10,6 @@
 //                     dX = (dX_wb + dX_cl) + dX_map
 #include "layers/mhc/mhc_site.h"
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 
 #include "core/rng.h"
@@ -37,25 +35,6 @@ Tensor& ensure_grad(Param& p, const std::string& where) {
             "{}: gradient of '{}' is {}, expected contiguous f32/f64 {}", where, p.name,
             p.grad.describe(), shape_str(p.value.shape()));
   return p.grad;
-}
-
-int64_t json_int(const nlohmann::json& j, const char* key, int64_t dflt, bool required,
-                 const char* what) {
-  if (!j.contains(key) || j.at(key).is_null()) {
-    HLM_CHECK(!required, "{}: config key '{}' is required", what, key);
-    return dflt;
-  }
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number_integer(), "{}: config key '{}' must be an integer, got {}", what, key,
-            v.dump());
-  return v.get<int64_t>();
-}
-
-double json_double(const nlohmann::json& j, const char* key, double dflt, const char* what) {
-  if (!j.contains(key) || j.at(key).is_null()) return dflt;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number(), "{}: config key '{}' must be a number, got {}", what, key, v.dump());
-  return v.get<double>();
 }
 
 }  // namespace
@@ -91,20 +70,6 @@ ops::MhcConfig MhcSiteConfig::op_config() const {
   c.hc_eps = hc_eps;
   c.norm_eps = norm_eps;
   c.sinkhorn_iters = sinkhorn_iters;
-  return c;
-}
-
-MhcSiteConfig MhcSiteConfig::from_hf_json(const nlohmann::json& j) {
-  const char* what = "MhcSiteConfig::from_hf_json";
-  HLM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", what, j.type_name());
-  MhcSiteConfig c;
-  c.hidden_size = json_int(j, "hidden_size", 0, true, what);
-  c.hc_mult = json_int(j, "hc_mult", c.hc_mult, false, what);
-  c.hc_eps = json_double(j, "hc_eps", c.hc_eps, what);
-  c.sinkhorn_iters = json_int(j, "hc_sinkhorn_iters", c.sinkhorn_iters, false, what);
-  c.norm_eps = json_double(j, "rms_norm_eps", c.norm_eps, what);
-  c.init_std = json_double(j, "initializer_range", c.init_std, what);
-  c.validate();
   return c;
 }
 

@@ -53,8 +53,6 @@
 // sequences' results bit for bit; parameter gradients reduce over tokens in token order.
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <string>
 
@@ -92,9 +90,6 @@ struct MhcSiteConfig {
   // eps < 0 / not finite, sinkhorn_iters < 1, init_std < 0, dtype not f64/f32/bf16.
   void validate() const;
   ops::MhcConfig op_config() const;
-  // From an HF (text) config: hidden_size (required), hc_mult (4), hc_eps (1e-6),
-  // hc_sinkhorn_iters (20), rms_norm_eps (1e-5), initializer_range (0.02). Validated.
-  static MhcSiteConfig from_hf_json(const nlohmann::json& config);
 };
 
 class MhcSite : public Module {

@@ -14,8 +14,6 @@
 //   dx_t   = sum_k dx_e[a] + dx_shared_t + dx_r_t               (in that order)
 #include "layers/moe/moe_layer.h"
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <cstring>
 
@@ -139,33 +137,6 @@ void add_in_place(Tensor& a, const Tensor& b) {
   for (int64_t i = 0; i < a.numel(); ++i) pa[i] += pb[i];
 }
 
-int64_t json_int(const nlohmann::json& j, const char* key, int64_t dflt, bool required,
-                 const char* what) {
-  if (!j.contains(key) || j.at(key).is_null()) {
-    HLM_CHECK(!required, "{}: config key '{}' is required", what, key);
-    return dflt;
-  }
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number_integer(), "{}: config key '{}' must be an integer, got {}", what, key,
-            v.dump());
-  return v.get<int64_t>();
-}
-
-double json_double(const nlohmann::json& j, const char* key, double dflt, const char* what) {
-  if (!j.contains(key) || j.at(key).is_null()) return dflt;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_number(), "{}: config key '{}' must be a number, got {}", what, key, v.dump());
-  return v.get<double>();
-}
-
-bool json_bool(const nlohmann::json& j, const char* key, bool dflt, const char* what) {
-  if (!j.contains(key) || j.at(key).is_null()) return dflt;
-  const auto& v = j.at(key);
-  HLM_CHECK(v.is_boolean(), "{}: config key '{}' must be true or false, got {}", what, key,
-            v.dump());
-  return v.get<bool>();
-}
-
 }  // namespace
 
 // ---- config ---------------------------------------------------------------------------------
@@ -220,26 +191,6 @@ DenseMlpConfig MoeConfig::shared_config() const {
   s.seed = seed;
   s.init_std = init_std;
   return s;
-}
-
-MoeConfig MoeConfig::from_hf_json(const nlohmann::json& j) {
-  const char* what = "MoeConfig::from_hf_json";
-  HLM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", what, j.type_name());
-  MoeConfig c;
-  c.hidden_size = json_int(j, "hidden_size", 0, true, what);
-  c.n_experts = json_int(j, "n_routed_experts", 0, true, what);
-  c.top_k = json_int(j, "num_experts_per_tok", 0, true, what);
-  c.moe_intermediate_size = json_int(j, "moe_intermediate_size", 0, true, what);
-  c.n_group = json_int(j, "n_group", 1, false, what);
-  c.topk_group = json_int(j, "topk_group", 1, false, what);
-  c.norm_topk_prob = json_bool(j, "norm_topk_prob", true, what);
-  c.routed_scaling_factor = json_double(j, "routed_scaling_factor", 2.5, what);
-  c.n_shared_experts = json_int(j, "n_shared_experts", 1, false, what);
-  c.swiglu_limit = json_double(j, "swiglu_limit", 0.0, what);
-  c.aux_loss_coeff = json_double(j, "router_aux_loss_coef", 0.0, what);
-  c.init_std = json_double(j, "initializer_range", 0.02, what);
-  c.validate();
-  return c;
 }
 
 // ---- router gate ------------------------------------------------------------------------------

@@ -51,8 +51,6 @@
 // per sequence: the packed value is the mean of the sequences' values (its gradient 1/N of theirs).
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -88,11 +86,6 @@ struct MoeConfig {
   void validate() const;
   ops::MoeRouterConfig router_config() const;
   DenseMlpConfig shared_config() const;  // the shared expert's DenseMlp config
-  // From an HF (text) config: hidden_size, n_routed_experts, num_experts_per_tok,
-  // moe_intermediate_size (required); n_group (1), topk_group (1), norm_topk_prob (true),
-  // routed_scaling_factor (2.5), n_shared_experts (1), swiglu_limit (absent: no clamp),
-  // router_aux_loss_coef (0; the bridge's moe_aux_loss_coeff), initializer_range (0.02).
-  static MoeConfig from_hf_json(const nlohmann::json& config);
 };
 
 // The router Linear ("gate"): weight [E, D] plus the selection bias e_score_correction_bias [E].
