@@ -20,13 +20,6 @@ const char* gemm_kind_name(GemmKind k) {
   return "?";
 }
 
-GemmKind parse_gemm_kind(const std::string& s) {
-  if (s == "native" || s == "fp32") return GemmKind::native;
-  if (s == "bf16") return GemmKind::bf16;
-  if (s == "fp8_block" || s == "fp8") return GemmKind::fp8_block;
-  HLM_FAIL("unknown GEMM precision '{}' (expected native, fp32, bf16, fp8_block or fp8)", s);
-}
-
 std::string precision_str(const GemmPrecision& p) {
   if (p.kind != GemmKind::fp8_block) return gemm_kind_name(p.kind);
   return fmt::format("fp8_block(grad {}{})", p.grad_format == Fp8Format::e4m3 ? "e4m3" : "e5m2",

@@ -44,7 +44,6 @@ struct GemmPrecision {
 };
 
 const char* gemm_kind_name(GemmKind k);             // "native", "bf16", "fp8_block"
-GemmKind parse_gemm_kind(const std::string& s);     // the names above, else hlm::Error
 std::string precision_str(const GemmPrecision& p);  // "fp8_block(grad e5m2, pow2)"
 
 // What a Linear is, for the policy. Roles name the flag that governs them.
