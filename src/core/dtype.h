@@ -17,6 +17,11 @@ size_t dtype_size(DType dt);
 const char* dtype_name(DType dt);          // "f64", "f32", "bf16", ...
 DType parse_dtype(std::string_view name);  // accepts our names and "float32", "bfloat16", ...
 bool is_floating(DType dt);                // f64, f32, bf16, f16, e4m3, e5m2
+// The dtype arithmetic on `dt` runs in: f64 stays f64, every other dtype computes in f32 (the
+// rule of every op, layer, gradient and optimizer state).
+inline DType compute_dtype(DType dt) {
+  return dt == DType::f64 ? DType::f64 : DType::f32;
+}
 const char* device_name(Device d);
 
 // The C++ element type of each DType, for Tensor::data<T>().

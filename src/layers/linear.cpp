@@ -114,17 +114,6 @@ void add_bias(Tensor& y, const Tensor& b) {
   }
 }
 
-Tensor& ensure_grad(Param& p) {
-  const DType gd = grad_dtype_for(p.value.dtype());
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd, p.value.device());
-  HLM_CHECK(p.grad.shape() == p.value.shape() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64) &&
-                p.grad.device() == p.value.device(),
-            "Linear: gradient of '{}' is {}, expected {} {} on the device of the weight", p.name,
-            p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()));
-  return p.grad;
-}
-
 }  // namespace
 
 Tensor Linear::forward(const Context& ctx, const Tensor& x, Saved* saved) const {
@@ -183,7 +172,7 @@ Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved
             "Linear::backward: dy must be [{}, {}], got {}", x.size(0), out_, dy.describe());
   const int64_t T = x.size(0);
   const Tensor& w = weight_->value;
-  Tensor& gw = ensure_grad(*weight_);
+  Tensor& gw = ensure_grad(*weight_, "Linear");
   const DType cdt = compute_dtype(precision_, x.dtype());
   Tensor dx;
   switch (precision_.kind) {
@@ -222,10 +211,10 @@ Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved
   }
   if (bias_ && !x.is_cpu()) {
     // CUDA: the same column sums over t in ascending order in the grad dtype, then gb += sum.
-    Tensor& gb = ensure_grad(*bias_);
+    Tensor& gb = ensure_grad(*bias_, "Linear");
     ops::add_(gb, ops::sum_rows(dy, gb.dtype()));
   } else if (bias_) {
-    Tensor& gb = ensure_grad(*bias_);
+    Tensor& gb = ensure_grad(*bias_, "Linear");
     const DType gd = gb.dtype();
     const Tensor d = as_dtype(dy, gd).contiguous();
     Tensor sum = Tensor::zeros({out_}, gd);

@@ -15,10 +15,6 @@ namespace hlm {
 
 namespace {
 
-DType compute_dtype(DType x_dt) {
-  return x_dt == DType::f64 ? DType::f64 : DType::f32;
-}
-
 Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
 }
@@ -100,7 +96,7 @@ Tensor DenseMlp::forward(const Context& ctx, const Tensor& x, Saved* saved) cons
             "DenseMlp({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
             "DenseMlp({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
-  const Tensor xc = as_dtype(x, compute_dtype(x.dtype()));
+  const Tensor xc = as_dtype(x, hlm::compute_dtype(x.dtype()));
   const bool keep = saved && ctx.training;
   Saved local;
   Saved& s = keep ? *saved : local;

@@ -70,4 +70,17 @@ void Module::add_child(const std::string& name, Module* child) {
   children_.emplace_back(name, child);
 }
 
+Tensor& ensure_grad(Param& p, std::string_view owner) {
+  const DType gd = grad_dtype_for(p.value.dtype());
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd, p.value.device());
+  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
+                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64) &&
+                p.grad.device() == p.value.device(),
+            "{}: gradient of '{}' is {}, expected a contiguous {} {} on the device of the "
+            "parameter ({})",
+            owner, p.name, p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()),
+            device_name(p.value.device()));
+  return p.grad;
+}
+
 }  // namespace hlm

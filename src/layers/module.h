@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -61,9 +62,14 @@ class Module {
   std::vector<std::pair<std::string, Module*>> children_;
 };
 
-// The gradient dtype that goes with a parameter dtype.
+// The gradient dtype that goes with a parameter dtype (f64 for f64, else f32).
 inline DType grad_dtype_for(DType value_dt) {
-  return value_dt == DType::f64 ? DType::f64 : DType::f32;
+  return compute_dtype(value_dt);
 }
+
+// p.grad, allocated as zeros (grad_dtype_for, on the value's device) when undefined, for a
+// backward to accumulate into. A gradient set from outside must be contiguous, f32 or f64, of the
+// value's shape and device; anything else is an hlm::Error naming `owner` and the parameter.
+Tensor& ensure_grad(Param& p, std::string_view owner);
 
 }  // namespace hlm

@@ -13,10 +13,6 @@ namespace hlm {
 
 namespace {
 
-DType compute_dtype(DType x_dt) {
-  return x_dt == DType::f64 ? DType::f64 : DType::f32;
-}
-
 Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
 }
@@ -42,7 +38,7 @@ Tensor RmsNorm::forward(const Context& ctx, const Tensor& x, Saved* saved) const
             "RmsNorm({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() >= 1 && x.size(-1) == cfg_.dim, "RmsNorm({}): x must be [..., {}], got {}",
             path_, cfg_.dim, x.describe());
-  const DType cdt = compute_dtype(x.dtype());
+  const DType cdt = hlm::compute_dtype(x.dtype());
   const Tensor xc = as_dtype(x, cdt);
   ops::RmsNormResult r = ops::rmsnorm_forward(xc, as_dtype(weight_->value, cdt), cfg_.eps);
   if (saved && ctx.training) {

@@ -614,7 +614,7 @@ HybridModel::HybridModel(const ModelConfig& config, const HybridModelOptions& op
 HybridModel::~HybridModel() = default;
 
 DType HybridModel::compute_dtype() const {
-  return opt_.dtype == DType::f64 ? DType::f64 : DType::f32;
+  return hlm::compute_dtype(opt_.dtype);
 }
 
 void HybridModel::set_dsa_stage(DsaStage stage) {

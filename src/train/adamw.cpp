@@ -111,7 +111,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, Param*>> params, AdamWConfig cfg
     Slot s;
     s.name = name;
     s.param = p;
-    const DType md = val.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    const DType md = hlm::compute_dtype(val.dtype());
     s.separate_master = val.dtype() != md;
     s.master = s.separate_master ? val.to(md) : val;
     s.m = Tensor::zeros(val.shape(), md);
@@ -231,7 +231,7 @@ void AdamW::sync_master_from_params() {
                   val.is_contiguous() && supported_value_dtype(val.dtype()),
               "AdamW: parameter '{}' changed to {} (expected shape {})", s.name, val.describe(),
               shape_str(s.master.shape()));
-    const DType md = val.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    const DType md = hlm::compute_dtype(val.dtype());
     HLM_CHECK(md == s.master.dtype(), "AdamW: parameter '{}' changed dtype to {}", s.name,
               dtype_name(val.dtype()));
     s.separate_master = val.dtype() != md;

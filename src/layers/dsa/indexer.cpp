@@ -247,7 +247,7 @@ DsaIndexer::DsaIndexer(const IndexerConfig& cfg, const PrecisionPolicy& policy,
     gate_ =
         &param("index_kpool_compress_gate", init_normal({d, D}, dt, cfg_.seed, 4, cfg_.init_std));
     // keep_fp32 through is_keep_fp32_name ("index_kpool_compress_ape"); f64 in f64 mode.
-    const DType adt = dt == DType::f64 ? DType::f64 : DType::f32;
+    const DType adt = hlm::compute_dtype(dt);
     ape_ = &param("index_kpool_compress_ape", Tensor::zeros({P, d}, adt));
     gate_lin_.init(D, d, false,
                    policy.resolve(sub("index_kpool_compress_gate"), ModuleRole::indexer_kpool), dt);
@@ -256,7 +256,7 @@ DsaIndexer::DsaIndexer(const IndexerConfig& cfg, const PrecisionPolicy& policy,
 }
 
 DType DsaIndexer::compute_dtype() const {
-  return wq_b_.weight_value().dtype() == DType::f64 ? DType::f64 : DType::f32;
+  return hlm::compute_dtype(wq_b_.weight_value().dtype());
 }
 
 ops::IndexerScoreOptions DsaIndexer::score_options() const {

@@ -143,15 +143,6 @@ std::string join(const std::string& path, const char* name) {
   return path.empty() ? std::string(name) : path + "." + name;
 }
 
-Tensor& ensure_grad(Param& p) {
-  const DType gd = grad_dtype_for(p.value.dtype());
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd);
-  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.dtype() == gd,
-            "Mla: gradient of '{}' is {}, expected {} {}", p.name, p.grad.describe(),
-            dtype_name(gd), shape_str(p.value.shape()));
-  return p.grad;
-}
-
 ops::GemmOptions gemm_opt(const GemmPrecision& p) {
   return ops::GemmOptions{p.kind != GemmKind::native};
 }
@@ -414,7 +405,7 @@ Mla::Mla(const MlaConfig& cfg, const PrecisionPolicy& policy, const std::string&
 }
 
 DType Mla::compute_dtype() const {
-  return cfg_.param_dtype == DType::f64 ? DType::f64 : DType::f32;
+  return hlm::compute_dtype(cfg_.param_dtype);
 }
 
 void Mla::init_weights(uint64_t seed) {
@@ -503,7 +494,7 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
   Tensor dx;
   if (cfg_.q_lora_rank > 0) {
     const Tensor dcq = q_b_proj_.backward(ctx, dqc.view({T, H * dqk}), s.q_b);
-    Tensor& gw = ensure_grad(*q_norm_);
+    Tensor& gw = ensure_grad(*q_norm_, "Mla");
     const Tensor dqa =
         ops::rmsnorm_backward(dcq, s.q_a_out, as_dt(q_norm_->value, cdt), s.q_rstd, gw);
     dx = q_a_proj_.backward(ctx, dqa, s.q_a);
@@ -513,7 +504,7 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
   // kv path
   Tensor dkvc = as_dt(dkv, cdt).clone();
   if (cfg_.rotary()) rope(dkvc, rkv, dr, s.positions, inv_freq_, rope_factor_, true);
-  Tensor& gkw = ensure_grad(*kv_norm_);
+  Tensor& gkw = ensure_grad(*kv_norm_, "Mla");
   const Tensor dlat = ops::rmsnorm_backward(dkvc.slice(1, 0, rkv).contiguous(), s.kv_lat_raw,
                                             as_dt(kv_norm_->value, cdt), s.kv_rstd, gkw);
   Tensor dkva = Tensor::empty({T, rkv + dr}, cdt);
@@ -553,7 +544,7 @@ Tensor Mla::absorb_query_backward(const Tensor& dq_abs, const Tensor& q) {
   const DType cdt = compute_dtype();
   const Tensor qc = as_dt(q, cdt).contiguous(), dqa = as_dt(dq_abs, cdt).contiguous();
   const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
-  Tensor& gw = ensure_grad(kv_b_proj_.weight());
+  Tensor& gw = ensure_grad(kv_b_proj_.weight(), "Mla");
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
   Tensor dq = Tensor::empty({T, H, dn + dr}, cdt);
   for (int64_t h = 0; h < H; ++h) {
@@ -598,7 +589,7 @@ Tensor Mla::output_backward(const Context& ctx, const Tensor& dy, const OutSaved
   const DType cdt = compute_dtype();
   const Tensor dheads = o_proj_.backward(ctx, as_dt(dy, cdt).contiguous(), s.o_proj);
   const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
-  Tensor& gw = ensure_grad(kv_b_proj_.weight());
+  Tensor& gw = ensure_grad(kv_b_proj_.weight(), "Mla");
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
   Tensor dol = Tensor::empty({T, H, rkv}, cdt);
   for (int64_t h = 0; h < H; ++h) {

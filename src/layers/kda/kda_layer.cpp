@@ -110,18 +110,6 @@ Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t : t.is_cpu() ? t.to(dt) : ops::as_dtype(t, dt);
 }
 
-Tensor& ensure_grad(Param& p) {
-  const DType gd = grad_dtype_for(p.value.dtype());
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd, p.value.device());
-  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64) &&
-                p.grad.device() == p.value.device(),
-            "KdaLayer: gradient of '{}' is {}, expected a contiguous {} {} on the device of the "
-            "parameter",
-            p.name, p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()));
-  return p.grad;
-}
-
 // dst[i] += src[i] over n elements (one addition per element, in dst's dtype).
 template <class T>
 void add_n(T* dst, const Tensor& src, int64_t n) {
@@ -132,7 +120,7 @@ void add_n(T* dst, const Tensor& src, int64_t n) {
 
 // Param::grad[offset .. offset + g.numel()) += g (flat, row-major).
 void accumulate(Param& p, const Tensor& g, int64_t offset = 0) {
-  Tensor& gr = ensure_grad(p);
+  Tensor& gr = ensure_grad(p, "KdaLayer");
   HLM_CHECK(offset + g.numel() <= gr.numel(), "KdaLayer: gradient {} does not fit '{}' {}",
             g.describe(), p.name, gr.describe());
   if (!gr.is_cpu()) {
@@ -280,7 +268,7 @@ KdaLayer::KdaLayer(const KdaConfig& config, const PrecisionPolicy& policy, const
       row += chans[i];
     }
   }
-  const DType keep = dt == DType::f64 ? DType::f64 : DType::f32;
+  const DType keep = hlm::compute_dtype(dt);
   A_log_ = &add_param(gate_prefix + "A_log", Tensor::zeros({HV}, keep), true, true);
   dt_bias_ = &add_param(gate_prefix + "dt_bias", Tensor::zeros({HV * K}, keep), true, true);
   o_norm_ = &add_param("o_norm.weight", Tensor::full({V}, 1.0, dt), false, true);
@@ -412,7 +400,7 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_s
   }
   HLM_CHECK(cu.size() >= 2, "{}: cu_seqlens must hold N+1 >= 2 entries, got {}", w, cu.size());
   const int64_t N = int64_t(cu.size()) - 1;
-  const DType cdt = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const DType cdt = hlm::compute_dtype(x.dtype());
   KdaState init;
   if (initial) {
     check_state(initial->conv, {N, cfg_.conv_kernel - 1, cfg_.conv_dim()}, x.device(), w,

@@ -24,19 +24,6 @@ uint64_t name_stream(const std::string& name) {
   return h;
 }
 
-DType compute_dtype(DType x_dt) {
-  return x_dt == DType::f64 ? DType::f64 : DType::f32;
-}
-
-Tensor& ensure_grad(Param& p, const std::string& where) {
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), grad_dtype_for(p.value.dtype()));
-  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
-            "{}: gradient of '{}' is {}, expected contiguous f32/f64 {}", where, p.name,
-            p.grad.describe(), shape_str(p.value.shape()));
-  return p.grad;
-}
-
 }  // namespace
 
 const char* mhc_site_kind_name(MhcSiteKind k) {
@@ -85,7 +72,7 @@ MhcSite::MhcSite(const MhcSiteConfig& cfg, MhcSiteKind kind, const PrecisionPoli
             "MhcSite({}): the mHC mappings must resolve to native FP32, got {}", path_,
             precision_str(prec));
   const int64_t n = cfg_.hc_mult, D = cfg_.hidden_size, m = (2 + n) * n;
-  const DType pdt = cfg_.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const DType pdt = hlm::compute_dtype(cfg_.dtype);
   const std::string pre = path_.empty() ? "" : path_ + ".";
 
   Tensor fn = Tensor::empty({m, n * D}, DType::f64);
@@ -187,7 +174,7 @@ Tensor MhcSite::backward_collapse(const Context& ctx, const Tensor& du, const Sa
   Tensor dmap =
       ops::mhc_mappings_backward(s.x, params(), cfg_.op_config(), m, cl.dpre, p.dpost, p.dcomb, g);
   // dX = write-back + collapse + mapping, in that order per element (as ops::mhc_site_backward).
-  const DType cdt = compute_dtype(s.x.dtype());
+  const DType cdt = hlm::compute_dtype(s.x.dtype());
   Tensor dx = Tensor::empty(s.x.shape(), cdt);
   const int64_t N = dx.numel();
   if (cdt == DType::f64) {

@@ -39,15 +39,6 @@ Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
 }
 
-Tensor& ensure_grad(Param& p, const std::string& where) {
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), grad_dtype_for(p.value.dtype()));
-  HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
-            "{}: gradient of '{}' is {}, expected contiguous f32/f64 {}", where, p.name,
-            p.grad.describe(), shape_str(p.value.shape()));
-  return p.grad;
-}
-
 // Rows `rows` of a contiguous [N, C] tensor, gathered into a new [rows.size(), C] (same dtype).
 Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {
   const int64_t C = src.size(1);
@@ -208,7 +199,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const st
   cfg_.validate();
   const int64_t D = cfg_.hidden_size, E = cfg_.n_experts, I = cfg_.moe_intermediate_size;
   const std::string pre = path_.empty() ? "" : path_ + ".";
-  const DType keep_dt = cfg_.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const DType keep_dt = hlm::compute_dtype(cfg_.dtype);
   gate_up_ = &add_param("experts.gate_up_proj", Tensor::zeros({E, 2 * I, D}, cfg_.dtype));
   down_ = &add_param("experts.down_proj", Tensor::zeros({E, D, I}, cfg_.dtype));
   gate_.init_gate(D, E, keep_dt);
@@ -232,7 +223,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const st
 }
 
 DType MoeLayer::compute_dtype(DType x_dt) const {
-  return x_dt == DType::f64 ? DType::f64 : DType::f32;
+  return hlm::compute_dtype(x_dt);
 }
 
 void MoeLayer::alias_workers(int64_t e, bool with_grads) const {
@@ -295,7 +286,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
             "MoeLayer({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
   const int64_t Tn = x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
-  const DType cdt = compute_dtype(x.dtype());
+  const DType cdt = hlm::compute_dtype(x.dtype());
   const Tensor xc = as_dtype(x, cdt);
   Tensor cu = cu_seqlens.defined() ? cu_seqlens : ops::cu_seqlens_from_lengths({Tn});
   if (cu_seqlens.defined()) {
