@@ -120,9 +120,10 @@ inline void require_param_dtype(const Tensor& t, const Tensor& x, const char* op
             x.dtype() == DType::bf16 ? " or f32" : "", t.describe());
 }
 
-// The dtype an op on `dt` computes in (and stores rstd in): f32 for bf16.
+// The dtype an op on `dt` computes in (and stores its statistics, e.g. rstd, in): f64 stays f64,
+// every other dtype (f32, bf16, f16, fp8) computes in f32. The one place this rule is written.
 inline DType compute_dtype(DType dt) {
-  return dt == DType::bf16 ? DType::f32 : dt;
+  return dt == DType::f64 ? DType::f64 : DType::f32;
 }
 
 }  // namespace hlm::ops::detail
