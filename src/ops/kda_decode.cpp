@@ -1,7 +1,14 @@
+// The front door of the KDA decode step (ops/kda_decode.h): argument checks, state slots, output
+// allocation, and the switch to the CPU reference (ops/cpu/kda_decode.cpp) or the CUDA kernel
+// (ops/cuda/kda_decode.cu).
 #include "ops/kda_decode.h"
 
 #include <cmath>
 #include <set>
+
+#include "ops/cpu/kda_decode.h"
+#include "ops/cuda/kda_decode.cuh"
+#include "ops/dispatch.h"
 
 namespace hlm::ops {
 namespace {
@@ -43,6 +50,9 @@ Dims check(const KdaDecodeArgs& a, std::vector<int64_t>& slots) {
       a.state.dim() == 4 && a.state.size(1) == HV && a.state.size(2) == K && a.state.size(3) == V,
       "{}: state must be [P, {}, {}, {}], got {}", op, HV, K, V, a.state.describe());
   const int64_t P = a.state.size(0);
+  if (a.state.device() == Device::cuda)
+    HLM_CHECK(K == 32 || K == 64 || K == 128 || K == 256,
+              "{} on CUDA: K must be 32, 64, 128 or 256, got {}", op, K);
   for (const Tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.state}) {
     HLM_CHECK(t->is_contiguous(), "{}: inputs must be contiguous, got {}", op, t->describe());
     HLM_CHECK(t->device() == a.state.device(), "{}: all inputs must be on the state's device", op);
@@ -71,55 +81,20 @@ Dims check(const KdaDecodeArgs& a, std::vector<int64_t>& slots) {
 }  // namespace
 
 Tensor kda_decode_step(const KdaDecodeArgs& a) {
+  constexpr const char* op = "kda_decode_step";
   std::vector<int64_t> slots;
   const Dims d = check(a, slots);
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(d.K));
-  if (a.state.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    Tensor o = Tensor::empty({d.N, d.HV, d.V}, DType::f32, Device::cuda);
-    cuda::kda_decode_step(a, slots, scale, o);
-    return o;
-#else
-    HLM_FAIL("kda_decode_step: no CUDA support in this build");
-#endif
+  const Device dev = a.state.device();
+  Tensor o = detail::new_output({d.N, d.HV, d.V}, DType::f32, dev);
+  switch (dev) {
+    case Device::cpu:
+      cpu::kda_decode_step(a, slots, scale, o);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::kda_decode_step(a, slots, scale, o));
+      break;
   }
-  const Tensor q = a.q.to(DType::f32), k = a.k.to(DType::f32), v = a.v.to(DType::f32);
-  const float *pq = q.data<float>(), *pk = k.data<float>(), *pv = v.data<float>();
-  const float *pg = a.g.data<float>(), *pb = a.beta.data<float>();
-  float* ps = a.state.data<float>();
-  Tensor o = Tensor::zeros({d.N, d.HV, d.V}, DType::f32);
-  float* po = o.data<float>();
-  const int64_t G = d.HV / d.H, K = d.K, V = d.V;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t n = 0; n < d.N; ++n)
-    for (int64_t h = 0; h < d.HV; ++h) {
-      if (slots[size_t(n)] < 0) continue;
-      const float* qh = pq + (n * d.H + h / G) * K;
-      const float* kh = pk + (n * d.H + h / G) * K;
-      // Normalisation factors (1 without the L2 norm), sums in a fixed order.
-      float qs = 1.0f, ks = 1.0f;
-      if (a.use_qk_l2norm) {
-        float sq = 0, sk = 0;
-        for (int64_t i = 0; i < K; ++i) sq += qh[i] * qh[i], sk += kh[i] * kh[i];
-        qs = 1.0f / std::sqrt(sq + 1e-6f), ks = 1.0f / std::sqrt(sk + 1e-6f);
-      }
-      const float* gh = pg + (n * d.HV + h) * K;
-      const float b = pb[n * d.HV + h];
-      float* S = ps + (slots[size_t(n)] * d.HV + h) * K * V;
-      for (int64_t j = 0; j < V; ++j) {
-        // Column j of the state: decay, predict, correct, read.
-        float pred = 0;
-        for (int64_t i = 0; i < K; ++i) pred += S[i * V + j] * std::exp(gh[i]) * (kh[i] * ks);
-        const float u = b * (pv[(n * d.HV + h) * V + j] - pred);
-        float out = 0;
-        for (int64_t i = 0; i < K; ++i) {
-          const float s = S[i * V + j] * std::exp(gh[i]) + (kh[i] * ks) * u;
-          S[i * V + j] = s;
-          out += s * (qh[i] * qs * float(scale));
-        }
-        po[(n * d.HV + h) * V + j] = out;
-      }
-    }
   return o;
 }
 
