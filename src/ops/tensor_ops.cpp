@@ -1,6 +1,11 @@
-// Copy and elementwise ops on either device (ops/tensor_ops.h): argument checks, the CPU loops,
-// and the dispatch of CUDA tensors to src/ops/cuda/tensor_ops.cu.
+// The front door of the copy and elementwise ops (ops/tensor_ops.h): argument checks, output
+// allocation, and the switch to the CPU loops (ops/cpu/tensor_ops.cpp) or the CUDA kernels
+// (ops/cuda/tensor_ops.cu). The conversions and copies with a host side use Tensor's own.
 #include "ops/tensor_ops.h"
+
+#include "ops/cpu/tensor_ops.h"
+#include "ops/cuda/tensor_ops.cuh"
+#include "ops/dispatch.h"
 
 namespace hlm::ops {
 
@@ -23,20 +28,6 @@ void require_accum(const Tensor& t, const char* op, const char* what) {
       "{}: {} must be a contiguous f32 or f64 tensor, got {}", op, what, t.describe());
 }
 
-#ifndef HLM_HAVE_CUDA
-[[noreturn]] void no_cuda(const char* op) {
-  HLM_FAIL("{}: a CUDA tensor was given but this build has no CUDA support", op);
-}
-#endif
-
-template <class F>
-void dispatch_f(DType dt, F&& f) {
-  if (dt == DType::f64)
-    f(double{});
-  else
-    f(float{});
-}
-
 }  // namespace
 
 Tensor as_dtype(const Tensor& x, DType dt) {
@@ -46,7 +37,7 @@ Tensor as_dtype(const Tensor& x, DType dt) {
   require_fdt(x, "as_dtype", "x");
   HLM_CHECK(is_fdt(dt), "as_dtype: target dtype must be f32, f64 or bf16 on CUDA, got {}",
             dtype_name(dt));
-  Tensor y = Tensor::empty(x.shape(), dt, x.device());
+  Tensor y = detail::new_output(x.shape(), dt, x.device());
   copy_into(y, x);
   return y;
 }
@@ -54,7 +45,7 @@ Tensor as_dtype(const Tensor& x, DType dt) {
 Tensor contiguous(const Tensor& x) {
   HLM_CHECK(x.defined(), "contiguous: x is undefined");
   if (x.is_contiguous() || x.is_cpu()) return x.contiguous();
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  Tensor y = detail::new_output(x.shape(), x.dtype(), x.device());
   copy_into(y, x);
   return y;
 }
@@ -74,15 +65,11 @@ void copy_into(Tensor& dst, const Tensor& src) {
     dst.copy_(s);
     return;
   }
-#ifdef HLM_HAVE_CUDA
   require_fdt(dst, "copy_into", "dst");
   require_fdt(src, "copy_into", "src");
   HLM_CHECK(dst.dim() <= 8, "copy_into: at most 8 dimensions on CUDA, got {}", dst.describe());
   if (dst.numel() == 0) return;
-  cuda::copy_into(dst, src);
-#else
-  no_cuda("copy_into");
-#endif
+  HLM_CUDA_PATH("copy_into", cuda::copy_into(dst, src));
 }
 
 void add_(Tensor& dst, const Tensor& src) {
@@ -95,20 +82,14 @@ void add_(Tensor& dst, const Tensor& src) {
             src.describe(), dst.describe());
   if (dst.numel() == 0) return;
   const Tensor s = contiguous(as_dtype(src, dst.dtype()));
-  if (dst.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::add_(dst, s);
-    return;
-#else
-    no_cuda(op);
-#endif
+  switch (dst.device()) {
+    case Device::cpu:
+      cpu::add_(dst, s);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::add_(dst, s));
+      break;
   }
-  dispatch_f(dst.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    T* d = dst.data<T>();
-    const T* p = s.data<T>();
-    for (int64_t i = 0; i < dst.numel(); ++i) d[i] += p[i];
-  });
 }
 
 void add_bias_(Tensor& y, const Tensor& b) {
@@ -121,22 +102,14 @@ void add_bias_(Tensor& y, const Tensor& b) {
             y.describe());
   if (y.numel() == 0) return;
   const Tensor bb = contiguous(as_dtype(b, y.dtype()));
-  if (y.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::add_bias_(y, bb);
-    return;
-#else
-    no_cuda(op);
-#endif
+  switch (y.device()) {
+    case Device::cpu:
+      cpu::add_bias_(y, bb);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::add_bias_(y, bb));
+      break;
   }
-  const int64_t T = y.size(0), N = y.size(1);
-  dispatch_f(y.dtype(), [&](auto tag) {
-    using D = decltype(tag);
-    D* yp = y.data<D>();
-    const D* bp = bb.data<D>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t o = 0; o < N; ++o) yp[t * N + o] += bp[o];
-  });
 }
 
 Tensor sum_rows(const Tensor& x, DType dt) {
@@ -147,23 +120,16 @@ Tensor sum_rows(const Tensor& x, DType dt) {
             dtype_name(dt));
   const Tensor d = contiguous(as_dtype(x, dt));
   const int64_t T = d.size(0), O = d.size(1);
-  Tensor out = Tensor::zeros({O}, dt, x.device());
-  if (O == 0 || T == 0) return out;
-  if (x.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::sum_rows(d, out);
-    return out;
-#else
-    no_cuda(op);
-#endif
+  if (O == 0 || T == 0) return Tensor::zeros({O}, dt, x.device());
+  Tensor out = detail::new_output({O}, dt, x.device());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::sum_rows(d, out);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::sum_rows(d, out));
+      break;
   }
-  dispatch_f(dt, [&](auto tag) {
-    using D = decltype(tag);
-    const D* p = d.data<D>();
-    D* s = out.data<D>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t o = 0; o < O; ++o) s[o] += p[t * O + o];
-  });
   return out;
 }
 
@@ -172,22 +138,14 @@ void scale_(Tensor& c, double beta) {
   require_fdt(c, op, "c");
   HLM_CHECK(c.dim() == 2, "{}: c must be 2-D, got {}", op, c.describe());
   if (c.numel() == 0) return;
-  if (c.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::scale_(c, beta);
-    return;
-#else
-    no_cuda(op);
-#endif
+  switch (c.device()) {
+    case Device::cpu:
+      cpu::scale_(c, beta);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::scale_(c, beta));
+      break;
   }
-  if (beta == 0.0) {
-    c.zero_();
-    return;
-  }
-  Tensor cc = c.to(DType::f64);
-  double* p = cc.data<double>();
-  for (int64_t i = 0; i < cc.numel(); ++i) p[i] *= beta;
-  c.copy_(cc);
 }
 
 void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector<int64_t>& cu,
@@ -211,34 +169,14 @@ void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector
   }
   if (dfinal_.numel() == 0) return;
   const Tensor dfin = contiguous(as_dtype(dfinal_, dx.dtype()));
-  if (dx.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial);
-    return;
-#else
-    no_cuda(op);
-#endif
+  switch (dx.device()) {
+    case Device::cpu:
+      cpu::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial));
+      break;
   }
-  dispatch_f(dx.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* pf = dfin.data<T>();
-    T* px = dx.data<T>();
-    T* ps = dinitial ? dinitial->data<T>() : nullptr;
-    for (int64_t n = 0; n < N; ++n) {
-      const int64_t bos = cu[size_t(n)], len = cu[size_t(n) + 1] - bos;
-      for (int64_t i = 0; i < wm; ++i) {
-        const int64_t p = len - wm + i;  // local position the entry was copied from
-        const T* src = pf + (n * wm + i) * C;
-        if (p >= 0) {
-          T* dst = px + (bos + p) * C;
-          for (int64_t ch = 0; ch < C; ++ch) dst[ch] += src[ch];
-        } else if (ps) {
-          T* dst = ps + (n * wm + p + wm) * C;
-          for (int64_t ch = 0; ch < C; ++ch) dst[ch] += src[ch];
-        }
-      }
-    }
-  });
 }
 
 }  // namespace hlm::ops
