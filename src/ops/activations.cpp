@@ -29,10 +29,7 @@ Tensor forward(ActKind a, const char* op, const Tensor& x_) {
 
 Tensor backward(ActKind a, const char* op, const Tensor& x_, const Tensor& dy_) {
   detail::require_float_dev(x_, op, "x");
-  detail::require_float_dev(dy_, op, "dy");
-  detail::require_same_device(dy_, x_, op, "dy", "x");
-  detail::require_same_dtype(dy_, x_, op, "dy", "x");
-  detail::require_shape(dy_, x_.shape(), op, "dy");
+  detail::require_like_x(dy_, x_, x_.shape(), op, "dy");
   const Tensor x = x_.contiguous(), dy = dy_.contiguous();
   Tensor dx = detail::new_output(x.shape(), x.dtype(), x.device());
   switch (x.device()) {

@@ -26,10 +26,7 @@ void check_conv(const char* op, const Tensor& x, const Tensor& w) {
 
 void check_state(const char* op, const Tensor& s, const Tensor& x, int64_t n, int64_t width,
                  const char* what) {
-  detail::require_float_dev(s, op, what);
-  detail::require_same_device(s, x, op, what, "x");
-  detail::require_same_dtype(s, x, op, what, "x");
-  detail::require_shape(s, {n, width - 1, x.size(1)}, op, what);
+  detail::require_like_x(s, x, {n, width - 1, x.size(1)}, op, what);
 }
 
 Tensor contiguous_or_none(const Tensor& t) {
@@ -65,15 +62,8 @@ CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, co
                                          bool silu, Tensor& dw) {
   constexpr const char* op = "causal_conv1d_backward";
   check_conv(op, x_, w_);
-  detail::require_float_dev(dy_, op, "dy");
-  detail::require_same_device(dy_, x_, op, "dy", "x");
-  detail::require_same_dtype(dy_, x_, op, "dy", "x");
-  detail::require_shape(dy_, x_.shape(), op, "dy");
-  detail::require_float_dev(dw, op, "dw");
-  detail::require_same_device(dw, x_, op, "dw", "x");
-  detail::require_param_dtype(dw, x_, op, "dw");
-  detail::require_shape(dw, w_.shape(), op, "dw");
-  detail::require_contiguous(dw, op, "dw");
+  detail::require_like_x(dy_, x_, x_.shape(), op, "dy");
+  detail::require_param_grad(dw, x_, w_.shape(), op, "dw");
   const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
   const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
   if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");

@@ -53,10 +53,7 @@ Tensor cross_entropy_backward(const Tensor& logits_, const Tensor& targets,
                               const CrossEntropyResult& saved, double dloss) {
   constexpr const char* op = "cross_entropy_backward";
   const std::vector<int64_t> tg = check_inputs(op, logits_, targets, saved.ignore_index);
-  detail::require_real(saved.lse, op, "saved.lse");
-  detail::require_same_dtype(saved.lse, logits_, op, "saved.lse", "logits");
-  detail::require_same_device(saved.lse, logits_, op, "saved.lse", "logits");
-  detail::require_shape(saved.lse, {logits_.size(0)}, op, "saved.lse");
+  detail::require_real_like(saved.lse, logits_, {logits_.size(0)}, op, "saved.lse", "logits");
   int64_t count = 0;
   for (int64_t t : tg) count += t != saved.ignore_index;
   HLM_CHECK(count == saved.count, "{}: saved.count {} does not match the targets ({} not ignored)",

@@ -27,20 +27,17 @@ ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, co
                            const Tensor& cu_seqlens, const IndexerScoreOptions& opt,
                            const char* op) {
   detail::require_real(q, op, "q");
-  detail::require_real(k, op, "k");
-  detail::require_real(w, op, "w");
-  detail::require_same_dtype(k, q, op, "k", "q");
-  detail::require_same_dtype(w, q, op, "w", "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H_I, d_I], got {}", op, q.describe());
   HLM_CHECK(opt.pool >= 1, "{}: pool must be >= 1, got {}", op, opt.pool);
   ScoreArgs a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
-  a.dev = detail::one_device(op, {q, "q"}, {{k, "k"}, {w, "w"}, {rows, "rows"}});
+  a.dev = detail::one_device(op, {q, "q"}, {{rows, "rows"}});
   a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
   const int64_t nkeys = dsa_detail::pool_offsets(a.cu, opt.pool).back();
-  detail::require_shape(k, {nkeys, a.D}, op,
-                        opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])");
-  detail::require_shape(w, {a.T, a.H}, op, "w");
+  detail::require_real_like(k, q, {nkeys, a.D}, op,
+                            opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])",
+                            "q");
+  detail::require_real_like(w, q, {a.T, a.H}, op, "w", "q");
   if (opt.fp8)
     HLM_CHECK(opt.fp8_amax_floor > 0, "{}: fp8_amax_floor must be positive, got {}", op,
               opt.fp8_amax_floor);
@@ -66,10 +63,7 @@ Tensor run_fwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern
 
 IndexerScoreGrads run_bwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern& p,
                           const Tensor& d_scores_, const char* op) {
-  detail::require_real(d_scores_, op, "d_scores");
-  detail::require_same_dtype(d_scores_, a.q, op, "d_scores", "q");
-  detail::require_same_device(d_scores_, a.q, op, "d_scores", "q");
-  detail::require_shape(d_scores_, {a.T, p.W}, op, "d_scores");
+  detail::require_real_like(d_scores_, a.q, {a.T, p.W}, op, "d_scores", "q");
   const Tensor d_scores = d_scores_.contiguous();
   IndexerScoreGrads g{detail::new_output(a.q.shape(), a.q.dtype(), a.dev),
                       detail::new_output(a.k.shape(), a.q.dtype(), a.dev),

@@ -17,13 +17,12 @@ namespace {
 std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tensor& indices,
                                   const Tensor& cu_seqlens, double scale, const char* op) {
   detail::require_real(q, op, "q");
-  detail::require_real(kv, op, "kv");
-  detail::require_same_dtype(kv, q, op, "kv", "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
-  detail::require_shape(kv, {q.size(0), q.size(2)}, op, "kv (the latent cache rows [T, D_qk])");
+  detail::require_real_like(kv, q, {q.size(0), q.size(2)}, op,
+                            "kv (the latent cache rows [T, D_qk])", "q");
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
-  detail::one_device(op, {q, "q"}, {{kv, "kv"}, {indices, "indices"}});
+  detail::one_device(op, {q, "q"}, {{indices, "indices"}});
   return dsa_detail::read_cu_seqlens(cu_seqlens, q.size(0), op);
 }
 
@@ -64,12 +63,10 @@ IndexerKl indexer_kl_loss(const Tensor& scores_, const Tensor& target_, double c
                           KlReduction reduction) {
   const char* op = "indexer_kl_loss";
   detail::require_real(scores_, op, "scores");
-  detail::require_real(target_, op, "target");
-  detail::require_same_dtype(target_, scores_, op, "target", "scores");
   HLM_CHECK(scores_.dim() == 2, "{}: scores must be [T, W], got {}", op, scores_.describe());
-  detail::require_shape(target_, scores_.shape(), op, "target");
+  detail::require_real_like(target_, scores_, scores_.shape(), op, "target", "scores");
   HLM_CHECK(std::isfinite(coeff), "{}: coeff must be finite, got {}", op, coeff);
-  const Device dev = detail::one_device(op, {scores_, "scores"}, {{target_, "target"}});
+  const Device dev = scores_.device();
   const Tensor scores = scores_.contiguous(), target = target_.contiguous();
   IndexerKl r;
   r.d_scores = detail::new_output(scores.shape(), scores.dtype(), dev);

@@ -20,18 +20,17 @@ struct CompressDims {
 CompressDims check_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
                             const Tensor& cu_seqlens, const char* op) {
   detail::require_real(k, op, "k");
-  detail::require_real(gate, op, "gate");
-  detail::require_real(ape, op, "ape");
-  detail::require_same_dtype(gate, k, op, "gate", "k");
-  detail::require_same_dtype(ape, k, op, "ape", "k");
   HLM_CHECK(k.dim() == 2, "{}: k must be [T, d_I], got {}", op, k.describe());
+  detail::require_real_like(gate, k, k.shape(), op, "gate", "k");
+  detail::require_real(ape, op, "ape");
+  detail::require_same_dtype(ape, k, op, "ape", "k");
+  detail::require_same_device(ape, k, op, "ape", "k");
   HLM_CHECK(ape.dim() == 2 && ape.size(0) >= 1 && ape.size(1) == k.size(1),
             "{}: ape must be [P, d_I] with P >= 1 and d_I = {}, got {}", op, k.size(1),
             ape.describe());
   CompressDims a;
   a.T = k.size(0), a.D = k.size(1), a.P = ape.size(0);
-  detail::require_shape(gate, k.shape(), op, "gate");
-  a.dev = detail::one_device(op, {k, "k"}, {{gate, "gate"}, {ape, "ape"}});
+  a.dev = k.device();
   a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
   a.NP = dsa_detail::pool_offsets(a.cu, a.P).back();
   return a;
@@ -73,10 +72,7 @@ KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_
                                            const Tensor& d_pooled_) {
   const char* op = "kpool_compress_backward";
   const CompressDims a = check_compress(k_, gate_, ape_, cu_seqlens, op);
-  detail::require_real(d_pooled_, op, "d_pooled");
-  detail::require_same_dtype(d_pooled_, k_, op, "d_pooled", "k");
-  detail::require_same_device(d_pooled_, k_, op, "d_pooled", "k");
-  detail::require_shape(d_pooled_, {a.NP, a.D}, op, "d_pooled");
+  detail::require_real_like(d_pooled_, k_, {a.NP, a.D}, op, "d_pooled", "k");
   const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous(),
                d_pooled = d_pooled_.contiguous();
   KPoolCompressGrads g{detail::new_output(k.shape(), k.dtype(), a.dev),

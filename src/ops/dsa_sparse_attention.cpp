@@ -22,16 +22,14 @@ struct AttnDims {
 AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices,
                     const Tensor& cu_seqlens, int64_t d_v, double scale, const char* op) {
   detail::require_real(q, op, "q");
-  detail::require_real(kv, op, "kv");
-  detail::require_same_dtype(kv, q, op, "kv", "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
   AttnDims a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
-  detail::require_shape(kv, {a.T, a.D}, op, "kv (the latent cache rows [T, D_qk])");
+  detail::require_real_like(kv, q, {a.T, a.D}, op, "kv (the latent cache rows [T, D_qk])", "q");
   HLM_CHECK(d_v >= 1 && d_v <= a.D, "{}: d_v must be in [1, D_qk = {}], got {}", op, a.D, d_v);
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
-  a.dev = detail::one_device(op, {q, "q"}, {{kv, "kv"}, {indices, "indices"}});
+  a.dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
   a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
   return a;
 }
@@ -63,15 +61,9 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& k
   const char* op = "sparse_attention_backward";
   const AttnDims a = check_attn(q_, kv_, indices, cu_seqlens, d_v, scale, op);
   const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
-  for (const auto& [t, name] :
-       {std::pair{&out_, "out"}, std::pair{&lse_, "lse"}, std::pair{&d_out_, "d_out"}}) {
-    detail::require_real(*t, op, name);
-    detail::require_same_dtype(*t, q_, op, name, "q");
-    detail::require_same_device(*t, q_, op, name, "q");
-  }
-  detail::require_shape(out_, {a.T, a.H, d_v}, op, "out");
-  detail::require_shape(d_out_, {a.T, a.H, d_v}, op, "d_out");
-  detail::require_shape(lse_, {a.T, a.H}, op, "lse");
+  detail::require_real_like(out_, q_, {a.T, a.H, d_v}, op, "out", "q");
+  detail::require_real_like(lse_, q_, {a.T, a.H}, op, "lse", "q");
+  detail::require_real_like(d_out_, q_, {a.T, a.H, d_v}, op, "d_out", "q");
   const Tensor q = q_.contiguous(), kv = kv_.contiguous(), out = out_.contiguous(),
                lse = lse_.contiguous(), d_out = d_out_.contiguous();
   SparseAttentionGrads g{detail::new_output(q.shape(), q.dtype(), a.dev),

@@ -51,11 +51,9 @@ void embedding_backward(const Tensor& dy_, const Tensor& ids, Tensor& dtable) {
   detail::require_real(dtable, op, "dtable");
   HLM_CHECK(dtable.dim() == 2, "{}: dtable must be [V, D], got {}", op, dtable.describe());
   detail::require_contiguous(dtable, op, "dtable");
-  detail::one_device(op, {dtable, "dtable"}, {{ids, "ids"}, {dy_, "dy"}});
+  detail::one_device(op, {dtable, "dtable"}, {{ids, "ids"}});
   const std::vector<int64_t> id = check_ids(op, ids, dtable.size(0));
-  detail::require_real(dy_, op, "dy");
-  detail::require_same_dtype(dy_, dtable, op, "dy", "dtable");
-  detail::require_shape(dy_, rows_shape(ids, dtable.size(1)), op, "dy");
+  detail::require_real_like(dy_, dtable, rows_shape(ids, dtable.size(1)), op, "dy", "dtable");
   const Tensor dy = dy_.contiguous();
   switch (dtable.device()) {
     case Device::cpu:

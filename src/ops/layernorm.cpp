@@ -13,12 +13,7 @@ namespace {
 void check_rows(const char* op, const Tensor& x, std::initializer_list<detail::Arg> vs) {
   detail::require_real(x, op, "x");
   HLM_CHECK(x.dim() >= 1, "{}: x must be [..., D], got {}", op, x.describe());
-  for (const detail::Arg& v : vs) {
-    detail::require_real(v.t, op, v.name);
-    detail::require_same_dtype(v.t, x, op, v.name, "x");
-    detail::require_same_device(v.t, x, op, v.name, "x");
-    detail::require_shape(v.t, {x.size(-1)}, op, v.name);
-  }
+  for (const detail::Arg& v : vs) detail::require_real_like(v.t, x, {x.size(-1)}, op, v.name, "x");
 }
 }  // namespace
 
@@ -49,17 +44,9 @@ Tensor layernorm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& w_,
   check_rows(op, x_, {{w_, "w"}, {dw, "dw"}, {db, "db"}});
   detail::require_contiguous(dw, op, "dw");
   detail::require_contiguous(db, op, "db");
-  detail::require_real(dy_, op, "dy");
-  detail::require_same_dtype(dy_, x_, op, "dy", "x");
-  detail::require_same_device(dy_, x_, op, "dy", "x");
-  detail::require_shape(dy_, x_.shape(), op, "dy");
-  const Shape lead = detail::leading_shape(x_);
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&mean_, "mean"}, {&rstd_, "rstd"}}) {
-    detail::require_real(*t, op, name);
-    detail::require_same_dtype(*t, x_, op, name, "x");
-    detail::require_same_device(*t, x_, op, name, "x");
-    detail::require_shape(*t, lead, op, name);
-  }
+  detail::require_real_like(dy_, x_, x_.shape(), op, "dy", "x");
+  detail::require_real_like(mean_, x_, detail::leading_shape(x_), op, "mean", "x");
+  detail::require_real_like(rstd_, x_, detail::leading_shape(x_), op, "rstd", "x");
   const Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(),
                mean = mean_.contiguous(), rstd = rstd_.contiguous();
   Tensor dx = detail::new_output(x.shape(), x.dtype(), x.device());

@@ -63,6 +63,16 @@ inline Device one_device(const char* op, Arg first, std::initializer_list<Arg> r
   return first.t.device();
 }
 
+// An f32 / f64 tensor of ref's dtype and device and of shape s: the gradients and saved tensors
+// that go with an op's main input.
+inline void require_real_like(const Tensor& t, const Tensor& ref, const Shape& s, const char* op,
+                              const char* what, const char* ref_name) {
+  require_real(t, op, what);
+  require_same_dtype(t, ref, op, what, ref_name);
+  require_same_device(t, ref, op, what, ref_name);
+  require_shape(t, s, op, what);
+}
+
 // A parameter-gradient accumulator (+=) of shape s: defined, f32 or f64, on the device of x.
 inline void require_accumulator(const Tensor& acc, const Shape& s, const Tensor& x, const char* op,
                                 const char* what) {
@@ -176,10 +186,40 @@ inline void require_param_dtype(const Tensor& t, const Tensor& x, const char* op
             x.dtype() == DType::bf16 ? " or f32" : "", t.describe());
 }
 
+// A tensor that goes with x (dy, gate, conv state): floating as above, on x's device, of x's
+// dtype and of shape s.
+inline void require_like_x(const Tensor& t, const Tensor& x, const Shape& s, const char* op,
+                           const char* what) {
+  require_float_dev(t, op, what);
+  require_same_device(t, x, op, what, "x");
+  require_same_dtype(t, x, op, what, "x");
+  require_shape(t, s, op, what);
+}
+
+// A parameter gradient accumulated in place (dw): floating as above, on x's device, of the
+// parameter dtype (require_param_dtype), of shape s and contiguous.
+inline void require_param_grad(const Tensor& dw, const Tensor& x, const Shape& s, const char* op,
+                               const char* what) {
+  require_float_dev(dw, op, what);
+  require_same_device(dw, x, op, what, "x");
+  require_param_dtype(dw, x, op, what);
+  require_shape(dw, s, op, what);
+  require_contiguous(dw, op, what);
+}
+
 // The dtype an op on `dt` computes in (and stores its statistics, e.g. rstd, in): f64 stays f64,
 // every other dtype (f32, bf16, f16, fp8) computes in f32. The one place this rule is written.
 inline DType compute_dtype(DType dt) {
   return dt == DType::f64 ? DType::f64 : DType::f32;
+}
+
+// The rstd [x's leading shape] that a norm's forward saved: in the computation dtype of x.
+inline void require_rstd(const Tensor& rstd, const Tensor& x, const char* op) {
+  require_float_dev(rstd, op, "rstd");
+  require_same_device(rstd, x, op, "rstd", "x");
+  HLM_CHECK(rstd.dtype() == compute_dtype(x.dtype()), "{}: rstd must be {}, got {}", op,
+            dtype_name(compute_dtype(x.dtype())), rstd.describe());
+  require_shape(rstd, leading_shape(x), op, "rstd");
 }
 
 }  // namespace hlm::ops::detail

@@ -28,10 +28,8 @@ Tensor softmax_backward(const Tensor& y_, const Tensor& dy_) {
   constexpr const char* op = "softmax_backward";
   detail::require_real(y_, op, "y");
   HLM_CHECK(y_.dim() >= 1, "{}: y must be [..., D], got {}", op, y_.describe());
-  detail::require_real(dy_, op, "dy");
-  detail::require_same_dtype(dy_, y_, op, "dy", "y");
-  detail::require_shape(dy_, y_.shape(), op, "dy");
-  const Device dev = detail::one_device(op, {y_, "y"}, {{dy_, "dy"}});
+  detail::require_real_like(dy_, y_, y_.shape(), op, "dy", "y");
+  const Device dev = y_.device();
   const Tensor y = y_.contiguous(), dy = dy_.contiguous();
   Tensor dx = detail::new_output(y.shape(), y.dtype(), dev);
   switch (dev) {

@@ -45,6 +45,17 @@ inline T conv_at(const ConvArgs<T>& a, int64_t n, int64_t bos, int64_t t, int64_
   return z;
 }
 
+// Calls f(n, bos, len, i, ch) for every entry [n, i, ch] of a state [N, W-1, C], in memory order
+// (sequence n = [bos, bos + len)).
+template <class F>
+void for_state(const std::vector<int64_t>& cu, int64_t width, int64_t c, F&& f) {
+  for (size_t n = 0; n + 1 < cu.size(); ++n) {
+    const int64_t bos = cu[n], len = cu[n + 1] - bos;
+    for (int64_t i = 0; i < width - 1; ++i)
+      for (int64_t ch = 0; ch < c; ++ch) f(int64_t(n), bos, len, i, ch);
+  }
+}
+
 // Sequence id of every token.
 std::vector<int64_t> token_seq(const std::vector<int64_t>& cu) {
   std::vector<int64_t> s(size_t(cu.back()));
@@ -57,7 +68,7 @@ std::vector<int64_t> token_seq(const std::vector<int64_t>& cu) {
 
 void causal_conv1d_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu,
                            const Tensor& st, bool silu, Tensor& y, Tensor* final_state) {
-  const int64_t nseq = int64_t(cu.size()) - 1, c = x.size(1), width = w.size(1);
+  const int64_t c = x.size(1), width = w.size(1);
   const std::vector<int64_t> seq = token_seq(cu);
   const int64_t nt = x.size(0);
   detail::dispatch_float(x.dtype(), [&](auto tag) {
@@ -75,12 +86,9 @@ void causal_conv1d_forward(const Tensor& x, const Tensor& w, const std::vector<i
     if (final_state) {
       // final[n, i] = xe(L - (W-1) + i): the last W-1 inputs.
       T* pf = final_state->data<T>();
-      for (int64_t n = 0; n < nseq; ++n) {
-        const int64_t bos = cu[size_t(n)], len = cu[size_t(n) + 1] - bos;
-        for (int64_t i = 0; i < width - 1; ++i)
-          for (int64_t ch = 0; ch < c; ++ch)
-            pf[(n * (width - 1) + i) * c + ch] = xe(a, n, bos, len - (width - 1) + i, ch);
-      }
+      for_state(cu, width, c, [&](int64_t n, int64_t bos, int64_t len, int64_t i, int64_t ch) {
+        pf[(n * (width - 1) + i) * c + ch] = xe(a, n, bos, len - (width - 1) + i, ch);
+      });
     }
   });
 }
@@ -128,12 +136,9 @@ void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
     }
     if (dstate) {
       T* pds = dstate->data<T>();
-      for (int64_t n = 0; n < nseq; ++n) {
-        const int64_t bos = cu[size_t(n)], len = cu[size_t(n) + 1] - bos;
-        for (int64_t i = 0; i < width - 1; ++i)
-          for (int64_t ch = 0; ch < c; ++ch)
-            pds[(n * (width - 1) + i) * c + ch] = dxe(bos, len, i - (width - 1), ch);
-      }
+      for_state(cu, width, c, [&](int64_t n, int64_t bos, int64_t len, int64_t i, int64_t ch) {
+        pds[(n * (width - 1) + i) * c + ch] = dxe(bos, len, i - (width - 1), ch);
+      });
     }
     // dw: per sequence, sum over its tokens in order, then dw += that sum.
     T* pdw = dw.data<T>();

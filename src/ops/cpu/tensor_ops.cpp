@@ -1,6 +1,6 @@
 // The copy and elementwise ops on the CPU (ops/tensor_ops.h; entry points in
-// ops/cpu/tensor_ops.h): one addition per element, sums over rows in ascending order, so the
-// results have the bits of the CUDA kernels (ops/cuda/tensor_ops.cu).
+// ops/cpu/tensor_ops.h): one addition per element, sums over rows in ascending order, so the GPU
+// kernels give the same bits.
 #include "ops/cpu/tensor_ops.h"
 
 #include "ops/op_checks.h"
