@@ -7,7 +7,7 @@
 //
 // Backward takes the forward input x and dy and returns dx:
 //   sigmoid' = s (1 - s),  silu' = s (1 + x (1 - s)),  softplus' = sigmoid(x).
-// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/layer_ops_cuda.h).
+// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/op_checks.h).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,9 @@
 #include "core/tensor.h"
 
 namespace hlm::ops {
+
+// The activations by name (what the implementations switch on).
+enum class ActKind { sigmoid, silu, softplus };
 
 Tensor sigmoid_forward(const Tensor& x);
 Tensor sigmoid_backward(const Tensor& x, const Tensor& dy);

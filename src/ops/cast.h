@@ -10,11 +10,4 @@ namespace hlm::ops {
 
 Tensor cast(const Tensor& x, DType to, Saturate sat = Saturate::finite);
 
-namespace cpu {
-void cast(const Tensor& x, Tensor& y, Saturate sat);
-}
-namespace cuda {
-void cast(const Tensor& x, Tensor& y, Saturate sat);  // x f32 contiguous; y bf16/f16/e4m3/e5m2
-}
-
 }  // namespace hlm::ops

@@ -8,7 +8,7 @@
 // sequence start (oldest first), i.e. the last W-1 inputs before it. f32 or f64, one dtype,
 // computed in that dtype; each output sums over j in order, so a packed batch is bit-identical
 // to its sequences run one by one, and the decode step is bit-identical to the full conv.
-// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/layer_ops_cuda.h).
+// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/op_checks.h).
 #pragma once
 
 #include "core/tensor.h"

@@ -38,7 +38,11 @@ Tensor new_output(const Shape& shape, DType dt, Device dev);
 }  // namespace hlm::ops
 
 #ifdef HLM_HAVE_CUDA
-#define HLM_CUDA_PATH(op, ...) __VA_ARGS__
+#define HLM_CUDA_PATH(op, ...) \
+  do {                         \
+    (void)(op);                \
+    __VA_ARGS__;               \
+  } while (0)
 #else
 #define HLM_CUDA_PATH(op, ...) \
   HLM_FAIL("{}: got a CUDA tensor, but this build has no CUDA support", op)

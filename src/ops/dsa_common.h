@@ -1,5 +1,7 @@
 // Shared plumbing of the DSA ops (internal to src/ops/dsa_* and their tests): cu_seqlens
-// validation, KPool pool offsets, and the "pattern" every DSA op iterates over.
+// validation, KPool pool offsets, and the "pattern" every DSA op iterates over. Host code: the
+// front doors (ops/dsa_*.cpp) build the patterns while they check the arguments (index tensors on
+// any device are read on the host) and hand them to the implementations.
 //
 // A pattern lists, for each query t of a packed batch, the (slot, key row) pairs the op visits:
 // slot is the column in the op's [T, W] row layout, key row indexes the key tensor (a token for
@@ -15,6 +17,14 @@
 #include "core/tensor.h"
 
 namespace hlm::ops::dsa_detail {
+
+// sum_i a[i] b[i], in index order.
+template <class F>
+inline F dot(const F* a, const F* b, int64_t n) {
+  F s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
 
 // Validates cu_seqlens ([N+1], i32 or i64, cu[0] == 0, non-decreasing, cu[N] == T) and returns it.
 std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t T, const char* op);

@@ -33,10 +33,4 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
 // New [M, N] tensor = op(A) op(B), dtype of A.
 Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, GemmOptions opt = {});
 
-namespace cuda {
-// The cuBLAS launcher behind gemm() for CUDA tensors (arguments validated by gemm(); m, n, k >= 1).
-void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, int64_t m,
-          int64_t n, int64_t k, double alpha, double beta, GemmOptions opt);
-}  // namespace cuda
-
 }  // namespace hlm::ops

@@ -27,9 +27,4 @@ struct KdaDecodeArgs {
 // Returns o [N, HV, V] f32 on the device of the inputs.
 Tensor kda_decode_step(const KdaDecodeArgs& a);
 
-namespace cuda {
-void kda_decode_step(const KdaDecodeArgs& a, const std::vector<int64_t>& slots, double scale,
-                     Tensor& o);
-}
-
 }  // namespace hlm::ops

@@ -5,7 +5,7 @@
 // FP32 (FP64 when z is f64). Backward reduces dA_log and d dt_bias over tokens in a fixed order
 // (no atomics, bit-identical run to run). Products of a zero factor and an infinite one (saturated
 // sigmoid with a huge exp(A_log)) are defined as 0, so no NaN appears.
-// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/layer_ops_cuda.h).
+// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/op_checks.h).
 #pragma once
 
 #include "core/tensor.h"

@@ -34,15 +34,8 @@ Tensor l2norm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& rstd_)
   constexpr const char* op = "l2norm_backward";
   detail::require_float_dev(x_, op, "x");
   HLM_CHECK(x_.dim() >= 1, "{}: x must be [..., D], got {}", op, x_.describe());
-  detail::require_float_dev(dy_, op, "dy");
-  detail::require_same_device(dy_, x_, op, "dy", "x");
-  detail::require_same_dtype(dy_, x_, op, "dy", "x");
-  detail::require_shape(dy_, x_.shape(), op, "dy");
-  detail::require_float_dev(rstd_, op, "rstd");
-  detail::require_same_device(rstd_, x_, op, "rstd", "x");
-  HLM_CHECK(rstd_.dtype() == detail::compute_dtype(x_.dtype()), "{}: rstd must be {}, got {}", op,
-            dtype_name(detail::compute_dtype(x_.dtype())), rstd_.describe());
-  detail::require_shape(rstd_, detail::leading_shape(x_), op, "rstd");
+  detail::require_like_x(dy_, x_, x_.shape(), op, "dy");
+  detail::require_rstd(rstd_, x_, op);
   const Tensor x = x_.contiguous(), dy = dy_.contiguous(), rstd = rstd_.contiguous();
   Tensor dx = detail::new_output(x.shape(), x.dtype(), x.device());
   switch (x.device()) {

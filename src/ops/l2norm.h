@@ -2,7 +2,7 @@
 //   y = x * rstd,  rstd = 1 / sqrt(sum_d x_d^2 + eps)   (eps inside the sqrt, unlike F.normalize)
 //   dx = rstd * (dy - y (y . dy))
 // x [..., D], f32 or f64 (computed in that dtype). Forward saves rstd [...].
-// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/layer_ops_cuda.h).
+// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/op_checks.h).
 #pragma once
 
 #include "core/tensor.h"

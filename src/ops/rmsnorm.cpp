@@ -24,27 +24,13 @@ void check_common(const char* op, const Tensor& x, const Tensor& w) {
 void check_backward(const char* op, const Tensor& dy, const Tensor& x, const Tensor& w,
                     const Tensor& rstd, const Tensor& dw) {
   check_common(op, x, w);
-  detail::require_float_dev(dy, op, "dy");
-  detail::require_same_device(dy, x, op, "dy", "x");
-  detail::require_same_dtype(dy, x, op, "dy", "x");
-  detail::require_shape(dy, x.shape(), op, "dy");
-  detail::require_float_dev(rstd, op, "rstd");
-  detail::require_same_device(rstd, x, op, "rstd", "x");
-  HLM_CHECK(rstd.dtype() == detail::compute_dtype(x.dtype()), "{}: rstd must be {}, got {}", op,
-            dtype_name(detail::compute_dtype(x.dtype())), rstd.describe());
-  detail::require_shape(rstd, detail::leading_shape(x), op, "rstd");
-  detail::require_float_dev(dw, op, "dw");
-  detail::require_same_device(dw, x, op, "dw", "x");
-  detail::require_param_dtype(dw, x, op, "dw");
-  detail::require_shape(dw, w.shape(), op, "dw");
-  detail::require_contiguous(dw, op, "dw");
+  detail::require_like_x(dy, x, x.shape(), op, "dy");
+  detail::require_rstd(rstd, x, op);
+  detail::require_param_grad(dw, x, w.shape(), op, "dw");
 }
 
 void check_gate(const char* op, const Tensor& gate, const Tensor& x) {
-  detail::require_float_dev(gate, op, "gate");
-  detail::require_same_device(gate, x, op, "gate", "x");
-  detail::require_same_dtype(gate, x, op, "gate", "x");
-  detail::require_shape(gate, x.shape(), op, "gate");
+  detail::require_like_x(gate, x, x.shape(), op, "gate");
 }
 
 RmsNormResult forward(const char* op, const Tensor& x_, const Tensor* gate_, const Tensor& w_,

@@ -7,7 +7,7 @@
 // eps is inside the sqrt. f32 or f64, all tensors of one dtype; computed in that dtype, each row
 // reduced in a fixed order. Forward returns y and saves rstd [...] (x's shape without D).
 // Backward writes dx (and dgate) and accumulates dw (+=), reducing over rows in row order.
-// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/layer_ops_cuda.h).
+// CUDA tensors run the CUDA implementation (also bf16; dtype rules in ops/op_checks.h).
 #pragma once
 
 #include "core/tensor.h"

@@ -1,6 +1,7 @@
-// Small copy and elementwise ops that layers need on either device (CPU tensors run plain loops,
-// CUDA tensors the kernels of src/ops/cuda/tensor_ops.cu). They exist because Tensor's own copies
-// (to(dtype), contiguous(), copy_) convert dtypes and gather strided views on the CPU only.
+// Small copy and elementwise ops that layers need on either device (CPU tensors run the plain
+// loops of ops/cpu/tensor_ops.cpp, CUDA tensors the kernels of ops/cuda/tensor_ops.cu). They exist
+// because Tensor's own copies (to(dtype), contiguous(), copy_) convert dtypes and gather strided
+// views on the CPU only.
 //
 // Dtypes: f32, f64 and bf16 (conversions round to nearest even, once, from the source dtype).
 // Every result is deterministic: each output element is written by one thread, reductions run in
@@ -43,16 +44,5 @@ void scale_(Tensor& c, double beta);
 // per element (no two entries of dfinal go to the same place).
 void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
                                         int64_t width, Tensor& dx, Tensor* dinitial);
-
-namespace cuda {
-// The CUDA launchers of the ops above (arguments validated by them; tensors on CUDA).
-void copy_into(Tensor& dst, const Tensor& src);  // any strides (rank <= 8), f32 / f64 / bf16
-void add_(Tensor& dst, const Tensor& src);       // both contiguous, one dtype (f32 / f64)
-void add_bias_(Tensor& y, const Tensor& b);      // contiguous, one dtype (f32 / f64)
-void sum_rows(const Tensor& x, Tensor& out);     // contiguous, one dtype (f32 / f64)
-void scale_(Tensor& c, double beta);             // 2-D, any strides
-void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
-                                        int64_t width, Tensor& dx, Tensor* dinitial);
-}  // namespace cuda
 
 }  // namespace hlm::ops

@@ -14,7 +14,6 @@
 #include "ops/dispatch.h"
 #include "ops/kda_gate.h"
 #include "ops/l2norm.h"
-#include "ops/layer_ops_cuda.h"
 #include "ops/rmsnorm.h"
 #include "ops/seqlens.h"
 #include "testing.h"

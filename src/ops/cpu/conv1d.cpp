@@ -1,4 +1,5 @@
-// Causal depthwise conv1d on the CPU (ops/conv1d.h).
+// Causal depthwise conv1d on the CPU (ops/conv1d.h, the reference; entry points in
+// ops/cpu/conv1d.h).
 //
 // Per sequence [bos, eos) of length L, extend the input to the left with the W-1 state values:
 //   xe(p)[c] = x[bos + p][c]            for 0 <= p < L
@@ -8,14 +9,14 @@
 //            dxe(p) = sum_j w[c, j] dz_{p + W - 1 - j}   over 0 <= p + W - 1 - j < L
 //            dx = dxe(p >= 0), d state[n, i] = dxe(i - (W - 1))
 //            dw[c, j] += sum_t dz_t xe(t - W + 1 + j)
-#include "ops/conv1d.h"
+#include "ops/cpu/conv1d.h"
+
+#include <algorithm>
 
 #include "ops/activations.h"
-#include "ops/layer_ops_cuda.h"
 #include "ops/op_checks.h"
-#include "ops/seqlens.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 
 namespace {
 
@@ -44,6 +45,17 @@ inline T conv_at(const ConvArgs<T>& a, int64_t n, int64_t bos, int64_t t, int64_
   return z;
 }
 
+// Calls f(n, bos, len, i, ch) for every entry [n, i, ch] of a state [N, W-1, C], in memory order
+// (sequence n = [bos, bos + len)).
+template <class F>
+void for_state(const std::vector<int64_t>& cu, int64_t width, int64_t c, F&& f) {
+  for (size_t n = 0; n + 1 < cu.size(); ++n) {
+    const int64_t bos = cu[n], len = cu[n + 1] - bos;
+    for (int64_t i = 0; i < width - 1; ++i)
+      for (int64_t ch = 0; ch < c; ++ch) f(int64_t(n), bos, len, i, ch);
+  }
+}
+
 // Sequence id of every token.
 std::vector<int64_t> token_seq(const std::vector<int64_t>& cu) {
   std::vector<int64_t> s(size_t(cu.back()));
@@ -52,50 +64,13 @@ std::vector<int64_t> token_seq(const std::vector<int64_t>& cu) {
   return s;
 }
 
-// x f32 / f64 (CUDA: also bf16); w of x's dtype (or f32 next to bf16 x) on x's device.
-void check_conv(const char* op, const Tensor& x, const Tensor& w) {
-  detail::require_float_dev(x, op, "x");
-  HLM_CHECK(x.dim() == 2, "{}: x must be [T, C], got {}", op, x.describe());
-  detail::require_float_dev(w, op, "w");
-  detail::require_same_device(w, x, op, "w", "x");
-  detail::require_param_dtype(w, x, op, "w");
-  HLM_CHECK(w.dim() == 2 && w.size(0) == x.size(1) && w.size(1) >= 1,
-            "{}: w must be [C, W] with C = {} and W >= 1, got {}", op, x.size(1), w.describe());
-}
-
-void check_state(const char* op, const Tensor& s, const Tensor& x, int64_t n, int64_t width,
-                 const char* what) {
-  detail::require_float_dev(s, op, what);
-  detail::require_same_device(s, x, op, what, "x");
-  detail::require_same_dtype(s, x, op, what, "x");
-  detail::require_shape(s, {n, width - 1, x.size(1)}, op, what);
-}
-
 }  // namespace
 
-Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const Tensor& cu_seqlens,
-                             const Tensor& initial_state, bool silu, Tensor* final_state) {
-  constexpr const char* op = "causal_conv1d_forward";
-  check_conv(op, x_, w_);
-  const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
-  const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
-  if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");
-  if (x_.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    Tensor y = cuda::alloc(x_.shape(), x_.dtype());
-    if (final_state) *final_state = cuda::alloc({nseq, width - 1, c}, x_.dtype());
-    cuda::causal_conv1d_forward(x_, w_, cu, initial_state, silu, y, final_state);
-    return y;
-#else
-    HLM_FAIL("{}: no CUDA support in this build", op);
-#endif
-  }
-  const Tensor x = x_.contiguous(), w = w_.contiguous();
-  const Tensor st = initial_state.defined() ? initial_state.contiguous() : Tensor();
+void causal_conv1d_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu,
+                           const Tensor& st, bool silu, Tensor& y, Tensor* final_state) {
+  const int64_t c = x.size(1), width = w.size(1);
   const std::vector<int64_t> seq = token_seq(cu);
   const int64_t nt = x.size(0);
-  Tensor y = Tensor::empty({nt, c}, x.dtype());
-  if (final_state) *final_state = Tensor::empty({nseq, width - 1, c}, x.dtype());
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const ConvArgs<T> a{x.data<T>(), w.data<T>(), st.defined() ? st.data<T>() : nullptr, c, width};
@@ -111,53 +86,19 @@ Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const Tensor& c
     if (final_state) {
       // final[n, i] = xe(L - (W-1) + i): the last W-1 inputs.
       T* pf = final_state->data<T>();
-      for (int64_t n = 0; n < nseq; ++n) {
-        const int64_t bos = cu[size_t(n)], len = cu[size_t(n) + 1] - bos;
-        for (int64_t i = 0; i < width - 1; ++i)
-          for (int64_t ch = 0; ch < c; ++ch)
-            pf[(n * (width - 1) + i) * c + ch] = xe(a, n, bos, len - (width - 1) + i, ch);
-      }
+      for_state(cu, width, c, [&](int64_t n, int64_t bos, int64_t len, int64_t i, int64_t ch) {
+        pf[(n * (width - 1) + i) * c + ch] = xe(a, n, bos, len - (width - 1) + i, ch);
+      });
     }
   });
-  return y;
 }
 
-CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, const Tensor& w_,
-                                         const Tensor& cu_seqlens, const Tensor& initial_state,
-                                         bool silu, Tensor& dw) {
-  constexpr const char* op = "causal_conv1d_backward";
-  check_conv(op, x_, w_);
-  detail::require_float_dev(dy_, op, "dy");
-  detail::require_same_device(dy_, x_, op, "dy", "x");
-  detail::require_same_dtype(dy_, x_, op, "dy", "x");
-  detail::require_shape(dy_, x_.shape(), op, "dy");
-  detail::require_float_dev(dw, op, "dw");
-  detail::require_same_device(dw, x_, op, "dw", "x");
-  detail::require_param_dtype(dw, x_, op, "dw");
-  detail::require_shape(dw, w_.shape(), op, "dw");
-  detail::require_contiguous(dw, op, "dw");
-  const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
-  const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
-  if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");
-  if (x_.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    CausalConv1dGrads g;
-    g.dx = cuda::alloc(x_.shape(), x_.dtype());
-    if (initial_state.defined()) g.dinitial_state = cuda::alloc({nseq, width - 1, c}, x_.dtype());
-    cuda::causal_conv1d_backward(dy_, x_, w_, cu, initial_state, silu, g.dx,
-                                 initial_state.defined() ? &g.dinitial_state : nullptr, dw);
-    return g;
-#else
-    HLM_FAIL("{}: no CUDA support in this build", op);
-#endif
-  }
-  const Tensor x = x_.contiguous(), w = w_.contiguous(), dy = dy_.contiguous();
-  const Tensor st = initial_state.defined() ? initial_state.contiguous() : Tensor();
+void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
+                            const std::vector<int64_t>& cu, const Tensor& st, bool silu, Tensor& dx,
+                            Tensor* dstate, Tensor& dw) {
+  const int64_t nseq = int64_t(cu.size()) - 1, c = x.size(1), width = w.size(1);
   const std::vector<int64_t> seq = token_seq(cu);
   const int64_t nt = x.size(0);
-  CausalConv1dGrads g;
-  g.dx = Tensor::empty({nt, c}, x.dtype());
-  if (st.defined()) g.dinitial_state = Tensor::empty({nseq, width - 1, c}, x.dtype());
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const ConvArgs<T> a{x.data<T>(), w.data<T>(), st.defined() ? st.data<T>() : nullptr, c, width};
@@ -187,20 +128,17 @@ CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, co
       }
       return s;
     };
-    T* pdx = g.dx.data<T>();
+    T* pdx = dx.data<T>();
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < nt; ++t) {
       const int64_t n = seq[size_t(t)], bos = cu[size_t(n)], len = cu[size_t(n) + 1] - bos;
       for (int64_t ch = 0; ch < c; ++ch) pdx[t * c + ch] = dxe(bos, len, t - bos, ch);
     }
-    if (st.defined()) {
-      T* pds = g.dinitial_state.data<T>();
-      for (int64_t n = 0; n < nseq; ++n) {
-        const int64_t bos = cu[size_t(n)], len = cu[size_t(n) + 1] - bos;
-        for (int64_t i = 0; i < width - 1; ++i)
-          for (int64_t ch = 0; ch < c; ++ch)
-            pds[(n * (width - 1) + i) * c + ch] = dxe(bos, len, i - (width - 1), ch);
-      }
+    if (dstate) {
+      T* pds = dstate->data<T>();
+      for_state(cu, width, c, [&](int64_t n, int64_t bos, int64_t len, int64_t i, int64_t ch) {
+        pds[(n * (width - 1) + i) * c + ch] = dxe(bos, len, i - (width - 1), ch);
+      });
     }
     // dw: per sequence, sum over its tokens in order, then dw += that sum.
     T* pdw = dw.data<T>();
@@ -218,26 +156,10 @@ CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, co
       for (int64_t i = 0; i < c * width; ++i) pdw[i] += acc[size_t(i)];
     }
   });
-  return g;
 }
 
-Tensor causal_conv1d_update(const Tensor& x_, Tensor& state, const Tensor& w_, bool silu) {
-  constexpr const char* op = "causal_conv1d_update";
-  check_conv(op, x_, w_);
-  const int64_t nseq = x_.size(0), c = x_.size(1), width = w_.size(1);
-  check_state(op, state, x_, nseq, width, "state");
-  detail::require_contiguous(state, op, "state");
-  if (x_.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    Tensor y = cuda::alloc(x_.shape(), x_.dtype());
-    cuda::causal_conv1d_update(x_, state, w_, silu, y);
-    return y;
-#else
-    HLM_FAIL("{}: no CUDA support in this build", op);
-#endif
-  }
-  const Tensor x = x_.contiguous(), w = w_.contiguous();
-  Tensor y = Tensor::empty({nseq, c}, x.dtype());
+void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y) {
+  const int64_t nseq = x.size(0), c = x.size(1), width = w.size(1);
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T *px = x.data<T>(), *pw = w.data<T>();
@@ -259,7 +181,6 @@ Tensor causal_conv1d_update(const Tensor& x_, Tensor& state, const Tensor& w_, b
       }
     }
   });
-  return y;
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

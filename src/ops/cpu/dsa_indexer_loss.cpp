@@ -1,22 +1,17 @@
-// CPU reference of the DSA indexer KL loss and its attention target (see ops/dsa_indexer_loss.h).
+// The DSA indexer KL loss and its attention target on the CPU (ops/dsa_indexer_loss.h, the
+// reference; entry points in ops/cpu/dsa_indexer_loss.h).
+#include "ops/cpu/dsa_indexer_loss.h"
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
-#include "ops/dsa_common.h"
-#include "ops/dsa_indexer_loss.h"
-#include "ops/op_checks.h"
-
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 namespace {
 
+using dsa_detail::dot;
 using dsa_detail::Pattern;
-
-template <class F>
-inline F dotp(const F* a, const F* b, int64_t n) {
-  F s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 template <class F>
 void target_rows(const Tensor& qc, const Tensor& kvc, const Pattern& p, F scale, Tensor& out) {
@@ -34,7 +29,7 @@ void target_rows(const Tensor& qc, const Tensor& kvc, const Pattern& p, F scale,
       const F* qr = q + (t * H + h) * D;
       F m = -std::numeric_limits<F>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        l[size_t(j)] = scale * dotp(qr, kv + p.key[size_t(e0 + j)] * D, D);
+        l[size_t(j)] = scale * dot(qr, kv + p.key[size_t(e0 + j)] * D, D);
         m = std::max(m, l[size_t(j)]);
       }
       F sum = 0;
@@ -47,37 +42,15 @@ void target_rows(const Tensor& qc, const Tensor& kvc, const Pattern& p, F scale,
   }
 }
 
-Tensor run_target(const Tensor& q, const Tensor& kv, const Pattern& p, double scale) {
-  const Tensor qc = q.contiguous(), kvc = kv.contiguous();
-  Tensor out = Tensor::empty({p.T, p.W}, q.dtype());
-  if (q.dtype() == DType::f64)
-    target_rows<double>(qc, kvc, p, scale, out);
-  else
-    target_rows<float>(qc, kvc, p, float(scale), out);
-  return out;
-}
-
-std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens,
-                                  double scale, const char* op) {
-  detail::require_float(q, op, "q");
-  detail::require_float(kv, op, "kv");
-  detail::require_same_dtype(kv, q, op, "kv", "q");
-  HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
-  detail::require_shape(kv, {q.size(0), q.size(2)}, op, "kv (the latent cache rows [T, D_qk])");
-  HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
-            scale);
-  return dsa_detail::read_cu_seqlens(cu_seqlens, q.size(0), op);
-}
-
 template <class F>
-IndexerKl kl_rows(const Tensor& sc, const Tensor& tg, double coeff, KlReduction red) {
+void kl_rows(const Tensor& sc, const Tensor& tg, double coeff, KlReduction red, IndexerKl& r) {
   const F* s = sc.data<F>();
   const F* p = tg.data<F>();
   const int64_t T = sc.size(0), W = sc.size(1);
   const F eps = F(kIndexerKlEps);
   const F ninf = -std::numeric_limits<F>::infinity();
-  IndexerKl r;
-  r.d_scores = Tensor::zeros({T, W}, sc.dtype());
+  r.d_scores.zero_();
+  r.rows = 0;
   F* d = r.d_scores.data<F>();
   std::vector<double> row_loss(size_t(T), 0.0);
   std::vector<char> row_used(size_t(T), 0);
@@ -130,40 +103,24 @@ IndexerKl kl_rows(const Tensor& sc, const Tensor& tg, double coeff, KlReduction 
   r.loss = g * total;
   const F gf = F(g);
   for (int64_t i = 0; i < T * W; ++i) d[i] *= gf;
-  return r;
 }
 
 }  // namespace
 
-Tensor attention_target(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens, double scale,
-                        int64_t W) {
-  const char* op = "attention_target";
-  const std::vector<int64_t> cu = check_target(q, kv, cu_seqlens, scale, op);
-  const int64_t need = dsa_detail::max_keys_per_doc(cu, 1);
-  HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the longest document), got {}", op,
-            need, W);
-  return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale);
+void attention_target(const Tensor& q, const Tensor& kv, const Pattern& p, double scale,
+                      Tensor& out) {
+  if (q.dtype() == DType::f64)
+    target_rows<double>(q, kv, p, scale, out);
+  else
+    target_rows<float>(q, kv, p, float(scale), out);
 }
 
-Tensor attention_target_at(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens,
-                           const Tensor& indices, double scale) {
-  const char* op = "attention_target_at";
-  const std::vector<int64_t> cu = check_target(q, kv, cu_seqlens, scale, op);
-  return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices"), scale);
+void indexer_kl_loss(const Tensor& scores, const Tensor& target, double coeff,
+                     KlReduction reduction, IndexerKl& r) {
+  if (scores.dtype() == DType::f64)
+    kl_rows<double>(scores, target, coeff, reduction, r);
+  else
+    kl_rows<float>(scores, target, coeff, reduction, r);
 }
 
-IndexerKl indexer_kl_loss(const Tensor& scores, const Tensor& target, double coeff,
-                          KlReduction reduction) {
-  const char* op = "indexer_kl_loss";
-  detail::require_float(scores, op, "scores");
-  detail::require_float(target, op, "target");
-  detail::require_same_dtype(target, scores, op, "target", "scores");
-  HLM_CHECK(scores.dim() == 2, "{}: scores must be [T, W], got {}", op, scores.describe());
-  detail::require_shape(target, scores.shape(), op, "target");
-  HLM_CHECK(std::isfinite(coeff), "{}: coeff must be finite, got {}", op, coeff);
-  const Tensor sc = scores.contiguous(), tg = target.contiguous();
-  return scores.dtype() == DType::f64 ? kl_rows<double>(sc, tg, coeff, reduction)
-                                      : kl_rows<float>(sc, tg, coeff, reduction);
-}
-
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

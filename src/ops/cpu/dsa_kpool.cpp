@@ -1,13 +1,13 @@
-// CPU reference of the KPool ops (see ops/dsa_kpool.h).
+// The KPool ops on the CPU (ops/dsa_kpool.h, the reference; entry points in
+// ops/cpu/dsa_kpool.h).
+#include "ops/cpu/dsa_kpool.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "ops/dsa_common.h"
-#include "ops/dsa_indexer.h"
-#include "ops/dsa_kpool.h"
-#include "ops/op_checks.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 namespace {
 
 struct CompressArgs {
@@ -16,24 +16,14 @@ struct CompressArgs {
   int64_t T = 0, D = 0, P = 0, NP = 0;
 };
 
-CompressArgs check_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
-                            const Tensor& cu_seqlens, const char* op) {
-  detail::require_float(k, op, "k");
-  detail::require_float(gate, op, "gate");
-  detail::require_float(ape, op, "ape");
-  detail::require_same_dtype(gate, k, op, "gate", "k");
-  detail::require_same_dtype(ape, k, op, "ape", "k");
-  HLM_CHECK(k.dim() == 2, "{}: k must be [T, d_I], got {}", op, k.describe());
-  HLM_CHECK(ape.dim() == 2 && ape.size(0) >= 1 && ape.size(1) == k.size(1),
-            "{}: ape must be [P, d_I] with P >= 1 and d_I = {}, got {}", op, k.size(1),
-            ape.describe());
+CompressArgs args_of(const Tensor& k, const Tensor& gate, const Tensor& ape,
+                     const std::vector<int64_t>& cu) {
   CompressArgs a;
   a.T = k.size(0), a.D = k.size(1), a.P = ape.size(0);
-  detail::require_shape(gate, k.shape(), op, "gate");
-  a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
+  a.cu = cu;
   a.cp = dsa_detail::pool_offsets(a.cu, a.P);
   a.NP = a.cp.back();
-  a.k = k.contiguous(), a.gate = gate.contiguous(), a.ape = ape.contiguous();
+  a.k = k, a.gate = gate, a.ape = ape;
   return a;
 }
 
@@ -83,16 +73,14 @@ void compress_fwd(const CompressArgs& a, Tensor& out) {
 }
 
 template <class F>
-KPoolCompressGrads compress_bwd(const CompressArgs& a, const Tensor& d_in) {
-  const Tensor dpool = d_in.contiguous();
+void compress_bwd(const CompressArgs& a, const Tensor& dpool, KPoolCompressGrads& r) {
   const F* k = a.k.data<F>();
   const F* g = a.gate.data<F>();
   const F* ape = a.ape.data<F>();
   const F* dK = dpool.data<F>();
-  KPoolCompressGrads r;
-  r.dk = Tensor::zeros({a.T, a.D}, a.k.dtype());
-  r.dgate = Tensor::zeros({a.T, a.D}, a.k.dtype());
-  r.dape = Tensor::zeros({a.P, a.D}, a.k.dtype());
+  r.dk.zero_();
+  r.dgate.zero_();
+  r.dape.zero_();
   F* dk = r.dk.data<F>();
   F* dg = r.dgate.data<F>();
   F* dA = r.dape.data<F>();
@@ -118,14 +106,6 @@ KPoolCompressGrads compress_bwd(const CompressArgs& a, const Tensor& d_in) {
   for (int64_t c = 0; c < D; ++c)
     for (int64_t p = 0; p < a.NP; ++p)
       for (int64_t j = 0; j < P; ++j) dA[j * D + c] += dg[(st[size_t(p)] + j) * D + c];
-  return r;
-}
-
-void check_kp(int64_t K, int64_t P, const char* op) {
-  HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
-  HLM_CHECK(K >= 1, "{}: K (index_topk) must be >= 1, got {}", op, K);
-  HLM_CHECK(K % P == 0, "{}: K (index_topk = {}) must be divisible by the pool size P = {}", op, K,
-            P);
 }
 
 template <class F>
@@ -174,51 +154,31 @@ void pool_target_sparse(const Tensor& tt, const std::vector<int64_t>& pools, int
 
 }  // namespace
 
-Tensor kpool_pool_offsets(const Tensor& cu_seqlens, int64_t T, int64_t P) {
-  HLM_CHECK(P >= 1, "kpool_pool_offsets: the pool size P must be >= 1, got {}", P);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, "kpool_pool_offsets");
-  return Tensor::from_vector<int64_t>({int64_t(cu.size())}, dsa_detail::pool_offsets(cu, P));
-}
-
-Tensor kpool_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
-                      const Tensor& cu_seqlens) {
-  const CompressArgs a = check_compress(k, gate, ape, cu_seqlens, "kpool_compress");
-  Tensor out = Tensor::empty({a.NP, a.D}, a.k.dtype());
-  if (a.k.dtype() == DType::f64)
-    compress_fwd<double>(a, out);
+void kpool_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
+                    const std::vector<int64_t>& cu, Tensor& pooled) {
+  const CompressArgs a = args_of(k, gate, ape, cu);
+  if (k.dtype() == DType::f64)
+    compress_fwd<double>(a, pooled);
   else
-    compress_fwd<float>(a, out);
-  return out;
+    compress_fwd<float>(a, pooled);
 }
 
-KPoolCompressGrads kpool_compress_backward(const Tensor& k, const Tensor& gate, const Tensor& ape,
-                                           const Tensor& cu_seqlens, const Tensor& d_pooled) {
-  const char* op = "kpool_compress_backward";
-  const CompressArgs a = check_compress(k, gate, ape, cu_seqlens, op);
-  detail::require_float(d_pooled, op, "d_pooled");
-  detail::require_same_dtype(d_pooled, a.k, op, "d_pooled", "k");
-  detail::require_shape(d_pooled, {a.NP, a.D}, op, "d_pooled");
-  return a.k.dtype() == DType::f64 ? compress_bwd<double>(a, d_pooled)
-                                   : compress_bwd<float>(a, d_pooled);
+void kpool_compress_backward(const Tensor& k, const Tensor& gate, const Tensor& ape,
+                             const std::vector<int64_t>& cu, const Tensor& d_pooled,
+                             KPoolCompressGrads& g) {
+  const CompressArgs a = args_of(k, gate, ape, cu);
+  if (k.dtype() == DType::f64)
+    compress_bwd<double>(a, d_pooled, g);
+  else
+    compress_bwd<float>(a, d_pooled, g);
 }
 
-KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens, int64_t K,
-                            int64_t P, bool always_select_tail) {
-  const char* op = "kpool_select";
-  check_kp(K, P, op);
-  detail::require_float(pool_scores, op, "pool_scores");
-  HLM_CHECK(pool_scores.dim() == 2, "{}: pool_scores must be [T, W], got {}", op,
-            pool_scores.describe());
-  const int64_t T = pool_scores.size(0);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
+                          bool always_select_tail, Tensor& indices) {
   const std::vector<int64_t> cp = dsa_detail::pool_offsets(cu, P);
-  const int64_t G = K / P;
-  KPoolSelection sel;
-  sel.pools = topk_select(pool_scores, cu_seqlens, G, P);
-  const int64_t W = K + (always_select_tail ? P - 1 : 0);
-  sel.indices = Tensor::empty({T, W}, DType::i32);
-  const int32_t* pl = sel.pools.data<int32_t>();
-  int32_t* o = sel.indices.data<int32_t>();
+  const int64_t G = K / P, W = indices.size(1);
+  const int32_t* pl = pools.data<int32_t>();
+  int32_t* o = indices.data<int32_t>();
   for (size_t d = 0; d + 1 < cu.size(); ++d) {
 #pragma omp parallel for schedule(static)
     for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
@@ -236,51 +196,22 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens,
       }
     }
   }
-  return sel;
 }
 
-Tensor kpool_pool_target_dense(const Tensor& token_target, const Tensor& cu_seqlens, int64_t P,
-                               int64_t Wp) {
-  const char* op = "kpool_pool_target_dense";
-  HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
-  detail::require_float(token_target, op, "token_target");
-  HLM_CHECK(token_target.dim() == 2, "{}: token_target must be [T, W], got {}", op,
-            token_target.describe());
-  const int64_t T = token_target.size(0);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
-  const int64_t need_t = dsa_detail::max_keys_per_doc(cu, 1);
-  const int64_t need_p = dsa_detail::max_keys_per_doc(cu, P);
-  HLM_CHECK(token_target.size(1) >= need_t, "{}: token_target needs W >= {} columns, got {}", op,
-            need_t, token_target.describe());
-  HLM_CHECK(Wp == 0 || Wp >= need_p, "{}: Wp must be 0 or >= {}, got {}", op, need_p, Wp);
-  const Tensor tt = token_target.contiguous();
-  Tensor out = Tensor::empty({T, Wp == 0 ? need_p : Wp}, tt.dtype());
-  if (tt.dtype() == DType::f64)
-    pool_target_dense<double>(tt, cu, P, out);
+void kpool_pool_target_dense(const Tensor& token_target, const std::vector<int64_t>& cu, int64_t P,
+                             Tensor& out) {
+  if (token_target.dtype() == DType::f64)
+    pool_target_dense<double>(token_target, cu, P, out);
   else
-    pool_target_dense<float>(tt, cu, P, out);
-  return out;
+    pool_target_dense<float>(token_target, cu, P, out);
 }
 
-Tensor kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools, int64_t P) {
-  const char* op = "kpool_pool_target_sparse";
-  HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
-  detail::require_float(token_target, op, "token_target");
-  detail::require_index(pools, op, "pools");
-  HLM_CHECK(pools.dim() == 2, "{}: pools must be [T, K / P], got {}", op, pools.describe());
-  const int64_t T = pools.size(0), G = pools.size(1);
-  HLM_CHECK(token_target.dim() == 2 && token_target.size(0) == T &&
-                (token_target.size(1) == G * P || token_target.size(1) == G * P + P - 1),
-            "{}: token_target must be [T = {}, K = {} or K + P - 1 = {}], got {}", op, T, G * P,
-            G * P + P - 1, token_target.describe());
-  const Tensor tt = token_target.contiguous();
-  const std::vector<int64_t> pl = detail::index_values(pools);
-  Tensor out = Tensor::empty({T, G}, tt.dtype());
-  if (tt.dtype() == DType::f64)
-    pool_target_sparse<double>(tt, pl, P, out);
+void kpool_pool_target_sparse(const Tensor& token_target, const std::vector<int64_t>& pools,
+                              int64_t P, Tensor& out) {
+  if (token_target.dtype() == DType::f64)
+    pool_target_sparse<double>(token_target, pools, P, out);
   else
-    pool_target_sparse<float>(tt, pl, P, out);
-  return out;
+    pool_target_sparse<float>(token_target, pools, P, out);
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

@@ -1,55 +1,13 @@
-// CPU implementation of the FP8 blockwise quantizer (ops/fp8_quant.h). This is the reference the
-// CUDA quantizer must match bit for bit: every step is one FP32 operation with round to nearest.
-#include "ops/fp8_quant.h"
+// The FP8 blockwise quantizer on the CPU (ops/fp8_quant.h, the reference; entry points in
+// ops/cpu/fp8_quant.h). This is the reference the CUDA quantizer must match bit for bit: every
+// step is one FP32 operation with round to nearest.
+#include "ops/cpu/fp8_quant.h"
 
-#include <fmt/format.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "ops/op_checks.h"
-
-namespace hlm::ops {
-
-std::string recipe_str(const QuantRecipe& r) {
-  return fmt::format("{} {}{}", r.format == Fp8Format::e4m3 ? "e4m3" : "e5m2",
-                     tile_shape_name(r.tile), r.pow2 ? " pow2" : "");
-}
-
-const char* tile_shape_name(TileShape t) {
-  return t == TileShape::t1x128 ? "1x128" : "128x128";
-}
-
-TileShape parse_tile_shape(const std::string& s) {
-  if (s == "1x128") return TileShape::t1x128;
-  if (s == "128x128") return TileShape::t128x128;
-  HLM_FAIL("unknown fp8 tile shape '{}' (expected 1x128 or 128x128)", s);
-}
-
-Fp8Format parse_fp8_format(const std::string& s) {
-  if (s == "e4m3") return Fp8Format::e4m3;
-  if (s == "e5m2") return Fp8Format::e5m2;
-  HLM_FAIL("unknown fp8 format '{}' (expected e4m3 or e5m2)", s);
-}
-
-DType fp8_dtype(Fp8Format f) {
-  return f == Fp8Format::e4m3 ? DType::e4m3 : DType::e5m2;
-}
-
-float fp8_scale_inv(float amax, Fp8Format fmt, bool pow2) {
-  const float amax_g = std::fmax(amax, kFp8AmaxFloor);
-  const float r = amax_g / fp8_max(fmt);  // >= 1e-12 / 57344: a normal float, never 0 or inf
-  if (!pow2) return r;
-  int e = 0;
-  const float m = std::frexp(r, &e);  // r = m * 2^e, m in [0.5, 1)
-  return m == 0.5f ? r : std::ldexp(1.0f, e);
-}
-
-Shape fp8_scale_shape(int64_t rows, int64_t cols, TileShape tile) {
-  const int64_t cb = cols / kFp8TileSize;
-  if (tile == TileShape::t1x128) return {rows, cb};
-  return {(rows + kFp8TileSize - 1) / kFp8TileSize, cb};
-}
+namespace hlm::ops::cpu {
 
 namespace {
 
@@ -74,24 +32,15 @@ float quantize_tile(const float* x, int64_t ld, int64_t r0, int64_t r1, int64_t 
 
 }  // namespace
 
-Fp8Tensor fp8_quantize(const Tensor& x, const QuantRecipe& rc) {
+void fp8_quantize(const Tensor& x, Fp8Tensor& out) {
   const char* op = "fp8_quantize";
-  detail::require_float(x, op, "x");
-  HLM_CHECK(x.dim() == 2, "{}: x must be 2-D [rows, cols], got {}", op, x.describe());
+  const QuantRecipe& rc = out.recipe;
   const int64_t rows = x.size(0), cols = x.size(1);
-  HLM_CHECK(cols % kFp8TileSize == 0,
-            "{}: x {} has {} columns, not a multiple of {} (pad with zeros to quantize)", op,
-            x.describe(), cols, kFp8TileSize);
   const Tensor xf = x.dtype() == DType::f32 ? x.contiguous() : x.to(DType::f32);
   const float* xp = xf.data<float>();
   for (int64_t i = 0; i < rows * cols; ++i)
     HLM_CHECK(std::isfinite(xp[i]), "{}: x[{}, {}] = {} is not finite (recipe {})", op, i / cols,
               i % cols, xp[i], recipe_str(rc));
-
-  Fp8Tensor out;
-  out.recipe = rc;
-  out.q = Tensor::empty({rows, cols}, fp8_dtype(rc.format));
-  out.scale_inv = Tensor::empty(fp8_scale_shape(rows, cols, rc.tile), DType::f32);
   uint8_t* q = static_cast<uint8_t*>(out.q.raw());
   float* s = out.scale_inv.data<float>();
   const int64_t cb = cols / kFp8TileSize;
@@ -109,31 +58,13 @@ Fp8Tensor fp8_quantize(const Tensor& x, const QuantRecipe& rc) {
       s[i] = quantize_tile(xp, cols, r0, r1, bc * kFp8TileSize, q, rc);
     }
   }
-  return out;
 }
 
-namespace {
-void check_fp8_tensor(const Fp8Tensor& t, const char* op) {
-  HLM_CHECK(t.q.defined() && t.q.dim() == 2 && t.q.dtype() == fp8_dtype(t.recipe.format),
-            "{}: q must be a 2-D {} tensor, got {}", op, dtype_name(fp8_dtype(t.recipe.format)),
-            t.q.defined() ? t.q.describe() : "undefined");
-  HLM_CHECK(t.q.is_cpu() && t.q.is_contiguous(), "{}: q must be a contiguous CPU tensor", op);
-  HLM_CHECK(t.cols() % kFp8TileSize == 0, "{}: q has {} columns, not a multiple of {}", op,
-            t.cols(), kFp8TileSize);
-  const Shape ss = fp8_scale_shape(t.rows(), t.cols(), t.recipe.tile);
-  HLM_CHECK(t.scale_inv.defined() && t.scale_inv.dtype() == DType::f32 && t.scale_inv.shape() == ss,
-            "{}: scale_inv must be f32 {} for q {} ({}), got {}", op, shape_str(ss), t.q.describe(),
-            recipe_str(t.recipe), t.scale_inv.defined() ? t.scale_inv.describe() : "undefined");
-}
-}  // namespace
-
-Tensor fp8_dequantize(const Fp8Tensor& t) {
-  check_fp8_tensor(t, "fp8_dequantize");
+void fp8_dequantize(const Fp8Tensor& t, Tensor& out) {
   const int64_t rows = t.rows(), cols = t.cols(), cb = cols / kFp8TileSize;
   const Tensor sc = t.scale_inv.contiguous();
   const float* s = sc.data<float>();
   const uint8_t* q = static_cast<const uint8_t*>(t.q.raw());
-  Tensor out = Tensor::empty({rows, cols}, DType::f32);
   float* o = out.data<float>();
   const bool tile = t.recipe.tile == TileShape::t1x128;
   for (int64_t r = 0; r < rows; ++r) {
@@ -142,44 +73,25 @@ Tensor fp8_dequantize(const Fp8Tensor& t) {
       o[r * cols + c] =
           fp8_to_float(q[r * cols + c], t.recipe.format) * s[sr * cb + c / kFp8TileSize];
   }
-  return out;
 }
 
-Tensor fp8_values(const Fp8Tensor& t) {
-  check_fp8_tensor(t, "fp8_values");
-  Tensor out = Tensor::empty(t.q.shape(), DType::f32);
+void fp8_values(const Fp8Tensor& t, Tensor& out) {
   const uint8_t* q = static_cast<const uint8_t*>(t.q.raw());
   float* o = out.data<float>();
   for (int64_t i = 0; i < t.q.numel(); ++i) o[i] = fp8_to_float(q[i], t.recipe.format);
-  return out;
 }
 
-Fp8Tensor fp8_transpose_blocks(const Fp8Tensor& w) {
-  const char* op = "fp8_transpose_blocks";
-  check_fp8_tensor(w, op);
-  HLM_CHECK(w.recipe.tile == TileShape::t128x128, "{}: w must be quantized 128x128, got {}", op,
-            recipe_str(w.recipe));
-  const int64_t R = w.rows(), C = w.cols(),
-                Rp = (R + kFp8TileSize - 1) / kFp8TileSize * kFp8TileSize;
-  Fp8Tensor t;
-  t.recipe = w.recipe;
-  t.q = Tensor::zeros({C, Rp}, w.q.dtype());
+void fp8_transpose_blocks(const Fp8Tensor& w, Fp8Tensor& t) {
+  const int64_t R = w.rows(), C = w.cols(), Rp = t.q.size(1);
+  t.q.zero_();
   const uint8_t* src = static_cast<const uint8_t*>(w.q.raw());
   uint8_t* dst = static_cast<uint8_t*>(t.q.raw());
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < C; ++c) dst[c * Rp + r] = src[r * C + c];
-  t.scale_inv = w.scale_inv.transpose(0, 1).contiguous();
-  return t;
+  t.scale_inv.copy_(w.scale_inv.transpose(0, 1));
 }
 
-Tensor fp8_gemm_tn(const Fp8Tensor& a, const Fp8Tensor& b) {
-  const char* op = "fp8_gemm_tn";
-  check_fp8_tensor(a, op);
-  check_fp8_tensor(b, op);
-  HLM_CHECK(a.recipe.tile == TileShape::t1x128, "{}: A must be quantized 1x128, got {}", op,
-            recipe_str(a.recipe));
-  HLM_CHECK(a.cols() == b.cols(), "{}: A is [{}, {}] and B is [{}, {}]: K differs", op, a.rows(),
-            a.cols(), b.rows(), b.cols());
+void fp8_gemm_tn(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c) {
   const int64_t M = a.rows(), N = b.rows(), K = a.cols(), KB = K / kFp8TileSize;
 
   // fp8 codes -> exact float values (a 256-entry table per format), B transposed to [K, N] so the
@@ -205,7 +117,6 @@ Tensor fp8_gemm_tn(const Fp8Tensor& a, const Fp8Tensor& b) {
   const Tensor sat = a.scale_inv.contiguous();
   const float* sa = sat.data<float>();
 
-  Tensor c = Tensor::empty({M, N}, DType::f32);
   float* cp = c.data<float>();
 #pragma omp parallel
   {
@@ -233,7 +144,6 @@ Tensor fp8_gemm_tn(const Fp8Tensor& a, const Fp8Tensor& b) {
       }
     }
   }
-  return c;
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

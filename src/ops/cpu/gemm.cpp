@@ -1,4 +1,5 @@
-// GEMM on the CPU through OpenBLAS: C = alpha * op(A) op(B) + beta * C.
+// GEMM on the CPU (ops/gemm.h, the reference; entry point in ops/cpu/gemm.h):
+// C = alpha * op(A) op(B) + beta * C.
 //
 //   op(A) [M, K], op(B) [K, N], C [M, N]; op(X) = X or X^T.
 //   C[m, n] = alpha * sum_k op(A)[m, k] * op(B)[k, n] + beta * C[m, n]
@@ -11,7 +12,7 @@
 // With round_bf16, both operands are rounded to bf16 and multiplied with FP32 accumulation
 // (cblas_sgemm), as a bf16 tensor-core GEMM does; the result goes to C in C's dtype.
 //
-// Two backends (gemm_backend(), set by set_gemm_backend or HLM_GEMM=invariant|blas):
+// Two backends (the front door passes gemm_backend(): set_gemm_backend or HLM_GEMM=invariant|blas):
 //   invariant (default): our own kernel. Every element is one strictly sequential sum over k,
 //     C[m, n] = alpha * (((a_m0 b_0n + a_m1 b_1n) + a_m2 b_2n) + ...) + beta * C[m, n],
 //     so a row of C depends only on its row of op(A) and on op(B): the same bits whatever the
@@ -23,56 +24,12 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <atomic>
-#include <climits>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
-#include "ops/gemm.h"
+#include "ops/cpu/gemm.h"
 #include "ops/gemm_operand.h"
-#include "ops/op_checks.h"
-#include "ops/tensor_ops.h"
 
-namespace hlm::ops {
-
-namespace detail {
-
-BlasMat as_blas(const Tensor& t, bool trans) {
-  const int64_t r = t.size(0), c = t.size(1);
-  const int64_t s0 = t.stride(0), s1 = t.stride(1);
-  auto ld_of = [&](int64_t ld) {
-    HLM_CHECK(ld < INT32_MAX, "gemm: leading dimension {} of {} exceeds the BLAS int range", ld,
-              t.describe());
-    return int(ld);
-  };
-  BlasMat m;
-  if ((c <= 1 || s1 == 1) && (r <= 1 || s0 >= std::max<int64_t>(c, 1))) {
-    m.ptr = t.raw();
-    m.ld = ld_of(r <= 1 ? std::max<int64_t>(c, 1) : s0);
-    m.trans = trans;
-    return m;
-  }
-  if ((r <= 1 || s0 == 1) && (c <= 1 || s1 >= std::max<int64_t>(r, 1))) {
-    // Column-major storage: t = (t^T)^T with t^T row-major [C, R], ld = stride(1).
-    m.ptr = t.raw();
-    m.ld = ld_of(c <= 1 ? std::max<int64_t>(r, 1) : s1);
-    m.trans = !trans;
-    return m;
-  }
-  m.keep = contiguous(t);
-  m.ptr = m.keep.raw();
-  m.ld = ld_of(std::max<int64_t>(c, 1));
-  m.trans = trans;
-  return m;
-}
-
-bool blas_row_major(const Tensor& t) {
-  const int64_t r = t.size(0), c = t.size(1);
-  return (c <= 1 || t.stride(1) == 1) && (r <= 1 || t.stride(0) >= std::max<int64_t>(c, 1));
-}
-
-}  // namespace detail
+namespace hlm::ops::cpu {
 
 namespace {
 
@@ -133,24 +90,12 @@ void invariant_gemm(const BlasMat& a, const BlasMat& b, T* c, int64_t ldc, int64
   }
 }
 
-GemmBackend backend_from_env() {
-  const char* e = std::getenv("HLM_GEMM");
-  if (e == nullptr || *e == 0 || std::strcmp(e, "invariant") == 0) return GemmBackend::invariant;
-  if (std::strcmp(e, "blas") == 0) return GemmBackend::blas;
-  HLM_FAIL("HLM_GEMM must be \"invariant\" or \"blas\", got \"{}\"", e);
-}
-
-std::atomic<GemmBackend>& backend_slot() {
-  static std::atomic<GemmBackend> slot{backend_from_env()};
-  return slot;
-}
-
 // C = alpha * op(A) op(B) + beta * C for row-major C of dtype T (T = float or double), with A and
 // B of dtype T too, on the selected backend.
 template <class T>
 void blas_gemm(const BlasMat& a, const BlasMat& b, T* c, int ldc, int64_t m, int64_t n, int64_t k,
-               double alpha, double beta) {
-  if (gemm_backend() == GemmBackend::invariant) {
+               double alpha, double beta, GemmBackend backend) {
+  if (backend == GemmBackend::invariant) {
     invariant_gemm<T>(a, b, c, ldc, m, n, k, alpha, beta);
     return;
   }
@@ -168,33 +113,33 @@ void blas_gemm(const BlasMat& a, const BlasMat& b, T* c, int ldc, int64_t m, int
 // Full C update for T = float / double when A, B, C all hold T.
 template <class T>
 void gemm_same_dtype(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m,
-                     int64_t n, int64_t k, double alpha, double beta) {
+                     int64_t n, int64_t k, double alpha, double beta, GemmBackend backend) {
   const BlasMat ma = as_blas(a, ta), mb = as_blas(b, tb);
   if (detail::blas_row_major(c)) {
     const int ldc = int(m <= 1 ? std::max<int64_t>(n, 1) : c.stride(0));
-    blas_gemm<T>(ma, mb, c.data<T>(), ldc, m, n, k, alpha, beta);
+    blas_gemm<T>(ma, mb, c.data<T>(), ldc, m, n, k, alpha, beta, backend);
     return;
   }
   // C is not row-major: compute on a contiguous copy and write it back.
   Tensor tmp = beta == 0.0 ? Tensor::empty(c.shape(), c.dtype()) : c.clone();
-  blas_gemm<T>(ma, mb, tmp.data<T>(), int(std::max<int64_t>(n, 1)), m, n, k, alpha, beta);
+  blas_gemm<T>(ma, mb, tmp.data<T>(), int(std::max<int64_t>(n, 1)), m, n, k, alpha, beta, backend);
   c.copy_(tmp);
 }
 
 // The bf16 path: operands rounded to bf16 (held as f32), FP32 accumulation; then
 // C = alpha * acc + beta * C in C's dtype.
 void gemm_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m, int64_t n,
-               int64_t k, double alpha, double beta) {
+               int64_t k, double alpha, double beta, GemmBackend backend) {
   // to(bf16) rounds to nearest even once, from whatever precision the operand holds.
   const Tensor a16 = a.dtype() == DType::bf16 ? a.to(DType::f32) : a.to(DType::bf16).to(DType::f32);
   const Tensor b16 = b.dtype() == DType::bf16 ? b.to(DType::f32) : b.to(DType::bf16).to(DType::f32);
   if (c.dtype() == DType::f32) {
-    gemm_same_dtype<float>(a16, ta, b16, tb, c, m, n, k, alpha, beta);
+    gemm_same_dtype<float>(a16, ta, b16, tb, c, m, n, k, alpha, beta, backend);
     return;
   }
   Tensor acc = Tensor::empty({m, n}, DType::f32);
   blas_gemm<float>(as_blas(a16, ta), as_blas(b16, tb), acc.data<float>(),
-                   int(std::max<int64_t>(n, 1)), m, n, k, 1.0, 0.0);
+                   int(std::max<int64_t>(n, 1)), m, n, k, 1.0, 0.0, backend);
   // Epilogue in FP32 (as the tensor-core epilogue does), then one cast to C's dtype.
   Tensor out = Tensor::empty({m, n}, DType::f32);
   const Tensor cold = beta == 0.0 ? Tensor() : c.to(DType::f32);
@@ -208,80 +153,15 @@ void gemm_bf16(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, in
 
 }  // namespace
 
-GemmBackend gemm_backend() {
-  return backend_slot().load(std::memory_order_relaxed);
-}
-void set_gemm_backend(GemmBackend b) {
-  backend_slot().store(b, std::memory_order_relaxed);
-}
-const char* gemm_backend_name(GemmBackend b) {
-  return b == GemmBackend::invariant ? "invariant" : "blas";
-}
-
-void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
-          double beta, GemmOptions opt) {
-  constexpr const char* op = "gemm";
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}, {&c, "C"}}) {
-    HLM_CHECK(t->defined(), "gemm: {} is undefined", name);
-    HLM_CHECK(t->device() == a.device(), "gemm: {} must be on the device of A ({}), got {}", name,
-              a.describe(), t->describe());
-    HLM_CHECK(t->dim() == 2, "gemm: {} must be 2-D, got {}", name, t->describe());
-  }
-  const bool on_cuda = a.device() == Device::cuda;
-#ifndef HLM_HAVE_CUDA
-  HLM_CHECK(!on_cuda, "gemm: A is a CUDA tensor ({}) but this build has no CUDA support",
-            a.describe());
-#endif
-  const int64_t m = trans_a ? a.size(1) : a.size(0);
-  const int64_t k = trans_a ? a.size(0) : a.size(1);
-  const int64_t kb = trans_b ? b.size(1) : b.size(0);
-  const int64_t n = trans_b ? b.size(0) : b.size(1);
-  HLM_CHECK(k == kb,
-            "gemm: inner dimensions differ: op(A) is [{}, {}] (A {}{}), op(B) is [{}, {}] (B {}{})",
-            m, k, shape_str(a.shape()), trans_a ? " transposed" : "", kb, n, shape_str(b.shape()),
-            trans_b ? " transposed" : "");
-  HLM_CHECK(c.size(0) == m && c.size(1) == n, "gemm: C must have shape [{}, {}], got {}", m, n,
-            c.describe());
-  HLM_CHECK(m < INT_MAX && n < INT_MAX && k < INT_MAX,
-            "gemm: dimensions [{}, {}, {}] exceed BLAS int range", m, n, k);
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, int64_t m,
+          int64_t n, int64_t k, double alpha, double beta, GemmOptions opt, GemmBackend backend) {
   if (opt.round_bf16) {
-    for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}, {&c, "C"}})
-      HLM_CHECK(t->dtype() == DType::f32 || t->dtype() == DType::f64 || t->dtype() == DType::bf16,
-                "gemm (round_bf16): {} must be f32, f64 or bf16, got {}", name, t->describe());
-  } else {
-    HLM_CHECK(a.dtype() == DType::f32 || a.dtype() == DType::f64,
-              "gemm: A must be f32 or f64, got {}", a.describe());
-    detail::require_same_dtype(b, a, op, "B", "A");
-    detail::require_same_dtype(c, a, op, "C", "A");
-  }
-  if (m == 0 || n == 0) return;
-  if (k == 0) {  // C = beta C (beta == 0: C = 0 without reading it), on either device
-    scale_(c, beta);
-    return;
-  }
-  if (on_cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::gemm(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, opt);
-#endif
-    return;
-  }
-  if (opt.round_bf16) {
-    gemm_bf16(a, trans_a, b, trans_b, c, m, n, k, alpha, beta);
+    gemm_bf16(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, backend);
   } else if (a.dtype() == DType::f32) {
-    gemm_same_dtype<float>(a, trans_a, b, trans_b, c, m, n, k, alpha, beta);
+    gemm_same_dtype<float>(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, backend);
   } else {
-    gemm_same_dtype<double>(a, trans_a, b, trans_b, c, m, n, k, alpha, beta);
+    gemm_same_dtype<double>(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, backend);
   }
 }
 
-Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, GemmOptions opt) {
-  HLM_CHECK(a.defined() && a.dim() == 2, "matmul: A must be a 2-D tensor, got {}", a.describe());
-  HLM_CHECK(b.defined() && b.dim() == 2, "matmul: B must be a 2-D tensor, got {}", b.describe());
-  const int64_t m = trans_a ? a.size(1) : a.size(0);
-  const int64_t n = trans_b ? b.size(0) : b.size(1);
-  Tensor c = Tensor::empty({m, n}, a.dtype(), a.device());
-  gemm(a, trans_a, b, trans_b, c, 1.0, 0.0, opt);
-  return c;
-}
-
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

@@ -1,38 +1,19 @@
-// LayerNorm on the CPU (ops/layernorm.h).
+// LayerNorm on the CPU (ops/layernorm.h, the reference; entry points in ops/cpu/layernorm.h).
 //   xhat_i = (x_i - mean) rstd,  y_i = xhat_i w_i + b_i
 // Backward (per row), g_i = dy_i w_i:
 //   db_i += dy_i,  dw_i += dy_i xhat_i
 //   dx_i  = rstd (g_i - mean_j(g_j) - xhat_i mean_j(g_j xhat_j))
 // Rows in parallel, each row's sums in index order; dw/db sum over rows in row order.
-#include "ops/layernorm.h"
+#include "ops/cpu/layernorm.h"
 
 #include <cmath>
 
 #include "ops/op_checks.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 
-namespace {
-void check_params(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
-  detail::require_float(x, op, "x");
-  HLM_CHECK(x.dim() >= 1, "{}: x must be [..., D], got {}", op, x.describe());
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&w, "w"}, {&b, "b"}}) {
-    detail::require_float(*t, op, name);
-    detail::require_same_dtype(*t, x, op, name, "x");
-    detail::require_shape(*t, {x.size(-1)}, op, name);
-  }
-}
-}  // namespace
-
-LayerNormResult layernorm_forward(const Tensor& x_, const Tensor& w_, const Tensor& b_,
-                                  double eps) {
-  constexpr const char* op = "layernorm_forward";
-  check_params(op, x_, w_, b_);
-  HLM_CHECK(eps >= 0, "{}: eps must be >= 0, got {}", op, eps);
-  const Tensor x = x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
-  const Shape lead = detail::leading_shape(x);
-  LayerNormResult out{Tensor::empty(x.shape(), x.dtype()), Tensor::empty(lead, x.dtype()),
-                      Tensor::empty(lead, x.dtype())};
+void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps,
+                       LayerNormResult& out) {
   const int64_t rows = detail::leading_rows(x), d = x.size(-1);
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -52,31 +33,10 @@ LayerNormResult layernorm_forward(const Tensor& x_, const Tensor& w_, const Tens
       for (int64_t i = 0; i < d; ++i) py[r * d + i] = (xr[i] - m) * rs * pw[i] + pb[i];
     }
   });
-  return out;
 }
 
-Tensor layernorm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& w_,
-                          const Tensor& mean_, const Tensor& rstd_, Tensor& dw, Tensor& db) {
-  constexpr const char* op = "layernorm_backward";
-  check_params(op, x_, w_, w_);
-  detail::require_float(dy_, op, "dy");
-  detail::require_same_dtype(dy_, x_, op, "dy", "x");
-  detail::require_shape(dy_, x_.shape(), op, "dy");
-  const Shape lead = detail::leading_shape(x_);
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&mean_, "mean"}, {&rstd_, "rstd"}}) {
-    detail::require_float(*t, op, name);
-    detail::require_same_dtype(*t, x_, op, name, "x");
-    detail::require_shape(*t, lead, op, name);
-  }
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&dw, "dw"}, {&db, "db"}}) {
-    detail::require_float(*t, op, name);
-    detail::require_same_dtype(*t, x_, op, name, "x");
-    detail::require_shape(*t, w_.shape(), op, name);
-    detail::require_contiguous(*t, op, name);
-  }
-  const Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(),
-               mean = mean_.contiguous(), rstd = rstd_.contiguous();
-  Tensor dx = Tensor::empty(x.shape(), x.dtype());
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
+                        const Tensor& rstd, Tensor& dx, Tensor& dw, Tensor& db) {
   const int64_t rows = detail::leading_rows(x), d = x.size(-1);
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -105,7 +65,6 @@ Tensor layernorm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& w_,
         pdb[i] += g;
       }
   });
-  return dx;
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

@@ -1,8 +1,9 @@
-// CPU implementation of the MoE router, load balancing and experts (ops/moe.h; spec 2.1-2.3).
-// Activation gradients are written (=), parameter gradients accumulate (+=). Per-expert work goes
-// through ops::gemm on the rows routed to that expert (gathered in ascending token order); every
-// combine and scatter-add runs in a fixed order (k ascending per token, then the shared expert).
-#include "ops/moe.h"
+// The MoE router, load balancing and experts on the CPU (ops/moe.h, the reference; entry points
+// in ops/cpu/moe.h; spec 2.1-2.3). Activation gradients are written (=), parameter gradients
+// accumulate (+=). Per-expert work goes through ops::gemm on the rows routed to that expert
+// (gathered in ascending token order); every combine and scatter-add runs in a fixed order (k
+// ascending per token, then the shared expert).
+#include "ops/cpu/moe.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,14 +14,10 @@
 #include "ops/activations.h"
 #include "ops/gemm.h"
 #include "ops/op_checks.h"
-#include "ops/seqlens.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 namespace {
 
-DType comp_dtype(const Tensor& x) {
-  return x.dtype() == DType::f64 ? DType::f64 : DType::f32;
-}
 Tensor as_dt(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
 }
@@ -43,44 +40,8 @@ void accumulate_at(Tensor& acc, int64_t offset, const Tensor& g) {
   }
 }
 
-void check_acc(const Tensor& acc, const Shape& s, const char* op, const char* what) {
-  HLM_CHECK(acc.defined(), "{}: gradient accumulator {} is undefined (expected {})", op, what,
-            shape_str(s));
-  detail::require_float(acc, op, what);
-  detail::require_shape(acc, s, op, what);
-  HLM_CHECK(acc.is_contiguous(), "{}: gradient accumulator {} must be contiguous, got {}", op, what,
-            acc.describe());
-}
-
 // ---- router
 // ---------------------------------------------------------------------------------------
-void check_router_cfg(const MoeRouterConfig& c, const char* op) {
-  const int64_t E = c.n_experts;
-  HLM_CHECK(E >= 1, "{}: cfg.n_experts must be >= 1, got {}", op, E);
-  HLM_CHECK(c.top_k >= 1 && c.top_k <= E, "{}: cfg.top_k must be in [1, n_experts = {}], got {}",
-            op, E, c.top_k);
-  HLM_CHECK(c.n_group >= 1 && E % c.n_group == 0,
-            "{}: cfg.n_group must be >= 1 and divide n_experts = {}, got {}", op, E, c.n_group);
-  HLM_CHECK(c.topk_group >= 1 && c.topk_group <= c.n_group,
-            "{}: cfg.topk_group must be in [1, n_group = {}], got {}", op, c.n_group, c.topk_group);
-  const int64_t gs = E / c.n_group;
-  if (c.n_group > 1)
-    HLM_CHECK(gs >= 2, "{}: groups must hold >= 2 experts (group score = top-2 sum), got {}", op,
-              gs);
-  HLM_CHECK(c.top_k <= c.topk_group * gs,
-            "{}: cfg.top_k = {} exceeds the experts of the kept groups (topk_group {} x {})", op,
-            c.top_k, c.topk_group, gs);
-  HLM_CHECK(c.routed_scaling_factor > 0 && std::isfinite(c.routed_scaling_factor),
-            "{}: cfg.routed_scaling_factor must be finite and > 0, got {}", op,
-            c.routed_scaling_factor);
-}
-
-void check_logits(const Tensor& logits, const MoeRouterConfig& c, const char* op) {
-  detail::require_float(logits, op, "logits");
-  HLM_CHECK(logits.dim() == 2 && logits.size(1) == c.n_experts,
-            "{}: logits must be [T, n_experts = {}], got {}", op, c.n_experts, logits.describe());
-}
-
 // Select top-k experts of one token. sel [E]; out idx [K].
 template <class T>
 void select_token(const T* sel, const MoeRouterConfig& c, int64_t* idx, std::vector<int64_t>& buf) {
@@ -117,17 +78,13 @@ void select_token(const T* sel, const MoeRouterConfig& c, int64_t* idx, std::vec
 }
 
 template <class T>
-MoeRouterResult router_fwd(const Tensor& logits_in, const Tensor& bias_in, const MoeRouterConfig& c,
-                           const std::vector<int64_t>* replay) {
+void router_fwd(const Tensor& logits_in, const Tensor& bias_in, const MoeRouterConfig& c,
+                const std::vector<int64_t>* replay, MoeRouterResult& r) {
   const DType dt = dtype_of<T>::value;
   Tensor lc = as_dt(logits_in, dt);
   Tensor bc = bias_in.defined() ? as_dt(bias_in, dt) : Tensor::zeros({c.n_experts}, dt);
   const T *l = lc.data<T>(), *b = bc.data<T>();
   const int64_t Tn = lc.size(0), E = c.n_experts, K = c.top_k;
-  MoeRouterResult r;
-  r.scores = Tensor::empty({Tn, E}, dt);
-  r.topk_idx = Tensor::empty({Tn, K}, DType::i64);
-  r.topk_weight = Tensor::empty({Tn, K}, dt);
   T *s = r.scores.data<T>(), *w = r.topk_weight.data<T>();
   int64_t* idx = r.topk_idx.data<int64_t>();
 #pragma omp parallel
@@ -152,18 +109,16 @@ MoeRouterResult router_fwd(const Tensor& logits_in, const Tensor& bias_in, const
       for (int64_t k = 0; k < K; ++k) w[t * K + k] = st[it[k]] / denom * T(c.routed_scaling_factor);
     }
   }
-  return r;
 }
 
 template <class T>
-Tensor router_bwd(const Tensor& logits_in, const MoeRouterResult& r, const MoeRouterConfig& c,
-                  const Tensor& dw_in) {
+void router_bwd(const Tensor& logits_in, const std::vector<int64_t>& idx, const MoeRouterConfig& c,
+                const Tensor& dw_in, Tensor& dl) {
   const DType dt = dtype_of<T>::value;
   Tensor lc = as_dt(logits_in, dt), dwc = as_dt(dw_in, dt);
-  const std::vector<int64_t> idx = detail::index_values(r.topk_idx);
   const T *l = lc.data<T>(), *dw = dwc.data<T>();
   const int64_t Tn = lc.size(0), E = c.n_experts, K = c.top_k;
-  Tensor dl = Tensor::zeros({Tn, E}, dt);
+  dl.zero_();
   T* d = dl.data<T>();
   const T scale = T(c.routed_scaling_factor);
 #pragma omp parallel for schedule(static)
@@ -183,82 +138,33 @@ Tensor router_bwd(const Tensor& logits_in, const MoeRouterResult& r, const MoeRo
       d[t * E + it[k]] += ds * sig(x) * sig(-x);
     }
   }
-  return dl;
-}
-
-void check_topk_idx(const Tensor& idx, int64_t Tn, int64_t E, const char* op, const char* what,
-                    std::vector<int64_t>& vals, bool distinct) {
-  detail::require_index(idx, op, what);
-  HLM_CHECK(idx.dim() == 2 && idx.size(0) == Tn && idx.size(1) >= 1,
-            "{}: {} must be [T = {}, K], got {}", op, what, Tn, idx.describe());
-  vals = detail::index_values(idx);
-  const int64_t K = idx.size(1);
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t v = vals[size_t(t * K + k)];
-      HLM_CHECK(v >= 0 && v < E, "{}: {}[{}, {}] = {} is outside [0, {})", op, what, t, k, v, E);
-      if (distinct)
-        for (int64_t q = 0; q < k; ++q)
-          HLM_CHECK(vals[size_t(t * K + q)] != v, "{}: {}[{}] repeats expert {}", op, what, t, v);
-    }
 }
 
 }  // namespace
 
-MoeRouterResult moe_router_forward(const Tensor& logits, const Tensor& bias,
-                                   const MoeRouterConfig& cfg, const Tensor& replay_idx) {
-  const char* op = "moe_router_forward";
-  check_router_cfg(cfg, op);
-  check_logits(logits, cfg, op);
-  if (bias.defined()) {
-    detail::require_float(bias, op, "bias");
-    detail::require_shape(bias, {cfg.n_experts}, op, "bias");
-  }
-  std::vector<int64_t> rv;
-  if (replay_idx.defined()) {
-    check_topk_idx(replay_idx, logits.size(0), cfg.n_experts, op, "replay_idx", rv, true);
-    HLM_CHECK(replay_idx.size(1) == cfg.top_k, "{}: replay_idx must be [T, top_k = {}], got {}", op,
-              cfg.top_k, replay_idx.describe());
-  }
-  const std::vector<int64_t>* rp = replay_idx.defined() ? &rv : nullptr;
-  return comp_dtype(logits) == DType::f64 ? router_fwd<double>(logits, bias, cfg, rp)
-                                          : router_fwd<float>(logits, bias, cfg, rp);
+void moe_router_forward(const Tensor& logits, const Tensor& bias, const MoeRouterConfig& cfg,
+                        const std::vector<int64_t>* replay, MoeRouterResult& r) {
+  if (r.scores.dtype() == DType::f64)
+    router_fwd<double>(logits, bias, cfg, replay, r);
+  else
+    router_fwd<float>(logits, bias, cfg, replay, r);
 }
 
-Tensor moe_router_backward(const Tensor& logits, const MoeRouterResult& r,
-                           const MoeRouterConfig& cfg, const Tensor& dweight) {
-  const char* op = "moe_router_backward";
-  check_router_cfg(cfg, op);
-  check_logits(logits, cfg, op);
-  std::vector<int64_t> iv;
-  check_topk_idx(r.topk_idx, logits.size(0), cfg.n_experts, op, "r.topk_idx", iv, false);
-  HLM_CHECK(r.topk_idx.size(1) == cfg.top_k, "{}: r.topk_idx must be [T, top_k = {}], got {}", op,
-            cfg.top_k, r.topk_idx.describe());
-  detail::require_float(dweight, op, "dweight");
-  detail::require_shape(dweight, r.topk_idx.shape(), op, "dweight");
-  return comp_dtype(logits) == DType::f64 ? router_bwd<double>(logits, r, cfg, dweight)
-                                          : router_bwd<float>(logits, r, cfg, dweight);
+void moe_router_backward(const Tensor& logits, const std::vector<int64_t>& idx,
+                         const MoeRouterConfig& cfg, const Tensor& dweight, Tensor& dlogits) {
+  if (dlogits.dtype() == DType::f64)
+    router_bwd<double>(logits, idx, cfg, dweight, dlogits);
+  else
+    router_bwd<float>(logits, idx, cfg, dweight, dlogits);
 }
 
-Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts) {
-  const char* op = "moe_expert_load";
-  HLM_CHECK(n_experts >= 1, "{}: n_experts must be >= 1, got {}", op, n_experts);
-  detail::require_index(topk_idx, op, "topk_idx");
-  HLM_CHECK(topk_idx.dim() == 2, "{}: topk_idx must be [T, K], got {}", op, topk_idx.describe());
-  std::vector<int64_t> v;
-  check_topk_idx(topk_idx, topk_idx.size(0), n_experts, op, "topk_idx", v, false);
-  Tensor load = Tensor::zeros({n_experts}, DType::i64);
+void moe_expert_load(const std::vector<int64_t>& idx, Tensor& load) {
+  load.zero_();
   int64_t* p = load.data<int64_t>();
-  for (int64_t e : v) ++p[e];
-  return load;
+  for (int64_t e : idx) ++p[e];
 }
 
 void moe_bias_update(Tensor& bias, const Tensor& load, double rate) {
-  const char* op = "moe_bias_update";
-  detail::require_float(bias, op, "bias");
-  HLM_CHECK(bias.dim() == 1, "{}: bias must be [E], got {}", op, bias.describe());
-  HLM_CHECK(load.defined() && load.is_cpu(), "{}: load must be a CPU tensor", op);
-  detail::require_shape(load, bias.shape(), op, "load");
   const std::vector<double> l = load.to_f64_vector();
   std::vector<double> b = bias.to_f64_vector();
   const int64_t E = int64_t(l.size());
@@ -282,20 +188,6 @@ struct AuxArgs {
   std::vector<int64_t> cu, idx;
   int64_t n_seq = 0;  // non-empty sequences
 };
-AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
-                  const char* op) {
-  detail::require_float(logits, op, "logits");
-  HLM_CHECK(logits.dim() == 2, "{}: logits must be [T, E], got {}", op, logits.describe());
-  AuxArgs a;
-  a.T = logits.size(0);
-  a.E = logits.size(1);
-  check_topk_idx(topk_idx, a.T, a.E, op, "topk_idx", a.idx, false);
-  a.K = topk_idx.size(1);
-  a.cu = check_cu_seqlens(cu_seqlens, a.T);
-  for (size_t s = 0; s + 1 < a.cu.size(); ++s) a.n_seq += a.cu[s + 1] > a.cu[s] ? 1 : 0;
-  return a;
-}
-
 // Returns the loss; with dl non-null, also writes dlogits * dloss.
 template <class T>
 double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, double dloss) {
@@ -342,23 +234,20 @@ double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, 
 }
 }  // namespace
 
-double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
-                        double coeff) {
-  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, "moe_seq_aux_loss");
-  return comp_dtype(logits) == DType::f64 ? aux_impl<double>(logits, a, coeff, nullptr, 0)
-                                          : aux_impl<float>(logits, a, coeff, nullptr, 0);
-}
-
-Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
-                                 const Tensor& cu_seqlens, double coeff, double dloss) {
-  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, "moe_seq_aux_loss_backward");
-  const DType dt = comp_dtype(logits);
-  Tensor dl = Tensor::zeros({a.T, a.E}, dt);
-  if (dt == DType::f64)
-    aux_impl<double>(logits, a, coeff, dl.data<double>(), dloss);
-  else
-    aux_impl<float>(logits, a, coeff, dl.data<float>(), dloss);
-  return dl;
+double moe_seq_aux_loss(const Tensor& logits, const std::vector<int64_t>& idx, int64_t K,
+                        const std::vector<int64_t>& cu, double coeff, double dloss,
+                        Tensor* dlogits) {
+  AuxArgs a;
+  a.T = logits.size(0);
+  a.E = logits.size(1);
+  a.K = K;
+  a.cu = cu;
+  a.idx = idx;
+  for (size_t s = 0; s + 1 < a.cu.size(); ++s) a.n_seq += a.cu[s + 1] > a.cu[s] ? 1 : 0;
+  if (dlogits) dlogits->zero_();
+  if (detail::compute_dtype(logits.dtype()) == DType::f64)
+    return aux_impl<double>(logits, a, coeff, dlogits ? dlogits->data<double>() : nullptr, dloss);
+  return aux_impl<float>(logits, a, coeff, dlogits ? dlogits->data<float>() : nullptr, dloss);
 }
 
 // ---- clamped SwiGLU -----------------------------------------------------------------------------
@@ -394,77 +283,37 @@ void swiglu_rows_bwd(const T* gu, const T* dh, T* dgu, int64_t rows, int64_t I, 
 }
 }  // namespace
 
-Tensor swiglu_clamped_forward(const Tensor& gu, double limit) {
-  const char* op = "swiglu_clamped_forward";
-  detail::require_float(gu, op, "gu");
-  HLM_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "{}: gu must be [..., 2I], got {}", op,
-            gu.describe());
+void swiglu_clamped_forward(const Tensor& gu, double limit, Tensor& h) {
   const int64_t I = gu.size(-1) / 2, rows = detail::leading_rows(gu);
-  Shape s = detail::leading_shape(gu);
-  s.push_back(I);
-  const DType dt = gu.dtype();
-  Tensor g = gu.contiguous();
-  Tensor h = Tensor::empty(s, dt);
-  if (dt == DType::f64)
-    swiglu_rows<double>(g.data<double>(), h.data<double>(), rows, I, limit);
+  if (gu.dtype() == DType::f64)
+    swiglu_rows<double>(gu.data<double>(), h.data<double>(), rows, I, limit);
   else
-    swiglu_rows<float>(g.data<float>(), h.data<float>(), rows, I, limit);
-  return h;
+    swiglu_rows<float>(gu.data<float>(), h.data<float>(), rows, I, limit);
 }
 
-Tensor swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit) {
-  const char* op = "swiglu_clamped_backward";
-  detail::require_float(gu, op, "gu");
-  HLM_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "{}: gu must be [..., 2I], got {}", op,
-            gu.describe());
+void swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit, Tensor& dgu) {
   const int64_t I = gu.size(-1) / 2, rows = detail::leading_rows(gu);
-  Shape s = detail::leading_shape(gu);
-  s.push_back(I);
-  detail::require_float(dh, op, "dh");
-  detail::require_shape(dh, s, op, "dh");
-  const DType dt = gu.dtype();
-  Tensor g = gu.contiguous(), d = as_dt(dh, dt);
-  Tensor dgu = Tensor::empty(gu.shape(), dt);
-  if (dt == DType::f64)
-    swiglu_rows_bwd<double>(g.data<double>(), d.data<double>(), dgu.data<double>(), rows, I, limit);
+  if (gu.dtype() == DType::f64)
+    swiglu_rows_bwd<double>(gu.data<double>(), dh.data<double>(), dgu.data<double>(), rows, I,
+                            limit);
   else
-    swiglu_rows_bwd<float>(g.data<float>(), d.data<float>(), dgu.data<float>(), rows, I, limit);
-  return dgu;
+    swiglu_rows_bwd<float>(gu.data<float>(), dh.data<float>(), dgu.data<float>(), rows, I, limit);
 }
 
 // ---- experts ------------------------------------------------------------------------------------
 namespace {
 struct ExpertDims {
-  int64_t T, D, E, I, K, Is;
+  int64_t T, D, E, I, K;
   bool shared;
 };
 
-ExpertDims check_experts(const Tensor& x, const MoeWeights& w, const char* op) {
-  detail::require_float(x, op, "x");
-  HLM_CHECK(x.dim() == 2, "{}: x must be [T, D], got {}", op, x.describe());
-  ExpertDims d{};
-  d.T = x.size(0);
-  d.D = x.size(1);
-  detail::require_float(w.gate_up, op, "w.gate_up");
-  HLM_CHECK(w.gate_up.dim() == 3 && w.gate_up.size(2) == d.D && w.gate_up.size(1) % 2 == 0 &&
-                w.gate_up.size(0) >= 1 && w.gate_up.size(1) >= 2,
-            "{}: w.gate_up must be [E, 2I, D = {}], got {}", op, d.D, w.gate_up.describe());
-  d.E = w.gate_up.size(0);
-  d.I = w.gate_up.size(1) / 2;
-  detail::require_float(w.down, op, "w.down");
-  detail::require_shape(w.down, {d.E, d.D, d.I}, op, "w.down");
-  d.shared = w.shared_gate_up.defined() || w.shared_down.defined();
-  if (d.shared) {
-    detail::require_float(w.shared_gate_up, op, "w.shared_gate_up");
-    HLM_CHECK(w.shared_gate_up.dim() == 2 && w.shared_gate_up.size(1) == d.D &&
-                  w.shared_gate_up.size(0) % 2 == 0 && w.shared_gate_up.size(0) >= 2,
-              "{}: w.shared_gate_up must be [2I_s, D = {}], got {}", op, d.D,
-              w.shared_gate_up.describe());
-    d.Is = w.shared_gate_up.size(0) / 2;
-    detail::require_float(w.shared_down, op, "w.shared_down");
-    detail::require_shape(w.shared_down, {d.D, d.Is}, op, "w.shared_down");
-  }
-  return d;
+ExpertDims dims_of(const Tensor& x, const MoeWeights& w, int64_t K) {
+  return {x.size(0),
+          x.size(1),
+          w.gate_up.size(0),
+          w.gate_up.size(1) / 2,
+          K,
+          w.shared_gate_up.defined() || w.shared_down.defined()};
 }
 
 // Rows of `src` [N, C] (contiguous, dtype T) listed in `rows`, gathered into a new [n, C].
@@ -493,8 +342,8 @@ std::vector<std::vector<int64_t>> assignments(const std::vector<int64_t>& idx, i
 }
 
 template <class T>
-Tensor experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int64_t>& idx,
-                   const Tensor& tw_in, double limit, const ExpertDims& d, MoeSaved& s) {
+void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int64_t>& idx,
+                 const Tensor& tw_in, double limit, const ExpertDims& d, Tensor& out, MoeSaved& s) {
   const DType dt = dtype_of<T>::value;
   const int64_t T_ = d.T, D = d.D, I = d.I, K = d.K;
   Tensor x = as_dt(x_in, dt), tw = as_dt(tw_in, dt);
@@ -515,7 +364,7 @@ Tensor experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<in
     for (size_t r = 0; r < rows.size(); ++r) toks[r] = rows[r] / K;
     Tensor xe = gather_rows<T>(x, toks, D);
     Tensor gue = matmul(xe, false, gu_w.select(0, e), true);  // [n, 2I]
-    Tensor he = swiglu_clamped_forward(gue, limit);           // [n, I]
+    Tensor he = ops::swiglu_clamped_forward(gue, limit);      // [n, I]
     Tensor eoe = matmul(he, false, dn_w.select(0, e), true);  // [n, D]
     scatter_rows<T>(gue, rows, 2 * I, s.gu);
     scatter_rows<T>(he, rows, I, s.h);
@@ -524,10 +373,9 @@ Tensor experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<in
   Tensor so;
   if (d.shared && T_ > 0) {
     s.sgu = matmul(x, false, as_dt(w.shared_gate_up, dt), true);
-    s.sh = swiglu_clamped_forward(s.sgu, limit);
+    s.sh = ops::swiglu_clamped_forward(s.sgu, limit);
     so = matmul(s.sh, false, as_dt(w.shared_down, dt), true);
   }
-  Tensor out = Tensor::empty({T_, D}, dt);
   T* o = out.data<T>();
   const T *eo = s.eo.data<T>(), *wt = tw.data<T>();
   const T* sp = so.defined() ? so.data<T>() : nullptr;
@@ -542,20 +390,17 @@ Tensor experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<in
   s.gu = s.gu.view({T_, K, 2 * I});
   s.h = s.h.view({T_, K, I});
   s.eo = s.eo.view({T_, K, D});
-  return out;
 }
 
 template <class T>
-MoeGrads experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in,
-                     MoeWeightGrads& g, const ExpertDims& d) {
+void experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in, MoeWeightGrads& g,
+                 const ExpertDims& d, MoeGrads& r) {
   const DType dt = dtype_of<T>::value;
   const int64_t T_ = d.T, D = d.D, I = d.I, K = d.K;
   Tensor dout = as_dt(dout_in, dt);
   Tensor gu_w = as_dt(w.gate_up, dt), dn_w = as_dt(w.down, dt);
   const std::vector<int64_t> idx = detail::index_values(s.topk_idx);
   const T *dop = dout.data<T>(), *wt = s.topk_weight.data<T>(), *eo = s.eo.data<T>();
-  MoeGrads r;
-  r.dtopk_weight = Tensor::empty({T_, K}, dt);
   T* dw = r.dtopk_weight.data<T>();
   // Weighted output gradient per assignment: dO[a] = w_a dout_t.
   Tensor dO = Tensor::empty({T_ * K, D}, dt);
@@ -583,11 +428,11 @@ MoeGrads experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_
     Tensor dOe = gather_rows<T>(dO, rows, D);
     Tensor he = gather_rows<T>(h_all, rows, I);
     Tensor gue = gather_rows<T>(gu_all, rows, 2 * I);
-    Tensor dhe = matmul(dOe, false, dn_w.select(0, e), false);   // [n, I]
-    Tensor ddn = matmul(dOe, true, he, false);                   // [D, I]
-    Tensor dgue = swiglu_clamped_backward(gue, dhe, s.limit);    // [n, 2I]
-    Tensor dgu = matmul(dgue, true, xe, false);                  // [2I, D]
-    Tensor dxe = matmul(dgue, false, gu_w.select(0, e), false);  // [n, D]
+    Tensor dhe = matmul(dOe, false, dn_w.select(0, e), false);      // [n, I]
+    Tensor ddn = matmul(dOe, true, he, false);                      // [D, I]
+    Tensor dgue = ops::swiglu_clamped_backward(gue, dhe, s.limit);  // [n, 2I]
+    Tensor dgu = matmul(dgue, true, xe, false);                     // [2I, D]
+    Tensor dxe = matmul(dgue, false, gu_w.select(0, e), false);     // [n, D]
     accumulate_at<T>(g.ddown, e * D * I, ddn);
     accumulate_at<T>(g.dgate_up, e * 2 * I * D, dgu);
     scatter_rows<T>(dxe, rows, D, dxk);
@@ -597,11 +442,10 @@ MoeGrads experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_
     Tensor sgu_w = as_dt(w.shared_gate_up, dt), sdn_w = as_dt(w.shared_down, dt);
     Tensor dsh = matmul(dout, false, sdn_w, false);  // [T, Is]
     accumulate_at<T>(g.dshared_down, 0, matmul(dout, true, s.sh, false));
-    Tensor dsgu = swiglu_clamped_backward(s.sgu, dsh, s.limit);
+    Tensor dsgu = ops::swiglu_clamped_backward(s.sgu, dsh, s.limit);
     accumulate_at<T>(g.dshared_gate_up, 0, matmul(dsgu, true, s.x, false));
     sdx = matmul(dsgu, false, sgu_w, false);
   }
-  r.dx = Tensor::empty({T_, D}, dt);
   T* dx = r.dx.data<T>();
   const T* dk = dxk.data<T>();
   const T* sp = sdx.defined() ? sdx.data<T>() : nullptr;
@@ -613,43 +457,26 @@ MoeGrads experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_
       if (sp) acc += sp[t * D + c];
       dx[t * D + c] = acc;
     }
-  return r;
 }
 }  // namespace
 
-Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& topk_idx,
-                           const Tensor& topk_weight, double swiglu_limit, MoeSaved& saved) {
-  const char* op = "moe_experts_forward";
-  ExpertDims d = check_experts(x, w, op);
-  std::vector<int64_t> idx;
-  check_topk_idx(topk_idx, d.T, d.E, op, "topk_idx", idx, false);
-  d.K = topk_idx.size(1);
-  detail::require_float(topk_weight, op, "topk_weight");
-  detail::require_shape(topk_weight, topk_idx.shape(), op, "topk_weight");
-  return comp_dtype(x) == DType::f64
-             ? experts_fwd<double>(x, w, idx, topk_weight, swiglu_limit, d, saved)
-             : experts_fwd<float>(x, w, idx, topk_weight, swiglu_limit, d, saved);
+void moe_experts_forward(const Tensor& x, const MoeWeights& w, const std::vector<int64_t>& idx,
+                         int64_t K, const Tensor& topk_weight, double swiglu_limit, Tensor& out,
+                         MoeSaved& saved) {
+  const ExpertDims d = dims_of(x, w, K);
+  if (out.dtype() == DType::f64)
+    experts_fwd<double>(x, w, idx, topk_weight, swiglu_limit, d, out, saved);
+  else
+    experts_fwd<float>(x, w, idx, topk_weight, swiglu_limit, d, out, saved);
 }
 
-MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
-                              MoeWeightGrads& g) {
-  const char* op = "moe_experts_backward";
-  HLM_CHECK(s.x.defined() && s.eo.defined(), "{}: saved state is empty (run the forward)", op);
-  ExpertDims d = check_experts(s.x, w, op);
-  d.K = s.topk_idx.size(1);
-  HLM_CHECK(s.gu.defined() && s.gu.shape() == Shape({d.T, d.K, 2 * d.I}),
-            "{}: saved state does not match the weights (gu {}, expected [{}, {}, {}])", op,
-            s.gu.describe(), d.T, d.K, 2 * d.I);
-  detail::require_float(dout, op, "dout");
-  detail::require_shape(dout, {d.T, d.D}, op, "dout");
-  check_acc(g.dgate_up, w.gate_up.shape(), op, "g.dgate_up");
-  check_acc(g.ddown, w.down.shape(), op, "g.ddown");
-  if (d.shared) {
-    check_acc(g.dshared_gate_up, w.shared_gate_up.shape(), op, "g.dshared_gate_up");
-    check_acc(g.dshared_down, w.shared_down.shape(), op, "g.dshared_down");
-  }
-  return comp_dtype(s.x) == DType::f64 ? experts_bwd<double>(s, w, dout, g, d)
-                                       : experts_bwd<float>(s, w, dout, g, d);
+void moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
+                          MoeWeightGrads& g, MoeGrads& r) {
+  const ExpertDims d = dims_of(s.x, w, s.topk_idx.size(1));
+  if (r.dx.dtype() == DType::f64)
+    experts_bwd<double>(s, w, dout, g, d, r);
+  else
+    experts_bwd<float>(s, w, dout, g, d, r);
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

@@ -1,20 +1,16 @@
-// Softmax on the CPU (ops/softmax.h).
+// Softmax on the CPU (ops/softmax.h, the reference; entry points in ops/cpu/softmax.h).
 //   m = max_j x_j,  y_i = e^{x_i - m} / sum_j e^{x_j - m}   (no overflow: every exponent <= 0)
 //   Jacobian dy_i/dx_j = y_i (delta_ij - y_j)  =>  dx_i = y_i (dy_i - y . dy)
-#include "ops/softmax.h"
+#include "ops/cpu/softmax.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/op_checks.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 
-Tensor softmax_forward(const Tensor& x_) {
-  constexpr const char* op = "softmax_forward";
-  detail::require_float(x_, op, "x");
-  HLM_CHECK(x_.dim() >= 1, "{}: x must be [..., D], got {}", op, x_.describe());
-  const Tensor x = x_.contiguous();
-  Tensor y = Tensor::empty(x.shape(), x.dtype());
+void softmax_forward(const Tensor& x, Tensor& y) {
   const int64_t rows = detail::leading_rows(x), d = x.size(-1);
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -35,18 +31,9 @@ Tensor softmax_forward(const Tensor& x_) {
       for (int64_t i = 0; i < d; ++i) yr[i] *= inv;
     }
   });
-  return y;
 }
 
-Tensor softmax_backward(const Tensor& y_, const Tensor& dy_) {
-  constexpr const char* op = "softmax_backward";
-  detail::require_float(y_, op, "y");
-  HLM_CHECK(y_.dim() >= 1, "{}: y must be [..., D], got {}", op, y_.describe());
-  detail::require_float(dy_, op, "dy");
-  detail::require_same_dtype(dy_, y_, op, "dy", "y");
-  detail::require_shape(dy_, y_.shape(), op, "dy");
-  const Tensor y = y_.contiguous(), dy = dy_.contiguous();
-  Tensor dx = Tensor::empty(y.shape(), y.dtype());
+void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
   const int64_t rows = detail::leading_rows(y), d = y.size(-1);
   detail::dispatch_float(y.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -59,7 +46,6 @@ Tensor softmax_backward(const Tensor& y_, const Tensor& dy_) {
       for (int64_t i = 0; i < d; ++i) pdx[r * d + i] = py[r * d + i] * (pdy[r * d + i] - s);
     }
   });
-  return dx;
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

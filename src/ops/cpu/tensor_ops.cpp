@@ -1,185 +1,45 @@
-// Copy and elementwise ops on either device (ops/tensor_ops.h): argument checks, the CPU loops,
-// and the dispatch of CUDA tensors to src/ops/cuda/tensor_ops.cu.
-#include "ops/tensor_ops.h"
+// The copy and elementwise ops on the CPU (ops/tensor_ops.h; entry points in
+// ops/cpu/tensor_ops.h): one addition per element, sums over rows in ascending order, so the GPU
+// kernels give the same bits.
+#include "ops/cpu/tensor_ops.h"
 
-namespace hlm::ops {
+#include "ops/op_checks.h"
 
-namespace {
-
-bool is_fdt(DType dt) {
-  return dt == DType::f32 || dt == DType::f64 || dt == DType::bf16;
-}
-
-void require_fdt(const Tensor& t, const char* op, const char* what) {
-  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
-  HLM_CHECK(is_fdt(t.dtype()), "{}: {} must be f32, f64 or bf16, got {}", op, what, t.describe());
-}
-
-// An f32 / f64 contiguous tensor that an op updates in place.
-void require_accum(const Tensor& t, const char* op, const char* what) {
-  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
-  HLM_CHECK(
-      (t.dtype() == DType::f32 || t.dtype() == DType::f64) && (t.numel() == 0 || t.is_contiguous()),
-      "{}: {} must be a contiguous f32 or f64 tensor, got {}", op, what, t.describe());
-}
-
-#ifndef HLM_HAVE_CUDA
-[[noreturn]] void no_cuda(const char* op) {
-  HLM_FAIL("{}: a CUDA tensor was given but this build has no CUDA support", op);
-}
-#endif
-
-template <class F>
-void dispatch_f(DType dt, F&& f) {
-  if (dt == DType::f64)
-    f(double{});
-  else
-    f(float{});
-}
-
-}  // namespace
-
-Tensor as_dtype(const Tensor& x, DType dt) {
-  HLM_CHECK(x.defined(), "as_dtype: x is undefined");
-  if (x.dtype() == dt) return x;
-  if (x.is_cpu()) return x.to(dt);
-  require_fdt(x, "as_dtype", "x");
-  HLM_CHECK(is_fdt(dt), "as_dtype: target dtype must be f32, f64 or bf16 on CUDA, got {}",
-            dtype_name(dt));
-  Tensor y = Tensor::empty(x.shape(), dt, x.device());
-  copy_into(y, x);
-  return y;
-}
-
-Tensor contiguous(const Tensor& x) {
-  HLM_CHECK(x.defined(), "contiguous: x is undefined");
-  if (x.is_contiguous() || x.is_cpu()) return x.contiguous();
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
-  copy_into(y, x);
-  return y;
-}
-
-void copy_into(Tensor& dst, const Tensor& src) {
-  HLM_CHECK(dst.defined() && src.defined(), "copy_into: undefined tensor");
-  HLM_CHECK(dst.shape() == src.shape(), "copy_into: shape {} into {}", shape_str(src.shape()),
-            shape_str(dst.shape()));
-  if (dst.device() != Device::cuda || src.device() != Device::cuda) {
-    // At least one side on the host: convert where the source lives, then Tensor::copy_ (which
-    // writes a CUDA destination only when it is contiguous).
-    const Tensor s = src.dtype() == dst.dtype() ? src : as_dtype(src, dst.dtype());
-    if (dst.device() == Device::cuda && !dst.is_contiguous()) {
-      copy_into(dst, s.to(Device::cuda));
-      return;
-    }
-    dst.copy_(s);
-    return;
-  }
-#ifdef HLM_HAVE_CUDA
-  require_fdt(dst, "copy_into", "dst");
-  require_fdt(src, "copy_into", "src");
-  HLM_CHECK(dst.dim() <= 8, "copy_into: at most 8 dimensions on CUDA, got {}", dst.describe());
-  if (dst.numel() == 0) return;
-  cuda::copy_into(dst, src);
-#else
-  no_cuda("copy_into");
-#endif
-}
+namespace hlm::ops::cpu {
 
 void add_(Tensor& dst, const Tensor& src) {
-  constexpr const char* op = "add_";
-  require_accum(dst, op, "dst");
-  require_fdt(src, op, "src");
-  HLM_CHECK(src.shape() == dst.shape(), "{}: src {} must have the shape of dst {}", op,
-            src.describe(), dst.describe());
-  HLM_CHECK(src.device() == dst.device(), "{}: src {} must be on the device of dst {}", op,
-            src.describe(), dst.describe());
-  if (dst.numel() == 0) return;
-  const Tensor s = contiguous(as_dtype(src, dst.dtype()));
-  if (dst.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::add_(dst, s);
-    return;
-#else
-    no_cuda(op);
-#endif
-  }
-  dispatch_f(dst.dtype(), [&](auto tag) {
+  detail::dispatch_float(dst.dtype(), [&](auto tag) {
     using T = decltype(tag);
     T* d = dst.data<T>();
-    const T* p = s.data<T>();
+    const T* p = src.data<T>();
     for (int64_t i = 0; i < dst.numel(); ++i) d[i] += p[i];
   });
 }
 
 void add_bias_(Tensor& y, const Tensor& b) {
-  constexpr const char* op = "add_bias_";
-  require_accum(y, op, "y");
-  require_fdt(b, op, "b");
-  HLM_CHECK(y.dim() == 2 && b.dim() == 1 && b.size(0) == y.size(1),
-            "{}: y must be [T, O] and b [O], got {} and {}", op, y.describe(), b.describe());
-  HLM_CHECK(b.device() == y.device(), "{}: b {} must be on the device of y {}", op, b.describe(),
-            y.describe());
-  if (y.numel() == 0) return;
-  const Tensor bb = contiguous(as_dtype(b, y.dtype()));
-  if (y.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::add_bias_(y, bb);
-    return;
-#else
-    no_cuda(op);
-#endif
-  }
   const int64_t T = y.size(0), N = y.size(1);
-  dispatch_f(y.dtype(), [&](auto tag) {
+  detail::dispatch_float(y.dtype(), [&](auto tag) {
     using D = decltype(tag);
     D* yp = y.data<D>();
-    const D* bp = bb.data<D>();
+    const D* bp = b.data<D>();
     for (int64_t t = 0; t < T; ++t)
       for (int64_t o = 0; o < N; ++o) yp[t * N + o] += bp[o];
   });
 }
 
-Tensor sum_rows(const Tensor& x, DType dt) {
-  constexpr const char* op = "sum_rows";
-  require_fdt(x, op, "x");
-  HLM_CHECK(x.dim() == 2, "{}: x must be [T, O], got {}", op, x.describe());
-  HLM_CHECK(dt == DType::f32 || dt == DType::f64, "{}: dtype must be f32 or f64, got {}", op,
-            dtype_name(dt));
-  const Tensor d = contiguous(as_dtype(x, dt));
-  const int64_t T = d.size(0), O = d.size(1);
-  Tensor out = Tensor::zeros({O}, dt, x.device());
-  if (O == 0 || T == 0) return out;
-  if (x.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::sum_rows(d, out);
-    return out;
-#else
-    no_cuda(op);
-#endif
-  }
-  dispatch_f(dt, [&](auto tag) {
+void sum_rows(const Tensor& x, Tensor& out) {
+  const int64_t T = x.size(0), O = x.size(1);
+  detail::dispatch_float(x.dtype(), [&](auto tag) {
     using D = decltype(tag);
-    const D* p = d.data<D>();
+    const D* p = x.data<D>();
     D* s = out.data<D>();
+    for (int64_t o = 0; o < O; ++o) s[o] = D(0);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t o = 0; o < O; ++o) s[o] += p[t * O + o];
   });
-  return out;
 }
 
 void scale_(Tensor& c, double beta) {
-  constexpr const char* op = "scale_";
-  require_fdt(c, op, "c");
-  HLM_CHECK(c.dim() == 2, "{}: c must be 2-D, got {}", op, c.describe());
-  if (c.numel() == 0) return;
-  if (c.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::scale_(c, beta);
-    return;
-#else
-    no_cuda(op);
-#endif
-  }
   if (beta == 0.0) {
     c.zero_();
     return;
@@ -190,38 +50,12 @@ void scale_(Tensor& c, double beta) {
   c.copy_(cc);
 }
 
-void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector<int64_t>& cu,
+void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
                                         int64_t width, Tensor& dx, Tensor* dinitial) {
-  constexpr const char* op = "causal_conv1d_final_state_backward";
-  HLM_CHECK(cu.size() >= 1 && width >= 1, "{}: need cu_seqlens and width >= 1", op);
-  require_accum(dx, op, "dx");
-  HLM_CHECK(dx.dim() == 2 && dx.size(0) == cu.back(), "{}: dx must be [T = {}, C], got {}", op,
-            cu.back(), dx.describe());
   const int64_t N = int64_t(cu.size()) - 1, C = dx.size(1), wm = width - 1;
-  require_fdt(dfinal_, op, "dfinal");
-  HLM_CHECK(dfinal_.shape() == Shape({N, wm, C}) && dfinal_.device() == dx.device(),
-            "{}: dfinal must be [N = {}, W-1 = {}, C = {}] on dx's device, got {}", op, N, wm, C,
-            dfinal_.describe());
-  if (dinitial) {
-    require_accum(*dinitial, op, "dinitial");
-    HLM_CHECK(dinitial->shape() == dfinal_.shape() && dinitial->dtype() == dx.dtype() &&
-                  dinitial->device() == dx.device(),
-              "{}: dinitial must be {} {} on dx's device, got {}", op, dtype_name(dx.dtype()),
-              shape_str(dfinal_.shape()), dinitial->describe());
-  }
-  if (dfinal_.numel() == 0) return;
-  const Tensor dfin = contiguous(as_dtype(dfinal_, dx.dtype()));
-  if (dx.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    cuda::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial);
-    return;
-#else
-    no_cuda(op);
-#endif
-  }
-  dispatch_f(dx.dtype(), [&](auto tag) {
+  detail::dispatch_float(dx.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    const T* pf = dfin.data<T>();
+    const T* pf = dfinal.data<T>();
     T* px = dx.data<T>();
     T* ps = dinitial ? dinitial->data<T>() : nullptr;
     for (int64_t n = 0; n < N; ++n) {
@@ -241,4 +75,4 @@ void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector
   });
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <initializer_list>
 
+#include "ops/cuda/activations.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
-#include "ops/layer_ops_cuda.h"
 
 namespace hlm::ops::cuda {
 namespace {
@@ -14,23 +14,23 @@ namespace {
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65536;
 
-template <Act K, class A>
+template <ActKind K, class A>
 __device__ __forceinline__ A act_fwd(A x) {
-  if constexpr (K == Act::sigmoid) {
+  if constexpr (K == ActKind::sigmoid) {
     return dsigmoid(x);
-  } else if constexpr (K == Act::silu) {
+  } else if constexpr (K == ActKind::silu) {
     return x * dsigmoid(x);
   } else {
     return (x > A(0) ? x : A(0)) + dlog1p(dexp(-fabs(x)));
   }
 }
 
-template <Act K, class A>
+template <ActKind K, class A>
 __device__ __forceinline__ A act_grad(A x) {
   const A s = dsigmoid(x);
-  if constexpr (K == Act::sigmoid) {
+  if constexpr (K == ActKind::sigmoid) {
     return s * (A(1) - s);
-  } else if constexpr (K == Act::silu) {
+  } else if constexpr (K == ActKind::silu) {
     return s * (A(1) + x * (A(1) - s));
   } else {
     return s;
@@ -38,7 +38,7 @@ __device__ __forceinline__ A act_grad(A x) {
 }
 
 // dy == nullptr: forward (out = act(x)); else backward (out = dy act'(x)).
-template <Act K, int V, class T>
+template <ActKind K, int V, class T>
 __global__ void act_kernel(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ out,
                            int64_t nvec) {
   using A = acc_t<T>;
@@ -59,7 +59,7 @@ __global__ void act_kernel(const T* __restrict__ x, const T* __restrict__ dy, T*
   }
 }
 
-template <Act K>
+template <ActKind K>
 void launch(const Tensor& x, const Tensor* dy, Tensor& out) {
   const int64_t n = x.numel();
   if (n == 0) return;
@@ -82,26 +82,26 @@ void launch(const Tensor& x, const Tensor* dy, Tensor& out) {
 }
 
 template <class F>
-void dispatch_act(Act a, F&& f) {
+void dispatch_act(ActKind a, F&& f) {
   switch (a) {
-    case Act::sigmoid:
-      f(std::integral_constant<Act, Act::sigmoid>{});
+    case ActKind::sigmoid:
+      f(std::integral_constant<ActKind, ActKind::sigmoid>{});
       return;
-    case Act::silu:
-      f(std::integral_constant<Act, Act::silu>{});
+    case ActKind::silu:
+      f(std::integral_constant<ActKind, ActKind::silu>{});
       return;
     default:
-      f(std::integral_constant<Act, Act::softplus>{});
+      f(std::integral_constant<ActKind, ActKind::softplus>{});
   }
 }
 
 }  // namespace
 
-void activation_forward(Act act, const Tensor& x, Tensor& y) {
+void activation_forward(ActKind act, const Tensor& x, Tensor& y) {
   dispatch_act(act, [&](auto k) { launch<decltype(k)::value>(x, nullptr, y); });
 }
 
-void activation_backward(Act act, const Tensor& x, const Tensor& dy, Tensor& dx) {
+void activation_backward(ActKind act, const Tensor& x, const Tensor& dy, Tensor& dx) {
   dispatch_act(act, [&](auto k) { launch<decltype(k)::value>(x, &dy, dx); });
 }
 

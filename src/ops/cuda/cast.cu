@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "ops/cast.h"
+#include "ops/cuda/cast.cuh"
 
 namespace hlm::ops::cuda {
 namespace {

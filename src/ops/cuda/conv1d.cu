@@ -1,4 +1,4 @@
-// Causal depthwise conv1d on CUDA (ops/conv1d.h, ops/layer_ops_cuda.h), the math of
+// Causal depthwise conv1d on CUDA (ops/conv1d.h, ops/cuda/conv1d.cuh), the math of
 // ops/cpu/conv1d.cpp. Per sequence n = [bos, eos) of length L, xe(p) is x[bos + p] for p >= 0 and
 // the conv state row p + W - 1 (or 0) for -(W-1) <= p < 0.
 //   forward:  one thread per (token, channel): z = sum_j w[c, j] xe(t - W + 1 + j) as a chain of
@@ -15,8 +15,8 @@
 //             add one call at a time, and the result is bit-identical run to run (no atomics).
 #include <vector>
 
+#include "ops/cuda/conv1d.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
-#include "ops/layer_ops_cuda.h"
 
 namespace hlm::ops::cuda {
 namespace {

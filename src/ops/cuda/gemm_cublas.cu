@@ -28,7 +28,7 @@
 #include <mutex>
 #include <vector>
 
-#include "ops/gemm.h"
+#include "ops/cuda/gemm.cuh"
 #include "ops/gemm_operand.h"
 #include "ops/tensor_ops.h"
 

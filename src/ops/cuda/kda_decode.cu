@@ -6,7 +6,7 @@
 // q, k and exp(g) of the head are staged in shared memory first.
 #include <cuda_bf16.h>
 
-#include "ops/kda_decode.h"
+#include "ops/cuda/kda_decode.cuh"
 
 namespace hlm::ops::cuda {
 namespace {

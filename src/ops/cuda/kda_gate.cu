@@ -8,8 +8,8 @@
 // summand over them in token order into workspaces [blocks, HV K]; one thread per column adds the
 // blocks in order (d dt_bias[j] and a per-column dA_log sum), and one thread per head adds its K
 // columns in order (dA_log[h]). Fixed orders, no atomics: bit-identical run to run.
+#include "ops/cuda/kda_gate.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
-#include "ops/layer_ops_cuda.h"
 
 namespace hlm::ops::cuda {
 namespace {

@@ -9,7 +9,7 @@
 #include <algorithm>
 
 #include "ops/cuda/layer_ops_common.cuh"
-#include "ops/tensor_ops.h"
+#include "ops/cuda/tensor_ops.cuh"
 
 namespace hlm::ops::cuda {
 namespace {

@@ -1,14 +1,17 @@
+// Shared plumbing of the DSA ops (ops/dsa_common.h): host-side checks and patterns, used by the
+// front doors and by the CPU references.
+#include "ops/dsa_common.h"
+
 #include <algorithm>
 #include <string>
 
-#include "ops/dsa_common.h"
 #include "ops/op_checks.h"
 #include "ops/seqlens.h"
 
 namespace hlm::ops::dsa_detail {
 
 std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t T, const char* op) {
-  detail::require_index(cu_seqlens, op, "cu_seqlens");
+  detail::require_int(cu_seqlens, op, "cu_seqlens");
   const std::string what = std::string(op) + ": cu_seqlens";
   std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, T, what.c_str());
   HLM_CHECK(!cu.empty(), "{}: cu_seqlens must be [N+1] with N >= 1 sequences, got {}", op,
@@ -73,7 +76,7 @@ Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) 
 
 Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
                      const char* op, const char* what) {
-  detail::require_index(rows, op, what);
+  detail::require_int(rows, op, what);
   const int64_t T = cu.back();
   HLM_CHECK(rows.dim() == 2 && rows.size(0) == T, "{}: {} must be [T = {}, W], got {}", op, what, T,
             rows.describe());

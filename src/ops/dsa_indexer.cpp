@@ -1,0 +1,152 @@
+// The front door of the DSA indexer ops (ops/dsa_indexer.h): argument checks (the score layouts
+// become checked patterns, ops/dsa_common.h), output allocation, and the switch to the CPU
+// reference (ops/cpu/dsa_indexer.cpp). No CUDA implementation yet.
+#include "ops/dsa_indexer.h"
+
+#include <cmath>
+
+#include "ops/cpu/dsa_indexer.h"
+#include "ops/dispatch.h"
+#include "ops/dsa_common.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+namespace {
+
+using dsa_detail::Pattern;
+
+struct ScoreArgs {
+  Tensor q, k, w;  // contiguous
+  std::vector<int64_t> cu;
+  int64_t T = 0, H = 0, D = 0;
+  double scale = 0;  // resolved (d_I^-1/2 for opt.scale == 0)
+  Device dev = Device::cpu;
+};
+
+ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& rows,
+                           const Tensor& cu_seqlens, const IndexerScoreOptions& opt,
+                           const char* op) {
+  detail::require_real(q, op, "q");
+  HLM_CHECK(q.dim() == 3, "{}: q must be [T, H_I, d_I], got {}", op, q.describe());
+  HLM_CHECK(opt.pool >= 1, "{}: pool must be >= 1, got {}", op, opt.pool);
+  ScoreArgs a;
+  a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
+  a.dev = detail::one_device(op, {q, "q"}, {{rows, "rows"}});
+  a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
+  const int64_t nkeys = dsa_detail::pool_offsets(a.cu, opt.pool).back();
+  detail::require_real_like(k, q, {nkeys, a.D}, op,
+                            opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])",
+                            "q");
+  detail::require_real_like(w, q, {a.T, a.H}, op, "w", "q");
+  if (opt.fp8)
+    HLM_CHECK(opt.fp8_amax_floor > 0, "{}: fp8_amax_floor must be positive, got {}", op,
+              opt.fp8_amax_floor);
+  HLM_CHECK(opt.scale >= 0, "{}: scale must be positive (or 0 for d_I^-1/2), got {}", op,
+            opt.scale);
+  a.scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(double(a.D));
+  a.q = q.contiguous(), a.k = k.contiguous(), a.w = w.contiguous();
+  return a;
+}
+
+Tensor run_fwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern& p,
+               const char* op) {
+  Tensor out = detail::new_output({a.T, p.W}, a.q.dtype(), a.dev);
+  switch (a.dev) {
+    case Device::cpu:
+      cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, a.q, "q");
+  }
+  return out;
+}
+
+IndexerScoreGrads run_bwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern& p,
+                          const Tensor& d_scores_, const char* op) {
+  detail::require_real_like(d_scores_, a.q, {a.T, p.W}, op, "d_scores", "q");
+  const Tensor d_scores = d_scores_.contiguous();
+  IndexerScoreGrads g{detail::new_output(a.q.shape(), a.q.dtype(), a.dev),
+                      detail::new_output(a.k.shape(), a.q.dtype(), a.dev),
+                      detail::new_output(a.w.shape(), a.q.dtype(), a.dev)};
+  switch (a.dev) {
+    case Device::cpu:
+      cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, a.q, "q");
+  }
+  return g;
+}
+
+}  // namespace
+
+Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& cu_seqlens,
+                      const IndexerScoreOptions& opt, int64_t W) {
+  const char* op = "indexer_scores";
+  const ScoreArgs a = check_score_args(q, k, w, Tensor(), cu_seqlens, opt, op);
+  const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
+  HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the most keys of a document), got {}",
+            op, need, W);
+  const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, W == 0 ? need : W);
+  return run_fwd(a, opt, p, op);
+}
+
+Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w,
+                         const Tensor& cu_seqlens, const Tensor& rows,
+                         const IndexerScoreOptions& opt) {
+  const char* op = "indexer_scores_at";
+  const ScoreArgs a = check_score_args(q, k, w, rows, cu_seqlens, opt, op);
+  const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
+  return run_fwd(a, opt, p, op);
+}
+
+IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
+                                          const Tensor& cu_seqlens, const Tensor& d_scores,
+                                          const IndexerScoreOptions& opt) {
+  const char* op = "indexer_scores_backward";
+  const ScoreArgs a = check_score_args(q, k, w, Tensor(), cu_seqlens, opt, op);
+  HLM_CHECK(d_scores.defined() && d_scores.dim() == 2, "{}: d_scores must be [T, W], got {}", op,
+            d_scores.describe());
+  const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
+  HLM_CHECK(d_scores.size(1) >= need, "{}: d_scores must have W >= {} columns, got {}", op, need,
+            d_scores.describe());
+  const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, d_scores.size(1));
+  return run_bwd(a, opt, p, d_scores, op);
+}
+
+IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
+                                             const Tensor& cu_seqlens, const Tensor& rows,
+                                             const Tensor& d_scores,
+                                             const IndexerScoreOptions& opt) {
+  const char* op = "indexer_scores_at_backward";
+  const ScoreArgs a = check_score_args(q, k, w, rows, cu_seqlens, opt, op);
+  const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
+  return run_bwd(a, opt, p, d_scores, op);
+}
+
+Tensor topk_select(const Tensor& scores_, const Tensor& cu_seqlens, int64_t k, int64_t pool) {
+  const char* op = "topk_select";
+  detail::require_real(scores_, op, "scores");
+  HLM_CHECK(scores_.dim() == 2, "{}: scores must be [T, W], got {}", op, scores_.describe());
+  HLM_CHECK(k >= 1, "{}: k must be >= 1, got {}", op, k);
+  HLM_CHECK(pool >= 1, "{}: pool must be >= 1, got {}", op, pool);
+  const int64_t T = scores_.size(0);
+  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+  const int64_t need = dsa_detail::max_keys_per_doc(cu, pool);
+  HLM_CHECK(scores_.size(1) >= need,
+            "{}: scores must have W >= {} columns (the most {} of a "
+            "document), got {}",
+            op, need, pool == 1 ? "tokens" : "pools", scores_.describe());
+  const Tensor scores = scores_.contiguous();
+  Tensor out = detail::new_output({T, k}, DType::i32, scores.device());
+  switch (scores.device()) {
+    case Device::cpu:
+      cpu::topk_select(scores, cu, k, pool, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, scores, "scores");
+  }
+  return out;
+}
+
+}  // namespace hlm::ops

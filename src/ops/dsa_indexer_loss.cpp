@@ -1,0 +1,83 @@
+// The front door of the DSA indexer KL loss and its attention target (ops/dsa_indexer_loss.h):
+// argument checks (the target's layout becomes a checked pattern, ops/dsa_common.h), output
+// allocation, and the switch to the CPU reference (ops/cpu/dsa_indexer_loss.cpp). No CUDA
+// implementation yet.
+#include "ops/dsa_indexer_loss.h"
+
+#include <cmath>
+
+#include "ops/cpu/dsa_indexer_loss.h"
+#include "ops/dispatch.h"
+#include "ops/dsa_common.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+namespace {
+
+std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tensor& indices,
+                                  const Tensor& cu_seqlens, double scale, const char* op) {
+  detail::require_real(q, op, "q");
+  HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
+  detail::require_real_like(kv, q, {q.size(0), q.size(2)}, op,
+                            "kv (the latent cache rows [T, D_qk])", "q");
+  HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
+            scale);
+  detail::one_device(op, {q, "q"}, {{indices, "indices"}});
+  return dsa_detail::read_cu_seqlens(cu_seqlens, q.size(0), op);
+}
+
+Tensor run_target(const Tensor& q_, const Tensor& kv_, const dsa_detail::Pattern& p, double scale,
+                  const char* op) {
+  const Tensor q = q_.contiguous(), kv = kv_.contiguous();
+  Tensor out = detail::new_output({p.T, p.W}, q.dtype(), q.device());
+  switch (q.device()) {
+    case Device::cpu:
+      cpu::attention_target(q, kv, p, scale, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, q, "q");
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor attention_target(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens, double scale,
+                        int64_t W) {
+  const char* op = "attention_target";
+  const std::vector<int64_t> cu = check_target(q, kv, Tensor(), cu_seqlens, scale, op);
+  const int64_t need = dsa_detail::max_keys_per_doc(cu, 1);
+  HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the longest document), got {}", op,
+            need, W);
+  return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale, op);
+}
+
+Tensor attention_target_at(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens,
+                           const Tensor& indices, double scale) {
+  const char* op = "attention_target_at";
+  const std::vector<int64_t> cu = check_target(q, kv, indices, cu_seqlens, scale, op);
+  return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices"), scale, op);
+}
+
+IndexerKl indexer_kl_loss(const Tensor& scores_, const Tensor& target_, double coeff,
+                          KlReduction reduction) {
+  const char* op = "indexer_kl_loss";
+  detail::require_real(scores_, op, "scores");
+  HLM_CHECK(scores_.dim() == 2, "{}: scores must be [T, W], got {}", op, scores_.describe());
+  detail::require_real_like(target_, scores_, scores_.shape(), op, "target", "scores");
+  HLM_CHECK(std::isfinite(coeff), "{}: coeff must be finite, got {}", op, coeff);
+  const Device dev = scores_.device();
+  const Tensor scores = scores_.contiguous(), target = target_.contiguous();
+  IndexerKl r;
+  r.d_scores = detail::new_output(scores.shape(), scores.dtype(), dev);
+  switch (dev) {
+    case Device::cpu:
+      cpu::indexer_kl_loss(scores, target, coeff, reduction, r);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, scores, "scores");
+  }
+  return r;
+}
+
+}  // namespace hlm::ops

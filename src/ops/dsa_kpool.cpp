@@ -1,0 +1,165 @@
+// The front door of the KPool ops (ops/dsa_kpool.h): argument checks, output allocation, and the
+// switch to the CPU reference (ops/cpu/dsa_kpool.cpp). No CUDA implementation yet.
+#include "ops/dsa_kpool.h"
+
+#include "ops/cpu/dsa_kpool.h"
+#include "ops/dispatch.h"
+#include "ops/dsa_common.h"
+#include "ops/dsa_indexer.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+namespace {
+
+struct CompressDims {
+  std::vector<int64_t> cu;
+  int64_t T = 0, D = 0, P = 0, NP = 0;
+  Device dev = Device::cpu;
+};
+
+CompressDims check_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
+                            const Tensor& cu_seqlens, const char* op) {
+  detail::require_real(k, op, "k");
+  HLM_CHECK(k.dim() == 2, "{}: k must be [T, d_I], got {}", op, k.describe());
+  detail::require_real_like(gate, k, k.shape(), op, "gate", "k");
+  detail::require_real(ape, op, "ape");
+  detail::require_same_dtype(ape, k, op, "ape", "k");
+  detail::require_same_device(ape, k, op, "ape", "k");
+  HLM_CHECK(ape.dim() == 2 && ape.size(0) >= 1 && ape.size(1) == k.size(1),
+            "{}: ape must be [P, d_I] with P >= 1 and d_I = {}, got {}", op, k.size(1),
+            ape.describe());
+  CompressDims a;
+  a.T = k.size(0), a.D = k.size(1), a.P = ape.size(0);
+  a.dev = k.device();
+  a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
+  a.NP = dsa_detail::pool_offsets(a.cu, a.P).back();
+  return a;
+}
+
+void check_kp(int64_t K, int64_t P, const char* op) {
+  HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
+  HLM_CHECK(K >= 1, "{}: K (index_topk) must be >= 1, got {}", op, K);
+  HLM_CHECK(K % P == 0, "{}: K (index_topk = {}) must be divisible by the pool size P = {}", op, K,
+            P);
+}
+
+}  // namespace
+
+Tensor kpool_pool_offsets(const Tensor& cu_seqlens, int64_t T, int64_t P) {
+  HLM_CHECK(P >= 1, "kpool_pool_offsets: the pool size P must be >= 1, got {}", P);
+  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, "kpool_pool_offsets");
+  return Tensor::from_vector<int64_t>({int64_t(cu.size())}, dsa_detail::pool_offsets(cu, P));
+}
+
+Tensor kpool_compress(const Tensor& k_, const Tensor& gate_, const Tensor& ape_,
+                      const Tensor& cu_seqlens) {
+  const char* op = "kpool_compress";
+  const CompressDims a = check_compress(k_, gate_, ape_, cu_seqlens, op);
+  const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous();
+  Tensor out = detail::new_output({a.NP, a.D}, k.dtype(), a.dev);
+  switch (a.dev) {
+    case Device::cpu:
+      cpu::kpool_compress(k, gate, ape, a.cu, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, k, "k");
+  }
+  return out;
+}
+
+KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_,
+                                           const Tensor& ape_, const Tensor& cu_seqlens,
+                                           const Tensor& d_pooled_) {
+  const char* op = "kpool_compress_backward";
+  const CompressDims a = check_compress(k_, gate_, ape_, cu_seqlens, op);
+  detail::require_real_like(d_pooled_, k_, {a.NP, a.D}, op, "d_pooled", "k");
+  const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous(),
+               d_pooled = d_pooled_.contiguous();
+  KPoolCompressGrads g{detail::new_output(k.shape(), k.dtype(), a.dev),
+                       detail::new_output(k.shape(), k.dtype(), a.dev),
+                       detail::new_output(ape.shape(), k.dtype(), a.dev)};
+  switch (a.dev) {
+    case Device::cpu:
+      cpu::kpool_compress_backward(k, gate, ape, a.cu, d_pooled, g);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, k, "k");
+  }
+  return g;
+}
+
+KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens, int64_t K,
+                            int64_t P, bool always_select_tail) {
+  const char* op = "kpool_select";
+  check_kp(K, P, op);
+  detail::require_real(pool_scores, op, "pool_scores");
+  HLM_CHECK(pool_scores.dim() == 2, "{}: pool_scores must be [T, W], got {}", op,
+            pool_scores.describe());
+  const int64_t T = pool_scores.size(0);
+  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+  KPoolSelection sel;
+  sel.pools = topk_select(pool_scores, cu_seqlens, K / P, P);
+  sel.indices =
+      detail::new_output({T, K + (always_select_tail ? P - 1 : 0)}, DType::i32, sel.pools.device());
+  switch (sel.pools.device()) {
+    case Device::cpu:
+      cpu::kpool_select_indices(sel.pools, cu, K, P, always_select_tail, sel.indices);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, pool_scores, "pool_scores");
+  }
+  return sel;
+}
+
+Tensor kpool_pool_target_dense(const Tensor& token_target, const Tensor& cu_seqlens, int64_t P,
+                               int64_t Wp) {
+  const char* op = "kpool_pool_target_dense";
+  HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
+  detail::require_real(token_target, op, "token_target");
+  HLM_CHECK(token_target.dim() == 2, "{}: token_target must be [T, W], got {}", op,
+            token_target.describe());
+  const int64_t T = token_target.size(0);
+  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+  const int64_t need_t = dsa_detail::max_keys_per_doc(cu, 1);
+  const int64_t need_p = dsa_detail::max_keys_per_doc(cu, P);
+  HLM_CHECK(token_target.size(1) >= need_t, "{}: token_target needs W >= {} columns, got {}", op,
+            need_t, token_target.describe());
+  HLM_CHECK(Wp == 0 || Wp >= need_p, "{}: Wp must be 0 or >= {}, got {}", op, need_p, Wp);
+  const Tensor tt = token_target.contiguous();
+  Tensor out = detail::new_output({T, Wp == 0 ? need_p : Wp}, tt.dtype(), tt.device());
+  switch (tt.device()) {
+    case Device::cpu:
+      cpu::kpool_pool_target_dense(tt, cu, P, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, tt, "token_target");
+  }
+  return out;
+}
+
+Tensor kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools, int64_t P) {
+  const char* op = "kpool_pool_target_sparse";
+  HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
+  detail::require_real(token_target, op, "token_target");
+  detail::require_int(pools, op, "pools");
+  HLM_CHECK(pools.dim() == 2, "{}: pools must be [T, K / P], got {}", op, pools.describe());
+  const int64_t T = pools.size(0), G = pools.size(1);
+  HLM_CHECK(token_target.dim() == 2 && token_target.size(0) == T &&
+                (token_target.size(1) == G * P || token_target.size(1) == G * P + P - 1),
+            "{}: token_target must be [T = {}, K = {} or K + P - 1 = {}], got {}", op, T, G * P,
+            G * P + P - 1, token_target.describe());
+  const Device dev = detail::one_device(op, {token_target, "token_target"}, {{pools, "pools"}});
+  const Tensor tt = token_target.contiguous();
+  const std::vector<int64_t> pl = detail::index_values(pools);
+  Tensor out = detail::new_output({T, G}, tt.dtype(), dev);
+  switch (dev) {
+    case Device::cpu:
+      cpu::kpool_pool_target_sparse(tt, pl, P, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, tt, "token_target");
+  }
+  return out;
+}
+
+}  // namespace hlm::ops

@@ -1,0 +1,67 @@
+// The front door of the embedding (ops/embedding.h): argument checks (every id), output
+// allocation, and the switch to the CPU reference (ops/cpu/embedding.cpp). No CUDA implementation
+// yet.
+#include "ops/embedding.h"
+
+#include "ops/cpu/embedding.h"
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+
+namespace {
+std::vector<int64_t> check_ids(const char* op, const Tensor& ids, int64_t vocab) {
+  detail::require_int(ids, op, "ids");
+  std::vector<int64_t> v = detail::index_values(ids);
+  for (size_t t = 0; t < v.size(); ++t)
+    HLM_CHECK(v[t] >= 0 && v[t] < vocab,
+              "{}: ids[{}] (flat position) = {} is outside the vocabulary [0, {})", op, t, v[t],
+              vocab);
+  return v;
+}
+
+// [ids..., D]
+Shape rows_shape(const Tensor& ids, int64_t d) {
+  Shape shape = ids.shape();
+  shape.push_back(d);
+  return shape;
+}
+}  // namespace
+
+Tensor embedding_forward(const Tensor& table_, const Tensor& ids) {
+  constexpr const char* op = "embedding_forward";
+  HLM_CHECK(table_.defined(), "{}: table is undefined", op);
+  HLM_CHECK(table_.dim() == 2, "{}: table must be [V, D], got {}", op, table_.describe());
+  detail::one_device(op, {table_, "table"}, {{ids, "ids"}});
+  const std::vector<int64_t> id = check_ids(op, ids, table_.size(0));
+  const Tensor table = table_.contiguous();
+  Tensor out = detail::new_output(rows_shape(ids, table.size(1)), table.dtype(), table.device());
+  switch (table.device()) {
+    case Device::cpu:
+      cpu::embedding_forward(table, id, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, table, "table");
+  }
+  return out;
+}
+
+void embedding_backward(const Tensor& dy_, const Tensor& ids, Tensor& dtable) {
+  constexpr const char* op = "embedding_backward";
+  detail::require_real(dtable, op, "dtable");
+  HLM_CHECK(dtable.dim() == 2, "{}: dtable must be [V, D], got {}", op, dtable.describe());
+  detail::require_contiguous(dtable, op, "dtable");
+  detail::one_device(op, {dtable, "dtable"}, {{ids, "ids"}});
+  const std::vector<int64_t> id = check_ids(op, ids, dtable.size(0));
+  detail::require_real_like(dy_, dtable, rows_shape(ids, dtable.size(1)), op, "dy", "dtable");
+  const Tensor dy = dy_.contiguous();
+  switch (dtable.device()) {
+    case Device::cpu:
+      cpu::embedding_backward(dy, id, dtable);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, dtable, "dtable");
+  }
+}
+
+}  // namespace hlm::ops

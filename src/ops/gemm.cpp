@@ -1,0 +1,100 @@
+// The front door of GEMM (ops/gemm.h): the backend choice, argument checks, and the switch to the
+// CPU reference (ops/cpu/gemm.cpp) or cuBLAS (ops/cuda/gemm_cublas.cu).
+#include "ops/gemm.h"
+
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+#include "ops/cpu/gemm.h"
+#include "ops/cuda/gemm.cuh"
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+#include "ops/tensor_ops.h"
+
+namespace hlm::ops {
+
+namespace {
+
+GemmBackend backend_from_env() {
+  const char* e = std::getenv("HLM_GEMM");
+  if (e == nullptr || *e == 0 || std::strcmp(e, "invariant") == 0) return GemmBackend::invariant;
+  if (std::strcmp(e, "blas") == 0) return GemmBackend::blas;
+  HLM_FAIL("HLM_GEMM must be \"invariant\" or \"blas\", got \"{}\"", e);
+}
+
+std::atomic<GemmBackend>& backend_slot() {
+  static std::atomic<GemmBackend> slot{backend_from_env()};
+  return slot;
+}
+
+}  // namespace
+
+GemmBackend gemm_backend() {
+  return backend_slot().load(std::memory_order_relaxed);
+}
+void set_gemm_backend(GemmBackend b) {
+  backend_slot().store(b, std::memory_order_relaxed);
+}
+const char* gemm_backend_name(GemmBackend b) {
+  return b == GemmBackend::invariant ? "invariant" : "blas";
+}
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
+          double beta, GemmOptions opt) {
+  constexpr const char* op = "gemm";
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}, {&c, "C"}}) {
+    HLM_CHECK(t->defined(), "gemm: {} is undefined", name);
+    HLM_CHECK(t->device() == a.device(), "gemm: {} must be on the device of A ({}), got {}", name,
+              a.describe(), t->describe());
+    HLM_CHECK(t->dim() == 2, "gemm: {} must be 2-D, got {}", name, t->describe());
+  }
+  const int64_t m = trans_a ? a.size(1) : a.size(0);
+  const int64_t k = trans_a ? a.size(0) : a.size(1);
+  const int64_t kb = trans_b ? b.size(1) : b.size(0);
+  const int64_t n = trans_b ? b.size(0) : b.size(1);
+  HLM_CHECK(k == kb,
+            "gemm: inner dimensions differ: op(A) is [{}, {}] (A {}{}), op(B) is [{}, {}] (B {}{})",
+            m, k, shape_str(a.shape()), trans_a ? " transposed" : "", kb, n, shape_str(b.shape()),
+            trans_b ? " transposed" : "");
+  HLM_CHECK(c.size(0) == m && c.size(1) == n, "gemm: C must have shape [{}, {}], got {}", m, n,
+            c.describe());
+  HLM_CHECK(m < INT_MAX && n < INT_MAX && k < INT_MAX,
+            "gemm: dimensions [{}, {}, {}] exceed BLAS int range", m, n, k);
+  if (opt.round_bf16) {
+    for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}, {&c, "C"}})
+      HLM_CHECK(t->dtype() == DType::f32 || t->dtype() == DType::f64 || t->dtype() == DType::bf16,
+                "gemm (round_bf16): {} must be f32, f64 or bf16, got {}", name, t->describe());
+  } else {
+    HLM_CHECK(a.dtype() == DType::f32 || a.dtype() == DType::f64,
+              "gemm: A must be f32 or f64, got {}", a.describe());
+    detail::require_same_dtype(b, a, op, "B", "A");
+    detail::require_same_dtype(c, a, op, "C", "A");
+  }
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // C = beta C (beta == 0: C = 0 without reading it), on either device
+    scale_(c, beta);
+    return;
+  }
+  switch (a.device()) {
+    case Device::cpu:
+      cpu::gemm(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, opt, gemm_backend());
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::gemm(a, trans_a, b, trans_b, c, m, n, k, alpha, beta, opt));
+      break;
+  }
+}
+
+Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, GemmOptions opt) {
+  HLM_CHECK(a.defined() && a.dim() == 2, "matmul: A must be a 2-D tensor, got {}", a.describe());
+  HLM_CHECK(b.defined() && b.dim() == 2, "matmul: B must be a 2-D tensor, got {}", b.describe());
+  const int64_t m = trans_a ? a.size(1) : a.size(0);
+  const int64_t n = trans_b ? b.size(0) : b.size(1);
+  Tensor c = detail::new_output({m, n}, a.dtype(), a.device());
+  gemm(a, trans_a, b, trans_b, c, 1.0, 0.0, opt);
+  return c;
+}
+
+}  // namespace hlm::ops

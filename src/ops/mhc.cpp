@@ -1,0 +1,397 @@
+// The front door of mHC (ops/mhc.h): argument checks, output allocation, and the switch to the
+// CPU reference (ops/cpu/mhc.cpp); the whole-site functions compose the pieces. No CUDA
+// implementation yet.
+#include "ops/mhc.h"
+
+#include "ops/cpu/mhc.h"
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+namespace {
+
+// x [T, n, D]; returns (T, n, D).
+struct Dims {
+  int64_t T, n, D;
+};
+Dims check_streams(const Tensor& x, const char* op, int64_t n_expected = -1) {
+  detail::require_floating(x, op, "x");
+  HLM_CHECK(x.dim() == 3, "{}: x must be [T, n, D], got {}", op, x.describe());
+  if (n_expected >= 0)
+    HLM_CHECK(x.size(1) == n_expected, "{}: x must have n = {} streams, got {}", op, n_expected,
+              x.describe());
+  HLM_CHECK(x.size(1) >= 1 && x.size(2) >= 1, "{}: x must have n >= 1 and D >= 1, got {}", op,
+            x.describe());
+  return {x.size(0), x.size(1), x.size(2)};
+}
+
+// A floating tensor of shape s on x's device.
+void check_act(const Tensor& t, const Tensor& x, const Shape& s, const char* op, const char* what) {
+  detail::require_floating(t, op, what);
+  detail::require_same_device(t, x, op, what, "x");
+  detail::require_shape(t, s, op, what);
+}
+
+void check_cfg(const MhcConfig& c, const char* op) {
+  HLM_CHECK(c.n >= 1, "{}: cfg.n (hc_mult) must be >= 1, got {}", op, c.n);
+  HLM_CHECK(c.sinkhorn_iters >= 1, "{}: cfg.sinkhorn_iters must be >= 1, got {}", op,
+            c.sinkhorn_iters);
+  HLM_CHECK(c.hc_eps >= 0 && c.norm_eps >= 0, "{}: hc_eps and norm_eps must be >= 0, got {}, {}",
+            op, c.hc_eps, c.norm_eps);
+}
+
+void check_params(const MhcParams& p, const Tensor& x, const Dims& d, const MhcConfig& c,
+                  const char* op) {
+  const int64_t m = c.n_mix();
+  check_act(p.fn, x, {m, d.n * d.D}, op, "params.fn");
+  check_act(p.base, x, {m}, op, "params.base");
+  check_act(p.scale, x, {3}, op, "params.scale");
+}
+
+void check_maps(const MhcMappings& m, const Tensor& x, const Dims& d, const char* op) {
+  const int64_t n = d.n;
+  for (auto [t, name] : {std::pair{&m.inv_rms, "maps.inv_rms"},
+                         {&m.mix, "maps.mix"},
+                         {&m.comb_logits, "maps.comb_logits"}}) {
+    detail::require_real(*t, op, name);
+    detail::require_same_device(*t, x, op, name, "x");
+  }
+  detail::require_shape(m.inv_rms, {d.T}, op, "maps.inv_rms");
+  detail::require_shape(m.mix, {d.T, (2 + n) * n}, op, "maps.mix");
+  detail::require_shape(m.comb_logits, {d.T, n, n}, op, "maps.comb_logits");
+}
+
+// An optional (undefined = zero) gradient input of shape s.
+void check_opt(const Tensor& t, const Tensor& x, const Shape& s, const char* op, const char* what) {
+  if (!t.defined()) return;
+  detail::require_real(t, op, what);
+  detail::require_same_device(t, x, op, what, "x");
+  detail::require_shape(t, s, op, what);
+}
+
+void check_logits(const Tensor& L, const char* op, const char* what, int64_t iters) {
+  detail::require_floating(L, op, what);
+  HLM_CHECK(L.dim() == 3 && L.size(1) == L.size(2) && L.size(1) >= 1,
+            "{}: {} must be [T, n, n] with n >= 1, got {}", op, what, L.describe());
+  HLM_CHECK(iters >= 1, "{}: iters must be >= 1, got {}", op, iters);
+}
+
+void check_wb(const Tensor& x, const Tensor& y, const Tensor& post, const Tensor& comb,
+              const Dims& d, const char* op) {
+  check_act(y, x, {d.T, d.D}, op, "y");
+  check_act(post, x, {d.T, d.n}, op, "post");
+  check_act(comb, x, {d.T, d.n, d.n}, op, "comb");
+}
+
+DType cdt(const Tensor& x) {
+  return detail::compute_dtype(x.dtype());
+}
+
+// [T, D] tensor of e.dtype() from an [T, n, D] x / [T, D] e.
+Tensor rows_out(const Tensor& x, DType dt) {
+  return detail::new_output({x.size(0), x.size(-1)}, dt, x.device());
+}
+
+}  // namespace
+
+// ---- public: pieces
+// ------------------------------------------------------------------------------
+
+MhcMappings mhc_mappings_forward(const Tensor& x, const MhcParams& p, const MhcConfig& c) {
+  const char* op = "mhc_mappings_forward";
+  check_cfg(c, op);
+  const Dims d = check_streams(x, op, c.n);
+  check_params(p, x, d, c, op);
+  const DType dt = cdt(x);
+  const Device dev = x.device();
+  const int64_t n = d.n;
+  MhcMappings m{
+      detail::new_output({d.T}, dt, dev),       detail::new_output({d.T, c.n_mix()}, dt, dev),
+      detail::new_output({d.T, n}, dt, dev),    detail::new_output({d.T, n}, dt, dev),
+      detail::new_output({d.T, n, n}, dt, dev), detail::new_output({d.T, n, n}, dt, dev)};
+  switch (dev) {
+    case Device::cpu:
+      cpu::mhc_mappings_forward(x, p, c, m);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return m;
+}
+
+Tensor mhc_mappings_backward(const Tensor& x, const MhcParams& p, const MhcConfig& c,
+                             const MhcMappings& m, const Tensor& dpre, const Tensor& dpost,
+                             const Tensor& dcomb, MhcParamGrads& g) {
+  const char* op = "mhc_mappings_backward";
+  check_cfg(c, op);
+  const Dims d = check_streams(x, op, c.n);
+  check_params(p, x, d, c, op);
+  check_maps(m, x, d, op);
+  check_opt(dpre, x, {d.T, d.n}, op, "dpre");
+  check_opt(dpost, x, {d.T, d.n}, op, "dpost");
+  check_opt(dcomb, x, {d.T, d.n, d.n}, op, "dcomb");
+  detail::require_accumulator(g.dfn, p.fn.shape(), x, op, "grads.dfn");
+  detail::require_accumulator(g.dbase, p.base.shape(), x, op, "grads.dbase");
+  detail::require_accumulator(g.dscale, p.scale.shape(), x, op, "grads.dscale");
+  Tensor dx = detail::new_output(x.shape(), cdt(x), x.device());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_mappings_backward(x, p, c, m, dpre, dpost, dcomb, g, dx);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return dx;
+}
+
+Tensor mhc_inv_rms(const Tensor& x, double eps) {
+  const char* op = "mhc_inv_rms";
+  const Dims d = check_streams(x, op);
+  Tensor r = detail::new_output({d.T}, cdt(x), x.device());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_inv_rms(x, eps, r);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return r;
+}
+
+Tensor mhc_inv_rms_backward(const Tensor& x, const Tensor& inv_rms, const Tensor& d_inv_rms) {
+  const char* op = "mhc_inv_rms_backward";
+  const Dims d = check_streams(x, op);
+  for (auto [t, name] : {std::pair{&inv_rms, "inv_rms"}, {&d_inv_rms, "d_inv_rms"}}) {
+    detail::require_real(*t, op, name);
+    detail::require_same_device(*t, x, op, name, "x");
+    detail::require_shape(*t, {d.T}, op, name);
+  }
+  Tensor dx = detail::new_output(x.shape(), cdt(x), x.device());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_inv_rms_backward(x, inv_rms, d_inv_rms, dx);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return dx;
+}
+
+Tensor mhc_sinkhorn(const Tensor& logits, double hc_eps, int64_t iters) {
+  const char* op = "mhc_sinkhorn";
+  check_logits(logits, op, "logits", iters);
+  Tensor out = detail::new_output(logits.shape(), cdt(logits), logits.device());
+  switch (logits.device()) {
+    case Device::cpu:
+      cpu::mhc_sinkhorn(logits, hc_eps, iters, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, logits, "logits");
+  }
+  return out;
+}
+
+Tensor mhc_sinkhorn_backward(const Tensor& logits, const Tensor& dcomb, double hc_eps,
+                             int64_t iters) {
+  const char* op = "mhc_sinkhorn_backward";
+  check_logits(logits, op, "logits", iters);
+  detail::require_floating(dcomb, op, "dcomb");
+  detail::require_same_device(dcomb, logits, op, "dcomb", "logits");
+  detail::require_shape(dcomb, logits.shape(), op, "dcomb");
+  Tensor dl = detail::new_output(logits.shape(), cdt(logits), logits.device());
+  switch (logits.device()) {
+    case Device::cpu:
+      cpu::mhc_sinkhorn_backward(logits, dcomb, hc_eps, iters, dl);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, logits, "logits");
+  }
+  return dl;
+}
+
+// ---- collapse / write-back ---------------------------------------------------------------------
+
+Tensor mhc_collapse(const Tensor& x, const Tensor& pre) {
+  const char* op = "mhc_collapse";
+  const Dims d = check_streams(x, op);
+  check_act(pre, x, {d.T, d.n}, op, "pre");
+  Tensor u = rows_out(x, x.dtype());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_collapse(x, pre, u);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return u;
+}
+
+MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const Tensor& du) {
+  const char* op = "mhc_collapse_backward";
+  const Dims d = check_streams(x, op);
+  check_act(pre, x, {d.T, d.n}, op, "pre");
+  check_act(du, x, {d.T, d.D}, op, "du");
+  const DType dt = cdt(x);
+  MhcCollapseGrads r{detail::new_output(x.shape(), dt, x.device()),
+                     detail::new_output({d.T, d.n}, dt, x.device())};
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_collapse_backward(x, pre, du, r);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return r;
+}
+
+Tensor mhc_write_back(const Tensor& x, const Tensor& y, const Tensor& post, const Tensor& comb) {
+  const char* op = "mhc_write_back";
+  const Dims d = check_streams(x, op);
+  check_wb(x, y, post, comb, d, op);
+  Tensor out = detail::new_output(x.shape(), x.dtype(), x.device());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_write_back(x, y, post, comb, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return out;
+}
+
+MhcWriteBackGrads mhc_write_back_backward(const Tensor& x, const Tensor& y, const Tensor& post,
+                                          const Tensor& comb, const Tensor& dx_out) {
+  const char* op = "mhc_write_back_backward";
+  const Dims d = check_streams(x, op);
+  check_wb(x, y, post, comb, d, op);
+  check_act(dx_out, x, x.shape(), op, "dx_out");
+  const DType dt = cdt(x);
+  const Device dev = x.device();
+  MhcWriteBackGrads r{
+      detail::new_output(x.shape(), dt, dev), detail::new_output({d.T, d.D}, dt, dev),
+      detail::new_output({d.T, d.n}, dt, dev), detail::new_output({d.T, d.n, d.n}, dt, dev)};
+  switch (dev) {
+    case Device::cpu:
+      cpu::mhc_write_back_backward(x, y, post, comb, dx_out, r);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return r;
+}
+
+// ---- model level -------------------------------------------------------------------------------
+
+Tensor mhc_expand(const Tensor& e, int64_t n) {
+  const char* op = "mhc_expand";
+  detail::require_floating(e, op, "e");
+  HLM_CHECK(e.dim() == 2, "{}: e must be [T, D], got {}", op, e.describe());
+  HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
+  Tensor out = detail::new_output({e.size(0), n, e.size(1)}, e.dtype(), e.device());
+  switch (e.device()) {
+    case Device::cpu:
+      cpu::mhc_expand(e, out);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, e, "e");
+  }
+  return out;
+}
+
+Tensor mhc_expand_backward(const Tensor& dx) {
+  const char* op = "mhc_expand_backward";
+  check_streams(dx, op);
+  Tensor de = rows_out(dx, dx.dtype());
+  switch (dx.device()) {
+    case Device::cpu:
+      cpu::mhc_stream_sum(dx, 1, de);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, dx, "dx");
+  }
+  return de;
+}
+
+Tensor mhc_mean_contract(const Tensor& x) {
+  const char* op = "mhc_mean_contract";
+  const Dims d = check_streams(x, op);
+  Tensor h = rows_out(x, x.dtype());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::mhc_stream_sum(x, d.n, h);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return h;
+}
+
+Tensor mhc_mean_contract_backward(const Tensor& dh, int64_t n) {
+  const char* op = "mhc_mean_contract_backward";
+  detail::require_floating(dh, op, "dh");
+  HLM_CHECK(dh.dim() == 2, "{}: dh must be [T, D], got {}", op, dh.describe());
+  HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
+  Tensor dx = detail::new_output({dh.size(0), n, dh.size(1)}, dh.dtype(), dh.device());
+  switch (dh.device()) {
+    case Device::cpu:
+      cpu::mhc_mean_contract_backward(dh, dx);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, dh, "dh");
+  }
+  return dx;
+}
+
+// ---- a whole site ------------------------------------------------------------------------------
+
+Tensor mhc_site_begin(const Tensor& x, const MhcParams& p, const MhcConfig& c, MhcSiteSaved& s) {
+  s.cfg = c;
+  s.params = p;
+  s.x = x;
+  s.y = Tensor();
+  s.maps = mhc_mappings_forward(x, p, c);
+  return mhc_collapse(x, s.maps.pre);
+}
+
+Tensor mhc_site_end(MhcSiteSaved& s, const Tensor& y) {
+  HLM_CHECK(s.x.defined(), "mhc_site_end: saved state is empty (call mhc_site_begin first)");
+  s.y = y;
+  return mhc_write_back(s.x, y, s.maps.post, s.maps.comb);
+}
+
+Tensor mhc_site_backward_dy(const MhcSiteSaved& s, const Tensor& dx_out) {
+  const char* op = "mhc_site_backward_dy";
+  HLM_CHECK(s.x.defined() && s.y.defined(), "{}: saved state incomplete (run mhc_site_end)", op);
+  check_streams(s.x, op);
+  check_act(dx_out, s.x, s.x.shape(), op, "dx_out");
+  Tensor dy = rows_out(s.x, cdt(s.x));
+  switch (s.x.device()) {
+    case Device::cpu:
+      cpu::mhc_post_sum(s.maps.post, dx_out, dy);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, s.x, "x");
+  }
+  return dy;
+}
+
+Tensor mhc_site_backward(const MhcSiteSaved& s, const Tensor& dx_out, const Tensor& du,
+                         MhcParamGrads& g) {
+  const char* op = "mhc_site_backward";
+  HLM_CHECK(s.x.defined() && s.y.defined(), "{}: saved state incomplete (run mhc_site_end)", op);
+  MhcWriteBackGrads wb = mhc_write_back_backward(s.x, s.y, s.maps.post, s.maps.comb, dx_out);
+  MhcCollapseGrads cl = mhc_collapse_backward(s.x, s.maps.pre, du);
+  Tensor dmap = mhc_mappings_backward(s.x, s.params, s.cfg, s.maps, cl.dpre, wb.dpost, wb.dcomb, g);
+  // dx = write-back + collapse + mapping, added in that order per element.
+  Tensor dx = wb.dx;
+  switch (dx.device()) {
+    case Device::cpu:
+      cpu::mhc_add3_(dx, cl.dx, dmap);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, dx, "dx");
+  }
+  return dx;
+}
+
+}  // namespace hlm::ops

@@ -1,0 +1,347 @@
+// The front door of the MoE ops (ops/moe.h): argument checks, output allocation, and the switch
+// to the CPU reference (ops/cpu/moe.cpp). No CUDA implementation yet.
+#include "ops/moe.h"
+
+#include <cmath>
+#include <vector>
+
+#include "ops/cpu/moe.h"
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+#include "ops/seqlens.h"
+
+namespace hlm::ops {
+namespace {
+
+void check_acc(const Tensor& acc, const Tensor& x, const Shape& s, const char* op,
+               const char* what) {
+  detail::require_accumulator(acc, s, x, op, what);
+  HLM_CHECK(acc.is_contiguous(), "{}: gradient accumulator {} must be contiguous, got {}", op, what,
+            acc.describe());
+}
+
+// ---- router
+// ---------------------------------------------------------------------------------------
+void check_router_cfg(const MoeRouterConfig& c, const char* op) {
+  const int64_t E = c.n_experts;
+  HLM_CHECK(E >= 1, "{}: cfg.n_experts must be >= 1, got {}", op, E);
+  HLM_CHECK(c.top_k >= 1 && c.top_k <= E, "{}: cfg.top_k must be in [1, n_experts = {}], got {}",
+            op, E, c.top_k);
+  HLM_CHECK(c.n_group >= 1 && E % c.n_group == 0,
+            "{}: cfg.n_group must be >= 1 and divide n_experts = {}, got {}", op, E, c.n_group);
+  HLM_CHECK(c.topk_group >= 1 && c.topk_group <= c.n_group,
+            "{}: cfg.topk_group must be in [1, n_group = {}], got {}", op, c.n_group, c.topk_group);
+  const int64_t gs = E / c.n_group;
+  if (c.n_group > 1)
+    HLM_CHECK(gs >= 2, "{}: groups must hold >= 2 experts (group score = top-2 sum), got {}", op,
+              gs);
+  HLM_CHECK(c.top_k <= c.topk_group * gs,
+            "{}: cfg.top_k = {} exceeds the experts of the kept groups (topk_group {} x {})", op,
+            c.top_k, c.topk_group, gs);
+  HLM_CHECK(c.routed_scaling_factor > 0 && std::isfinite(c.routed_scaling_factor),
+            "{}: cfg.routed_scaling_factor must be finite and > 0, got {}", op,
+            c.routed_scaling_factor);
+}
+
+void check_logits(const Tensor& logits, const MoeRouterConfig& c, const char* op) {
+  detail::require_real(logits, op, "logits");
+  HLM_CHECK(logits.dim() == 2 && logits.size(1) == c.n_experts,
+            "{}: logits must be [T, n_experts = {}], got {}", op, c.n_experts, logits.describe());
+}
+
+// Index tensor [Tn, K] with values in [0, E) (distinct per row when asked); returns the values.
+std::vector<int64_t> check_topk_idx(const Tensor& idx, int64_t Tn, int64_t E, const char* op,
+                                    const char* what, bool distinct) {
+  detail::require_int(idx, op, what);
+  HLM_CHECK(idx.dim() == 2 && idx.size(0) == Tn && idx.size(1) >= 1,
+            "{}: {} must be [T = {}, K], got {}", op, what, Tn, idx.describe());
+  std::vector<int64_t> vals = detail::index_values(idx);
+  const int64_t K = idx.size(1);
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t v = vals[size_t(t * K + k)];
+      HLM_CHECK(v >= 0 && v < E, "{}: {}[{}, {}] = {} is outside [0, {})", op, what, t, k, v, E);
+      if (distinct)
+        for (int64_t q = 0; q < k; ++q)
+          HLM_CHECK(vals[size_t(t * K + q)] != v, "{}: {}[{}] repeats expert {}", op, what, t, v);
+    }
+  return vals;
+}
+
+// The experts' shapes from x [T, D] and the weights (K is set by the caller).
+struct ExpertDims {
+  int64_t T, D, E, I, K, Is;
+  bool shared;
+};
+
+ExpertDims check_experts(const Tensor& x, const MoeWeights& w, const char* op) {
+  detail::require_real(x, op, "x");
+  HLM_CHECK(x.dim() == 2, "{}: x must be [T, D], got {}", op, x.describe());
+  ExpertDims d{};
+  d.T = x.size(0);
+  d.D = x.size(1);
+  detail::require_real(w.gate_up, op, "w.gate_up");
+  HLM_CHECK(w.gate_up.dim() == 3 && w.gate_up.size(2) == d.D && w.gate_up.size(1) % 2 == 0 &&
+                w.gate_up.size(0) >= 1 && w.gate_up.size(1) >= 2,
+            "{}: w.gate_up must be [E, 2I, D = {}], got {}", op, d.D, w.gate_up.describe());
+  d.E = w.gate_up.size(0);
+  d.I = w.gate_up.size(1) / 2;
+  detail::require_real(w.down, op, "w.down");
+  detail::require_shape(w.down, {d.E, d.D, d.I}, op, "w.down");
+  d.shared = w.shared_gate_up.defined() || w.shared_down.defined();
+  if (d.shared) {
+    detail::require_real(w.shared_gate_up, op, "w.shared_gate_up");
+    HLM_CHECK(w.shared_gate_up.dim() == 2 && w.shared_gate_up.size(1) == d.D &&
+                  w.shared_gate_up.size(0) % 2 == 0 && w.shared_gate_up.size(0) >= 2,
+              "{}: w.shared_gate_up must be [2I_s, D = {}], got {}", op, d.D,
+              w.shared_gate_up.describe());
+    d.Is = w.shared_gate_up.size(0) / 2;
+    detail::require_real(w.shared_down, op, "w.shared_down");
+    detail::require_shape(w.shared_down, {d.D, d.Is}, op, "w.shared_down");
+  }
+  detail::one_device(op, {x, "x"},
+                     {{w.gate_up, "w.gate_up"},
+                      {w.down, "w.down"},
+                      {w.shared_gate_up, "w.shared_gate_up"},
+                      {w.shared_down, "w.shared_down"}});
+  return d;
+}
+
+// gu [..., 2I] -> the shape of h [..., I].
+Shape check_swiglu(const Tensor& gu, const char* op) {
+  detail::require_real(gu, op, "gu");
+  HLM_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "{}: gu must be [..., 2I], got {}", op,
+            gu.describe());
+  Shape s = detail::leading_shape(gu);
+  s.push_back(gu.size(-1) / 2);
+  return s;
+}
+
+}  // namespace
+
+MoeRouterResult moe_router_forward(const Tensor& logits, const Tensor& bias,
+                                   const MoeRouterConfig& cfg, const Tensor& replay_idx) {
+  const char* op = "moe_router_forward";
+  check_router_cfg(cfg, op);
+  check_logits(logits, cfg, op);
+  if (bias.defined()) {
+    detail::require_real(bias, op, "bias");
+    detail::require_shape(bias, {cfg.n_experts}, op, "bias");
+  }
+  const Device dev =
+      detail::one_device(op, {logits, "logits"}, {{bias, "bias"}, {replay_idx, "replay_idx"}});
+  std::vector<int64_t> rv;
+  if (replay_idx.defined()) {
+    rv = check_topk_idx(replay_idx, logits.size(0), cfg.n_experts, op, "replay_idx", true);
+    HLM_CHECK(replay_idx.size(1) == cfg.top_k, "{}: replay_idx must be [T, top_k = {}], got {}", op,
+              cfg.top_k, replay_idx.describe());
+  }
+  const DType dt = detail::compute_dtype(logits.dtype());
+  const int64_t Tn = logits.size(0);
+  MoeRouterResult r{detail::new_output({Tn, cfg.n_experts}, dt, dev),
+                    detail::new_output({Tn, cfg.top_k}, DType::i64, dev),
+                    detail::new_output({Tn, cfg.top_k}, dt, dev)};
+  switch (dev) {
+    case Device::cpu:
+      cpu::moe_router_forward(logits, bias, cfg, replay_idx.defined() ? &rv : nullptr, r);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, logits, "logits");
+  }
+  return r;
+}
+
+Tensor moe_router_backward(const Tensor& logits, const MoeRouterResult& r,
+                           const MoeRouterConfig& cfg, const Tensor& dweight) {
+  const char* op = "moe_router_backward";
+  check_router_cfg(cfg, op);
+  check_logits(logits, cfg, op);
+  const std::vector<int64_t> iv =
+      check_topk_idx(r.topk_idx, logits.size(0), cfg.n_experts, op, "r.topk_idx", false);
+  HLM_CHECK(r.topk_idx.size(1) == cfg.top_k, "{}: r.topk_idx must be [T, top_k = {}], got {}", op,
+            cfg.top_k, r.topk_idx.describe());
+  detail::require_real(dweight, op, "dweight");
+  detail::require_shape(dweight, r.topk_idx.shape(), op, "dweight");
+  const Device dev = detail::one_device(op, {logits, "logits"},
+                                        {{r.topk_idx, "r.topk_idx"}, {dweight, "dweight"}});
+  Tensor dl = detail::new_output({logits.size(0), cfg.n_experts},
+                                 detail::compute_dtype(logits.dtype()), dev);
+  switch (dev) {
+    case Device::cpu:
+      cpu::moe_router_backward(logits, iv, cfg, dweight, dl);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, logits, "logits");
+  }
+  return dl;
+}
+
+Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts) {
+  const char* op = "moe_expert_load";
+  HLM_CHECK(n_experts >= 1, "{}: n_experts must be >= 1, got {}", op, n_experts);
+  detail::require_int(topk_idx, op, "topk_idx");
+  HLM_CHECK(topk_idx.dim() == 2, "{}: topk_idx must be [T, K], got {}", op, topk_idx.describe());
+  const std::vector<int64_t> v =
+      check_topk_idx(topk_idx, topk_idx.size(0), n_experts, op, "topk_idx", false);
+  Tensor load = detail::new_output({n_experts}, DType::i64, topk_idx.device());
+  switch (topk_idx.device()) {
+    case Device::cpu:
+      cpu::moe_expert_load(v, load);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, topk_idx, "topk_idx");
+  }
+  return load;
+}
+
+void moe_bias_update(Tensor& bias, const Tensor& load, double rate) {
+  const char* op = "moe_bias_update";
+  detail::require_real(bias, op, "bias");
+  HLM_CHECK(bias.dim() == 1, "{}: bias must be [E], got {}", op, bias.describe());
+  HLM_CHECK(load.defined() && load.is_cpu(), "{}: load must be a CPU tensor", op);
+  detail::require_shape(load, bias.shape(), op, "load");
+  switch (bias.device()) {
+    case Device::cpu:
+      cpu::moe_bias_update(bias, load, rate);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, bias, "bias");
+  }
+}
+
+// ---- sequence-wise aux loss ---------------------------------------------------------------------
+namespace {
+struct AuxArgs {
+  std::vector<int64_t> cu, idx;
+  int64_t K = 0;
+  Device dev = Device::cpu;
+};
+AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+                  const char* op) {
+  detail::require_real(logits, op, "logits");
+  HLM_CHECK(logits.dim() == 2, "{}: logits must be [T, E], got {}", op, logits.describe());
+  AuxArgs a;
+  a.dev = detail::one_device(op, {logits, "logits"}, {{topk_idx, "topk_idx"}});
+  a.idx = check_topk_idx(topk_idx, logits.size(0), logits.size(1), op, "topk_idx", false);
+  a.K = topk_idx.size(1);
+  a.cu = check_cu_seqlens(cu_seqlens, logits.size(0));
+  return a;
+}
+}  // namespace
+
+double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+                        double coeff) {
+  const char* op = "moe_seq_aux_loss";
+  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, op);
+  switch (a.dev) {
+    case Device::cpu:
+      return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
+    case Device::cuda:
+      detail::no_cuda_yet(op, logits, "logits");
+  }
+  return 0.0;
+}
+
+Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
+                                 const Tensor& cu_seqlens, double coeff, double dloss) {
+  const char* op = "moe_seq_aux_loss_backward";
+  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, op);
+  Tensor dl = detail::new_output(logits.shape(), detail::compute_dtype(logits.dtype()), a.dev);
+  switch (a.dev) {
+    case Device::cpu:
+      cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, logits, "logits");
+  }
+  return dl;
+}
+
+// ---- clamped SwiGLU -----------------------------------------------------------------------------
+Tensor swiglu_clamped_forward(const Tensor& gu_, double limit) {
+  const char* op = "swiglu_clamped_forward";
+  const Shape hs = check_swiglu(gu_, op);
+  const Tensor gu = gu_.contiguous();
+  Tensor h = detail::new_output(hs, gu.dtype(), gu.device());
+  switch (gu.device()) {
+    case Device::cpu:
+      cpu::swiglu_clamped_forward(gu, limit, h);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, gu, "gu");
+  }
+  return h;
+}
+
+Tensor swiglu_clamped_backward(const Tensor& gu_, const Tensor& dh_, double limit) {
+  const char* op = "swiglu_clamped_backward";
+  const Shape hs = check_swiglu(gu_, op);
+  detail::require_real(dh_, op, "dh");
+  detail::require_shape(dh_, hs, op, "dh");
+  const Device dev = detail::one_device(op, {gu_, "gu"}, {{dh_, "dh"}});
+  const Tensor gu = gu_.contiguous();
+  const Tensor dh = dh_.dtype() == gu.dtype() ? dh_.contiguous() : dh_.to(gu.dtype());
+  Tensor dgu = detail::new_output(gu.shape(), gu.dtype(), dev);
+  switch (dev) {
+    case Device::cpu:
+      cpu::swiglu_clamped_backward(gu, dh, limit, dgu);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, gu, "gu");
+  }
+  return dgu;
+}
+
+// ---- experts ------------------------------------------------------------------------------------
+Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& topk_idx,
+                           const Tensor& topk_weight, double swiglu_limit, MoeSaved& saved) {
+  const char* op = "moe_experts_forward";
+  ExpertDims d = check_experts(x, w, op);
+  const std::vector<int64_t> idx = check_topk_idx(topk_idx, d.T, d.E, op, "topk_idx", false);
+  d.K = topk_idx.size(1);
+  detail::require_real(topk_weight, op, "topk_weight");
+  detail::require_shape(topk_weight, topk_idx.shape(), op, "topk_weight");
+  const Device dev =
+      detail::one_device(op, {x, "x"}, {{topk_idx, "topk_idx"}, {topk_weight, "topk_weight"}});
+  Tensor out = detail::new_output({d.T, d.D}, detail::compute_dtype(x.dtype()), dev);
+  switch (dev) {
+    case Device::cpu:
+      cpu::moe_experts_forward(x, w, idx, d.K, topk_weight, swiglu_limit, out, saved);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, x, "x");
+  }
+  return out;
+}
+
+MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
+                              MoeWeightGrads& g) {
+  const char* op = "moe_experts_backward";
+  HLM_CHECK(s.x.defined() && s.eo.defined(), "{}: saved state is empty (run the forward)", op);
+  ExpertDims d = check_experts(s.x, w, op);
+  d.K = s.topk_idx.size(1);
+  HLM_CHECK(s.gu.defined() && s.gu.shape() == Shape({d.T, d.K, 2 * d.I}),
+            "{}: saved state does not match the weights (gu {}, expected [{}, {}, {}])", op,
+            s.gu.describe(), d.T, d.K, 2 * d.I);
+  detail::require_real(dout, op, "dout");
+  detail::require_shape(dout, {d.T, d.D}, op, "dout");
+  check_acc(g.dgate_up, s.x, w.gate_up.shape(), op, "g.dgate_up");
+  check_acc(g.ddown, s.x, w.down.shape(), op, "g.ddown");
+  if (d.shared) {
+    check_acc(g.dshared_gate_up, s.x, w.shared_gate_up.shape(), op, "g.dshared_gate_up");
+    check_acc(g.dshared_down, s.x, w.shared_down.shape(), op, "g.dshared_down");
+  }
+  const Device dev = detail::one_device(op, {s.x, "saved x"}, {{dout, "dout"}});
+  const DType dt = detail::compute_dtype(s.x.dtype());
+  MoeGrads r{detail::new_output({d.T, d.D}, dt, dev), detail::new_output({d.T, d.K}, dt, dev)};
+  switch (dev) {
+    case Device::cpu:
+      cpu::moe_experts_backward(s, w, dout, g, r);
+      break;
+    case Device::cuda:
+      detail::no_cuda_yet(op, s.x, "saved x");
+  }
+  return r;
+}
+
+}  // namespace hlm::ops

@@ -1,0 +1,182 @@
+// The front door of the copy and elementwise ops (ops/tensor_ops.h): argument checks, output
+// allocation, and the switch to the CPU loops (ops/cpu/tensor_ops.cpp) or the CUDA kernels
+// (ops/cuda/tensor_ops.cu). The conversions and copies with a host side use Tensor's own.
+#include "ops/tensor_ops.h"
+
+#include "ops/cpu/tensor_ops.h"
+#include "ops/cuda/tensor_ops.cuh"
+#include "ops/dispatch.h"
+
+namespace hlm::ops {
+
+namespace {
+
+bool is_fdt(DType dt) {
+  return dt == DType::f32 || dt == DType::f64 || dt == DType::bf16;
+}
+
+void require_fdt(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  HLM_CHECK(is_fdt(t.dtype()), "{}: {} must be f32, f64 or bf16, got {}", op, what, t.describe());
+}
+
+// An f32 / f64 contiguous tensor that an op updates in place.
+void require_accum(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  HLM_CHECK(
+      (t.dtype() == DType::f32 || t.dtype() == DType::f64) && (t.numel() == 0 || t.is_contiguous()),
+      "{}: {} must be a contiguous f32 or f64 tensor, got {}", op, what, t.describe());
+}
+
+}  // namespace
+
+Tensor as_dtype(const Tensor& x, DType dt) {
+  HLM_CHECK(x.defined(), "as_dtype: x is undefined");
+  if (x.dtype() == dt) return x;
+  if (x.is_cpu()) return x.to(dt);
+  require_fdt(x, "as_dtype", "x");
+  HLM_CHECK(is_fdt(dt), "as_dtype: target dtype must be f32, f64 or bf16 on CUDA, got {}",
+            dtype_name(dt));
+  Tensor y = detail::new_output(x.shape(), dt, x.device());
+  copy_into(y, x);
+  return y;
+}
+
+Tensor contiguous(const Tensor& x) {
+  HLM_CHECK(x.defined(), "contiguous: x is undefined");
+  if (x.is_contiguous() || x.is_cpu()) return x.contiguous();
+  Tensor y = detail::new_output(x.shape(), x.dtype(), x.device());
+  copy_into(y, x);
+  return y;
+}
+
+void copy_into(Tensor& dst, const Tensor& src) {
+  HLM_CHECK(dst.defined() && src.defined(), "copy_into: undefined tensor");
+  HLM_CHECK(dst.shape() == src.shape(), "copy_into: shape {} into {}", shape_str(src.shape()),
+            shape_str(dst.shape()));
+  if (dst.device() != Device::cuda || src.device() != Device::cuda) {
+    // At least one side on the host: convert where the source lives, then Tensor::copy_ (which
+    // writes a CUDA destination only when it is contiguous).
+    const Tensor s = src.dtype() == dst.dtype() ? src : as_dtype(src, dst.dtype());
+    if (dst.device() == Device::cuda && !dst.is_contiguous()) {
+      copy_into(dst, s.to(Device::cuda));
+      return;
+    }
+    dst.copy_(s);
+    return;
+  }
+  require_fdt(dst, "copy_into", "dst");
+  require_fdt(src, "copy_into", "src");
+  HLM_CHECK(dst.dim() <= 8, "copy_into: at most 8 dimensions on CUDA, got {}", dst.describe());
+  if (dst.numel() == 0) return;
+  HLM_CUDA_PATH("copy_into", cuda::copy_into(dst, src));
+}
+
+void add_(Tensor& dst, const Tensor& src) {
+  constexpr const char* op = "add_";
+  require_accum(dst, op, "dst");
+  require_fdt(src, op, "src");
+  HLM_CHECK(src.shape() == dst.shape(), "{}: src {} must have the shape of dst {}", op,
+            src.describe(), dst.describe());
+  HLM_CHECK(src.device() == dst.device(), "{}: src {} must be on the device of dst {}", op,
+            src.describe(), dst.describe());
+  if (dst.numel() == 0) return;
+  const Tensor s = contiguous(as_dtype(src, dst.dtype()));
+  switch (dst.device()) {
+    case Device::cpu:
+      cpu::add_(dst, s);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::add_(dst, s));
+      break;
+  }
+}
+
+void add_bias_(Tensor& y, const Tensor& b) {
+  constexpr const char* op = "add_bias_";
+  require_accum(y, op, "y");
+  require_fdt(b, op, "b");
+  HLM_CHECK(y.dim() == 2 && b.dim() == 1 && b.size(0) == y.size(1),
+            "{}: y must be [T, O] and b [O], got {} and {}", op, y.describe(), b.describe());
+  HLM_CHECK(b.device() == y.device(), "{}: b {} must be on the device of y {}", op, b.describe(),
+            y.describe());
+  if (y.numel() == 0) return;
+  const Tensor bb = contiguous(as_dtype(b, y.dtype()));
+  switch (y.device()) {
+    case Device::cpu:
+      cpu::add_bias_(y, bb);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::add_bias_(y, bb));
+      break;
+  }
+}
+
+Tensor sum_rows(const Tensor& x, DType dt) {
+  constexpr const char* op = "sum_rows";
+  require_fdt(x, op, "x");
+  HLM_CHECK(x.dim() == 2, "{}: x must be [T, O], got {}", op, x.describe());
+  HLM_CHECK(dt == DType::f32 || dt == DType::f64, "{}: dtype must be f32 or f64, got {}", op,
+            dtype_name(dt));
+  const Tensor d = contiguous(as_dtype(x, dt));
+  const int64_t T = d.size(0), O = d.size(1);
+  if (O == 0 || T == 0) return Tensor::zeros({O}, dt, x.device());
+  Tensor out = detail::new_output({O}, dt, x.device());
+  switch (x.device()) {
+    case Device::cpu:
+      cpu::sum_rows(d, out);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::sum_rows(d, out));
+      break;
+  }
+  return out;
+}
+
+void scale_(Tensor& c, double beta) {
+  constexpr const char* op = "scale_";
+  require_fdt(c, op, "c");
+  HLM_CHECK(c.dim() == 2, "{}: c must be 2-D, got {}", op, c.describe());
+  if (c.numel() == 0) return;
+  switch (c.device()) {
+    case Device::cpu:
+      cpu::scale_(c, beta);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::scale_(c, beta));
+      break;
+  }
+}
+
+void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector<int64_t>& cu,
+                                        int64_t width, Tensor& dx, Tensor* dinitial) {
+  constexpr const char* op = "causal_conv1d_final_state_backward";
+  HLM_CHECK(cu.size() >= 1 && width >= 1, "{}: need cu_seqlens and width >= 1", op);
+  require_accum(dx, op, "dx");
+  HLM_CHECK(dx.dim() == 2 && dx.size(0) == cu.back(), "{}: dx must be [T = {}, C], got {}", op,
+            cu.back(), dx.describe());
+  const int64_t N = int64_t(cu.size()) - 1, C = dx.size(1), wm = width - 1;
+  require_fdt(dfinal_, op, "dfinal");
+  HLM_CHECK(dfinal_.shape() == Shape({N, wm, C}) && dfinal_.device() == dx.device(),
+            "{}: dfinal must be [N = {}, W-1 = {}, C = {}] on dx's device, got {}", op, N, wm, C,
+            dfinal_.describe());
+  if (dinitial) {
+    require_accum(*dinitial, op, "dinitial");
+    HLM_CHECK(dinitial->shape() == dfinal_.shape() && dinitial->dtype() == dx.dtype() &&
+                  dinitial->device() == dx.device(),
+              "{}: dinitial must be {} {} on dx's device, got {}", op, dtype_name(dx.dtype()),
+              shape_str(dfinal_.shape()), dinitial->describe());
+  }
+  if (dfinal_.numel() == 0) return;
+  const Tensor dfin = contiguous(as_dtype(dfinal_, dx.dtype()));
+  switch (dx.device()) {
+    case Device::cpu:
+      cpu::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial);
+      break;
+    case Device::cuda:
+      HLM_CUDA_PATH(op, cuda::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial));
+      break;
+  }
+}
+
+}  // namespace hlm::ops

@@ -1,0 +1,102 @@
+// The front doors of the ops without a CUDA implementation yet: CUDA tensors get the one-line
+// hlm::Error "<op>: no CUDA implementation yet (<arg> is ...)" from the device switch, and a
+// call that mixes devices is refused by name before anything runs.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "core/rng.h"
+#include "ops/cross_entropy.h"
+#include "ops/dsa_indexer.h"
+#include "ops/dsa_kpool.h"
+#include "ops/dsa_sparse_attention.h"
+#include "ops/embedding.h"
+#include "ops/fp8_quant.h"
+#include "ops/layernorm.h"
+#include "ops/mhc.h"
+#include "ops/moe.h"
+#include "ops/seqlens.h"
+#include "ops/softmax.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+using testing::gpu;
+
+// The message of the hlm::Error that f throws ("" when it throws none).
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void expect_no_cuda_yet(const char* op, const char* arg, const std::function<void()>& f) {
+  const std::string e = error_of(f);
+  const std::string want = std::string(op) + ": no CUDA implementation yet (" + arg + " is ";
+  EXPECT_NE(e.find(want), std::string::npos) << "expected '" << want << "...', got '" << e << "'";
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+TEST(FrontDoorGpu, OpsWithoutCudaKernelsSayWhich) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const Tensor x = gpu(randn({4, 6}, DType::f32, rng)), w = gpu(randn({6}, DType::f32, rng));
+  expect_no_cuda_yet("softmax_forward", "x", [&] { ops::softmax_forward(x); });
+  expect_no_cuda_yet("layernorm_forward", "x", [&] { ops::layernorm_forward(x, w, w); });
+  expect_no_cuda_yet("embedding_forward", "table", [&] {
+    ops::embedding_forward(x, gpu(Tensor::from_vector<int64_t>({2}, {3, 0})));
+  });
+  expect_no_cuda_yet("cross_entropy_forward", "logits", [&] {
+    ops::cross_entropy_forward(x, gpu(Tensor::from_vector<int64_t>({4}, {0, 5, -100, 2})));
+  });
+  expect_no_cuda_yet("fp8_quantize", "x", [&] {
+    ops::fp8_quantize(gpu(randn({2, 128}, DType::f32, rng)), {});
+  });
+  expect_no_cuda_yet("swiglu_clamped_forward", "gu", [&] { ops::swiglu_clamped_forward(x, 7.0); });
+  ops::MoeRouterConfig cfg;
+  cfg.n_experts = 6;
+  cfg.top_k = 2;
+  expect_no_cuda_yet("moe_router_forward", "logits",
+                     [&] { ops::moe_router_forward(x, Tensor(), cfg); });
+  const Tensor xs = gpu(randn({4, 2, 3}, DType::f32, rng));
+  expect_no_cuda_yet("mhc_collapse", "x", [&] {
+    ops::mhc_collapse(xs, gpu(randn({4, 2}, DType::f32, rng)));
+  });
+  // DSA: cu_seqlens may stay on the host; the checks run first, then the switch answers.
+  const Tensor cu = ops::cu_seqlens_from_lengths({3, 1});
+  const Tensor q = gpu(randn({4, 2, 8}, DType::f32, rng)), k = gpu(randn({4, 8}, DType::f32, rng));
+  const Tensor wts = gpu(randn({4, 2}, DType::f32, rng));
+  expect_no_cuda_yet("indexer_scores", "q", [&] { ops::indexer_scores(q, k, wts, cu); });
+  const Tensor sel = gpu(Tensor::from_vector<int32_t>({4, 1}, {0, 1, 2, 3}));
+  expect_no_cuda_yet("sparse_attention", "q",
+                     [&] { ops::sparse_attention(q, k, sel, cu, 4, 0.5); });
+  expect_no_cuda_yet("kpool_compress", "k", [&] {
+    ops::kpool_compress(k, k, gpu(randn({2, 8}, DType::f32, rng)), cu);
+  });
+}
+
+TEST(FrontDoorGpu, MixedDevicesAreRefusedByName) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const Tensor x = gpu(randn({4, 6}, DType::f32, rng)), w = randn({6}, DType::f32, rng);
+  const std::string e = error_of([&] { ops::layernorm_forward(x, w, w); });
+  EXPECT_NE(e.find("layernorm_forward: w must be on the device of x"), std::string::npos) << e;
+  const std::string e2 = error_of([&] {
+    ops::softmax_backward(randn({4, 6}, DType::f32, rng), x);
+  });
+  EXPECT_NE(e2.find("softmax_backward: dy must be on the device of y"), std::string::npos) << e2;
+  const std::string e3 = error_of([&] {
+    ops::embedding_forward(randn({5, 3}, DType::f32, rng),
+                           gpu(Tensor::from_vector<int64_t>({1}, {2})));
+  });
+  EXPECT_NE(e3.find("embedding_forward: ids must be on the device of table"), std::string::npos)
+      << e3;
+}
+
+}  // namespace
+}  // namespace hlm
