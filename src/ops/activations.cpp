@@ -16,14 +16,7 @@ Tensor forward(ActKind a, const char* op, const Tensor& x_) {
   detail::require_float_dev(x_, op, "x");
   const Tensor x = x_.contiguous();
   Tensor y = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::activation_forward(a, x, y);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::activation_forward(a, x, y));
-      break;
-  }
+  HLM_DISPATCH(op, x.device(), activation_forward, a, x, y);
   return y;
 }
 
@@ -32,14 +25,7 @@ Tensor backward(ActKind a, const char* op, const Tensor& x_, const Tensor& dy_) 
   detail::require_like_x(dy_, x_, x_.shape(), op, "dy");
   const Tensor x = x_.contiguous(), dy = dy_.contiguous();
   Tensor dx = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::activation_backward(a, x, dy, dx);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::activation_backward(a, x, dy, dx));
-      break;
-  }
+  HLM_DISPATCH(op, x.device(), activation_backward, a, x, dy, dx);
   return dx;
 }
 

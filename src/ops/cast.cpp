@@ -24,14 +24,7 @@ Tensor cast(const Tensor& x_, DType to, Saturate sat) {
   }
   const Tensor x = x_.contiguous();
   Tensor y = detail::new_output(x.shape(), to, dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::cast(x, y, sat);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::cast(x, y, sat));
-      break;
-  }
+  HLM_DISPATCH(op, dev, cast, x, y, sat);
   return y;
 }
 

@@ -46,14 +46,7 @@ Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const Tensor& c
   const Device dev = x.device();
   Tensor y = detail::new_output(x.shape(), x.dtype(), dev);
   if (final_state) *final_state = detail::new_output({nseq, width - 1, c}, x.dtype(), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::causal_conv1d_forward(x, w, cu, st, silu, y, final_state);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::causal_conv1d_forward(x, w, cu, st, silu, y, final_state));
-      break;
-  }
+  HLM_DISPATCH(op, dev, causal_conv1d_forward, x, w, cu, st, silu, y, final_state);
   return y;
 }
 
@@ -74,14 +67,7 @@ CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, co
   g.dx = detail::new_output(x.shape(), x.dtype(), dev);
   if (st.defined()) g.dinitial_state = detail::new_output({nseq, width - 1, c}, x.dtype(), dev);
   Tensor* dstate = st.defined() ? &g.dinitial_state : nullptr;
-  switch (dev) {
-    case Device::cpu:
-      cpu::causal_conv1d_backward(dy, x, w, cu, st, silu, g.dx, dstate, dw);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::causal_conv1d_backward(dy, x, w, cu, st, silu, g.dx, dstate, dw));
-      break;
-  }
+  HLM_DISPATCH(op, dev, causal_conv1d_backward, dy, x, w, cu, st, silu, g.dx, dstate, dw);
   return g;
 }
 
@@ -93,14 +79,7 @@ Tensor causal_conv1d_update(const Tensor& x_, Tensor& state, const Tensor& w_, b
   detail::require_contiguous(state, op, "state");
   const Tensor x = x_.contiguous(), w = w_.contiguous();
   Tensor y = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::causal_conv1d_update(x, state, w, silu, y);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::causal_conv1d_update(x, state, w, silu, y));
-      break;
-  }
+  HLM_DISPATCH(op, x.device(), causal_conv1d_update, x, state, w, silu, y);
   return y;
 }
 

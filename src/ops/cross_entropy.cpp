@@ -39,13 +39,8 @@ CrossEntropyResult cross_entropy_forward(const Tensor& logits_, const Tensor& ta
   out.ignore_index = ignore_index;
   out.row_loss = detail::new_output({nt}, logits.dtype(), logits.device());
   out.lse = detail::new_output({nt}, logits.dtype(), logits.device());
-  switch (logits.device()) {
-    case Device::cpu:
-      cpu::cross_entropy_forward(logits, tg, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::cross_entropy_forward(logits, tg, out);
   return out;
 }
 
@@ -60,13 +55,8 @@ Tensor cross_entropy_backward(const Tensor& logits_, const Tensor& targets,
             op, saved.count, count);
   const Tensor logits = logits_.contiguous(), lse = saved.lse.contiguous();
   Tensor dx = detail::new_output(logits.shape(), logits.dtype(), logits.device());
-  switch (logits.device()) {
-    case Device::cpu:
-      cpu::cross_entropy_backward(logits, tg, lse, saved.ignore_index, count, dloss, dx);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::cross_entropy_backward(logits, tg, lse, saved.ignore_index, count, dloss, dx);
   return dx;
 }
 

@@ -14,10 +14,13 @@
 // A front door reaches CUDA only through HLM_CUDA_PATH, so a build without CUDA links and answers a
 // CUDA tensor with a one-line error:
 //
-//   switch (x.device()) {
-//     case Device::cpu: cpu::rmsnorm_forward(x, gate, w, eps, y, rstd); break;
-//     case Device::cuda: HLM_CUDA_PATH("rmsnorm_forward", cuda::rmsnorm_forward(x, ...)); break;
-//   }
+//   HLM_DISPATCH(op, x.device(), rmsnorm_forward, x, gate, w, eps, y, rstd);
+//
+// runs cpu::rmsnorm_forward(x, gate, w, eps, y, rstd) for CPU tensors and
+// cuda::rmsnorm_forward(...) with the same arguments for CUDA tensors (an op whose two sides take
+// different arguments writes the switch out, with HLM_CUDA_PATH in its CUDA case). An op with only
+// its CPU reference so far calls detail::cpu_only(op, x, "x") (ops/op_checks.h), then the
+// reference.
 #pragma once
 
 #include "core/tensor.h"
@@ -47,3 +50,13 @@ Tensor new_output(const Shape& shape, DType dt, Device dev);
 #define HLM_CUDA_PATH(op, ...) \
   HLM_FAIL("{}: got a CUDA tensor, but this build has no CUDA support", op)
 #endif
+
+// The device switch of a front door whose CPU reference and CUDA launcher take the same arguments.
+#define HLM_DISPATCH(op, dev, fn, ...)                      \
+  do {                                                      \
+    if ((dev) == ::hlm::Device::cpu) {                      \
+      ::hlm::ops::cpu::fn(__VA_ARGS__);                     \
+    } else {                                                \
+      HLM_CUDA_PATH(op, ::hlm::ops::cuda::fn(__VA_ARGS__)); \
+    }                                                       \
+  } while (0)

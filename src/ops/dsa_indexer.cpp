@@ -51,13 +51,8 @@ ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, co
 Tensor run_fwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern& p,
                const char* op) {
   Tensor out = detail::new_output({a.T, p.W}, a.q.dtype(), a.dev);
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, a.q, "q");
-  }
+  detail::cpu_only(op, a.q, "q");
+  cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
   return out;
 }
 
@@ -68,13 +63,8 @@ IndexerScoreGrads run_bwd(const ScoreArgs& a, const IndexerScoreOptions& opt, co
   IndexerScoreGrads g{detail::new_output(a.q.shape(), a.q.dtype(), a.dev),
                       detail::new_output(a.k.shape(), a.q.dtype(), a.dev),
                       detail::new_output(a.w.shape(), a.q.dtype(), a.dev)};
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, a.q, "q");
-  }
+  detail::cpu_only(op, a.q, "q");
+  cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
   return g;
 }
 
@@ -139,13 +129,8 @@ Tensor topk_select(const Tensor& scores_, const Tensor& cu_seqlens, int64_t k, i
             op, need, pool == 1 ? "tokens" : "pools", scores_.describe());
   const Tensor scores = scores_.contiguous();
   Tensor out = detail::new_output({T, k}, DType::i32, scores.device());
-  switch (scores.device()) {
-    case Device::cpu:
-      cpu::topk_select(scores, cu, k, pool, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, scores, "scores");
-  }
+  detail::cpu_only(op, scores, "scores");
+  cpu::topk_select(scores, cu, k, pool, out);
   return out;
 }
 

@@ -30,13 +30,8 @@ Tensor run_target(const Tensor& q_, const Tensor& kv_, const dsa_detail::Pattern
                   const char* op) {
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   Tensor out = detail::new_output({p.T, p.W}, q.dtype(), q.device());
-  switch (q.device()) {
-    case Device::cpu:
-      cpu::attention_target(q, kv, p, scale, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, q, "q");
-  }
+  detail::cpu_only(op, q, "q");
+  cpu::attention_target(q, kv, p, scale, out);
   return out;
 }
 
@@ -70,13 +65,8 @@ IndexerKl indexer_kl_loss(const Tensor& scores_, const Tensor& target_, double c
   const Tensor scores = scores_.contiguous(), target = target_.contiguous();
   IndexerKl r;
   r.d_scores = detail::new_output(scores.shape(), scores.dtype(), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::indexer_kl_loss(scores, target, coeff, reduction, r);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, scores, "scores");
-  }
+  detail::cpu_only(op, scores, "scores");
+  cpu::indexer_kl_loss(scores, target, coeff, reduction, r);
   return r;
 }
 

@@ -57,13 +57,8 @@ Tensor kpool_compress(const Tensor& k_, const Tensor& gate_, const Tensor& ape_,
   const CompressDims a = check_compress(k_, gate_, ape_, cu_seqlens, op);
   const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous();
   Tensor out = detail::new_output({a.NP, a.D}, k.dtype(), a.dev);
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::kpool_compress(k, gate, ape, a.cu, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, k, "k");
-  }
+  detail::cpu_only(op, k, "k");
+  cpu::kpool_compress(k, gate, ape, a.cu, out);
   return out;
 }
 
@@ -78,13 +73,8 @@ KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_
   KPoolCompressGrads g{detail::new_output(k.shape(), k.dtype(), a.dev),
                        detail::new_output(k.shape(), k.dtype(), a.dev),
                        detail::new_output(ape.shape(), k.dtype(), a.dev)};
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::kpool_compress_backward(k, gate, ape, a.cu, d_pooled, g);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, k, "k");
-  }
+  detail::cpu_only(op, k, "k");
+  cpu::kpool_compress_backward(k, gate, ape, a.cu, d_pooled, g);
   return g;
 }
 
@@ -101,13 +91,8 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens,
   sel.pools = topk_select(pool_scores, cu_seqlens, K / P, P);
   sel.indices =
       detail::new_output({T, K + (always_select_tail ? P - 1 : 0)}, DType::i32, sel.pools.device());
-  switch (sel.pools.device()) {
-    case Device::cpu:
-      cpu::kpool_select_indices(sel.pools, cu, K, P, always_select_tail, sel.indices);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, pool_scores, "pool_scores");
-  }
+  detail::cpu_only(op, pool_scores, "pool_scores");
+  cpu::kpool_select_indices(sel.pools, cu, K, P, always_select_tail, sel.indices);
   return sel;
 }
 
@@ -127,13 +112,8 @@ Tensor kpool_pool_target_dense(const Tensor& token_target, const Tensor& cu_seql
   HLM_CHECK(Wp == 0 || Wp >= need_p, "{}: Wp must be 0 or >= {}, got {}", op, need_p, Wp);
   const Tensor tt = token_target.contiguous();
   Tensor out = detail::new_output({T, Wp == 0 ? need_p : Wp}, tt.dtype(), tt.device());
-  switch (tt.device()) {
-    case Device::cpu:
-      cpu::kpool_pool_target_dense(tt, cu, P, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, tt, "token_target");
-  }
+  detail::cpu_only(op, tt, "token_target");
+  cpu::kpool_pool_target_dense(tt, cu, P, out);
   return out;
 }
 
@@ -152,13 +132,8 @@ Tensor kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools,
   const Tensor tt = token_target.contiguous();
   const std::vector<int64_t> pl = detail::index_values(pools);
   Tensor out = detail::new_output({T, G}, tt.dtype(), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::kpool_pool_target_sparse(tt, pl, P, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, tt, "token_target");
-  }
+  detail::cpu_only(op, tt, "token_target");
+  cpu::kpool_pool_target_sparse(tt, pl, P, out);
   return out;
 }
 

@@ -44,13 +44,8 @@ SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const T
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   SparseAttentionOut r{detail::new_output({a.T, a.H, d_v}, q.dtype(), a.dev),
                        detail::new_output({a.T, a.H}, q.dtype(), a.dev)};
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::sparse_attention(q, kv, p, d_v, scale, r.out, r.lse);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, q, "q");
-  }
+  detail::cpu_only(op, q, "q");
+  cpu::sparse_attention(q, kv, p, d_v, scale, r.out, r.lse);
   return r;
 }
 
@@ -68,13 +63,8 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& k
                lse = lse_.contiguous(), d_out = d_out_.contiguous();
   SparseAttentionGrads g{detail::new_output(q.shape(), q.dtype(), a.dev),
                          detail::new_output(kv.shape(), q.dtype(), a.dev)};
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::sparse_attention_backward(q, kv, p, d_v, scale, out, lse, d_out, g.dq, g.dkv);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, q, "q");
-  }
+  detail::cpu_only(op, q, "q");
+  cpu::sparse_attention_backward(q, kv, p, d_v, scale, out, lse, d_out, g.dq, g.dkv);
   return g;
 }
 

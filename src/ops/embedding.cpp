@@ -36,13 +36,8 @@ Tensor embedding_forward(const Tensor& table_, const Tensor& ids) {
   const std::vector<int64_t> id = check_ids(op, ids, table_.size(0));
   const Tensor table = table_.contiguous();
   Tensor out = detail::new_output(rows_shape(ids, table.size(1)), table.dtype(), table.device());
-  switch (table.device()) {
-    case Device::cpu:
-      cpu::embedding_forward(table, id, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, table, "table");
-  }
+  detail::cpu_only(op, table, "table");
+  cpu::embedding_forward(table, id, out);
   return out;
 }
 
@@ -55,13 +50,8 @@ void embedding_backward(const Tensor& dy_, const Tensor& ids, Tensor& dtable) {
   const std::vector<int64_t> id = check_ids(op, ids, dtable.size(0));
   detail::require_real_like(dy_, dtable, rows_shape(ids, dtable.size(1)), op, "dy", "dtable");
   const Tensor dy = dy_.contiguous();
-  switch (dtable.device()) {
-    case Device::cpu:
-      cpu::embedding_backward(dy, id, dtable);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, dtable, "dtable");
-  }
+  detail::cpu_only(op, dtable, "dtable");
+  cpu::embedding_backward(dy, id, dtable);
 }
 
 }  // namespace hlm::ops

@@ -82,13 +82,8 @@ Fp8Tensor fp8_quantize(const Tensor& x, const QuantRecipe& rc) {
   out.recipe = rc;
   out.q = detail::new_output({rows, cols}, fp8_dtype(rc.format), x.device());
   out.scale_inv = detail::new_output(fp8_scale_shape(rows, cols, rc.tile), DType::f32, x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::fp8_quantize(x, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::fp8_quantize(x, out);
   return out;
 }
 
@@ -96,13 +91,8 @@ Tensor fp8_dequantize(const Fp8Tensor& t) {
   const char* op = "fp8_dequantize";
   check_fp8_tensor(t, op);
   Tensor out = detail::new_output(t.q.shape(), DType::f32, t.q.device());
-  switch (t.q.device()) {
-    case Device::cpu:
-      cpu::fp8_dequantize(t, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, t.q, "q");
-  }
+  detail::cpu_only(op, t.q, "q");
+  cpu::fp8_dequantize(t, out);
   return out;
 }
 
@@ -110,13 +100,8 @@ Tensor fp8_values(const Fp8Tensor& t) {
   const char* op = "fp8_values";
   check_fp8_tensor(t, op);
   Tensor out = detail::new_output(t.q.shape(), DType::f32, t.q.device());
-  switch (t.q.device()) {
-    case Device::cpu:
-      cpu::fp8_values(t, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, t.q, "q");
-  }
+  detail::cpu_only(op, t.q, "q");
+  cpu::fp8_values(t, out);
   return out;
 }
 
@@ -132,13 +117,8 @@ Fp8Tensor fp8_transpose_blocks(const Fp8Tensor& w) {
   t.recipe = w.recipe;
   t.q = detail::new_output({C, Rp}, w.q.dtype(), dev);
   t.scale_inv = detail::new_output({w.scale_inv.size(1), w.scale_inv.size(0)}, DType::f32, dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::fp8_transpose_blocks(w, t);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, w.q, "q");
-  }
+  detail::cpu_only(op, w.q, "q");
+  cpu::fp8_transpose_blocks(w, t);
   return t;
 }
 
@@ -152,13 +132,8 @@ Tensor fp8_gemm_tn(const Fp8Tensor& a, const Fp8Tensor& b) {
             a.cols(), b.rows(), b.cols());
   const Device dev = detail::one_device(op, {a.q, "A"}, {{b.q, "B"}});
   Tensor c = detail::new_output({a.rows(), b.rows()}, DType::f32, dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::fp8_gemm_tn(a, b, c);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, a.q, "A");
-  }
+  detail::cpu_only(op, a.q, "A");
+  cpu::fp8_gemm_tn(a, b, c);
   return c;
 }
 

@@ -87,14 +87,7 @@ Tensor kda_decode_step(const KdaDecodeArgs& a) {
   const double scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(d.K));
   const Device dev = a.state.device();
   Tensor o = detail::new_output({d.N, d.HV, d.V}, DType::f32, dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::kda_decode_step(a, slots, scale, o);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::kda_decode_step(a, slots, scale, o));
-      break;
-  }
+  HLM_DISPATCH(op, dev, kda_decode_step, a, slots, scale, o);
   return o;
 }
 

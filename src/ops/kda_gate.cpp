@@ -59,14 +59,7 @@ Tensor kda_gate(const KdaGateArgs& a) {
   const GateDims d = check_gate(a, op);
   const Device dev = a.z.device();
   Tensor g = detail::new_output({d.T, d.HV, d.K}, d.dt, dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::kda_gate_forward(a, g);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::kda_gate_forward(a, g));
-      break;
-  }
+  HLM_DISPATCH(op, dev, kda_gate_forward, a, g);
   return g;
 }
 
@@ -81,14 +74,7 @@ KdaGateGrads kda_gate_backward(const KdaGateArgs& a, const Tensor& dg) {
   r.dz = detail::new_output({d.T, d.HV, d.K}, d.dt, dev);
   if (a.A_log.defined()) r.dA_log = detail::new_output({d.HV}, d.dt, dev);
   if (a.dt_bias.defined()) r.ddt_bias = detail::new_output({d.HV * d.K}, d.dt, dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::kda_gate_backward(a, dg, r);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::kda_gate_backward(a, dg, r));
-      break;
-  }
+  HLM_DISPATCH(op, dev, kda_gate_backward, a, dg, r);
   return r;
 }
 

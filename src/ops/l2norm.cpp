@@ -19,14 +19,7 @@ L2NormResult l2norm_forward(const Tensor& x_, double eps) {
   L2NormResult out{
       detail::new_output(x.shape(), x.dtype(), dev),
       detail::new_output(detail::leading_shape(x), detail::compute_dtype(x.dtype()), dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::l2norm_forward(x, eps, out.y, out.rstd);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::l2norm_forward(x, eps, out.y, out.rstd));
-      break;
-  }
+  HLM_DISPATCH(op, dev, l2norm_forward, x, eps, out.y, out.rstd);
   return out;
 }
 
@@ -38,14 +31,7 @@ Tensor l2norm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& rstd_)
   detail::require_rstd(rstd_, x_, op);
   const Tensor x = x_.contiguous(), dy = dy_.contiguous(), rstd = rstd_.contiguous();
   Tensor dx = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::l2norm_backward(dy, x, rstd, dx);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::l2norm_backward(dy, x, rstd, dx));
-      break;
-  }
+  HLM_DISPATCH(op, x.device(), l2norm_backward, dy, x, rstd, dx);
   return dx;
 }
 

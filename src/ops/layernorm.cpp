@@ -28,13 +28,8 @@ LayerNormResult layernorm_forward(const Tensor& x_, const Tensor& w_, const Tens
   LayerNormResult out{detail::new_output(x.shape(), x.dtype(), dev),
                       detail::new_output(lead, x.dtype(), dev),
                       detail::new_output(lead, x.dtype(), dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::layernorm_forward(x, w, b, eps, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::layernorm_forward(x, w, b, eps, out);
   return out;
 }
 
@@ -50,13 +45,8 @@ Tensor layernorm_backward(const Tensor& dy_, const Tensor& x_, const Tensor& w_,
   const Tensor dy = dy_.contiguous(), x = x_.contiguous(), w = w_.contiguous(),
                mean = mean_.contiguous(), rstd = rstd_.contiguous();
   Tensor dx = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::layernorm_backward(dy, x, w, mean, rstd, dx, dw, db);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::layernorm_backward(dy, x, w, mean, rstd, dx, dw, db);
   return dx;
 }
 

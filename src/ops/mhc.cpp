@@ -109,13 +109,8 @@ MhcMappings mhc_mappings_forward(const Tensor& x, const MhcParams& p, const MhcC
       detail::new_output({d.T}, dt, dev),       detail::new_output({d.T, c.n_mix()}, dt, dev),
       detail::new_output({d.T, n}, dt, dev),    detail::new_output({d.T, n}, dt, dev),
       detail::new_output({d.T, n, n}, dt, dev), detail::new_output({d.T, n, n}, dt, dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::mhc_mappings_forward(x, p, c, m);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_mappings_forward(x, p, c, m);
   return m;
 }
 
@@ -134,13 +129,8 @@ Tensor mhc_mappings_backward(const Tensor& x, const MhcParams& p, const MhcConfi
   detail::require_accumulator(g.dbase, p.base.shape(), x, op, "grads.dbase");
   detail::require_accumulator(g.dscale, p.scale.shape(), x, op, "grads.dscale");
   Tensor dx = detail::new_output(x.shape(), cdt(x), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_mappings_backward(x, p, c, m, dpre, dpost, dcomb, g, dx);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_mappings_backward(x, p, c, m, dpre, dpost, dcomb, g, dx);
   return dx;
 }
 
@@ -148,13 +138,8 @@ Tensor mhc_inv_rms(const Tensor& x, double eps) {
   const char* op = "mhc_inv_rms";
   const Dims d = check_streams(x, op);
   Tensor r = detail::new_output({d.T}, cdt(x), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_inv_rms(x, eps, r);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_inv_rms(x, eps, r);
   return r;
 }
 
@@ -167,13 +152,8 @@ Tensor mhc_inv_rms_backward(const Tensor& x, const Tensor& inv_rms, const Tensor
     detail::require_shape(*t, {d.T}, op, name);
   }
   Tensor dx = detail::new_output(x.shape(), cdt(x), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_inv_rms_backward(x, inv_rms, d_inv_rms, dx);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_inv_rms_backward(x, inv_rms, d_inv_rms, dx);
   return dx;
 }
 
@@ -181,13 +161,8 @@ Tensor mhc_sinkhorn(const Tensor& logits, double hc_eps, int64_t iters) {
   const char* op = "mhc_sinkhorn";
   check_logits(logits, op, "logits", iters);
   Tensor out = detail::new_output(logits.shape(), cdt(logits), logits.device());
-  switch (logits.device()) {
-    case Device::cpu:
-      cpu::mhc_sinkhorn(logits, hc_eps, iters, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::mhc_sinkhorn(logits, hc_eps, iters, out);
   return out;
 }
 
@@ -199,13 +174,8 @@ Tensor mhc_sinkhorn_backward(const Tensor& logits, const Tensor& dcomb, double h
   detail::require_same_device(dcomb, logits, op, "dcomb", "logits");
   detail::require_shape(dcomb, logits.shape(), op, "dcomb");
   Tensor dl = detail::new_output(logits.shape(), cdt(logits), logits.device());
-  switch (logits.device()) {
-    case Device::cpu:
-      cpu::mhc_sinkhorn_backward(logits, dcomb, hc_eps, iters, dl);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::mhc_sinkhorn_backward(logits, dcomb, hc_eps, iters, dl);
   return dl;
 }
 
@@ -216,13 +186,8 @@ Tensor mhc_collapse(const Tensor& x, const Tensor& pre) {
   const Dims d = check_streams(x, op);
   check_act(pre, x, {d.T, d.n}, op, "pre");
   Tensor u = rows_out(x, x.dtype());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_collapse(x, pre, u);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_collapse(x, pre, u);
   return u;
 }
 
@@ -234,13 +199,8 @@ MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const
   const DType dt = cdt(x);
   MhcCollapseGrads r{detail::new_output(x.shape(), dt, x.device()),
                      detail::new_output({d.T, d.n}, dt, x.device())};
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_collapse_backward(x, pre, du, r);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_collapse_backward(x, pre, du, r);
   return r;
 }
 
@@ -249,13 +209,8 @@ Tensor mhc_write_back(const Tensor& x, const Tensor& y, const Tensor& post, cons
   const Dims d = check_streams(x, op);
   check_wb(x, y, post, comb, d, op);
   Tensor out = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_write_back(x, y, post, comb, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_write_back(x, y, post, comb, out);
   return out;
 }
 
@@ -270,13 +225,8 @@ MhcWriteBackGrads mhc_write_back_backward(const Tensor& x, const Tensor& y, cons
   MhcWriteBackGrads r{
       detail::new_output(x.shape(), dt, dev), detail::new_output({d.T, d.D}, dt, dev),
       detail::new_output({d.T, d.n}, dt, dev), detail::new_output({d.T, d.n, d.n}, dt, dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::mhc_write_back_backward(x, y, post, comb, dx_out, r);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_write_back_backward(x, y, post, comb, dx_out, r);
   return r;
 }
 
@@ -288,13 +238,8 @@ Tensor mhc_expand(const Tensor& e, int64_t n) {
   HLM_CHECK(e.dim() == 2, "{}: e must be [T, D], got {}", op, e.describe());
   HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
   Tensor out = detail::new_output({e.size(0), n, e.size(1)}, e.dtype(), e.device());
-  switch (e.device()) {
-    case Device::cpu:
-      cpu::mhc_expand(e, out);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, e, "e");
-  }
+  detail::cpu_only(op, e, "e");
+  cpu::mhc_expand(e, out);
   return out;
 }
 
@@ -302,13 +247,8 @@ Tensor mhc_expand_backward(const Tensor& dx) {
   const char* op = "mhc_expand_backward";
   check_streams(dx, op);
   Tensor de = rows_out(dx, dx.dtype());
-  switch (dx.device()) {
-    case Device::cpu:
-      cpu::mhc_stream_sum(dx, 1, de);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, dx, "dx");
-  }
+  detail::cpu_only(op, dx, "dx");
+  cpu::mhc_stream_sum(dx, 1, de);
   return de;
 }
 
@@ -316,13 +256,8 @@ Tensor mhc_mean_contract(const Tensor& x) {
   const char* op = "mhc_mean_contract";
   const Dims d = check_streams(x, op);
   Tensor h = rows_out(x, x.dtype());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::mhc_stream_sum(x, d.n, h);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::mhc_stream_sum(x, d.n, h);
   return h;
 }
 
@@ -332,13 +267,8 @@ Tensor mhc_mean_contract_backward(const Tensor& dh, int64_t n) {
   HLM_CHECK(dh.dim() == 2, "{}: dh must be [T, D], got {}", op, dh.describe());
   HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
   Tensor dx = detail::new_output({dh.size(0), n, dh.size(1)}, dh.dtype(), dh.device());
-  switch (dh.device()) {
-    case Device::cpu:
-      cpu::mhc_mean_contract_backward(dh, dx);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, dh, "dh");
-  }
+  detail::cpu_only(op, dh, "dh");
+  cpu::mhc_mean_contract_backward(dh, dx);
   return dx;
 }
 
@@ -365,13 +295,8 @@ Tensor mhc_site_backward_dy(const MhcSiteSaved& s, const Tensor& dx_out) {
   check_streams(s.x, op);
   check_act(dx_out, s.x, s.x.shape(), op, "dx_out");
   Tensor dy = rows_out(s.x, cdt(s.x));
-  switch (s.x.device()) {
-    case Device::cpu:
-      cpu::mhc_post_sum(s.maps.post, dx_out, dy);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, s.x, "x");
-  }
+  detail::cpu_only(op, s.x, "x");
+  cpu::mhc_post_sum(s.maps.post, dx_out, dy);
   return dy;
 }
 
@@ -384,13 +309,8 @@ Tensor mhc_site_backward(const MhcSiteSaved& s, const Tensor& dx_out, const Tens
   Tensor dmap = mhc_mappings_backward(s.x, s.params, s.cfg, s.maps, cl.dpre, wb.dpost, wb.dcomb, g);
   // dx = write-back + collapse + mapping, added in that order per element.
   Tensor dx = wb.dx;
-  switch (dx.device()) {
-    case Device::cpu:
-      cpu::mhc_add3_(dx, cl.dx, dmap);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, dx, "dx");
-  }
+  detail::cpu_only(op, dx, "dx");
+  cpu::mhc_add3_(dx, cl.dx, dmap);
   return dx;
 }
 

@@ -141,13 +141,8 @@ MoeRouterResult moe_router_forward(const Tensor& logits, const Tensor& bias,
   MoeRouterResult r{detail::new_output({Tn, cfg.n_experts}, dt, dev),
                     detail::new_output({Tn, cfg.top_k}, DType::i64, dev),
                     detail::new_output({Tn, cfg.top_k}, dt, dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::moe_router_forward(logits, bias, cfg, replay_idx.defined() ? &rv : nullptr, r);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::moe_router_forward(logits, bias, cfg, replay_idx.defined() ? &rv : nullptr, r);
   return r;
 }
 
@@ -166,13 +161,8 @@ Tensor moe_router_backward(const Tensor& logits, const MoeRouterResult& r,
                                         {{r.topk_idx, "r.topk_idx"}, {dweight, "dweight"}});
   Tensor dl = detail::new_output({logits.size(0), cfg.n_experts},
                                  detail::compute_dtype(logits.dtype()), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::moe_router_backward(logits, iv, cfg, dweight, dl);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::moe_router_backward(logits, iv, cfg, dweight, dl);
   return dl;
 }
 
@@ -184,13 +174,8 @@ Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts) {
   const std::vector<int64_t> v =
       check_topk_idx(topk_idx, topk_idx.size(0), n_experts, op, "topk_idx", false);
   Tensor load = detail::new_output({n_experts}, DType::i64, topk_idx.device());
-  switch (topk_idx.device()) {
-    case Device::cpu:
-      cpu::moe_expert_load(v, load);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, topk_idx, "topk_idx");
-  }
+  detail::cpu_only(op, topk_idx, "topk_idx");
+  cpu::moe_expert_load(v, load);
   return load;
 }
 
@@ -200,13 +185,8 @@ void moe_bias_update(Tensor& bias, const Tensor& load, double rate) {
   HLM_CHECK(bias.dim() == 1, "{}: bias must be [E], got {}", op, bias.describe());
   HLM_CHECK(load.defined() && load.is_cpu(), "{}: load must be a CPU tensor", op);
   detail::require_shape(load, bias.shape(), op, "load");
-  switch (bias.device()) {
-    case Device::cpu:
-      cpu::moe_bias_update(bias, load, rate);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, bias, "bias");
-  }
+  detail::cpu_only(op, bias, "bias");
+  cpu::moe_bias_update(bias, load, rate);
 }
 
 // ---- sequence-wise aux loss ---------------------------------------------------------------------
@@ -233,13 +213,8 @@ double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tens
                         double coeff) {
   const char* op = "moe_seq_aux_loss";
   const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, op);
-  switch (a.dev) {
-    case Device::cpu:
-      return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
-  return 0.0;
+  detail::cpu_only(op, logits, "logits");
+  return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
 }
 
 Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
@@ -247,13 +222,8 @@ Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
   const char* op = "moe_seq_aux_loss_backward";
   const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, op);
   Tensor dl = detail::new_output(logits.shape(), detail::compute_dtype(logits.dtype()), a.dev);
-  switch (a.dev) {
-    case Device::cpu:
-      cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, logits, "logits");
-  }
+  detail::cpu_only(op, logits, "logits");
+  cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);
   return dl;
 }
 
@@ -263,13 +233,8 @@ Tensor swiglu_clamped_forward(const Tensor& gu_, double limit) {
   const Shape hs = check_swiglu(gu_, op);
   const Tensor gu = gu_.contiguous();
   Tensor h = detail::new_output(hs, gu.dtype(), gu.device());
-  switch (gu.device()) {
-    case Device::cpu:
-      cpu::swiglu_clamped_forward(gu, limit, h);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, gu, "gu");
-  }
+  detail::cpu_only(op, gu, "gu");
+  cpu::swiglu_clamped_forward(gu, limit, h);
   return h;
 }
 
@@ -282,13 +247,8 @@ Tensor swiglu_clamped_backward(const Tensor& gu_, const Tensor& dh_, double limi
   const Tensor gu = gu_.contiguous();
   const Tensor dh = dh_.dtype() == gu.dtype() ? dh_.contiguous() : dh_.to(gu.dtype());
   Tensor dgu = detail::new_output(gu.shape(), gu.dtype(), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::swiglu_clamped_backward(gu, dh, limit, dgu);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, gu, "gu");
-  }
+  detail::cpu_only(op, gu, "gu");
+  cpu::swiglu_clamped_backward(gu, dh, limit, dgu);
   return dgu;
 }
 
@@ -304,13 +264,8 @@ Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& t
   const Device dev =
       detail::one_device(op, {x, "x"}, {{topk_idx, "topk_idx"}, {topk_weight, "topk_weight"}});
   Tensor out = detail::new_output({d.T, d.D}, detail::compute_dtype(x.dtype()), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::moe_experts_forward(x, w, idx, d.K, topk_weight, swiglu_limit, out, saved);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::moe_experts_forward(x, w, idx, d.K, topk_weight, swiglu_limit, out, saved);
   return out;
 }
 
@@ -334,13 +289,8 @@ MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tens
   const Device dev = detail::one_device(op, {s.x, "saved x"}, {{dout, "dout"}});
   const DType dt = detail::compute_dtype(s.x.dtype());
   MoeGrads r{detail::new_output({d.T, d.D}, dt, dev), detail::new_output({d.T, d.K}, dt, dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::moe_experts_backward(s, w, dout, g, r);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, s.x, "saved x");
-  }
+  detail::cpu_only(op, s.x, "saved x");
+  cpu::moe_experts_backward(s, w, dout, g, r);
   return r;
 }
 

@@ -90,6 +90,13 @@ inline void require_accumulator(const Tensor& acc, const Shape& s, const Tensor&
   HLM_FAIL("{}: no CUDA implementation yet ({} is {})", op, what, t.describe());
 }
 
+// The device switch of an op that has only its CPU reference so far: a CUDA tensor gets
+// "<op>: no CUDA implementation yet (<what> is ...)"; on the CPU the front door goes on to the
+// reference.
+inline void cpu_only(const char* op, const Tensor& t, const char* what) {
+  if (t.device() != Device::cpu) no_cuda_yet(op, t, what);
+}
+
 // The same rule as a check on one argument, for the ops that still check on the CPU only (the
 // KDA chunk family): a CUDA tensor gets a clear error.
 inline void require_cpu(const Tensor& t, const char* op, const char* what) {
@@ -207,11 +214,9 @@ inline void require_param_grad(const Tensor& dw, const Tensor& x, const Shape& s
   require_contiguous(dw, op, what);
 }
 
-// The dtype an op on `dt` computes in (and stores its statistics, e.g. rstd, in): f64 stays f64,
-// every other dtype (f32, bf16, f16, fp8) computes in f32. The one place this rule is written.
-inline DType compute_dtype(DType dt) {
-  return dt == DType::f64 ? DType::f64 : DType::f32;
-}
+// The dtype an op on `dt` computes in (and stores its statistics, e.g. rstd, in):
+// hlm::compute_dtype (core/dtype.h): f64 stays f64, every other dtype computes in f32.
+using hlm::compute_dtype;
 
 // The rstd [x's leading shape] that a norm's forward saved: in the computation dtype of x.
 inline void require_rstd(const Tensor& rstd, const Tensor& x, const char* op) {

@@ -43,14 +43,7 @@ RmsNormResult forward(const char* op, const Tensor& x_, const Tensor* gate_, con
   RmsNormResult out{
       detail::new_output(x.shape(), x.dtype(), dev),
       detail::new_output(detail::leading_shape(x), detail::compute_dtype(x.dtype()), dev)};
-  switch (dev) {
-    case Device::cpu:
-      cpu::rmsnorm_forward(x, g, w, eps, out.y, out.rstd);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::rmsnorm_forward(x, g, w, eps, out.y, out.rstd));
-      break;
-  }
+  HLM_DISPATCH(op, dev, rmsnorm_forward, x, g, w, eps, out.y, out.rstd);
   return out;
 }
 
@@ -65,14 +58,7 @@ GatedRmsNormGrads backward(const char* op, const Tensor& dy_, const Tensor& x_, 
   out.dx = detail::new_output(x.shape(), x.dtype(), dev);
   if (g) out.dgate = detail::new_output(x.shape(), x.dtype(), dev);
   Tensor* dgate = g ? &out.dgate : nullptr;
-  switch (dev) {
-    case Device::cpu:
-      cpu::rmsnorm_backward(dy, x, g, w, rstd, out.dx, dgate, dw);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::rmsnorm_backward(dy, x, g, w, rstd, out.dx, dgate, dw));
-      break;
-  }
+  HLM_DISPATCH(op, dev, rmsnorm_backward, dy, x, g, w, rstd, out.dx, dgate, dw);
   return out;
 }
 

@@ -14,13 +14,8 @@ Tensor softmax_forward(const Tensor& x_) {
   HLM_CHECK(x_.dim() >= 1, "{}: x must be [..., D], got {}", op, x_.describe());
   const Tensor x = x_.contiguous();
   Tensor y = detail::new_output(x.shape(), x.dtype(), x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::softmax_forward(x, y);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, x, "x");
-  }
+  detail::cpu_only(op, x, "x");
+  cpu::softmax_forward(x, y);
   return y;
 }
 
@@ -32,13 +27,8 @@ Tensor softmax_backward(const Tensor& y_, const Tensor& dy_) {
   const Device dev = y_.device();
   const Tensor y = y_.contiguous(), dy = dy_.contiguous();
   Tensor dx = detail::new_output(y.shape(), y.dtype(), dev);
-  switch (dev) {
-    case Device::cpu:
-      cpu::softmax_backward(y, dy, dx);
-      break;
-    case Device::cuda:
-      detail::no_cuda_yet(op, y, "y");
-  }
+  detail::cpu_only(op, y, "y");
+  cpu::softmax_backward(y, dy, dx);
   return dx;
 }
 

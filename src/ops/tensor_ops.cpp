@@ -82,14 +82,7 @@ void add_(Tensor& dst, const Tensor& src) {
             src.describe(), dst.describe());
   if (dst.numel() == 0) return;
   const Tensor s = contiguous(as_dtype(src, dst.dtype()));
-  switch (dst.device()) {
-    case Device::cpu:
-      cpu::add_(dst, s);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::add_(dst, s));
-      break;
-  }
+  HLM_DISPATCH(op, dst.device(), add_, dst, s);
 }
 
 void add_bias_(Tensor& y, const Tensor& b) {
@@ -102,14 +95,7 @@ void add_bias_(Tensor& y, const Tensor& b) {
             y.describe());
   if (y.numel() == 0) return;
   const Tensor bb = contiguous(as_dtype(b, y.dtype()));
-  switch (y.device()) {
-    case Device::cpu:
-      cpu::add_bias_(y, bb);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::add_bias_(y, bb));
-      break;
-  }
+  HLM_DISPATCH(op, y.device(), add_bias_, y, bb);
 }
 
 Tensor sum_rows(const Tensor& x, DType dt) {
@@ -122,14 +108,7 @@ Tensor sum_rows(const Tensor& x, DType dt) {
   const int64_t T = d.size(0), O = d.size(1);
   if (O == 0 || T == 0) return Tensor::zeros({O}, dt, x.device());
   Tensor out = detail::new_output({O}, dt, x.device());
-  switch (x.device()) {
-    case Device::cpu:
-      cpu::sum_rows(d, out);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::sum_rows(d, out));
-      break;
-  }
+  HLM_DISPATCH(op, x.device(), sum_rows, d, out);
   return out;
 }
 
@@ -138,14 +117,7 @@ void scale_(Tensor& c, double beta) {
   require_fdt(c, op, "c");
   HLM_CHECK(c.dim() == 2, "{}: c must be 2-D, got {}", op, c.describe());
   if (c.numel() == 0) return;
-  switch (c.device()) {
-    case Device::cpu:
-      cpu::scale_(c, beta);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::scale_(c, beta));
-      break;
-  }
+  HLM_DISPATCH(op, c.device(), scale_, c, beta);
 }
 
 void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector<int64_t>& cu,
@@ -169,14 +141,7 @@ void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector
   }
   if (dfinal_.numel() == 0) return;
   const Tensor dfin = contiguous(as_dtype(dfinal_, dx.dtype()));
-  switch (dx.device()) {
-    case Device::cpu:
-      cpu::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial);
-      break;
-    case Device::cuda:
-      HLM_CUDA_PATH(op, cuda::causal_conv1d_final_state_backward(dfin, cu, width, dx, dinitial));
-      break;
-  }
+  HLM_DISPATCH(op, dx.device(), causal_conv1d_final_state_backward, dfin, cu, width, dx, dinitial);
 }
 
 }  // namespace hlm::ops
