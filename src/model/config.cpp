@@ -1,6 +1,7 @@
 // ModelConfig (model/config.h): HF config.json parsing, validation, to_json, overrides.
 // The field table with defaults and checks is docs/model_config.md.
 #include "model/config.h"
+#include "model/config_limits.h"
 
 #include <fmt/format.h>
 
@@ -104,37 +105,16 @@ const std::set<std::string> kWrapperKeys = {"vision_config",
                                             "text_config"};
 
 // Known HF fields that do not change the model hybridlm builds: accepted and ignored.
-const std::set<std::string> kIgnoredKeys = {"architectures",
-                                            "auto_map",
-                                            "torch_dtype",
-                                            "dtype",
-                                            "transformers_version",
-                                            "_name_or_path",
-                                            "use_cache",
-                                            "head_dim",
-                                            "model_max_length",
-                                            "vision_config",
-                                            "image_token_id",
-                                            "video_token_id",
-                                            "image_start_token_id",
-                                            "image_end_token_id",
-                                            "video_start_token_id",
-                                            "video_end_token_id",
-                                            "use_grouped_topk",
-                                            "output_attentions",
-                                            "output_hidden_states",
-                                            "return_dict",
-                                            "tokenizer_class",
-                                            "attn_implementation",
-                                            "experts_implementation",
-                                            "keys_to_ignore_at_inference",
-                                            // written by transformers' save_pretrained
-                                            "output_router_logits",
-                                            "chunk_size_feed_forward",
-                                            "is_encoder_decoder",
-                                            "id2label",
-                                            "label2id",
-                                            "problem_type"};
+const std::set<std::string> kIgnoredKeys = {
+    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path",
+    "use_cache", "head_dim", "model_max_length", "vision_config", "image_token_id",
+    "video_token_id", "image_start_token_id", "image_end_token_id", "video_start_token_id",
+    "video_end_token_id", "use_grouped_topk", "output_attentions", "output_hidden_states",
+    "return_dict", "tokenizer_class", "attn_implementation", "experts_implementation",
+    "keys_to_ignore_at_inference",
+    // written by transformers' save_pretrained
+    "output_router_logits", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type"};
 
 // The keys PrecisionPolicy::from_json reads (layers/precision.h).
 const char* const kPrecisionKeys[] = {"gemm_precision",
@@ -884,6 +864,8 @@ void ModelConfig::validate(const std::string& what) const {
   HLM_CHECK(mtp.num_layers >= 0, "{}: 'num_nextn_predict_layers' is {}, expected >= 0", what,
             mtp.num_layers);
   non_negative(mtp.loss_scaling_factor, "mtp_loss_scaling_factor");
+  // Upper bounds of every count (model/config_limits.h).
+  check_limits(*this, what);
 }
 
 ModelConfig ModelConfig::from_json(const json& config, const std::string& what) {
