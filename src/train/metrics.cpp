@@ -350,6 +350,7 @@ void MetricsWriter::write(const MetricsRecord& r) {
 
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--";
+  if (seconds >= 3.6e9) return fmt::format("{:.3g}h", seconds / 3600.0);  // llround's range
   const int64_t s = std::llround(seconds);
   if (s < 60) return fmt::format("{}s", s);
   if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);
