@@ -911,6 +911,7 @@ ModelConfig ModelConfig::from_json(const json& config, const std::string& what) 
   }
   for (auto& [alias, canonical] : kAliases) move_alias(text, alias, canonical, what);
   const LinearAttnLists lists = expand_linear_attn_config(text, what);
+  check_raw_limits(text, what);  // before the parser sizes lists by them (config_limits.h)
   return parse_text(text, fam, lists, what);
 }
 

@@ -160,6 +160,52 @@ void check_limits(const ModelConfig& c, const std::string& what) {
             p, kMaxParameters);
 }
 
+void check_raw_limits(const nlohmann::json& text, const std::string& what) {
+  using namespace limits;
+  static const std::pair<const char*, int64_t> bounds[] = {
+      {"num_hidden_layers", kMaxLayers},
+      {"vocab_size", kMaxVocabSize},
+      {"hidden_size", kMaxHiddenSize},
+      {"max_position_embeddings", kMaxPositionEmbeddings},
+      {"intermediate_size", kMaxIntermediateSize},
+      {"linear_num_heads", kMaxHeads},
+      {"linear_num_value_heads", kMaxHeads},
+      {"linear_head_dim", kMaxHeadDim},
+      {"linear_value_head_dim", kMaxHeadDim},
+      {"linear_conv_kernel_dim", kMaxConvKernel},
+      {"kda_f_lora_rank", kMaxRank},
+      {"kda_gate_lora_rank", kMaxRank},
+      {"num_attention_heads", kMaxHeads},
+      {"num_key_value_heads", kMaxHeads},
+      {"q_lora_rank", kMaxRank},
+      {"kv_lora_rank", kMaxRank},
+      {"qk_nope_head_dim", kMaxHeadDim},
+      {"qk_rope_head_dim", kMaxHeadDim},
+      {"v_head_dim", kMaxHeadDim},
+      {"index_n_heads", kMaxHeads},
+      {"index_head_dim", kMaxHeadDim},
+      {"index_topk", kMaxIndexTopk},
+      {"index_kpool", kMaxKpool},
+      {"n_routed_experts", kMaxExperts},
+      {"num_experts_per_tok", kMaxExperts},
+      {"n_shared_experts", kMaxSharedExperts},
+      {"moe_intermediate_size", kMaxIntermediateSize},
+      {"n_group", kMaxExperts},
+      {"topk_group", kMaxExperts},
+      {"hc_mult", kMaxHcMult},
+      {"hc_sinkhorn_iters", kMaxSinkhornIters},
+      {"num_nextn_predict_layers", kMaxMtpLayers},
+  };
+  if (!text.is_object()) return;
+  for (const auto& [key, max] : bounds) {
+    auto it = text.find(key);
+    if (it == text.end() || !it->is_number()) continue;
+    const double v = it->get<double>();
+    HLM_CHECK(!(v > double(max)), "{}: '{}' is {}, more than the limit of {}", what, key,
+              it->dump(), max);
+  }
+}
+
 int64_t parameter_count(const ModelConfig& c, bool mtp) {
   const int64_t V = c.vocab_size, D = c.hidden_size;
   Count n;

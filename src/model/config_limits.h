@@ -47,6 +47,11 @@ inline constexpr int64_t kMaxParameters = int64_t(1) << 44;          // ~17.6 T 
 // count above its bound (and for a parameter count above kMaxParameters).
 void check_limits(const ModelConfig& c, const std::string& what = "config");
 
+// The same bounds on the raw JSON of a (flat, aliases resolved) text config, before it is parsed:
+// the parser sizes its per-layer lists by num_hidden_layers, so a huge value must be refused
+// before that (a loop of 10^12 iterations otherwise). Non-numeric values are left to the parser.
+void check_raw_limits(const nlohmann::json& text, const std::string& what);
+
 // The parameter elements of HybridModel(c, {.mtp = mtp}) (the MTP block only when mtp and the
 // config has one). Needs check_limits(c) to have passed (no overflow is possible then).
 int64_t parameter_count(const ModelConfig& c, bool mtp = true);

@@ -134,6 +134,23 @@ TEST(CoreChecksum, Crc64MatchesTheCheckValueAndChains) {
   EXPECT_EQ(crc64_hex(0x995dc9bbdf1939faull), "995dc9bbdf1939fa");
 }
 
+TEST(CoreChecksum, AFileWrittenByAnotherImplementationOfTheFormatVerifies) {
+  // fuzz/corpus/safetensors/*_with_checksum and mixed_dtypes were written by a short Python
+  // script from the description in core/safetensors.h (CRC-64/XZ of the data, then of the header
+  // without the entry, dumped with sorted keys and no spaces): the two must agree.
+  const std::string dir = std::string(HLM_SOURCE_DIR) + "/fuzz/corpus/safetensors/";
+  for (const char* name : {"f32_with_checksum", "mixed_dtypes"}) {
+    SCOPED_TRACE(name);
+    const std::vector<uint8_t> b = read_regular_file(dir + name, "corpus file");
+    safetensors::Contents c;
+    ASSERT_NO_THROW(c = safetensors::parse(b, name));
+    ASSERT_EQ(c.metadata.count(safetensors::kChecksumKey), 1u);
+    auto bad = b;
+    bad.back() ^= 1;
+    EXPECT_THROW(safetensors::parse(bad, name), Error);
+  }
+}
+
 // ---- printable messages ----------------------------------------------------------------------
 
 TEST(CoreMessages, PrintableEscapesBytesThatAreNotTextButKeepsUtf8) {

@@ -59,6 +59,23 @@ TEST(ModelConfigLimits, AbsurdSizesAreRefusedAtParsingNamingFieldValueAndBound) 
         << m;
     EXPECT_NE(m.find(std::string("limit of ") + c.bound), std::string::npos) << m;
   }
+  // num_hidden_layers sizes the parser's per-layer lists: refused before they are built (10^12
+  // layers was a loop of 10^12 push_backs), in a nested glm5_next config too.
+  {
+    json j = tiny_json();
+    j.erase("layer_pattern");
+    j["num_hidden_layers"] = int64_t(1000000000000);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string m = parse_error(j);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+    EXPECT_NE(m.find("'num_hidden_layers' is 1000000000000, more than the limit of 1024"),
+              std::string::npos)
+        << m;
+    json nested = {{"model_type", "glm5_next"}, {"text_config", tiny_json()}};
+    nested["text_config"]["num_hidden_layers"] = 1e15;
+    nested["text_config"].erase("layer_pattern");
+    EXPECT_NE(parse_error(nested).find("more than the limit of 1024"), std::string::npos);
+  }
   // The bounds leave the family's real sizes alone.
   const ModelConfig flash =
       ModelConfig::load(std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json");
