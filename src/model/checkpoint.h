@@ -92,11 +92,12 @@ TensorMap read_checkpoint(const std::string& path, const LoadOptions& opts = {})
 // names -> shapes): names `opts` would skip (ignore_prefixes, ignore_layers_from) and the
 // scale_inv companions of block-FP8 weights are left out.
 std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOptions& opts = {});
-// Before a model is built for `config`: the checkpoint at `path` must describe it. Its
+// Before a model is built for `config`: the checkpoint at `path` must be able to fill it. Its
 // embed_tokens (and lm_head, when present) must be [vocab_size, hidden_size] and its tensors must
-// hold exactly parameter_count(config, mtp) values (less lm_head's when it is missing and
-// opts.allow_missing). hlm::Error naming both numbers otherwise: a config that claims a huge
-// model next to a small checkpoint is refused before anything is allocated.
+// hold at least parameter_count(config, mtp) values (less lm_head's when it is missing and
+// opts.allow_missing; more is left to the load, which names unexpected tensors). hlm::Error
+// naming both numbers otherwise: a config that claims a huge model next to a small checkpoint is
+// refused before anything is allocated.
 void check_against_config(const std::string& path, const ModelConfig& config, bool mtp,
                           const LoadOptions& opts = {});
 

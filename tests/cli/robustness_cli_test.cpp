@@ -354,9 +354,11 @@ TEST_F(RobustCli, ForwardRefusesTokenInputsItUsedToMisread) {
   EXPECT_TRUE(refused(
       fwd("long.st", {}, {"HLM_MEMORY_LIMIT=1G"}),
       {"forward on long.st needs at least", "100000 tokens", "memory limit of 1073741824 bytes"}));
-  // A config claiming a larger model than its checkpoint: refused before building it.
+  // A config claiming a larger model than its checkpoint (about 16 GB of experts): refused from
+  // the headers before the model is built.
   json c = json::parse(read(ckpt + "/config.json"));
-  c["intermediate_size"] = 1000000;
+  c["moe_intermediate_size"] = 1048576;
+  c["n_shared_experts"] = 64;
   std::ofstream(ckpt + "/config.json") << c.dump();
   EXPECT_TRUE(refused(fwd("ok.st"), {"do not match"}, 20, 200));
   EXPECT_FALSE(fs::exists(dir_ / "o.safetensors"));
