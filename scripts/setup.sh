@@ -4,7 +4,8 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git clang-format
       libopenblas-dev nlohmann-json3-dev libcli11-dev libfmt-dev
       libgtest-dev libgmock-dev libbenchmark-dev libomp-dev
-      libopenmpi-dev openmpi-bin gnuplot-nox)
+      libopenmpi-dev openmpi-bin gnuplot-nox
+      clang libclang-rt-14-dev)  # the fuzz targets (scripts/fuzz.sh): clang 14 and libFuzzer
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -4,7 +4,9 @@
 #     (ctest label gpu) skip with a reason when no GPU is present;
 #  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
 #  3. where the CUDA toolkit is installed, the GPU tests on the CPU emulation of CUDA
-#     (tools/cuda_emu: the same kernels compiled as C++), with the race check on.
+#     (tools/cuda_emu: the same kernels compiled as C++), with the race check on;
+#  4. the fuzz targets (scripts/fuzz.sh: clang + libFuzzer, HLM_FUZZ_SECONDS each, default 30) on
+#     top of their seed corpus; any crash fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -33,3 +35,7 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
 else
   echo "== no CUDA toolkit: the GPU tests on the CPU emulation are skipped =="
 fi
+
+# ---- fuzzing ---------------------------------------------------------------------------------
+echo "== fuzz targets (clang + libFuzzer, ${HLM_FUZZ_SECONDS:-30} s each) =="
+bash scripts/fuzz.sh

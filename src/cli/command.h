@@ -38,6 +38,20 @@ struct Registrar {
 #define HLM_REGISTER_OP(name, help, setup) \
   static ::hlm::cli::Registrar HLM_CONCAT(hlm_op_, __LINE__)(&::hlm::cli::ops, name, help, setup)
 
+// Thrown by an action to end the command with this exit status (after its own message), e.g. 130
+// when a training run was interrupted by Ctrl-C and checkpointed.
+struct ExitStatus {
+  int code;
+};
+
+// --option validators (CLI11 runs them on the text, before the conversion):
+//   count_range(lo, hi): a decimal integer in [lo, hi]; a number that does not fit, or one out of
+//     range, is refused with both bounds (instead of CLI11's saturation at INT64_MAX).
+//   input_file(): an existing path must be a regular file (a FIFO, device, socket or directory is
+//     refused at once instead of blocking or failing later); a missing one is left to the command.
+CLI::Validator count_range(int64_t lo, int64_t hi);
+CLI::Validator input_file();
+
 // ---- helpers for `hybridlm op` ----
 // The input tensors of an op, with checks that name the tensor and the file.
 class OpInputs {

@@ -4,13 +4,15 @@
 //
 //   hybridlm forward --model DIR --tokens IN.safetensors --out OUT.safetensors
 //                    [--grad-probe P.safetensors] [--dtype f32|f64] [--dsa-indices S.safetensors]
-// IN: input_ids I64 [B, T] (each row a sequence) or [T] with cu_seqlens (I64/I32 [N+1]).
+// IN: input_ids I64 / I32 / U8 [B, T] (each row a sequence) or [T] with an optional cu_seqlens
+// (I64/I32 [N+1]); nothing else (model/token_input.h has every check).
 // OUT: last_hidden_state F32 ([B, T, D] or [T, D]); logits F32 when the checkpoint has lm_head
 // (or ties it); dsa_indices.layers.<i> I32 [B, T, W] (row-local positions; [T, W] global ids
-// for [T] input): the token sets the DSA layers attended; with --grad-probe (tensor `probe`, shaped like last_hidden_state) the loss
-// sum(last_hidden_state * probe) is backpropagated and OUT also holds grad.NAME (F32) for every
-// parameter under its HF name. MTP weights in the checkpoint are ignored (the tool runs the main
-// stack); the MoE aux and indexer losses are not part of the probe loss.
+// for [T] input): the token sets the DSA layers attended; with --grad-probe (tensor `probe`, shaped
+// like last_hidden_state) the loss sum(last_hidden_state * probe) is backpropagated and OUT also
+// holds grad.NAME (F32) for every parameter under its HF name. MTP weights in the checkpoint are
+// ignored (the tool runs the main stack); the MoE aux and indexer losses are not part of the probe
+// loss.
 // --dsa-indices: the token set each query of DSA layer i attends, tensor "layers.<i>" I32/I64
 // [B, T, W] with positions local to the row (or [T, W] global ids for [T] input), -1 padded: the
 // reference's selection replayed (top-k ties may be broken differently by another
@@ -21,8 +23,9 @@
 #include "cli/command.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/config_limits.h"
 #include "model/hybrid_model.h"
-#include "ops/seqlens.h"
+#include "model/token_input.h"
 
 namespace hlm::cli {
 namespace {
@@ -36,78 +39,53 @@ void run_forward(const ForwardArgs& a) {
   HybridModelOptions opt;
   opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
   opt.mtp = false;
-  HybridModel model(cfg, opt);
-
   // lm_head is optional in the checkpoint (a base-model save has none).
   checkpoint::LoadOptions lo;
   lo.allow_missing = true;
   lo.ignore_layers_from = cfg.num_hidden_layers;
+
+  // Everything is checked before the model is built: the token file, the checkpoint's shapes
+  // against its config, the memory the pass needs.
+  const TokenBatch tb = read_token_batch(safetensors::load(a.tokens), cfg.vocab_size, a.tokens);
+  checkpoint::check_against_config(a.model, cfg, opt.mtp, lo);
+  const bool grads = !a.probe.empty();
+  Workload w;
+  w.tokens = tb.num_tokens();
+  w.max_seq_len = tb.max_seq_len;
+  w.training = grads;
+  w.dtype = opt.dtype;
+  w.mtp = false;
+  check_memory_for(cfg, w, fmt::format("forward on {}", a.tokens));
+
+  HybridModel model(cfg, opt);
   const checkpoint::LoadReport rep = checkpoint::load_module(a.model, model, lo);
   bool have_head = cfg.tie_word_embeddings;
   for (const std::string& m : rep.missing)
     HLM_CHECK(m == "lm_head.weight", "forward: the checkpoint {} has no tensor {}", a.model, m);
   if (rep.missing.empty()) have_head = true;
 
-  const safetensors::Contents in = safetensors::load(a.tokens);
-  auto it = in.tensors.find("input_ids");
-  HLM_CHECK(it != in.tensors.end(), "forward: {} has no tensor input_ids", a.tokens);
-  const Tensor ids = it->second;
-  HLM_CHECK(ids.dim() == 1 || ids.dim() == 2, "forward: input_ids must be [B, T] or [T], got {}",
-            ids.describe());
+  const int64_t B = tb.batch, T = tb.length;
   ModelInputs mi;
-  int64_t B = 1, T = 0;
-  if (ids.dim() == 2) {
-    B = ids.size(0);
-    T = ids.size(1);
-    mi.tokens = ids.contiguous().view({B * T}).to(DType::i64);
-    mi.cu_seqlens = ops::cu_seqlens_from_lengths(std::vector<int64_t>(size_t(B), T));
-  } else {
-    T = ids.size(0);
-    mi.tokens = ids.to(DType::i64);
-    auto cu = in.tensors.find("cu_seqlens");
-    if (cu != in.tensors.end()) mi.cu_seqlens = cu->second;
-  }
+  mi.tokens = tb.tokens;
+  mi.cu_seqlens = tb.cu_seqlens;
   mi.logits = have_head;
   mi.aux_losses = false;
-  if (!a.dsa_indices.empty()) {
-    const safetensors::Contents sel = safetensors::load(a.dsa_indices);
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-      if (cfg.layer_kind(l) != LayerKind::dsa) continue;
-      auto f = sel.tensors.find("layers." + std::to_string(l));
-      if (f == sel.tensors.end()) {
-        mi.dsa_indices.emplace_back();
-        continue;
-      }
-      Tensor t = f->second.to(DType::i64).contiguous();
-      if (t.dim() == 3) {  // [B, T, W], local positions -> global ids
-        HLM_CHECK(t.size(0) == B && t.size(1) == T,
-                  "forward: {} layers.{} must be [{}, {}, W], got {}", a.dsa_indices, l, B, T,
-                  t.describe());
-        const int64_t W = t.size(2);
-        int64_t* p = t.data<int64_t>();
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t i = 0; i < T * W; ++i)
-            if (p[b * T * W + i] >= 0) p[b * T * W + i] += b * T;
-        t = t.view({B * T, W});
-      }
-      mi.dsa_indices.push_back(t);
-    }
-  }
+  if (!a.dsa_indices.empty())
+    mi.dsa_indices = read_dsa_indices(safetensors::load(a.dsa_indices), cfg, tb, a.dsa_indices);
   const int64_t D = cfg.hidden_size;
 
-  const bool grads = !a.probe.empty();
   Context ctx;
   ctx.training = grads;
   if (grads) model.zero_grad();
   HybridModel::SavedPtr saved;
   ModelOutput out = model.forward(ctx, mi, grads ? &saved : nullptr);
 
-  const Shape hshape = ids.dim() == 2 ? Shape{B, T, D} : Shape{T, D};
+  const Shape hshape = tb.rows ? Shape{B, T, D} : Shape{T, D};
   safetensors::TensorMap res;
   res["last_hidden_state"] = out.hidden.to(DType::f32).view(hshape);
   if (out.logits.defined()) {
     const int64_t V = cfg.vocab_size;
-    res["logits"] = out.logits.to(DType::f32).view(ids.dim() == 2 ? Shape{B, T, V} : Shape{T, V});
+    res["logits"] = out.logits.to(DType::f32).view(tb.rows ? Shape{B, T, V} : Shape{T, V});
   }
   // The token sets the DSA layers attended, in the layout of --dsa-indices.
   {
@@ -115,7 +93,7 @@ void run_forward(const ForwardArgs& a) {
     for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
       if (cfg.layer_kind(l) != LayerKind::dsa || d >= out.dsa_indices.size()) continue;
       Tensor t = out.dsa_indices[d++].to(DType::i64).contiguous();
-      if (ids.dim() == 2) {
+      if (tb.rows) {
         const int64_t W = t.size(1);
         int64_t* p = t.data<int64_t>();
         for (int64_t b = 0; b < B; ++b)
@@ -130,6 +108,8 @@ void run_forward(const ForwardArgs& a) {
     const safetensors::Contents pc = safetensors::load(a.probe);
     auto p = pc.tensors.find("probe");
     HLM_CHECK(p != pc.tensors.end(), "forward: {} has no tensor probe", a.probe);
+    HLM_CHECK(is_floating(p->second.dtype()), "forward: {}: probe must be floating, got {}",
+              a.probe, p->second.describe());
     HLM_CHECK(p->second.shape() == hshape, "forward: probe must have shape {}, got {}",
               shape_str(hshape), p->second.describe());
     model.backward(ctx, *saved, p->second.contiguous().view({B * T, D}));
@@ -140,7 +120,7 @@ void run_forward(const ForwardArgs& a) {
   }
   safetensors::save(a.out, res);
   std::printf("forward: %s, %lld token(s) in %lld sequence(s), dtype %s%s -> %s\n", a.model.c_str(),
-              (long long)(B * T), (long long)(ids.dim() == 2 ? B : 1), a.dtype.c_str(),
+              (long long)tb.num_tokens(), (long long)tb.sequences, a.dtype.c_str(),
               grads ? ", with parameter gradients" : "", a.out.c_str());
 }
 
@@ -149,13 +129,16 @@ std::function<void()> setup_forward(CLI::App& app) {
   app.add_option("--model", a->model, "checkpoint directory (config.json + safetensors)")
       ->required();
   app.add_option("--tokens", a->tokens, "safetensors with input_ids [B, T] or [T] + cu_seqlens")
-      ->required();
+      ->required()
+      ->check(input_file());
   app.add_option("--out", a->out, "output safetensors")->required();
   app.add_option("--grad-probe", a->probe,
-                 "safetensors with probe [like last_hidden_state]: also write grad.NAME");
+                 "safetensors with probe [like last_hidden_state]: also write grad.NAME")
+      ->check(input_file());
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
   app.add_option("--dsa-indices", a->dsa_indices,
-                 "safetensors with layers.<i> [B, T, W]: replay these DSA selections");
+                 "safetensors with layers.<i> [B, T, W]: replay these DSA selections")
+      ->check(input_file());
   return [a] { run_forward(*a); };
 }
 

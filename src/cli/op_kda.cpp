@@ -2,7 +2,8 @@
 // a safetensors file, for cross-checking against FLA (chunk_kda / fused_recurrent_kda) or the CUDA
 // kernels (docs/kda.md).
 //   hybridlm op kda [--impl chunk|recurrent] [--backward] --in IN --out OUT
-//       IN: q, k [T,H,K]; v [T,HV,V]; g [T,HV,K] (log decay, activated); beta [T,HV] (in (0,1));
+//       IN: q, k [T,H,K]; v [T,HV,V]; g [T,HV,K] (log decay, activated: finite, <= 0); beta
+//           [T,HV] (finite, in [0, 1]); every floating input finite;
 //           cu_seqlens (I64 or I32 [N+1]); optional initial_state [N,HV,K,V] ([K,V] layout),
 //           scale (F64 scalar; default K^-1/2); with --backward: do [T,HV,V], optional dht.
 //           F32 or F64 (q, k used as given: no L2 norm applied).
@@ -12,9 +13,12 @@
 //       IN: z [T,HV,K], A_log [HV] (optional with --lower-bound), dt_bias [HV*K] (optional).
 //       OUT: g [T,HV,K] (F64 when z is F64, else F32). Without --lower-bound: the standard gate.
 // Every error exits with status 2 and one line on stderr, and writes nothing.
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -22,6 +26,23 @@
 
 namespace hlm::cli {
 namespace {
+
+// Every element of `t` finite and in [lo, hi]; an error names the tensor, the first bad element
+// and the range (the op's math assumes these ranges: beta is a gate in [0, 1], g a log decay
+// <= 0, so that exp(g) <= 1; a value outside them makes the state grow without bound).
+void check_values(const OpInputs& in, const Tensor& t, const char* name, double lo, double hi,
+                  const char* meaning) {
+  const std::vector<double> v = t.to_f64_vector();
+  for (size_t i = 0; i < v.size(); ++i)
+    HLM_CHECK(std::isfinite(v[i]) && v[i] >= lo && v[i] <= hi,
+              "{}: '{}' holds {} at flat index {}; expected {} values in [{}, {}]", in.path(), name,
+              v[i], i, meaning, lo, hi);
+}
+
+void check_finite(const OpInputs& in, const Tensor& t, const char* name) {
+  const double inf = std::numeric_limits<double>::infinity();
+  check_values(in, t, name, -inf, inf, "finite");
+}
 
 struct KdaCliArgs {
   std::string in, out, impl = "chunk";
@@ -43,15 +64,26 @@ void run_kda(const KdaCliArgs& c) {
     HLM_CHECK(s.numel() == 1 && is_floating(s.dtype()),
               "{}: 'scale' must be a floating scalar, got {}", in.path(), s.describe());
     a.scale = s.item();
-    HLM_CHECK(a.scale > 0, "{}: 'scale' must be > 0, got {}", in.path(), a.scale);
+    HLM_CHECK(std::isfinite(a.scale) && a.scale > 0, "{}: 'scale' must be finite and > 0, got {}",
+              in.path(), a.scale);
   }
+  check_finite(in, a.q, "q");
+  check_finite(in, a.k, "k");
+  check_finite(in, a.v, "v");
+  check_values(in, a.g, "g", -std::numeric_limits<double>::max(), 0.0, "log-decay (finite, <= 0)");
+  check_values(in, a.beta, "beta", 0.0, 1.0, "gate");
+  if (a.initial_state.defined()) check_finite(in, a.initial_state, "initial_state");
   const DType out_dt = a.q.dtype() == DType::f64 ? DType::f64 : DType::f32;
   const bool chunk = c.impl == "chunk";
   safetensors::TensorMap out;
   Tensor d_o, dht;
   if (c.backward) {
     d_o = in.floating("do");
-    if (in.has("dht")) dht = in.floating("dht");
+    check_finite(in, d_o, "do");
+    if (in.has("dht")) {
+      dht = in.floating("dht");
+      check_finite(in, dht, "dht");
+    }
   }
   auto fw = chunk ? ops::kda_chunk(a) : ops::kda_recurrent(a);
   out["o"] = fw.o.to(out_dt);
@@ -93,7 +125,8 @@ void run_kda_gate(const GateCliArgs& c) {
 std::function<void()> setup_kda(CLI::App& app) {
   auto a = std::make_shared<KdaCliArgs>();
   app.add_option("--in", a->in, "input safetensors (q, k, v, g, beta, cu_seqlens, ...)")
-      ->required();
+      ->required()
+      ->check(input_file());
   app.add_option("--out", a->out, "output safetensors (o, final_state, grads)")->required();
   app.add_option("--impl", a->impl, "chunk (C=64 WY form) or recurrent (FP64 step form)")
       ->check(CLI::IsMember({"chunk", "recurrent"}));
@@ -103,7 +136,9 @@ std::function<void()> setup_kda(CLI::App& app) {
 
 std::function<void()> setup_kda_gate(CLI::App& app) {
   auto a = std::make_shared<GateCliArgs>();
-  app.add_option("--in", a->in, "input safetensors (z, A_log, dt_bias)")->required();
+  app.add_option("--in", a->in, "input safetensors (z, A_log, dt_bias)")
+      ->required()
+      ->check(input_file());
   app.add_option("--out", a->out, "output safetensors (g)")->required();
   app.add_option("--lower-bound", a->lower_bound, "lower-bound gate with this bound, in [-5, 0)");
   return [a] { run_kda_gate(*a); };

@@ -71,7 +71,9 @@ void run_fp8_quantize(const QuantArgs& a) {
 
 std::function<void()> setup_cast(CLI::App& app) {
   auto a = std::make_shared<CastArgs>();
-  app.add_option("--in", a->in, "input safetensors file with tensor x")->required();
+  app.add_option("--in", a->in, "input safetensors file with tensor x")
+      ->required()
+      ->check(input_file());
   app.add_option("--out", a->out, "output safetensors file (tensor y)")->required();
   app.add_option("--to", a->to, "target format")
       ->required()
@@ -83,7 +85,9 @@ std::function<void()> setup_cast(CLI::App& app) {
 
 std::function<void()> setup_fp8_quantize(CLI::App& app) {
   auto a = std::make_shared<QuantArgs>();
-  app.add_option("--in", a->in, "input safetensors file with tensor x [rows, cols]")->required();
+  app.add_option("--in", a->in, "input safetensors file with tensor x [rows, cols]")
+      ->required()
+      ->check(input_file());
   app.add_option("--out", a->out, "output safetensors file (q, scale_inv)")->required();
   app.add_option("--format", a->format, "fp8 format")->check(CLI::IsMember({"e4m3", "e5m2"}));
   app.add_option("--tile", a->tile, "tile shape")->check(CLI::IsMember({"1x128", "128x128"}));

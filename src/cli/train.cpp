@@ -11,6 +11,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "train/train_limits.h"
 #include "train/trainer.h"
 
 namespace hlm::cli {
@@ -22,8 +23,7 @@ constexpr const char* kDefaultOut = "runs/mqar";
 
 struct TrainArgs {
   std::string config, data, out, resume, device = "cpu";
-  std::optional<int64_t> steps, seed;
-  int64_t stop_after = 0;
+  std::optional<int64_t> steps, seed, stop_after;
   std::vector<std::string> sets;
   bool overwrite = false;
 };
@@ -53,10 +53,11 @@ std::string find_default_config() {
                   kDefaultConfig, list));
 }
 
+// A directory holds a run when it holds a checkpoint; what a run stopped before its first
+// checkpoint left there (metrics, train_config.json) is replaced by a fresh run.
 bool holds_run(const fs::path& dir) {
   std::error_code ec;
-  return fs::exists(dir / train::kTrainerStateFile, ec) ||
-         fs::exists(dir / train::kMetricsFile, ec);
+  return fs::exists(dir / train::kTrainerStateFile, ec);
 }
 
 void run_train(const TrainArgs& a) {
@@ -69,6 +70,7 @@ void run_train(const TrainArgs& a) {
 
   train::TrainerOptions opts;
   opts.stop_after = a.stop_after;
+  opts.handle_signals = true;  // Ctrl-C / SIGTERM: checkpoint, then exit 130 / 143
   // The typed options win over the config file and --set.
   const auto from_args = [&a](train::TrainConfig& c) {
     if (a.steps) c.steps = *a.steps;
@@ -123,21 +125,25 @@ void run_train(const TrainArgs& a) {
     }
   }
   train::Trainer trainer(cfg, opts);
-  trainer.run();
+  const train::TrainSummary sum = trainer.run();
+  if (sum.interrupted_by) throw ExitStatus{128 + sum.interrupted_by};
 }
 
 std::function<void()> setup_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
-  app.add_option(
-      "--config", a->config,
-      "training config (JSON; default configs/train_mqar.json: the tiny hybrid on MQAR)");
+  app.add_option("--config", a->config,
+                 "training config (JSON; default configs/train_mqar.json: the tiny hybrid on MQAR)")
+      ->check(input_file());
   app.add_option("--data", a->data,
                  "training data: a UTF-8 text file (byte tokens) or a .bin of uint32 ids; MQAR "
-                 "when absent");
-  app.add_option("--steps", a->steps, "total optimizer steps (also the total when resuming)");
+                 "when absent")
+      ->check(input_file());
+  app.add_option("--steps", a->steps, "total optimizer steps (also the total when resuming)")
+      ->check(count_range(1, train::limits::kMaxSteps));
   app.add_option("--out", a->out, "run directory (default runs/mqar, or runs/mqar-N when taken)");
   app.add_option("--resume", a->resume, "continue the run in this directory to --steps total");
-  app.add_option("--seed", a->seed, "seed of the initialisation and the data");
+  app.add_option("--seed", a->seed, "seed of the initialisation and the data")
+      ->check(count_range(0, INT64_MAX));
   app.add_option("--device", a->device, "cpu (cuda: not available yet)");
   app.add_option("--set", a->sets,
                  "key=value override (repeatable): a training key, or model.KEY / any model "
@@ -145,7 +151,9 @@ std::function<void()> setup_train(CLI::App& app) {
       ->take_all()
       ->allow_extra_args(false);
   app.add_option("--stop-after", a->stop_after,
-                 "stop with a checkpoint after this step, as if interrupted (resume later)");
+                 "stop with a checkpoint after this step, as if interrupted (resume later; 0: "
+                 "checkpoint the initialised model)")
+      ->check(count_range(0, train::limits::kMaxSteps));
   app.add_flag("--overwrite", a->overwrite, "replace a run that --out holds already");
   return [a] { run_train(*a); };
 }

@@ -1,10 +1,12 @@
 #include "core/device.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 #ifdef HLM_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -48,8 +50,13 @@ bool cuda_emulated() {
 void* device_alloc(Device d, size_t nbytes) {
   if (nbytes == 0) nbytes = 1;
   if (d == Device::cpu) {
+    // One allocation above the memory limit is refused before it is tried (a request the
+    // kernel would grant lazily would fail later, when it is touched).
+    check_memory(nbytes, "a tensor");
+    HLM_CHECK(nbytes <= SIZE_MAX - 63, "a tensor of {} bytes cannot be allocated", nbytes);
     void* p = std::aligned_alloc(64, (nbytes + 63) / 64 * 64);
-    if (!p) throw std::bad_alloc();
+    HLM_CHECK(p != nullptr, "out of memory: a tensor of {} bytes ({}) could not be allocated",
+              nbytes, format_bytes(double(nbytes)));
     return p;
   }
 #ifdef HLM_HAVE_CUDA

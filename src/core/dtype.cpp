@@ -99,6 +99,13 @@ double load(const void* p, DType dt, size_t i) {
   return 0;
 }
 
+// A float -> integer conversion truncates toward zero; a value that is NaN or whose truncation
+// lies outside the integer type (lo < v < hi, exclusive) has no defined result and is an error.
+void check_integral(double v, double lo, double hi, DType dt) {
+  HLM_CHECK(v > lo && v < hi, "cannot convert {} to {}: outside the range of the integer type", v,
+            dtype_name(dt));
+}
+
 // Store a value. Rounding to a narrow float goes through f32 first except for f64 -> f32 itself,
 // which is one correctly rounded step; f64 -> bf16 is double-rounded only when the f64 value is
 // not an f32 value, which the library never relies on.
@@ -123,12 +130,16 @@ void store(void* p, DType dt, size_t i, double v) {
       static_cast<uint8_t*>(p)[i] = float_to_fp8(float(v), Fp8Format::e5m2);
       break;
     case DType::i64:
+      // 2^63 is the first double above every int64 value.
+      check_integral(v, -9223372036854775808.0, 9223372036854775808.0, dt);
       static_cast<int64_t*>(p)[i] = int64_t(v);
       break;
     case DType::i32:
+      check_integral(v, -2147483649.0, 2147483648.0, dt);
       static_cast<int32_t*>(p)[i] = int32_t(v);
       break;
     case DType::u8:
+      check_integral(v, -1.0, 256.0, dt);
       static_cast<uint8_t*>(p)[i] = uint8_t(v);
       break;
   }
@@ -145,7 +156,11 @@ void convert_elements(const void* src, DType sdt, void* dst, DType ddt, size_t n
   if (sdt == DType::i64 && ddt == DType::i32) {
     auto s = static_cast<const int64_t*>(src);
     auto d = static_cast<int32_t*>(dst);
-    for (size_t i = 0; i < n; ++i) d[i] = int32_t(s[i]);
+    for (size_t i = 0; i < n; ++i) {
+      HLM_CHECK(s[i] >= INT32_MIN && s[i] <= INT32_MAX,
+                "cannot convert {} to i32: outside the range of the integer type", s[i]);
+      d[i] = int32_t(s[i]);
+    }
     return;
   }
   if (sdt == DType::i32 && ddt == DType::i64) {

@@ -17,6 +17,12 @@ class Error : public std::runtime_error {
 
 [[noreturn]] void throw_error(const char* file, int line, const std::string& msg);
 
+// `text` made safe for one line of a terminal: valid UTF-8 stays as it is; bytes that are not
+// part of a well-formed UTF-8 sequence, control characters (newlines too, and the C1 controls
+// U+0080..U+009F) and DEL are written as \xNN, byte by byte. Error messages quote file contents and
+// names; the command prints them through this.
+std::string printable(const std::string& text);
+
 }  // namespace hlm
 
 // HLM_CHECK(cond, "fmt", args...): throws hlm::Error("file:line: message") when cond is false.

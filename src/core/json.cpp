@@ -8,18 +8,17 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_io.h"
 
 namespace hlm {
 
 using nlohmann::json;
 
 json read_json_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f.good()) throw Error(fmt::format("cannot open '{}'", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
+  // A regular file only (a FIFO or a device would block or never end), read whole.
+  const std::vector<uint8_t> bytes = read_regular_file(path, "JSON file");
   try {
-    return json::parse(ss.str());
+    return json::parse(bytes.begin(), bytes.end());
   } catch (const json::exception& e) {
     throw Error(fmt::format("{}: malformed JSON: {}", path, e.what()));
   }

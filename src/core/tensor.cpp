@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 namespace hlm {
@@ -16,9 +17,19 @@ int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
   for (int64_t d : s) {
     HLM_CHECK(d >= 0, "negative dimension in shape {}", shape_str(s));
-    n *= d;
+    HLM_CHECK(!__builtin_mul_overflow(n, d, &n), "shape {} has more than 2^63 elements",
+              shape_str(s));
   }
   return n;
+}
+
+size_t shape_nbytes(const Shape& s, DType dt) {
+  const uint64_t n = uint64_t(shape_numel(s));
+  uint64_t bytes = 0;
+  HLM_CHECK(!__builtin_mul_overflow(n, uint64_t(dtype_size(dt)), &bytes) &&
+                bytes <= uint64_t(std::numeric_limits<int64_t>::max()),
+            "{} tensor of shape {} needs more than 2^63 bytes", dtype_name(dt), shape_str(s));
+  return size_t(bytes);
 }
 
 namespace {
@@ -27,7 +38,8 @@ Shape contiguous_strides(const Shape& s) {
   int64_t acc = 1;
   for (int64_t i = int64_t(s.size()) - 1; i >= 0; --i) {
     st[i] = acc;
-    acc *= std::max<int64_t>(s[i], 1);
+    HLM_CHECK(!__builtin_mul_overflow(acc, std::max<int64_t>(s[i], 1), &acc),
+              "shape {}: the strides exceed 2^63", shape_str(s));
   }
   return st;
 }
@@ -69,7 +81,7 @@ Tensor Tensor::empty(const Shape& shape, DType dt, Device dev) {
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
   t.dtype_ = dt;
-  t.storage_ = std::make_shared<Storage>(dev, size_t(shape_numel(shape)) * dtype_size(dt));
+  t.storage_ = std::make_shared<Storage>(dev, shape_nbytes(shape, dt));
   return t;
 }
 
@@ -79,7 +91,8 @@ Tensor Tensor::wrap(std::shared_ptr<Storage> storage, size_t byte_offset, const 
   const size_t es = dtype_size(dt);
   HLM_CHECK(byte_offset % es == 0, "wrap: byte offset {} is not a multiple of the {}-byte element",
             byte_offset, es);
-  HLM_CHECK(byte_offset + size_t(shape_numel(shape)) * es <= storage->nbytes,
+  const size_t nb = shape_nbytes(shape, dt);
+  HLM_CHECK(byte_offset <= storage->nbytes && nb <= storage->nbytes - byte_offset,
             "wrap: {} {} at byte {} exceeds the storage of {} bytes", dtype_name(dt),
             shape_str(shape), byte_offset, storage->nbytes);
   Tensor t;

@@ -16,7 +16,9 @@ namespace hlm {
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);  // "[2, 3, 4]"
+// Element and byte counts; an overflow (or a negative dimension) is an hlm::Error naming the shape.
 int64_t shape_numel(const Shape& s);
+size_t shape_nbytes(const Shape& s, DType dt);
 
 struct Storage {
   void* ptr = nullptr;
@@ -63,7 +65,7 @@ class Tensor {
   int64_t size(int64_t d) const;  // negative d counts from the end
   int64_t stride(int64_t d) const;
   int64_t numel() const { return shape_numel(shape_); }
-  size_t nbytes() const { return size_t(numel()) * dtype_size(dtype_); }
+  size_t nbytes() const { return shape_nbytes(shape_, dtype_); }
   size_t element_size() const { return dtype_size(dtype_); }
   bool is_contiguous() const;
   bool same_storage(const Tensor& o) const { return storage_ == o.storage_; }

@@ -18,8 +18,11 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/file_io.h"
+#include "core/memory.h"
 #include "layers/module.h"
 #include "layers/precision.h"
+#include "model/config_limits.h"
 
 namespace hlm::checkpoint {
 
@@ -107,9 +110,12 @@ class AtomicFileSet {
   AtomicFileSet(const AtomicFileSet&) = delete;
   AtomicFileSet& operator=(const AtomicFileSet&) = delete;
 
+  // The target is resolved (core/file_io.h): a symbolic link is written through, and a
+  // directory, device, FIFO or socket of that name is refused, never replaced.
   void add(const std::string& final_path, const std::vector<uint8_t>& bytes) {
-    const std::string tmp = write_temp(final_path, bytes);
-    files_.emplace_back(tmp, final_path);
+    const std::string target = resolve_output_path(final_path, "checkpoint file");
+    const std::string tmp = write_temp(target, bytes);
+    files_.emplace_back(tmp, target);
     if (hook_) hook_(tmp);
   }
   // Rename in the order added, then fsync the directories.
@@ -117,6 +123,7 @@ class AtomicFileSet {
     std::set<std::string> dirs;
     while (!files_.empty()) {
       auto [tmp, final_path] = files_.front();
+      check_output_target(final_path, "checkpoint file");
       if (std::rename(tmp.c_str(), final_path.c_str()) != 0)
         HLM_FAIL("cannot rename '{}' to '{}': {}", tmp, final_path, errno_str());
       files_.erase(files_.begin());
@@ -549,6 +556,64 @@ TensorMap read_checkpoint(const std::string& path, const LoadOptions& o) {
     out.emplace(name, v);
   }
   return out;
+}
+
+std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOptions& o) {
+  const Source src = open_source(path);
+  std::map<std::string, Shape> raw;
+  std::map<std::string, std::string> origin;  // canonical -> checkpoint name
+  for (const std::string& file : src.files) {
+    const safetensors::Header h = safetensors::read_header(file);
+    for (const auto& [orig, info] : h.tensors) {
+      if (src.sharded) {
+        auto it = src.weight_map.find(orig);
+        HLM_CHECK(it != src.weight_map.end() && it->second == file,
+                  "{}: shard '{}' holds tensor '{}', which the index {}", src.where, file, orig,
+                  it == src.weight_map.end() ? "does not list" : "places in " + it->second);
+      }
+      const std::string cn = canonical_name(orig);
+      auto [it, fresh] = origin.emplace(cn, orig);
+      HLM_CHECK(fresh, "{}: tensors '{}' and '{}' both map to '{}'", src.where, it->second, orig,
+                cn);
+      raw.emplace(cn, info.shape);
+    }
+  }
+  std::map<std::string, Shape> out;
+  for (const auto& [name, shape] : raw) {
+    if (ends_with(name, "_scale_inv") &&
+        raw.count(name.substr(0, name.size() - std::strlen("_scale_inv"))))
+      continue;
+    if (ignored_name(name, o)) continue;
+    out.emplace(name, shape);
+  }
+  return out;
+}
+
+void check_against_config(const std::string& path, const ModelConfig& config, bool mtp,
+                          const LoadOptions& o) {
+  const std::map<std::string, Shape> shapes = read_shapes(path, o);
+  const Shape vd{config.vocab_size, config.hidden_size};
+  for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) {
+    auto it = shapes.find(name);
+    if (it == shapes.end()) continue;
+    HLM_CHECK(it->second == vd,
+              "checkpoint '{}': tensor '{}' has shape {} but the config's vocab_size and "
+              "hidden_size need {}",
+              path, name, shape_str(it->second), shape_str(vd));
+  }
+  int64_t held = 0;
+  for (const auto& [name, shape] : shapes)
+    held = checked_add(held, shape_numel(shape), "the checkpoint's element count");
+  int64_t want = parameter_count(config, mtp);
+  if (o.allow_missing && !config.tie_word_embeddings && !shapes.count("lm_head.weight"))
+    want -= config.vocab_size * config.hidden_size;
+  // Fewer values than the config's model needs: the model is not built (a config claiming a huge
+  // model would allocate it first). More: the load names the unexpected tensors.
+  HLM_CHECK(held >= want,
+            "checkpoint '{}' holds {} parameter values in {} tensors, but its config describes a "
+            "model of {}: the checkpoint and the config do not match (tensors are missing, or the "
+            "config is not this checkpoint's)",
+            path, held, shapes.size(), want);
 }
 
 // ---- save ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -86,6 +87,19 @@ LoadReport load_module(const std::string& path, Module& module, const LoadOption
 // finiteness when opts.check_finite. Reads everything into memory: for small checkpoints, tools
 // and tests.
 TensorMap read_checkpoint(const std::string& path, const LoadOptions& opts = {});
+
+// The tensors of a checkpoint as its headers describe them, read without the data (canonical
+// names -> shapes): names `opts` would skip (ignore_prefixes, ignore_layers_from) and the
+// scale_inv companions of block-FP8 weights are left out.
+std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOptions& opts = {});
+// Before a model is built for `config`: the checkpoint at `path` must be able to fill it. Its
+// embed_tokens (and lm_head, when present) must be [vocab_size, hidden_size] and its tensors must
+// hold at least parameter_count(config, mtp) values (less lm_head's when it is missing and
+// opts.allow_missing; more is left to the load, which names unexpected tensors). hlm::Error
+// naming both numbers otherwise: a config that claims a huge model next to a small checkpoint is
+// refused before anything is allocated.
+void check_against_config(const std::string& path, const ModelConfig& config, bool mtp,
+                          const LoadOptions& opts = {});
 
 // ---- save ----------------------------------------------------------------------------------
 struct SaveOptions {

@@ -1,6 +1,7 @@
 // ModelConfig (model/config.h): HF config.json parsing, validation, to_json, overrides.
 // The field table with defaults and checks is docs/model_config.md.
 #include "model/config.h"
+#include "model/config_limits.h"
 
 #include <fmt/format.h>
 
@@ -720,6 +721,8 @@ void ModelConfig::validate(const std::string& what) const {
   HLM_CHECK(mtp.num_layers >= 0, "{}: 'num_nextn_predict_layers' is {}, expected >= 0", what,
             mtp.num_layers);
   non_negative(mtp.loss_scaling_factor, "mtp_loss_scaling_factor");
+  // Upper bounds of every count (model/config_limits.h).
+  check_limits(*this, what);
 }
 
 ModelConfig ModelConfig::from_json(const json& config, const std::string& what) {
@@ -755,6 +758,7 @@ ModelConfig ModelConfig::from_json(const json& config, const std::string& what) 
   }
   for (auto& [alias, canonical] : kAliases) move_alias(text, alias, canonical, what);
   const LinearAttnLists lists = expand_linear_attn_config(text, what);
+  check_raw_limits(text, what);  // before the parser sizes lists by them (config_limits.h)
   return parse_text(text, fam, lists, what);
 }
 

@@ -634,13 +634,18 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   HLM_CHECK(in.tokens.defined() && in.tokens.dim() == 1 && in.tokens.size(0) >= 1,
             "HybridModel::forward: tokens must be [T >= 1] token ids, got {}",
             in.tokens.defined() ? in.tokens.describe() : "undefined");
+  // Integer ids only: a float id would be truncated (5.7 -> 5) or, for NaN, have no value.
+  HLM_CHECK(in.tokens.dtype() == DType::i64 || in.tokens.dtype() == DType::i32,
+            "HybridModel::forward: tokens must be i64 or i32 token ids, got {}",
+            in.tokens.describe());
   const int64_t T = in.tokens.size(0), D = cfg_.hidden_size;
   const DType cdt = compute_dtype();
   Tensor tokens = in.tokens.to(DType::i64);
-  Tensor cu =
-      in.cu_seqlens.defined() ? in.cu_seqlens.to(DType::i64) : ops::cu_seqlens_from_lengths({T});
+  // check_cu_seqlens on the tensor as given: i64 / i32 only, then the values.
+  const Tensor cu_in = in.cu_seqlens.defined() ? in.cu_seqlens : ops::cu_seqlens_from_lengths({T});
   const std::vector<int64_t> cu_vec =
-      ops::check_cu_seqlens(cu, T, "HybridModel::forward: cu_seqlens");
+      ops::check_cu_seqlens(cu_in, T, "HybridModel::forward: cu_seqlens");
+  Tensor cu = cu_in.to(DType::i64);
   const bool has_targets = in.targets.defined();
   if (has_targets)
     HLM_CHECK(in.targets.dim() == 1 && in.targets.size(0) == T,

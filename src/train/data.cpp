@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "core/file_io.h"
 #include "ops/seqlens.h"
 
 namespace hlm::train {
@@ -17,12 +18,10 @@ Tensor i64_tensor(const std::vector<int64_t>& v) {
   return Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
 }
 
+// A regular file only (a FIFO, device or directory is refused without blocking), no larger than
+// the memory limit (core/file_io.h).
 std::vector<uint8_t> read_file_bytes(const std::string& path, const char* what) {
-  std::ifstream f(path, std::ios::binary);
-  HLM_CHECK(f.good(), "{} '{}': cannot open the file", what, path);
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  HLM_CHECK(!f.bad(), "{} '{}': read error", what, path);
-  return bytes;
+  return read_regular_file(path, what);
 }
 
 // Offset of the first byte that is not part of a well-formed UTF-8 sequence (RFC 3629: no

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_io.h"
 
 extern char** environ;
 
@@ -44,11 +45,9 @@ struct Line {
 
 std::vector<Line> read_lines(const std::string& path) {
   std::vector<Line> out;
-  std::ifstream f(path, std::ios::binary);
-  if (!f.good()) return out;
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string s = ss.str();
+  if (file_kind(path) == "missing") return out;
+  const std::vector<uint8_t> bytes = read_regular_file(path, "metrics file");  // never a FIFO
+  const std::string s(bytes.begin(), bytes.end());
   size_t pos = 0;
   int64_t line_no = 0;
   while (pos < s.size()) {
@@ -69,16 +68,11 @@ std::vector<Line> read_lines(const std::string& path) {
 }
 
 // Writes `text` to path atomically (temporary file, flush, fsync, rename).
+// Atomically, through the resolved target (core/file_io.h: a symlink is written through, a
+// device, FIFO or directory is never replaced).
 void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  HLM_CHECK(f != nullptr, "cannot create '{}'", tmp);
-  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() &&
-                  std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
-  std::fclose(f);
-  if (!ok) std::remove(tmp.c_str());
-  HLM_CHECK(ok, "cannot write '{}'", tmp);
-  HLM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '{}' to '{}'", tmp, path);
+  write_file_replacing(resolve_output_path(path, "metrics file"),
+                       std::vector<uint8_t>(text.begin(), text.end()), "metrics file");
 }
 
 std::string xml_escape(const std::string& s) {
@@ -350,6 +344,7 @@ void MetricsWriter::write(const MetricsRecord& r) {
 
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--";
+  if (seconds >= 3.6e9) return fmt::format("{:.3g}h", seconds / 3600.0);  // llround's range
   const int64_t s = std::llround(seconds);
   if (s < 60) return fmt::format("{}s", s);
   if (s < 3600) return fmt::format("{}m{:02}s", s / 60, s % 60);

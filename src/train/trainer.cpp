@@ -16,6 +16,8 @@
 #include "core/json.h"
 #include "model/checkpoint.h"
 #include "ops/cross_entropy.h"
+#include "train/interrupt.h"
+#include "train/train_limits.h"
 
 namespace hlm::train {
 namespace fs = std::filesystem;
@@ -72,6 +74,33 @@ void remove_stale_temporaries(const std::string& dir) {
     for (const char* f : kOwned)
       if (name.rfind(std::string(".") + f + ".tmp.", 0) == 0) fs::remove(e.path(), ec);
   }
+}
+
+// Which term of the objective is not finite, with the values of all of them.
+std::string nonfinite_loss_message(const ModelOutput& o) {
+  const std::pair<const char*, double> terms[] = {{"main cross-entropy", o.lm_loss},
+                                                  {"MTP loss", o.mtp_loss},
+                                                  {"MoE aux loss", o.aux_loss},
+                                                  {"DSA indexer loss", o.indexer_loss}};
+  std::vector<std::string> bad;
+  for (const auto& [name, v] : terms)
+    if (!std::isfinite(v)) bad.push_back(fmt::format("the {} is {}", name, v));
+  return fmt::format("the loss is not finite ({}: {}; main {}, mtp {}, aux {}, indexer {})", o.loss,
+                     bad.empty() ? "the sum of finite terms overflowed" : join(bad), o.lm_loss,
+                     o.mtp_loss, o.aux_loss, o.indexer_loss);
+}
+
+// The gradient norm is not finite: name the first parameter whose gradient holds NaN / Inf.
+std::string nonfinite_gradient_message(HybridModel& model, double norm) {
+  for (auto& [name, p] : model.named_parameters()) {
+    const int64_t i = checkpoint::first_non_finite(p->grad);
+    if (i >= 0)
+      return fmt::format(
+          "the gradient norm is not finite ({}): the gradient of '{}' is not finite at flat "
+          "index {}",
+          norm, name, i);
+  }
+  return fmt::format("the gradient norm is not finite ({}: the sum of squares overflowed)", norm);
 }
 
 bool bit_equal(const Tensor& a, const Tensor& b) {
@@ -418,10 +447,13 @@ TrainerCheckpoint read_trainer_checkpoint(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
     throw Error(fmt::format("'{}' is not a directory: no training run to resume", dir));
+  RunLock::check_free(dir);  // a run still writing there: say so, not "damaged" or "missing"
   const std::string path = path_in(dir, kTrainerStateFile);
   if (!fs::exists(path, ec))
-    throw Error(
-        fmt::format("'{}' holds no training checkpoint ({} is missing)", dir, kTrainerStateFile));
+    throw Error(fmt::format(
+        "'{}' holds no training checkpoint ({} is missing; a run stopped before its first "
+        "checkpoint can be started again there with --out {})",
+        dir, kTrainerStateFile, dir));
   TrainerCheckpoint ck;
   try {
     ck.state = checkpoint::load_tensor_map(path, true);
@@ -468,7 +500,11 @@ TrainerCheckpoint read_trainer_checkpoint(const std::string& dir) {
 Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg), opts_(opts) {
   cfg_.validate();
   HLM_CHECK(!opts_.out_dir.empty(), "trainer: the output directory is empty");
-  HLM_CHECK(opts_.stop_after >= 0, "trainer: stop_after must be >= 0, got {}", opts_.stop_after);
+  HLM_CHECK(!opts_.stop_after || *opts_.stop_after >= 0, "trainer: stop_after must be >= 0, got {}",
+            opts_.stop_after.value_or(0));
+  // Every count bounded and the memory of a step estimated before anything large is allocated
+  // or the run directory is created.
+  check_train_limits(cfg_, cfg_.model);
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
   mo.seed = cfg_.seed;
@@ -499,7 +535,17 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "(set model.vocab_size={})",
               cfg_.data_path, data_->vocab_size(), cfg_.model.vocab_size, data_->vocab_size());
   }
-  if (opts_.resume) resume_from_checkpoint();
+  if (opts_.resume) {
+    // The lock before the state is read: a run still writing there is refused, not raced.
+    std::error_code ec;
+    if (fs::exists(path_in(opts_.out_dir, kTrainerStateFile), ec) ||
+        fs::exists(path_in(opts_.out_dir, kLockFile), ec))
+      lock_ = std::make_unique<RunLock>(opts_.out_dir);
+    resume_from_checkpoint();
+    HLM_CHECK(!opts_.stop_after || *opts_.stop_after >= step_,
+              "--stop-after {}: the checkpoint in {} is already at step {}", *opts_.stop_after,
+              opts_.out_dir, step_);
+  }
   start_step_ = step_;
 }
 
@@ -696,7 +742,21 @@ void Trainer::save() {
 TrainSummary Trainer::run() {
   const double t_start = now_s();
   const std::string& dir = opts_.out_dir;
-  fs::create_directories(dir);
+  // Ctrl-C / SIGTERM from here on end the run with a checkpoint (train/interrupt.h).
+  std::optional<InterruptGuard> guard;
+  if (opts_.handle_signals) guard.emplace();
+  {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    HLM_CHECK(!ec && fs::is_directory(dir, ec), "run directory '{}' cannot be created: {}", dir,
+              ec ? ec.message() : "a file of that name exists");
+  }
+  if (!lock_) lock_ = std::make_unique<RunLock>(dir);
+  // The lock lasts as long as the run: released when run() returns or throws.
+  struct Release {
+    std::unique_ptr<RunLock>& lock;
+    ~Release() { lock.reset(); }
+  } release{lock_};
   remove_stale_temporaries(dir);
   if (!opts_.resume) {
     // A fresh run replaces what a previous run left here.
@@ -704,7 +764,7 @@ TrainSummary Trainer::run() {
     for (const char* f : {kTrainerStateFile, checkpoint::kSingleFile, checkpoint::kConfigFile})
       fs::remove(path_in(dir, f), ec);
   }
-  const int64_t end = opts_.stop_after > 0 ? std::min(opts_.stop_after, cfg_.steps) : cfg_.steps;
+  const int64_t end = opts_.stop_after ? std::min(*opts_.stop_after, cfg_.steps) : cfg_.steps;
   {
     const std::string text = cfg_.to_json().dump(2) + "\n";
     checkpoint::write_file_atomic(path_in(dir, kTrainConfigFile),
@@ -752,7 +812,10 @@ TrainSummary Trainer::run() {
   DsaStage stage = DsaStage::sparse;
   const Context ctx{true, false};
 
+  int interrupted = 0;
   for (int64_t s = step_ + 1; s <= end; ++s) {
+    // A signal during the previous step (or before the first): stop before this one.
+    if (opts_.handle_signals && (interrupted = InterruptGuard::pending()) != 0) break;
     const bool dense = cfg_.dsa_dense_warmup_steps < 0 || s <= cfg_.dsa_dense_warmup_steps;
     const DsaStage want = dense ? DsaStage::dense_warmup : DsaStage::sparse;
     if (!have_stage || want != stage) {
@@ -775,14 +838,13 @@ TrainSummary Trainer::run() {
     StepResult r;
     std::string bad;
     if (!std::isfinite(out.loss)) {
-      bad = fmt::format("the loss is not finite ({}: main {}, mtp {}, aux {}, indexer {})",
-                        out.loss, out.lm_loss, out.mtp_loss, out.aux_loss, out.indexer_loss);
+      bad = nonfinite_loss_message(out);
     } else {
       model_->backward(ctx, *saved);
       if (opts_.hooks.after_backward) opts_.hooks.after_backward(s, *model_);
       r = opt_->step(lr);
       if (!r.finite || !std::isfinite(r.grad_norm))
-        bad = fmt::format("the gradient norm is not finite ({})", r.grad_norm);
+        bad = nonfinite_gradient_message(*model_, r.grad_norm);
     }
     saved.reset();
     if (bad.empty()) model_->update_moe_bias(out.expert_counts);
@@ -853,11 +915,41 @@ TrainSummary Trainer::run() {
     }
   }
   if (bar) bar->finish();
+  if (opts_.handle_signals && !interrupted) interrupted = InterruptGuard::pending();
+  if (last_ckpt != step_) {
+    // Interrupted between checkpoints, or stopped before the first step (--stop-after 0).
+    save();
+    last_ckpt = step_;
+  }
+  if (interrupted) {
+    metrics.reset();
+    log(
+        fmt::format("interrupted by {} after step {} of {}: the checkpoint of step {} is in {}; "
+                    "continue with: hybridlm train --resume {}",
+                    signal_name(interrupted), step_, cfg_.steps, step_, dir, dir));
+    sum.interrupted_by = interrupted;
+    sum.end_step = step_;
+    sum.skipped_steps = skipped_;
+    sum.final_loss = last_loss;
+    sum.tokens_per_s = train_time > 0 ? double(sum.tokens) / train_time : 0.0;
+    sum.out_dir = dir;
+    sum.weights = path_in(dir, checkpoint::kSingleFile);
+    sum.config = path_in(dir, checkpoint::kConfigFile);
+    sum.metrics = metrics_path;
+    sum.wall_s = now_s() - t_start;
+    return sum;
+  }
   if (end <= sum.start_step) {
     // Nothing to train (resumed at the total): evaluate for the summary.
     sum.eval = evaluate();
-    log(fmt::format("the checkpoint is already at step {} of {}: nothing to train", step_,
-                    cfg_.steps));
+    if (opts_.resume)
+      log(fmt::format("the checkpoint is already at step {} of {}: nothing to train", step_,
+                      cfg_.steps));
+    else
+      log(
+          fmt::format("stopped before step 1 (--stop-after 0): the checkpoint of the initialised "
+                      "model (step 0) is in {}",
+                      dir));
   }
   metrics.reset();
 

@@ -20,7 +20,11 @@
 //   model.safetensors, config.json   the weights in the HF layout (save_module)
 //   train_config.json           the resolved training config (readable; usable as --config)
 // Every file is written atomically (temporary, fsync, rename); the trainer state first, so a
-// crash at any moment leaves a loadable checkpoint: the previous one or the new one.
+// crash at any moment leaves a loadable checkpoint: the previous one or the new one. Each
+// safetensors file carries a checksum that resuming verifies (core/safetensors.h).
+// The run holds the directory's lock (train/run_lock.h) from before it reads or writes anything
+// there to its end; its limits and memory estimate (train/train_limits.h) are checked in the
+// constructor, before the directory is created.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +40,7 @@
 #include "train/adamw.h"
 #include "train/data.h"
 #include "train/metrics.h"
+#include "train/run_lock.h"
 #include "train/schedule.h"
 
 namespace hlm::train {
@@ -138,8 +143,13 @@ struct TrainerHooks {
 
 struct TrainerOptions {
   std::string out_dir = "runs/mqar";
-  bool resume = false;      // continue the run in out_dir (its trainer_state.safetensors)
-  int64_t stop_after = 0;   // > 0: stop (with a checkpoint) after this step, as if interrupted
+  bool resume = false;  // continue the run in out_dir (its trainer_state.safetensors)
+  // Stop (with a checkpoint) after this step, as if interrupted; 0 writes the checkpoint of the
+  // initialised model (step 0) and trains nothing. Unset: train to cfg.steps.
+  std::optional<int64_t> stop_after;
+  // Catch SIGINT / SIGTERM during run() (train/interrupt.h): finish the step, checkpoint, return
+  // with TrainSummary::interrupted_by set. The command turns it on; a library caller may too.
+  bool handle_signals = false;
   std::FILE* log = stdout;  // messages and the progress line; nullptr: silent
   ProgressBar::Mode progress = ProgressBar::Mode::automatic;
   bool plot = true;           // write the plot at the end
@@ -165,6 +175,7 @@ struct TrainSummary {
   double wall_s = 0;        // this process
   int64_t tokens = 0;       // trained in this process
   std::string out_dir, weights, config, metrics, plot;
+  int interrupted_by = 0;  // the signal that stopped the run (handle_signals), else 0
 };
 
 // The state a checkpoint directory holds (what resuming reads), verified.
@@ -215,6 +226,7 @@ class Trainer {
   std::unique_ptr<LrSchedule> sched_;
   std::unique_ptr<DataSource> data_;
   const MqarTask* mqar_ = nullptr;  // data_ when it is MQAR
+  std::unique_ptr<RunLock> lock_;   // the run directory's lock (train/run_lock.h)
   int64_t step_ = 0;
   int64_t skipped_ = 0;
   int64_t start_step_ = 0;

@@ -109,5 +109,114 @@ TEST(CoreSafetensors, HeaderFuzzNeverCrashes) {
   }
 }
 
+// ---- the format's invariants (docs/robustness.md, item 5) ---------------------------------------
+
+std::string parse_error(const std::vector<uint8_t>& b) {
+  try {
+    safetensors::parse(b, "f");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(parsed)";
+}
+
+TEST(CoreSafetensors, AHeaderLengthOneByteShortIsRefusedNotShifted) {
+  // The reference layout pads the header with spaces; one byte less still parses as JSON, and
+  // every value was read one byte early.
+  const std::string h = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})"
+                        "    ";
+  auto b = file_of(h, 8);
+  const float a[2] = {1.5f, -2.0f};
+  std::memcpy(b.data() + 8 + h.size(), a, 8);
+  EXPECT_EQ(safetensors::parse(b, "f").tensors.at("a").to_f64_vector(),
+            (std::vector<double>{1.5, -2.0}));
+  b[0] = uint8_t(h.size() - 1);
+  const std::string e = parse_error(b);
+  EXPECT_NE(e.find("trailing bytes"), std::string::npos) << e;
+}
+
+TEST(CoreSafetensors, TheTensorsMustCoverTheDataBufferExactly) {
+  // Trailing bytes after the last tensor.
+  std::string e =
+      parse_error(file_of(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 3));
+  EXPECT_NE(e.find("1 trailing bytes"), std::string::npos) << e;
+  // A gap before a tensor.
+  e = parse_error(file_of(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}})", 3));
+  EXPECT_NE(e.find("no tensor covers"), std::string::npos) << e;
+  e = parse_error(file_of(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                          R"("b":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}})",
+                          3));
+  EXPECT_NE(e.find("no tensor covers"), std::string::npos) << e;
+  // Exact cover in any header order, empty tensors included.
+  const auto ok = file_of(R"({"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},)"
+                          R"("z":{"dtype":"F32","shape":[0],"data_offsets":[2,2]},)"
+                          R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})",
+                          2);
+  EXPECT_EQ(safetensors::parse(ok, "f").tensors.size(), 3u);
+  // The header must start with '{'.
+  e = parse_error(file_of(R"( {"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1));
+  EXPECT_NE(e.find("starting with '{'"), std::string::npos) << e;
+}
+
+TEST(CoreSafetensors, DuplicateNamesAreRefusedNotLastWins) {
+  std::string e = parse_error(file_of(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                                      R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
+                                      2));
+  EXPECT_NE(e.find("gives the key 'a' twice"), std::string::npos) << e;
+  e = parse_error(file_of(R"({"__metadata__":{"k":"1","k":"2"}})", 0));
+  EXPECT_NE(e.find("'k' twice"), std::string::npos) << e;
+  e = parse_error(
+      file_of(R"({"a":{"dtype":"U8","dtype":"F32","shape":[1],"data_offsets":[0,1]}})", 1));
+  EXPECT_NE(e.find("'dtype' twice"), std::string::npos) << e;
+}
+
+TEST(CoreSafetensors, EveryWrittenFileCarriesAChecksumThatCatchesBitFlips) {
+  Rng rng(testing::test_seed());
+  safetensors::TensorMap m;
+  m["w"] = randn({4, 8}, DType::f32, rng);
+  m["ids"] = Tensor::from_values({3}, {1, 2, 3}, DType::i64);
+  const auto good = safetensors::serialize(m, {{"step", "7"}});
+  const auto c = safetensors::parse(good, "f");
+  ASSERT_EQ(c.metadata.count(safetensors::kChecksumKey), 1u);
+  EXPECT_EQ(c.metadata.at("step"), "7");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | good[size_t(i)];
+  // Every single bit flip in the data buffer is caught.
+  for (size_t i = 8 + n; i < good.size(); ++i)
+    for (int bit = 0; bit < 8; bit += 3) {
+      auto b = good;
+      b[i] ^= uint8_t(1 << bit);
+      const std::string e = parse_error(b);
+      ASSERT_NE(e.find("checksum mismatch"), std::string::npos) << "byte " << i << ": " << e;
+    }
+  // A header value changed consistently (metadata edited, a shape swapped) is caught too.
+  std::string h(reinterpret_cast<const char*>(good.data()) + 8, size_t(n));
+  const size_t at = h.find("\"7\"");
+  ASSERT_NE(at, std::string::npos);
+  auto b = good;
+  b[8 + at + 1] = '8';
+  EXPECT_NE(parse_error(b).find("checksum mismatch"), std::string::npos);
+  // Files without the entry (other writers) are read as they are; a re-save recomputes it.
+  const auto plain = file_of(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1);
+  EXPECT_EQ(safetensors::parse(plain, "f").metadata.count(safetensors::kChecksumKey), 0u);
+  const auto again = safetensors::serialize(c.tensors, c.metadata);
+  EXPECT_NO_THROW(safetensors::parse(again, "f"));
+}
+
+TEST(CoreSafetensors, ReadHeaderGivesShapesWithoutTheData) {
+  safetensors::TensorMap m;
+  m["a"] = Tensor::zeros({3, 4}, DType::bf16);
+  m["b"] = Tensor::zeros({5}, DType::i32);
+  const std::string path = ::testing::TempDir() + "/hdr_" + std::to_string(::getpid());
+  safetensors::save(path, m);
+  const safetensors::Header h = safetensors::read_header(path);
+  ASSERT_EQ(h.tensors.size(), 2u);
+  EXPECT_EQ(h.tensors.at("a").shape, (Shape{3, 4}));
+  EXPECT_EQ(h.tensors.at("a").dtype, DType::bf16);
+  EXPECT_EQ(h.tensors.at("b").end - h.tensors.at("b").begin, 20u);
+  EXPECT_EQ(h.data_size, 44u);
+  std::remove(path.c_str());
+}
+
 }  // namespace
 }  // namespace hlm

@@ -295,6 +295,18 @@ TEST(HybridModel, DsaSelectionReplayAndSharedIndexers) {
     bad.data<int64_t>()[0] = 5;  // query 0 cannot attend token 5
     in.dsa_indices = {bad};
     EXPECT_THROW(m.forward(eval, in), Error);
+    // Only -1 is padding: -2^32 was skipped as padding, then wrapped to token 0 in the i32 copy.
+    bad = own.dsa_indices[0].to(DType::i64);
+    bad.data<int64_t>()[bad.size(1) * 3] = -(int64_t(1) << 32);
+    in.dsa_indices = {bad};
+    try {
+      m.forward(eval, in);
+      FAIL() << "-2^32 accepted as padding";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("= -4294967296 is neither -1 (padding)"),
+                std::string::npos)
+          << e.what();
+    }
   }
   nlohmann::json j = tiny_json();
   j["layer_pattern"] = "KDD";
@@ -325,6 +337,17 @@ TEST(HybridModel, BadInputIsAClearError) {
   in.cu_seqlens = Tensor();
   in.targets = Tensor::from_vector<int64_t>({2}, {1, 2});
   EXPECT_THROW(m.forward(eval, in), Error);
+  in.targets = Tensor();
+  // Float ids were truncated (5.7 -> 5), float or u8 cu_seqlens converted: integers only.
+  in.tokens = Tensor::from_values({3}, {1, 5.7, 2}, DType::f32);
+  EXPECT_THROW(m.forward(eval, in), Error);
+  in.tokens = Tensor::from_vector<int64_t>({3}, {1, 2, 3});
+  for (DType dt : {DType::f32, DType::u8}) {
+    in.cu_seqlens = Tensor::from_values({2}, {0, 3}, dt);
+    EXPECT_THROW(m.forward(eval, in), Error) << dtype_name(dt);
+  }
+  in.cu_seqlens = Tensor::from_values({3}, {0, 1, 3}, DType::i32);
+  EXPECT_NO_THROW(m.forward(eval, in));
 }
 
 }  // namespace

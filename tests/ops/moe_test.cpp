@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -277,6 +278,67 @@ TEST(MoeBalance, SeqAuxLossMatchesReferenceAndGradient) {
   auto loss = [&] { return 2.0 * moe_seq_aux_loss(logits, idx, cu, coeff); };
   EXPECT_TRUE(grad_check(loss, logits, dl, 1e-5, 1e-9, 72));
   EXPECT_THROW(moe_seq_aux_loss(logits, idx, cu_seqlens_from_lengths({3, 5}), coeff), Error);
+}
+
+// Item 8 of the hardening list: with very negative router logits every sigmoid underflows (FP32:
+// below -88.7), the sum of the scores is 0 and s / sum(s) was 0 / 0; the aux loss (and so the
+// whole objective) became NaN while the main losses were finite. The normalised scores are the
+// same ratios, computed without the underflow.
+TEST(MoeBalance, SeqAuxLossIsFiniteWhenEverySigmoidUnderflows) {
+  Rng rng(test_seed());
+  const std::vector<int64_t> lens{4, 3};
+  const Tensor cu = cu_seqlens_from_lengths(lens);
+  Tensor offsets = randn({7, 8}, DType::f64, rng, 2.0);
+  Tensor l64 = offsets.clone();
+  double* p = l64.data<double>();
+  for (int64_t i = 0; i < l64.numel(); ++i) p[i] -= 200.0;
+  Tensor l32 = l64.to(DType::f32);
+  MoeRouterConfig c;
+  c.n_experts = 8;
+  c.top_k = 2;
+  const Tensor idx = moe_router_forward(l64, Tensor(), c).topk_idx;
+  const double coeff = 1e-3;
+  // f64 does not underflow at -200: the plain formula is the reference.
+  const double ref = ref_aux(l32.to(DType::f64), idx, lens, coeff);
+  const double got = moe_seq_aux_loss(l32, idx, cu, coeff);
+  ASSERT_TRUE(std::isfinite(got));
+  EXPECT_NEAR(got, ref, 1e-5 * ref);
+  const Tensor d32 = moe_seq_aux_loss_backward(l32, idx, cu, coeff);
+  const Tensor d64 = moe_seq_aux_loss_backward(l32.to(DType::f64), idx, cu, coeff);
+  EXPECT_TRUE(close(d32, d64, {1e-5, 1e-9}));
+  // In f64 the sum underflows below about -745: there sigmoid(x) = exp(x) to double precision,
+  // so s / sum(s) is a softmax of the logits, the independent reference.
+  Tensor deep = offsets.clone();
+  double* q = deep.data<double>();
+  for (int64_t i = 0; i < deep.numel(); ++i) q[i] -= 1000.0;
+  const double want = [&] {
+    const int64_t E = 8, K = 2;
+    double tot = 0;
+    int64_t t0 = 0;
+    for (int64_t L : lens) {
+      std::vector<double> f(E, 0.0), P(E, 0.0);
+      for (int64_t t = t0; t < t0 + L; ++t) {
+        for (int64_t k = 0; k < K; ++k) f[size_t(idx.at({t, k}))] += 1;
+        double m = -1e300, S = 0;
+        for (int64_t e = 0; e < E; ++e) m = std::max(m, deep.at({t, e}));
+        for (int64_t e = 0; e < E; ++e) S += std::exp(deep.at({t, e}) - m);
+        for (int64_t e = 0; e < E; ++e) P[size_t(e)] += std::exp(deep.at({t, e}) - m) / S;
+      }
+      double Ls = 0;
+      for (int64_t e = 0; e < E; ++e)
+        Ls += double(E) / double(K * L) * f[size_t(e)] * P[size_t(e)] / double(L);
+      tot += coeff * Ls;
+      t0 += L;
+    }
+    return tot / 2.0;
+  }();
+  EXPECT_NEAR(moe_seq_aux_loss(deep, idx, cu, coeff), want, 1e-14);
+  const Tensor dd = moe_seq_aux_loss_backward(deep, idx, cu, coeff, 2.0);
+  auto loss = [&] { return 2.0 * moe_seq_aux_loss(deep, idx, cu, coeff); };
+  EXPECT_TRUE(grad_check(loss, deep, dd, 1e-5, 1e-9, 56));
+  // Every logit -inf: the uniform limit, L = coeff.
+  const Tensor ninf = Tensor::full({7, 8}, -std::numeric_limits<double>::infinity(), DType::f32);
+  EXPECT_NEAR(moe_seq_aux_loss(ninf, idx, cu, coeff), coeff, 1e-9);
 }
 
 // ---- experts

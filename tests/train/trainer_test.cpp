@@ -20,6 +20,8 @@
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "testing.h"
+#include "train/interrupt.h"
+#include "train/run_lock.h"
 #include "train/trainer.h"
 
 extern char** environ;
@@ -308,7 +310,7 @@ TEST_F(TrainerTest, ResumeIsBitExact) {
   Trainer first(cfg, o);
   first.run();
   EXPECT_EQ(first.step(), 3);
-  o.stop_after = 0;
+  o.stop_after.reset();
   o.resume = true;
   Trainer second(cfg, o);
   EXPECT_EQ(second.step(), 3);
@@ -489,6 +491,13 @@ TEST_F(TrainerTest, HugeLearningRateStopsNamingTheStep) {
   EXPECT_TRUE(e.rfind("step ", 0) == 0) << e;
   EXPECT_NE(e.find("is not finite"), std::string::npos) << e;
   EXPECT_NE(e.find("No checkpoint was written"), std::string::npos) << e;
+  // The message names the term that went non-finite, not only their sum.
+  const bool named = e.find("the main cross-entropy is") != std::string::npos ||
+                     e.find("the MTP loss is") != std::string::npos ||
+                     e.find("the MoE aux loss is") != std::string::npos ||
+                     e.find("the DSA indexer loss is") != std::string::npos ||
+                     e.find("the gradient of '") != std::string::npos;
+  EXPECT_TRUE(named) << e;
 }
 
 // ---- SIGKILL during a checkpoint write
@@ -619,6 +628,154 @@ TEST_F(TrainerTest, KilledAtARandomMoment) {
   const int st = wait_child(pid);
   EXPECT_TRUE(WIFSIGNALED(st) || (WIFEXITED(st) && WEXITSTATUS(st) == 0)) << "status " << st;
   check_recovers(dir_, -1);
+}
+
+// ---- robustness (docs/robustness.md)
+// -------------------------------------------------------------
+
+// Item 4: a training step too large for memory is refused in the constructor, before the run
+// directory exists (it used to be created, then the first forward failed with bad_alloc).
+TEST_F(TrainerTest, AStepTooLargeForMemoryIsRefusedBeforeTheDirectoryExists) {
+  // A fixed limit (the machine's memory varies): 10^7 tokens need far more than 4 GiB.
+  ::setenv("HLM_MEMORY_LIMIT", "4G", 1);
+  struct Unset {
+    ~Unset() { ::unsetenv("HLM_MEMORY_LIMIT"); }
+  } unset;
+  json j = small_train(2);
+  j["tokens_per_step"] = 10000000;
+  j["mqar"]["max_pairs"] = 4;
+  const TrainConfig c = TrainConfig::from_json(j);
+  const std::string e = error_of([&] { Trainer t(c, quiet(dir_ / "run")); });
+  EXPECT_NE(e.find("a training step of 10000000 tokens needs at least"), std::string::npos) << e;
+  EXPECT_NE(e.find("memory limit of 4294967296 bytes"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir_ / "run"));
+  j["tokens_per_step"] = 64;
+  j["steps"] = int64_t(1) << 40;
+  const std::string e2 = error_of([&] { Trainer t(TrainConfig::from_json(j), quiet(dir_ / "r")); });
+  EXPECT_NE(e2.find("'steps' is 1099511627776, more than the limit of 1000000000"),
+            std::string::npos)
+      << e2;
+  EXPECT_FALSE(fs::exists(dir_ / "r"));
+}
+
+// Item 5: a bit flip in the optimizer state of trainer_state.safetensors is caught at resume.
+TEST_F(TrainerTest, ABitFlipInTheTrainerStateIsCaughtAtResume) {
+  const TrainConfig cfg = TrainConfig::from_json(small_train(2));
+  Trainer(cfg, quiet(dir_)).run();
+  const std::string path = (dir_ / kTrainerStateFile).string();
+  const safetensors::Header h = safetensors::read_header(path);
+  const safetensors::TensorInfo& m = h.tensors.begin()->second;  // an optimizer tensor
+  ASSERT_EQ(h.tensors.begin()->first.rfind("optimizer.", 0), 0u);
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = std::streamoff(h.data_begin + m.begin + (m.end - m.begin) / 2);
+    f.seekg(at);
+    char c = 0;
+    f.read(&c, 1);
+    c = char(c ^ 0x10);
+    f.seekp(at);
+    f.write(&c, 1);
+  }
+  TrainerOptions o = quiet(dir_);
+  o.resume = true;
+  const std::string e = error_of([&] { Trainer t(cfg, o); });
+  EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
+  EXPECT_NE(e.find(kTrainerStateFile), std::string::npos) << e;
+}
+
+// Item 6: a run directory in use by another run is refused, naming the holder, and nothing in it
+// is touched.
+TEST_F(TrainerTest, ARunDirectoryInUseIsRefusedNamingTheHolder) {
+  const TrainConfig cfg = TrainConfig::from_json(small_train(2));
+  Trainer(cfg, quiet(dir_)).run();
+  const std::string before =
+      safetensors::load((dir_ / kTrainerStateFile).string()).metadata.at(safetensors::kChecksumKey);
+  std::ofstream(dir_ / ".trainer_state.safetensors.tmp.1.0") << "another run's temporary";
+  {
+    RunLock held(dir_.string());  // as another run would hold it
+    EXPECT_EQ(RunLock::holder(dir_.string()), long(::getpid()));
+    Trainer fresh(cfg, quiet(dir_));
+    const std::string e = error_of([&] { fresh.run(); });
+    EXPECT_NE(e.find("is in use by another training run"), std::string::npos) << e;
+    EXPECT_NE(e.find(fmt::format("process {}", ::getpid())), std::string::npos) << e;
+    TrainerOptions o = quiet(dir_);
+    o.resume = true;
+    EXPECT_NE(error_of([&] { Trainer t(cfg, o); }).find("in use"), std::string::npos);
+    EXPECT_TRUE(fs::exists(dir_ / ".trainer_state.safetensors.tmp.1.0"));
+    EXPECT_EQ(safetensors::load((dir_ / kTrainerStateFile).string())
+                  .metadata.at(safetensors::kChecksumKey),
+              before);
+  }
+  // Released: the next run goes ahead (and clears the stale temporary).
+  TrainerOptions o = quiet(dir_);
+  o.resume = true;
+  TrainConfig longer = make_train_config(small_train(2), {"steps=3"}, "cfg", "");
+  Trainer t(longer, o);
+  t.run();
+  EXPECT_EQ(t.step(), 3);
+  EXPECT_FALSE(fs::exists(dir_ / ".trainer_state.safetensors.tmp.1.0"));
+}
+
+// Item 7: a SIGINT during a step finishes it, checkpoints and returns; the resumed run continues
+// bit-exactly. --stop-after 0 checkpoints the initialised model.
+TEST_F(TrainerTest, ASignalFinishesTheStepAndCheckpoints) {
+  const TrainConfig cfg = TrainConfig::from_json(small_train(5));
+  Trainer straight(cfg, quiet(dir_ / "straight"));
+  straight.run();
+
+  TrainerOptions o = quiet(dir_ / "split");
+  o.handle_signals = true;
+  o.hooks.after_backward = [](int64_t step, HybridModel&) {
+    if (step == 2) ::raise(SIGINT);  // delivered now; the trainer sees it after the step
+  };
+  Trainer first(cfg, o);
+  const TrainSummary s = first.run();
+  EXPECT_EQ(s.interrupted_by, SIGINT);
+  EXPECT_EQ(first.step(), 2);
+  EXPECT_EQ(read_trainer_checkpoint((dir_ / "split").string()).step, 2);
+  // The handlers are restored afterwards.
+  struct sigaction now = {};
+  ::sigaction(SIGINT, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
+
+  TrainerOptions r = quiet(dir_ / "split");
+  r.resume = true;
+  Trainer second(cfg, r);
+  second.run();
+  EXPECT_TRUE(same_state(straight, second));
+
+  // Stopped before the first step: a resumable checkpoint of step 0.
+  TrainerOptions z = quiet(dir_ / "zero");
+  z.stop_after = 0;
+  Trainer none(cfg, z);
+  none.run();
+  EXPECT_EQ(read_trainer_checkpoint((dir_ / "zero").string()).step, 0);
+  TrainerOptions rz = quiet(dir_ / "zero");
+  rz.resume = true;
+  Trainer from_zero(cfg, rz);
+  from_zero.run();
+  EXPECT_TRUE(same_state(straight, from_zero));
+}
+
+TEST(TrainerInterrupt, ASecondSignalEndsTheProcessAtOnce) {
+  EXPECT_EXIT(
+      {
+        InterruptGuard g;
+        ::raise(SIGINT);
+        if (InterruptGuard::pending() != SIGINT) std::_Exit(3);
+        ::raise(SIGINT);  // the default action: the process ends here
+        std::_Exit(4);
+      },
+      ::testing::KilledBySignal(SIGINT), "");
+  EXPECT_EXIT(
+      {
+        InterruptGuard g;
+        ::raise(SIGTERM);
+        ::raise(SIGINT);
+        std::_Exit(4);
+      },
+      ::testing::KilledBySignal(SIGINT), "");
+  EXPECT_STREQ(signal_name(SIGTERM), "SIGTERM");
 }
 
 }  // namespace

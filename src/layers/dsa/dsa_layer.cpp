@@ -116,10 +116,10 @@ static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t
       std::vector<int64_t> row;
       for (int64_t w = 0; w < W; ++w) {
         const int64_t s = p[t * W + w];
-        if (s < 0) continue;
+        if (s == -1) continue;  // padding (any other negative value is an error, not padding)
         HLM_CHECK(s >= cu[n] && s <= t,
-                  "DsaLayer::forward: given_indices[{}, {}] = {} is not a causal token of the "
-                  "query's sequence [{}, {}]",
+                  "DsaLayer::forward: given_indices[{}, {}] = {} is neither -1 (padding) nor a "
+                  "causal token of the query's sequence [{}, {}]",
                   t, w, s, cu[n], t);
         row.push_back(s);
       }

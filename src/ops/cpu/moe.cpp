@@ -188,6 +188,28 @@ struct AuxArgs {
   std::vector<int64_t> cu, idx;
   int64_t n_seq = 0;  // non-empty sequences
 };
+// The sigmoid scores of one token's logits l[0..E) into s and their sum S, from which the loss
+// takes s_e / S. When every logit is so negative that the sum underflows (S below the smallest
+// normal number, e.g. all logits < -88 in FP32, where S = 0 and s_e / S = 0 / 0), the scores are
+// rescaled instead: s_e = exp(u_e - max_j u_j) with u = log sigmoid(l) = min(l, 0) -
+// log1p(exp(-|l|)), the same ratios s_e / S computed without underflow (all logits -inf: the
+// uniform limit). Otherwise the plain sum, as before, bit for bit.
+template <class T>
+T aux_scores(const T* l, int64_t E, T* s) {
+  T S = 0;
+  for (int64_t e = 0; e < E; ++e) S += (s[e] = sig(l[e]));
+  if (S >= std::numeric_limits<T>::min() || std::isnan(S)) return S;
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t e = 0; e < E; ++e) {
+    const T x = l[e];
+    s[e] = std::min(x, T(0)) - std::log1p(std::exp(-std::fabs(x)));
+    m = std::max(m, s[e]);
+  }
+  S = 0;
+  for (int64_t e = 0; e < E; ++e) S += (s[e] = std::isinf(m) ? T(1) : std::exp(s[e] - m));
+  return S;
+}
+
 // Returns the loss; with dl non-null, also writes dlogits * dloss.
 template <class T>
 double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, double dloss) {
@@ -203,8 +225,7 @@ double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, 
     std::fill(P.begin(), P.end(), T(0));
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t k = 0; k < K; ++k) f[size_t(a.idx[size_t(t * K + k)])] += T(1);
-      T S = 0;
-      for (int64_t e = 0; e < E; ++e) S += (s[size_t(e)] = sig(l[t * E + e]));
+      const T S = aux_scores(l + t * E, E, s.data());
       for (int64_t e = 0; e < E; ++e) P[size_t(e)] += s[size_t(e)] / S;
     }
     const T fscale = T(E) / (T(K) * T(Ts));
@@ -219,13 +240,13 @@ double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, 
       // dL/ds_{e,t} = coeff / (N T_s S_t) (f_e - sum_i f_i s'_{i,t}); then * sigmoid'.
       const T base = T(dloss) * T(coeff) / (T(a.n_seq) * T(Ts));
       for (int64_t t = t0; t < t1; ++t) {
-        T S = 0;
-        for (int64_t e = 0; e < E; ++e) S += (s[size_t(e)] = sig(l[t * E + e]));
+        const T S = aux_scores(l + t * E, E, s.data());
         T fs = 0;
         for (int64_t e = 0; e < E; ++e) fs += f[size_t(e)] * s[size_t(e)] / S;
         for (int64_t e = 0; e < E; ++e) {
           const T x = l[t * E + e];
-          dl[t * E + e] = base / S * (f[size_t(e)] - fs) * sig(x) * sig(-x);
+          // s_e / S = s'_{e,t}; s_e is sigmoid(x) itself unless aux_scores rescaled it.
+          dl[t * E + e] = base / S * (f[size_t(e)] - fs) * s[size_t(e)] * sig(-x);
         }
       }
     }

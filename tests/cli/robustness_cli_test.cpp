@@ -1,0 +1,488 @@
+// The `hybridlm` command tried as a careless or hostile user would (docs/robustness.md), one test
+// per item of the hardening list: the built binary is run as a child process (with a time limit,
+// its peak memory measured), and every refusal must be exit status 2 with one line on stderr,
+// quickly, without allocating gigabytes, and without touching what it must not touch. Skips when
+// the binary has not been built.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/rng.h"
+#include "core/safetensors.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/hybrid_model.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const char* kModel = R"({
+  "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
+  "num_hidden_layers": 2, "layer_pattern": "KD", "first_k_dense_replace": 1,
+  "intermediate_size": 24, "initializer_range": 0.2,
+  "linear_num_heads": 2, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
+  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
+  "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
+  "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
+  "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+  "moe_intermediate_size": 8, "mhc": true, "hc_mult": 4,
+  "num_nextn_predict_layers": 1, "gemm_precision": "native"
+})";
+
+const char* kTrain = R"({
+  "model": "model.json", "steps": 4, "tokens_per_step": 64, "lr": 0.01,
+  "warmup_steps": 1, "eval_interval": 0, "eval_batches": 1, "log_interval": 1,
+  "checkpoint_interval": 0, "mqar": {"min_pairs": 2, "max_pairs": 4}
+})";
+
+struct Result {
+  bool exited = false;
+  int code = -1;   // exit status when exited
+  int signal = 0;  // the terminating signal otherwise
+  bool timed_out = false;
+  long maxrss_mb = 0;
+  double seconds = 0;
+  std::string out, err;
+};
+
+class RobustCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    bin_ = std::string(HLM_BINARY_DIR) + "/hybridlm";
+    if (!fs::exists(bin_)) GTEST_SKIP() << "binary " << bin_ << " not built (ninja hybridlm)";
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / fmt::format("hlm_robust_{}_{}", ::getpid(), info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(path("model.json")) << kModel;
+    std::ofstream(path("train.json")) << kTrain;
+  }
+  void TearDown() override {
+    for (pid_t p : live_) {  // a child a failed assertion left running
+      ::kill(p, SIGKILL);
+      ::waitpid(p, nullptr, 0);
+    }
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  std::string path(const std::string& n) const { return (dir_ / n).string(); }
+  std::string read(const std::string& p) const {
+    std::ifstream f(p, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  }
+
+  // Starts `hybridlm args...` in the test directory with `env` added (OMP_NUM_THREADS=1).
+  pid_t start(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+    ++calls_;
+    out_ = path(fmt::format("out{}.txt", calls_));
+    err_ = path(fmt::format("err{}.txt", calls_));
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      if (::chdir(dir_.c_str()) != 0) ::_exit(120);
+      const int o = ::open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int e = ::open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (o < 0 || e < 0) ::_exit(121);
+      ::dup2(o, 1);
+      ::dup2(e, 2);
+      ::setenv("OMP_NUM_THREADS", "1", 1);
+      for (const auto& kv : env) {
+        const size_t eq = kv.find('=');
+        ::setenv(kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), 1);
+      }
+      std::vector<char*> argv{const_cast<char*>(bin_.c_str())};
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(bin_.c_str(), argv.data());
+      ::_exit(122);
+    }
+    started_ = std::chrono::steady_clock::now();
+    live_.push_back(pid);
+    return pid;
+  }
+  Result finish(pid_t pid, double timeout_s = 120) {
+    Result r;
+    int st = 0;
+    struct rusage ru = {};
+    for (;;) {
+      const pid_t w = ::wait4(pid, &st, WNOHANG, &ru);
+      if (w == pid) break;
+      if (std::chrono::steady_clock::now() - started_ > std::chrono::duration<double>(timeout_s)) {
+        r.timed_out = true;
+        ::kill(pid, SIGKILL);
+        ::wait4(pid, &st, 0, &ru);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    live_.erase(std::remove(live_.begin(), live_.end(), pid), live_.end());
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+    r.exited = WIFEXITED(st);
+    r.code = r.exited ? WEXITSTATUS(st) : -1;
+    r.signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+    r.maxrss_mb = ru.ru_maxrss / 1024;
+    r.out = read(out_);
+    r.err = read(err_);
+    return r;
+  }
+  Result run(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
+             double timeout_s = 120) {
+    return finish(start(args, env), timeout_s);
+  }
+  // A refusal: exit 2, one line on stderr containing every needle, quickly, small.
+  ::testing::AssertionResult refused(const Result& r, std::initializer_list<std::string> needles,
+                                     double max_s = 20, long max_mb = 400) {
+    auto fail = [&] {
+      return ::testing::AssertionFailure()
+             << "exit " << r.code << " signal " << r.signal << " timed out " << r.timed_out
+             << " in " << r.seconds << " s, " << r.maxrss_mb << " MB; stderr: " << r.err;
+    };
+    if (r.timed_out || !r.exited || r.code != 2) return fail();
+    if (r.err.empty() || r.err.find('\n') != r.err.size() - 1) return fail() << " (not one line)";
+    if (r.err.find("internal error") != std::string::npos) return fail();
+    for (const auto& n : needles)
+      if (r.err.find(n) == std::string::npos) return fail() << " (lacks '" << n << "')";
+    if (r.seconds > max_s) return fail() << " (too slow)";
+    if (r.maxrss_mb > max_mb) return fail() << " (too much memory)";
+    return ::testing::AssertionSuccess();
+  }
+  // A small checkpoint directory of kModel (random weights) for `forward`.
+  std::string make_checkpoint(const std::string& name) {
+    const ModelConfig cfg = ModelConfig::from_json(json::parse(kModel), "model");
+    HybridModelOptions o;
+    o.mtp = false;
+    HybridModel m(cfg, o);
+    checkpoint::save_module(path(name), m, &cfg);
+    return path(name);
+  }
+  void write_tokens(const std::string& name, const safetensors::TensorMap& m) {
+    safetensors::save(path(name), m);
+  }
+
+  std::string bin_, out_, err_;
+  fs::path dir_;
+  std::vector<pid_t> live_;
+  int calls_ = 0;
+  std::chrono::steady_clock::time_point started_;
+};
+
+safetensors::TensorMap cast_input() {
+  return {{"x", Tensor::from_values({2, 2}, {1.0, -2.5, 3.25, 1e-3}, DType::f32)}};
+}
+
+// ---- item 1: --out -----------------------------------------------------------------------------
+
+TEST_F(RobustCli, OutNeverReplacesAFifoDirectoryOrDeviceAndWritesThroughSymlinks) {
+  safetensors::save(path("x.safetensors"), cast_input());
+  const std::vector<std::string> cast{"op",   "cast",          "--to", "bf16",
+                                      "--in", "x.safetensors", "--out"};
+  auto with_out = [&](const std::string& out) {
+    auto a = cast;
+    a.push_back(out);
+    return run(a);
+  };
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  EXPECT_TRUE(refused(with_out("fifo"), {"is a FIFO"}));
+  EXPECT_TRUE(fs::is_fifo(dir_ / "fifo"));
+  fs::create_directories(dir_ / "d");
+  EXPECT_TRUE(refused(with_out("d"), {"is a directory"}));
+  EXPECT_TRUE(fs::is_directory(dir_ / "d"));
+  if (::geteuid() == 0) {
+    // As root the atomic save renamed its temporary over a device node (`--out /dev/null`
+    // replaced /dev/null by a regular file): a private node of the same device.
+    ASSERT_EQ(::mknod(path("null").c_str(), S_IFCHR | 0666, makedev(1, 3)), 0);
+    EXPECT_TRUE(refused(with_out("null"), {"is a character device"}));
+    EXPECT_TRUE(fs::is_character_file(dir_ / "null"));
+  }
+  // A symlink given as --out is written through, not replaced.
+  fs::create_directories(dir_ / "store");
+  fs::create_symlink("store/y.safetensors", dir_ / "y_link");
+  const Result ok = with_out("y_link");
+  ASSERT_EQ(ok.code, 0) << ok.err;
+  EXPECT_TRUE(fs::is_symlink(dir_ / "y_link"));
+  EXPECT_EQ(safetensors::load(path("store/y.safetensors")).tensors.at("y").numel(), 4);
+  // Under a regular file, in a missing directory.
+  std::ofstream(path("plain")) << "x";
+  EXPECT_TRUE(refused(with_out("plain/y.safetensors"), {"is a regular file, not a directory"}));
+  EXPECT_TRUE(refused(with_out("missing/y.safetensors"), {"does not exist"}));
+}
+
+// ---- items 2, 3, 4: sizes, counts, memory -------------------------------------------------------
+
+TEST_F(RobustCli, AbsurdModelSizesAreRefusedQuicklyWithoutAllocating) {
+  for (const char* set : {"model.hidden_size=4611686018427387904", "model.hidden_size=1000000000",
+                          "model.vocab_size=1000000000000", "model.n_routed_experts=1000000000",
+                          "model.hc_mult=1000000", "model.linear_conv_kernel_dim=1000000",
+                          "model.hc_sinkhorn_iters=1000000000"}) {
+    SCOPED_TRACE(set);
+    const std::string field = std::string(set).substr(6, std::string(set).find('=') - 6);
+    EXPECT_TRUE(refused(run({"train", "--config", "train.json", "--out", "r", "--set", set}),
+                        {"'" + field + "'", "more than the limit of"}));
+    EXPECT_FALSE(fs::exists(dir_ / "r"));
+  }
+}
+
+TEST_F(RobustCli, AStepTooLargeForMemoryIsRefusedAndLeavesNoDirectory) {
+  const Result r =
+      run({"train", "--config", "train.json", "--out", "big", "--set", "tokens_per_step=10000000"},
+          {"HLM_MEMORY_LIMIT=4G"});
+  EXPECT_TRUE(refused(r, {"a training step of 10000000 tokens needs at least",
+                          "memory limit of 4294967296 bytes"}));
+  EXPECT_FALSE(fs::exists(dir_ / "big"));
+}
+
+TEST_F(RobustCli, OutOfRangeNumbersAreRefusedNotSaturated) {
+  EXPECT_TRUE(refused(
+      run({"train", "--config", "train.json", "--out", "r", "--steps", "99999999999999999999"}),
+      {"--steps", "out of range", "1000000000"}));
+  EXPECT_TRUE(refused(run({"train", "--config", "train.json", "--out", "r", "--steps", "0"}),
+                      {"--steps", "out of range"}));
+  EXPECT_TRUE(refused(run({"train", "--config", "train.json", "--out", "r", "--steps", "1e3"}),
+                      {"--steps", "not an integer"}));
+  EXPECT_TRUE(refused(run({"train", "--config", "train.json", "--out", "r", "--stop-after", "-1"}),
+                      {"--stop-after", "out of range"}));
+  EXPECT_TRUE(
+      refused(run({"train", "--config", "train.json", "--out", "r", "--set", "steps=99999999999"}),
+              {"'steps' is 99999999999, more than the limit of 1000000000"}));
+  EXPECT_FALSE(fs::exists(dir_ / "r"));
+}
+
+TEST_F(RobustCli, InputsThatAreNotRegularFilesAreRefusedAtOnce) {
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  const std::string ckpt = make_checkpoint("ckpt");
+  // A FIFO with no writer blocked every reader for ever.
+  EXPECT_TRUE(refused(run({"op", "cast", "--to", "bf16", "--in", "fifo", "--out", "y"}, {}, 30),
+                      {"is a FIFO"}));
+  EXPECT_TRUE(refused(run({"op", "kda", "--in", "fifo", "--out", "y"}, {}, 30), {"is a FIFO"}));
+  EXPECT_TRUE(refused(run({"forward", "--model", ckpt, "--tokens", "fifo", "--out", "y"}, {}, 30),
+                      {"is a FIFO"}));
+  EXPECT_TRUE(
+      refused(run({"train", "--config", "train.json", "--out", "r", "--data", "fifo"}, {}, 30),
+              {"is a FIFO"}));
+  EXPECT_TRUE(refused(run({"train", "--config", "fifo", "--out", "r"}, {}, 30), {"is a FIFO"}));
+  // Through a training config's "data" key (no CLI check on that path: the reader's own).
+  std::ofstream(path("fifo_data.json"))
+      << R"({"model": "model.json", "steps": 2, "tokens_per_step": 64, "data": "fifo"})";
+  EXPECT_TRUE(refused(
+      run({"train", "--config", "fifo_data.json", "--out", "r", "--set", "model.vocab_size=258"},
+          {}, 30),
+      {"is a FIFO"}));
+  // A directory as --in: "internal error" (exit 1) before.
+  fs::create_directories(dir_ / "d");
+  EXPECT_TRUE(
+      refused(run({"op", "cast", "--to", "bf16", "--in", "d", "--out", "y"}), {"is a directory"}));
+  // --out of a training run under a regular file: a filesystem_error (exit 1) before.
+  std::ofstream(path("plain")) << "x";
+  EXPECT_TRUE(refused(run({"train", "--config", "train.json", "--out", "plain/run"}),
+                      {"plain/run", "cannot be created"}));
+  EXPECT_FALSE(fs::exists(dir_ / "y"));
+}
+
+// ---- item 5: bad input accepted silently --------------------------------------------------------
+
+TEST_F(RobustCli, ForwardRefusesTokenInputsItUsedToMisread) {
+  const std::string ckpt = make_checkpoint("ckpt");
+  auto fwd = [&](const std::string& tokens, std::vector<std::string> extra = {},
+                 std::vector<std::string> env = {}) {
+    std::vector<std::string> a{"forward", "--model", ckpt, "--tokens", tokens, "--out", "o"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run(a, env);
+  };
+  // Float ids: 5.7 was read as 5, NaN and 1e30 through an undefined cast.
+  write_tokens("f.st", {{"input_ids", Tensor::from_values({1, 3}, {1, 5.7, 2}, DType::f32)}});
+  EXPECT_TRUE(refused(fwd("f.st"), {"input_ids must be an integer tensor", "f32"}));
+  write_tokens("nan.st",
+               {{"input_ids", Tensor::from_values({3}, {1, std::nan(""), 1e30}, DType::f64)}});
+  EXPECT_TRUE(refused(fwd("nan.st"), {"input_ids must be an integer tensor"}));
+  // cu_seqlens as F32 / U8 were accepted; next to [B, T] ids it was ignored.
+  const Tensor ids = Tensor::from_vector<int64_t>({5}, {1, 2, 3, 4, 5});
+  write_tokens("cuf.st", {{"input_ids", ids},
+                          {"cu_seqlens", Tensor::from_values({3}, {0, 3, 5}, DType::f32)}});
+  EXPECT_TRUE(refused(fwd("cuf.st"), {"cu_seqlens must be I64 or I32", "f32"}));
+  write_tokens("cuu.st", {{"input_ids", ids},
+                          {"cu_seqlens", Tensor::from_values({3}, {0, 3, 5}, DType::u8)}});
+  EXPECT_TRUE(refused(fwd("cuu.st"), {"cu_seqlens must be I64 or I32", "u8"}));
+  write_tokens("cu2d.st", {{"input_ids", ids.view({1, 5})},
+                           {"cu_seqlens", Tensor::from_vector<int64_t>({3}, {0, 3, 5})}});
+  EXPECT_TRUE(refused(fwd("cu2d.st"), {"cu_seqlens is given with [B, T] input_ids"}));
+  write_tokens("extra.st",
+               {{"input_ids", ids}, {"attention_mask", Tensor::zeros({5}, DType::i64)}});
+  EXPECT_TRUE(refused(fwd("extra.st"), {"unexpected tensor 'attention_mask'"}));
+  write_tokens("oov.st", {{"input_ids", Tensor::from_vector<int64_t>({2}, {3, 24})}});
+  EXPECT_TRUE(refused(fwd("oov.st"), {"outside the vocabulary [0, 24)"}));
+  // [T] ids with cu_seqlens: the summary counts the sequences (it said "in 1 sequence(s)").
+  write_tokens("ok.st",
+               {{"input_ids", ids}, {"cu_seqlens", Tensor::from_vector<int32_t>({3}, {0, 3, 5})}});
+  Result r = fwd("ok.st");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("5 token(s) in 2 sequence(s)"), std::string::npos) << r.out;
+  // A --dsa-indices value of -2^32 wrapped to index 0.
+  write_tokens("rows.st", {{"input_ids", ids.view({1, 5})}});
+  Tensor sel = Tensor::full({1, 5, 2}, -1.0, DType::i64);
+  sel.data<int64_t>()[3] = -(int64_t(1) << 32);
+  write_tokens("sel.st", {{"layers.1", sel}});
+  EXPECT_TRUE(refused(fwd("rows.st", {"--dsa-indices", "sel.st"}),
+                      {"layers.1[0, 1, 1] = -4294967296", "expected -1 (padding)"}));
+  write_tokens("sel0.st", {{"layers.0", Tensor::full({1, 5, 2}, -1.0, DType::i64)}});
+  EXPECT_TRUE(refused(fwd("rows.st", {"--dsa-indices", "sel0.st"}),
+                      {"'layers.0' is not the selection of a DSA layer"}));
+  // Item 4: 100,000 tokens are refused from the shapes, before the model is built.
+  write_tokens("long.st", {{"input_ids", Tensor::zeros({100000}, DType::i64)}});
+  EXPECT_TRUE(refused(
+      fwd("long.st", {}, {"HLM_MEMORY_LIMIT=1G"}),
+      {"forward on long.st needs at least", "100000 tokens", "memory limit of 1073741824 bytes"}));
+  // A config claiming a larger model than its checkpoint (about 16 GB of experts): refused from
+  // the headers before the model is built.
+  json c = json::parse(read(ckpt + "/config.json"));
+  c["moe_intermediate_size"] = 1048576;
+  c["n_shared_experts"] = 64;
+  std::ofstream(ckpt + "/config.json") << c.dump();
+  EXPECT_TRUE(refused(fwd("ok.st"), {"do not match"}, 20, 200));
+  EXPECT_FALSE(fs::exists(dir_ / "o.safetensors"));
+}
+
+TEST_F(RobustCli, NonUtf8HeaderBytesAreEscapedInTheErrorLine) {
+  std::string h = "{\"x\xff\x1b[2J\":1}";
+  std::vector<uint8_t> b(8 + h.size());
+  b[0] = uint8_t(h.size());
+  std::memcpy(b.data() + 8, h.data(), h.size());
+  std::ofstream(path("bad.st"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+  const Result r = run({"op", "cast", "--to", "bf16", "--in", "bad.st", "--out", "y"});
+  EXPECT_TRUE(refused(r, {"bad.st"}));
+  EXPECT_EQ(r.err.find('\xff'), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("\\xff"), std::string::npos) << r.err;
+}
+
+TEST_F(RobustCli, OpKdaRefusesValuesOutsideTheGateRanges) {
+  Rng rng(testing::test_seed());
+  const int64_t T = 8, H = 1, K = 4, V = 4;
+  safetensors::TensorMap m;
+  m["q"] = randn({T, H, K}, DType::f32, rng, 0.3);
+  m["k"] = randn({T, H, K}, DType::f32, rng, 0.3);
+  m["v"] = randn({T, H, V}, DType::f32, rng);
+  m["g"] = rand_uniform({T, H, K}, DType::f32, rng, -1.0, -0.1);
+  m["beta"] = rand_uniform({T, H}, DType::f32, rng, 0.1, 0.9);
+  m["cu_seqlens"] = Tensor::from_vector<int64_t>({2}, {0, T});
+  safetensors::save(path("good.st"), m);
+  Result r = run({"op", "kda", "--in", "good.st", "--out", "o"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto with = [&](const std::string& name, int64_t at, double value) {
+    safetensors::TensorMap b = m;
+    b[name] = m[name].clone();
+    b[name].data<float>()[at] = float(value);
+    safetensors::save(path("bad.st"), b);
+    return run({"op", "kda", "--in", "bad.st", "--out", "o2"});
+  };
+  EXPECT_TRUE(refused(with("beta", 3, 1.5), {"'beta' holds 1.5 at flat index 3", "[0, 1]"}));
+  EXPECT_TRUE(refused(with("beta", 0, std::nan("")), {"'beta' holds nan"}));
+  EXPECT_TRUE(refused(with("g", 5, 0.25), {"'g' holds 0.25 at flat index 5", "<= 0"}));
+  EXPECT_TRUE(refused(with("q", 1, std::numeric_limits<double>::infinity()), {"'q' holds inf"}));
+  EXPECT_FALSE(fs::exists(dir_ / "o2"));
+}
+
+// ---- items 6 and 7: two runs, signals
+// ------------------------------------------------------------
+
+// Waits until `pred` holds (or `seconds` pass).
+template <class F>
+bool wait_for(F&& pred, double seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(seconds))
+      return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+TEST_F(RobustCli, ASecondRunOnTheSameOutIsRefusedAndCtrlCCheckpoints) {
+  // A long run, its first steps logged.
+  const pid_t a = start({"train", "--config", "train.json", "--out", "run", "--steps", "100000"});
+  ASSERT_TRUE(wait_for(
+      [&] { return read(path("run/metrics.jsonl")).find("\"step\":2") != std::string::npos; }, 120))
+      << read(err_);
+  const std::string a_out = out_, a_err = err_;
+  const auto a_started = started_;
+  // Another run on the same directory: refused naming the holder, even with --overwrite.
+  Result b = run({"train", "--config", "train.json", "--out", "run", "--overwrite"});
+  EXPECT_TRUE(refused(b, {"is in use by another training run", fmt::format("process {}", a)}));
+  b = run({"train", "--resume", "run", "--steps", "100000"});
+  EXPECT_TRUE(refused(b, {fmt::format("process {}", a)}));
+  // Ctrl-C: the step finishes, a checkpoint is written, exit 130.
+  ASSERT_EQ(::kill(a, SIGINT), 0);
+  out_ = a_out, err_ = a_err, started_ = a_started;
+  const Result ra = finish(a, 120);
+  ASSERT_TRUE(ra.exited) << "signal " << ra.signal;
+  EXPECT_EQ(ra.code, 130) << ra.err;
+  EXPECT_NE(ra.out.find("interrupted by SIGINT after step"), std::string::npos) << ra.out;
+  EXPECT_NE(ra.out.find("hybridlm train --resume run"), std::string::npos) << ra.out;
+  const auto ck = safetensors::load(path("run/trainer_state.safetensors"));
+  const int64_t step = std::stoll(ck.metadata.at("step"));
+  EXPECT_GE(step, 2);
+  // The run continues from there.
+  const Result c = run({"train", "--resume", "run", "--steps", std::to_string(step + 2)});
+  EXPECT_EQ(c.code, 0) << c.err;
+  EXPECT_NE(c.out.find(fmt::format("resumed from run at step {}", step)), std::string::npos)
+      << c.out;
+}
+
+TEST_F(RobustCli, SigtermCheckpointsAndExits143) {
+  const pid_t a = start({"train", "--config", "train.json", "--out", "run", "--steps", "100000"});
+  ASSERT_TRUE(wait_for(
+      [&] { return read(path("run/metrics.jsonl")).find("\"step\":1") != std::string::npos; },
+      120));
+  ASSERT_EQ(::kill(a, SIGTERM), 0);
+  const Result r = finish(a, 120);
+  ASSERT_TRUE(r.exited) << "signal " << r.signal;
+  EXPECT_EQ(r.code, 143) << r.err;
+  EXPECT_NE(r.out.find("interrupted by SIGTERM"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "trainer_state.safetensors"));
+}
+
+TEST_F(RobustCli, StopAfterZeroAndARunStoppedBeforeItsFirstCheckpoint) {
+  // --stop-after 0 was ignored (the run trained to the end).
+  Result r = run({"train", "--config", "train.json", "--out", "zero", "--stop-after", "0"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(safetensors::load(path("zero/trainer_state.safetensors")).metadata.at("step"), "0");
+  r = run({"train", "--resume", "zero"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(safetensors::load(path("zero/trainer_state.safetensors")).metadata.at("step"), "4");
+  // What a run killed before its first checkpoint leaves (metrics, settings, no checkpoint):
+  // --out accepts it without --overwrite; --resume says what to do.
+  fs::create_directories(dir_ / "early");
+  std::ofstream(path("early/metrics.jsonl")) << "{\"step\":1,\"loss\":3.1}\n";
+  std::ofstream(path("early/train_config.json")) << "{}";
+  r = run({"train", "--resume", "early"});
+  EXPECT_TRUE(refused(r, {"holds no training checkpoint", "--out early"}));
+  r = run({"train", "--config", "train.json", "--out", "early", "--steps", "2"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(safetensors::load(path("early/trainer_state.safetensors")).metadata.at("step"), "2");
+}
+
+}  // namespace
+}  // namespace hlm
