@@ -1,4 +1,5 @@
-// KDA chunked backward on CUDA (ops/kda_chunk_cuda.h, kda_chunk_backward_cuda) against the CPU
+// KDA chunked backward on CUDA (ops/cuda/kda_chunk/params.cuh, kda_chunk_backward_cuda) against
+// the CPU
 // kda_chunk_backward on the same inputs: f32 and bf16 inputs (the CPU runs on the bf16-rounded
 // values; the gradients are f32 for both, as the CPU returns them), packed sequences of 1, 63, 65
 // and 1000 tokens and many short ones (empty ones too), GVA, with and without an initial state and
@@ -24,8 +25,8 @@
 #include <string>
 
 #include "kda_gpu_inputs.h"
+#include "ops/cuda/kda_chunk/params.cuh"
 #include "ops/kda.h"
-#include "ops/kda_chunk_cuda.h"
 #include "testing.h"
 
 namespace hlm {
@@ -631,6 +632,7 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
 // packed equal-length sequences. cudaEvent time of the synchronous call with preallocated buffers
 // (host planning and the small chunk-table copy included), median of 5 after a warm-up. Inputs are
 // 2048 random tokens tiled along T (the values do not change the work). Asserts nothing on speed.
+// The time of each stage: bench/kda_lab/kda_stage_timer.
 TEST(KdaChunkBwdGpu, Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";
@@ -720,13 +722,7 @@ TEST(KdaChunkBwdGpu, Timing) {
     bk.kept = fk.kept;
     const double fwd_k = time([&] { ops::kda_chunk_forward_cuda(a, fk); });
     const double bwd_k = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, bk); });
-    setenv("HLM_KDA_BWD_PROFILE", "1", 1);
-    ops::kda_chunk_backward_cuda(a, d_o, dht, bk);
-    unsetenv("HLM_KDA_BWD_PROFILE");
     bk.workspace = Tensor();
-    setenv("HLM_KDA_BWD_PROFILE", "1", 1);  // one more call with the stage times on stderr
-    ops::kda_chunk_backward_cuda(a, d_o, dht, b);
-    unsetenv("HLM_KDA_BWD_PROFILE");
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     std::printf(
