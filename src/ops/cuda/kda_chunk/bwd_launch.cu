@@ -74,43 +74,38 @@ Tensor output(const Tensor& given, const Shape& shape, const char* what) {
 BwdLayout bwd_layout(const Plan& p) {
   const int64_t tasks = p.NC * p.HV, C = kC;
   BwdLayout l;
-  int64_t off = 0;
-  auto take = [&](int64_t floats) {
-    const int64_t o = off;
-    off = round_up(off + floats, 64);
-    return o;
-  };
-  l.meta = take(int64_t(p.meta.size()));
-  l.qg = take(tasks * C * p.K);
-  l.kg = take(tasks * C * p.K);
-  l.w = take(tasks * C * p.K);
-  l.u = take(tasks * C * p.V);
-  l.aqk = take(tasks * C * C);
-  l.gl = take(tasks * p.K);
-  l.G = take(tasks * C * p.K);
-  l.qn = take(tasks * C * p.K);
-  l.kn = take(tasks * C * p.K);
-  l.beta = take(tasks * C);
-  l.minv = take(tasks * C * C);
-  l.h = take(tasks * p.K * p.V);
-  l.vnew = take(tasks * C * p.V);
-  l.ht = take(p.N * p.HV * p.K * p.V);
-  l.saved = off;
-  off = 0;
-  l.dvnew = take(tasks * C * p.V);
-  l.dh = take(tasks * p.K * p.V);
-  l.daqk = take(tasks * C * C);
-  l.dakk = take(tasks * C * C);
-  l.dakv = take(tasks * C * C);
-  l.dw = take(tasks * C * p.K);
-  l.dq = take(tasks * C * p.K);
-  l.dk = take(tasks * C * p.K);
-  l.dG = take(tasks * C * p.K);
-  l.dbw = take(tasks * 2 * C);
-  l.dbi = take(tasks * slices(int(p.K)) * C);
-  l.pA = take(tasks * slices(int(p.K)));
-  l.pdt = take(tasks * p.K);
-  l.scratch = off;
+  Offsets s;  // the intermediates
+  l.meta = s.take(int64_t(p.meta.size()));
+  l.qg = s.take(tasks * C * p.K);
+  l.kg = s.take(tasks * C * p.K);
+  l.w = s.take(tasks * C * p.K);
+  l.u = s.take(tasks * C * p.V);
+  l.aqk = s.take(tasks * C * C);
+  l.gl = s.take(tasks * p.K);
+  l.G = s.take(tasks * C * p.K);
+  l.qn = s.take(tasks * C * p.K);
+  l.kn = s.take(tasks * C * p.K);
+  l.beta = s.take(tasks * C);
+  l.minv = s.take(tasks * C * C);
+  l.h = s.take(tasks * p.K * p.V);
+  l.vnew = s.take(tasks * C * p.V);
+  l.ht = s.take(p.N * p.HV * p.K * p.V);
+  l.saved = s.end;
+  Offsets b;  // the scratch
+  l.dvnew = b.take(tasks * C * p.V);
+  l.dh = b.take(tasks * p.K * p.V);
+  l.daqk = b.take(tasks * C * C);
+  l.dakk = b.take(tasks * C * C);
+  l.dakv = b.take(tasks * C * C);
+  l.dw = b.take(tasks * C * p.K);
+  l.dq = b.take(tasks * C * p.K);
+  l.dk = b.take(tasks * C * p.K);
+  l.dG = b.take(tasks * C * p.K);
+  l.dbw = b.take(tasks * 2 * C);
+  l.dbi = b.take(tasks * slices(int(p.K)) * C);
+  l.pA = b.take(tasks * slices(int(p.K)));
+  l.pdt = b.take(tasks * p.K);
+  l.scratch = b.end;
   return l;
 }
 

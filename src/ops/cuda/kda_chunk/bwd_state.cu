@@ -177,9 +177,8 @@ __global__ void __launch_bounds__(kThreads) kda_state_bwd_kernel(const BwdParams
 template <class Tin>
 void launch_state_bwd(const Plan& pl, const BwdParams<Tin>& bp, unsigned tf32) {
   with_k(pl.K, kOp, [&](auto kc) {
-    constexpr int K = decltype(kc)::value;
-    auto launch = [&](auto bv) {
-      constexpr int BV = decltype(bv)::value;
+    with_state_tile(pl, [&](auto bv) {
+      constexpr int K = decltype(kc)::value, BV = decltype(bv)::value;
       const size_t smem = size_t(state_bwd_smem_floats(K, BV)) * sizeof(float);
       with_prec<kStageStateBwd, Tin>(tf32, [&](auto tf32c) {
         constexpr bool F = decltype(tf32c)::value;
@@ -189,11 +188,7 @@ void launch_state_bwd(const Plan& pl, const BwdParams<Tin>& bp, unsigned tf32) {
             <<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(bp);
       });
       check_launch(kOp, "state bwd kernel");
-    };
-    if (state_tile(pl) == 64)
-      launch(std::integral_constant<int, 64>{});
-    else
-      launch(std::integral_constant<int, 32>{});
+    });
   });
 }
 

@@ -176,6 +176,10 @@ __device__ __forceinline__ void cp_rows(float* dst, int ss, const float* src, in
 
 // ------------------------------------------------------------------ host helpers
 
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
 // Calls f(std::bool_constant<tf32>) with the precision of stage S (heuristics.h) for inputs of
 // type Tin: TF32 when bit S of `tf32` is set, else 3xTF32 (f32 inputs: always false, FP32 FMA).
 template <int S, class Tin, class F>
@@ -221,9 +225,24 @@ inline int state_tile(const Plan& p) {
   return state_tile(p, sms);
 }
 
-inline int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
+// Calls f(std::integral_constant<int, BV>) with that V tile.
+template <class F>
+void with_state_tile(const Plan& p, F&& f) {
+  if (state_tile(p) == 64)
+    f(std::integral_constant<int, 64>{});
+  else
+    f(std::integral_constant<int, 32>{});
 }
+
+// Consecutive slices of a workspace, each starting at a multiple of 64 floats (256 bytes).
+struct Offsets {
+  int64_t end = 0;  // floats taken so far
+  int64_t take(int64_t floats) {
+    const int64_t o = end;
+    end = round_up(end + floats, 64);
+    return o;
+  }
+};
 
 inline bool aligned16(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0;

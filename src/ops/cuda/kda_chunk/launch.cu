@@ -46,20 +46,15 @@ Plan plan(const KdaDims& d) {
 FwdLayout fwd_layout(const Plan& p) {
   const int64_t tasks = p.NC * p.HV;
   FwdLayout l;
-  int64_t off = 0;
-  auto take = [&](int64_t floats) {
-    const int64_t o = off;
-    off = round_up(off + floats, 64);
-    return o;
-  };
-  l.qg = take(tasks * kC * p.K);
-  l.kg = take(tasks * kC * p.K);
-  l.w = take(tasks * kC * p.K);
-  l.u = take(tasks * kC * p.V);
-  l.aqk = take(tasks * kC * kC);
-  l.gl = take(tasks * p.K);
-  l.meta = take(int64_t(p.meta.size()));  // int32 stored in f32 slots (same size)
-  l.total = off;
+  Offsets s;
+  l.qg = s.take(tasks * kC * p.K);
+  l.kg = s.take(tasks * kC * p.K);
+  l.w = s.take(tasks * kC * p.K);
+  l.u = s.take(tasks * kC * p.V);
+  l.aqk = s.take(tasks * kC * kC);
+  l.gl = s.take(tasks * p.K);
+  l.meta = s.take(int64_t(p.meta.size()));  // int32 stored in f32 slots (same size)
+  l.total = s.end;
   return l;
 }
 

@@ -222,9 +222,8 @@ __global__ void __launch_bounds__(kThreads) kda_state_kernel(const StateParams<T
 template <class Tin>
 void launch_state(const Plan& pl, const StateParams<Tin>& sp, unsigned tf32) {
   with_k(pl.K, kOp, [&](auto kc) {
-    constexpr int K = decltype(kc)::value;
-    auto launch = [&](auto bv) {
-      constexpr int BV = decltype(bv)::value;
+    with_state_tile(pl, [&](auto bv) {
+      constexpr int K = decltype(kc)::value, BV = decltype(bv)::value;
       const size_t smem = size_t(state_smem_floats(K, BV)) * sizeof(float);
       with_prec<kStageState, Tin>(tf32, [&](auto tf32c) {
         constexpr bool F = decltype(tf32c)::value;
@@ -234,11 +233,7 @@ void launch_state(const Plan& pl, const StateParams<Tin>& sp, unsigned tf32) {
             <<<unsigned(pl.N * pl.HV * (pl.V / BV)), kThreads, smem>>>(sp);
       });
       check_launch(kOp, "state kernel");
-    };
-    if (state_tile(pl) == 64)
-      launch(std::integral_constant<int, 64>{});
-    else
-      launch(std::integral_constant<int, 32>{});
+    });
   });
 }
 
