@@ -26,6 +26,7 @@
 
 #include "kda_gpu_inputs.h"
 #include "ops/cuda/kda_chunk/params.cuh"
+#include "ops/dispatch.h"
 #include "ops/kda.h"
 #include "testing.h"
 
@@ -367,6 +368,40 @@ TEST(KdaChunkBwdGpu, DispatchFromKdaChunk) {
     EXPECT_TRUE(testing::bit_equal(out.*(f.field), direct.*(f.field))) << f.name;
     EXPECT_TRUE(within(out.*(f.field), ref.*(f.field), 2e-5, "dispatch", f.name));
   }
+}
+
+// The front door (ops/kda.cpp) allocates the CUDA outputs, gradients and saved buffers
+// (NaN-poisoned while the test hook is on) and the kernels write every element: with the hook on,
+// the training pair in each mode gives the bits of a run with the hook off. Arguments on two
+// devices, or a CUDA call of the CPU-only recurrence, throw.
+TEST(KdaChunkBwdGpu, FrontDoorEveryOutputWritten) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  Case c{"front door", {1, 63, 65, 200}, 2, 4, 64, 64, DType::bf16, true, true, Gate::standard};
+  const KdaArgs cpu = make_inputs(c, rng);
+  const KdaArgs gpu = to_device(cpu, false);
+  const Tensor d_o = randn({329, 4, 64}, DType::bf16, rng).to(Device::cuda);
+  const Tensor dht = randn({4, 4, 64, 64}, DType::f32, rng, 0.5).to(Device::cuda);
+  for (ops::KdaSave what : {ops::KdaSave::all, ops::KdaSave::kept}) {
+    Tensor saved, saved2;
+    const ops::KdaOutput o = ops::kda_chunk(gpu, &saved, what);
+    const KdaGrads g = ops::kda_chunk_backward(gpu, d_o, dht, saved, what);
+    ops::set_poison_outputs(true);
+    const ops::KdaOutput o2 = ops::kda_chunk(gpu, &saved2, what);
+    const KdaGrads g2 = ops::kda_chunk_backward(gpu, d_o, dht, saved2, what);
+    ops::set_poison_outputs(false);
+    ASSERT_TRUE(saved2.defined());
+    EXPECT_TRUE(testing::bit_equal(o.o, o2.o));
+    EXPECT_TRUE(testing::bit_equal(o.final_state, o2.final_state));
+    for (const Named& f : kFields) {
+      ASSERT_TRUE((g.*(f.field)).defined()) << f.name;
+      EXPECT_TRUE(testing::bit_equal(g.*(f.field), g2.*(f.field))) << f.name;
+    }
+  }
+  EXPECT_THROW(ops::kda_chunk_backward(cpu, d_o, {}), Error);  // d_o on the other device
+  EXPECT_THROW(ops::kda_chunk_backward(gpu, d_o.to(Device::cpu), {}), Error);
+  EXPECT_THROW(ops::kda_recurrent(gpu), Error);
+  EXPECT_THROW(ops::kda_recurrent_backward(gpu, d_o, dht), Error);
 }
 
 // The training forward (KdaChunkCudaBuffers::saved) and a backward that reads its intermediates
