@@ -13,9 +13,10 @@
 # (KdaChunkCudaBuffers::saved, ~5.5 KiB per token and head) and the backward skip its recompute;
 # all must give the same bits ("same bits" / "DIFFERENT BITS" on the ours-k and ours-s lines).
 # --no-saved skips ours-k and ours-s.
-# --tf32-stages (a library built with -DHLM_KDA_TF32_STUDY=ON): time ours once per mask of the
-# stages whose bf16 products run in plain TF32 (HLM_KDA_TF32_STAGES, kda_chunk_common.cuh), and
-# print every tensor's error and a digest of the output bits (to check that a change keeps them).
+# --tf32-stages: time ours once per mask of the stages whose bf16 products run in plain TF32
+# (HLM_KDA_TF32_STAGES, read by kda_chunk_capi.cpp; the stage bits: KdaStage in
+# src/ops/cuda/kda_chunk/heuristics.h), and print every tensor's error and a digest of the output
+# bits (to check that a change keeps them).
 #
 # Rows (TARGETS.md): K = V = 128, bf16 inputs, packed sequences of equal length, zero initial
 # state, the final state written; the backward starts from a random d o (no final-state gradient).

@@ -10,7 +10,14 @@
 // recompute, or to keeping A_qk and M^-1 (KdaChunkCudaBuffers::kept); hlm_kda_fetch copies the
 // results back into the caller's tensors; hlm_kda_destroy frees everything. Functions return 0, or
 // -1 with the message in hlm_kda_last_error().
+//
+// The TF32 study (kda_chunk_bench.py --tf32-stages; bench/kda_lab/README.md): with the
+// environment variable HLM_KDA_TF32_STAGES set, every call runs the stages of that bit mask
+// (ops/cuda/kda_chunk/heuristics.h, KdaStage) with plain TF32 bf16 products and the others with
+// 3xTF32, read on every call; unset, the library's choice. A switch of this bench interface, not
+// of the library.
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -18,8 +25,9 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/cuda/kda_chunk/heuristics.h"
+#include "ops/cuda/kda_chunk/params.cuh"
 #include "ops/kda.h"
-#include "ops/kda_chunk_cuda.h"
 
 namespace {
 
@@ -49,6 +57,19 @@ Tensor copy_in(const void* src, const Shape& shape, DType dt) {
 void copy_out(void* dst, const Tensor& t) {
   if (dst == nullptr || !t.defined()) return;
   hlm::device_copy(dst, Device::cuda, t.contiguous().raw(), Device::cuda, t.nbytes());
+}
+
+// The stages whose bf16 products run in plain TF32 (see the top of the file).
+unsigned tf32_stages(const hlm::ops::KdaArgs& a) {
+  if (const char* e = std::getenv("HLM_KDA_TF32_STAGES"))
+    return unsigned(std::strtoul(e, nullptr, 0));
+  return hlm::ops::cuda::kda::tf32_stages(a.exact_bf16_products);
+}
+
+hlm::ops::KdaOutput forward(const Handle& h) {
+  const char* op = "hlm_kda_forward";
+  return hlm::ops::cuda::kda::forward(h.args, hlm::ops::kda_check(h.args, op), h.fwd,
+                                      tf32_stages(h.args));
 }
 
 template <class F>
@@ -171,7 +192,7 @@ int hlm_kda_set_save(void* handle, int mode) {
 int hlm_kda_forward(void* handle) {
   return guarded([&] {
     Handle* h = static_cast<Handle*>(handle);
-    h->out = hlm::ops::kda_chunk_forward_cuda(h->args, h->fwd);
+    h->out = forward(*h);
   });
 }
 
@@ -179,8 +200,12 @@ int hlm_kda_forward_backward(void* handle) {
   return guarded([&] {
     Handle* h = static_cast<Handle*>(handle);
     HLM_CHECK(h->d_o.defined(), "hlm_kda_forward_backward: the problem has no d_o");
-    h->out = hlm::ops::kda_chunk_forward_cuda(h->args, h->fwd);
-    h->grads = hlm::ops::kda_chunk_backward_cuda(h->args, h->d_o, h->d_ht, h->bwd);
+    h->out = forward(*h);
+    const char* op = "hlm_kda_forward_backward";
+    const hlm::ops::KdaDims d = hlm::ops::kda_check(h->args, op);
+    hlm::ops::kda_check_grads(h->args, d, h->d_o, h->d_ht, op);
+    h->grads =
+        hlm::ops::cuda::kda::backward(h->args, d, h->d_o, h->d_ht, h->bwd, tf32_stages(h->args));
   });
 }
 

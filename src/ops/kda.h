@@ -1,4 +1,6 @@
-// Kimi Delta Attention core op (spec kda.md 1.3-1.6, 2, 3), CPU reference implementations.
+// Kimi Delta Attention core op (spec kda.md 1.3-1.6, 2, 3). The front door (ops/kda.cpp) checks
+// the arguments, allocates the outputs and runs the CPU references (ops/cpu/kda_*.cpp) or, for
+// CUDA tensors, the chunked CUDA kernels (kda_chunk only; ops/cuda/kda_chunk/).
 //
 // Per sequence and value head h (qk head h / (HV/H)), with state S in R^{K x V} ([K, V] layout):
 //   S <- Diag(exp(g_t)) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T (scale q_t)
@@ -49,7 +51,7 @@ struct KdaArgs {
   double lower_bound = -5.0;        // gate == lower_bound only, in [-5, 0)
   // CUDA chunked kernels with bf16 inputs: true takes 3xTF32 in every matrix product (gradients
   // within ~1e-5 of the f32 path); false (default) plain TF32 wherever it was measured harmless
-  // (within ~5e-4; kda_chunk_common.cuh), 1.2x faster. f32 inputs: always FP32 FMA.
+  // (within ~5e-4; ops/cuda/kda_chunk/heuristics.h), 1.2x faster. f32 inputs: always FP32 FMA.
   bool exact_bf16_products = false;
 };
 
@@ -85,27 +87,19 @@ KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved, KdaSave what = KdaSave::all
 KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final_state,
                             const Tensor& saved, KdaSave what = KdaSave::all);
 
-// Validated shapes of a call (throws hlm::Error naming the argument on any mismatch).
+// Validated shapes of a call (throws hlm::Error naming `op` and the argument on any mismatch).
+// The one checker of every KDA core call, CPU or CUDA (the device of q): on CUDA it also checks
+// what the kernels support (contiguous f32 / bf16 inputs, K in {32, 64, 128}, V a multiple of 32
+// in [32, 128]; ops/cuda/kda_chunk/params.cuh).
 struct KdaDims {
   int64_t T, H, HV, K, V, N;
   double scale;
   std::vector<int64_t> cu;  // [N+1]
 };
 KdaDims kda_check(const KdaArgs& a, const char* op);
-
-// Shared by the CPU implementations (ops/cpu/kda_*.cpp); not a public interface.
-namespace kda_detail {
-// The inputs after the fused pre-processing, contiguous, in the computation dtype.
-struct Prepared {
-  Tensor q, k;            // [T, H, K] normalised when use_qk_l2norm (q not yet scaled)
-  Tensor q_rstd, k_rstd;  // [T, H] (use_qk_l2norm only)
-  Tensor g;               // [T, HV, K] log decay
-  Tensor beta;            // [T, HV] in (0, 1)
-  Tensor h0;              // [N, HV, K, V]
-};
-Prepared prepare(const KdaArgs& a, const KdaDims& d, DType dt);
-// In place: grads w.r.t. the prepared q, k, g, beta -> grads w.r.t. the arguments as passed.
-void finish_grads(const KdaArgs& a, const KdaDims& d, const Prepared& p, KdaGrads& g);
-}  // namespace kda_detail
+// The backward's own arguments: d_o [T, HV, V] and the optional d_final_state [N, HV, K, V] on
+// q's device (CUDA: d_o of q's dtype, d_final_state f32, both contiguous and 16-byte aligned).
+void kda_check_grads(const KdaArgs& a, const KdaDims& d, const Tensor& d_o,
+                     const Tensor& d_final_state, const char* op);
 
 }  // namespace hlm::ops

@@ -1,4 +1,5 @@
-// KDA chunked backward on CUDA (ops/kda_chunk_cuda.h, kda_chunk_backward_cuda) against the CPU
+// KDA chunked backward on CUDA (ops/cuda/kda_chunk/params.cuh, kda_chunk_backward_cuda) against
+// the CPU
 // kda_chunk_backward on the same inputs: f32 and bf16 inputs (the CPU runs on the bf16-rounded
 // values; the gradients are f32 for both, as the CPU returns them), packed sequences of 1, 63, 65
 // and 1000 tokens and many short ones (empty ones too), GVA, with and without an initial state and
@@ -24,8 +25,9 @@
 #include <string>
 
 #include "kda_gpu_inputs.h"
+#include "ops/cuda/kda_chunk/params.cuh"
+#include "ops/dispatch.h"
 #include "ops/kda.h"
-#include "ops/kda_chunk_cuda.h"
 #include "testing.h"
 
 namespace hlm {
@@ -368,6 +370,40 @@ TEST(KdaChunkBwdGpu, DispatchFromKdaChunk) {
   }
 }
 
+// The front door (ops/kda.cpp) allocates the CUDA outputs, gradients and saved buffers
+// (NaN-poisoned while the test hook is on) and the kernels write every element: with the hook on,
+// the training pair in each mode gives the bits of a run with the hook off. Arguments on two
+// devices, or a CUDA call of the CPU-only recurrence, throw.
+TEST(KdaChunkBwdGpu, FrontDoorEveryOutputWritten) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  Case c{"front door", {1, 63, 65, 200}, 2, 4, 64, 64, DType::bf16, true, true, Gate::standard};
+  const KdaArgs cpu = make_inputs(c, rng);
+  const KdaArgs gpu = to_device(cpu, false);
+  const Tensor d_o = randn({329, 4, 64}, DType::bf16, rng).to(Device::cuda);
+  const Tensor dht = randn({4, 4, 64, 64}, DType::f32, rng, 0.5).to(Device::cuda);
+  for (ops::KdaSave what : {ops::KdaSave::all, ops::KdaSave::kept}) {
+    Tensor saved, saved2;
+    const ops::KdaOutput o = ops::kda_chunk(gpu, &saved, what);
+    const KdaGrads g = ops::kda_chunk_backward(gpu, d_o, dht, saved, what);
+    ops::set_poison_outputs(true);
+    const ops::KdaOutput o2 = ops::kda_chunk(gpu, &saved2, what);
+    const KdaGrads g2 = ops::kda_chunk_backward(gpu, d_o, dht, saved2, what);
+    ops::set_poison_outputs(false);
+    ASSERT_TRUE(saved2.defined());
+    EXPECT_TRUE(testing::bit_equal(o.o, o2.o));
+    EXPECT_TRUE(testing::bit_equal(o.final_state, o2.final_state));
+    for (const Named& f : kFields) {
+      ASSERT_TRUE((g.*(f.field)).defined()) << f.name;
+      EXPECT_TRUE(testing::bit_equal(g.*(f.field), g2.*(f.field))) << f.name;
+    }
+  }
+  EXPECT_THROW(ops::kda_chunk_backward(cpu, d_o, {}), Error);  // d_o on the other device
+  EXPECT_THROW(ops::kda_chunk_backward(gpu, d_o.to(Device::cpu), {}), Error);
+  EXPECT_THROW(ops::kda_recurrent(gpu), Error);
+  EXPECT_THROW(ops::kda_recurrent_backward(gpu, d_o, dht), Error);
+}
+
 // The training forward (KdaChunkCudaBuffers::saved) and a backward that reads its intermediates
 // give the bits of the plain forward and of a backward that recomputes them: the saved buffer and
 // the backward's (smaller) workspace NaN-poisoned, f32 and bf16, GVA, fused gates, short and long
@@ -631,6 +667,7 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
 // packed equal-length sequences. cudaEvent time of the synchronous call with preallocated buffers
 // (host planning and the small chunk-table copy included), median of 5 after a warm-up. Inputs are
 // 2048 random tokens tiled along T (the values do not change the work). Asserts nothing on speed.
+// The time of each stage: bench/kda_lab/kda_stage_timer.
 TEST(KdaChunkBwdGpu, Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";
@@ -720,13 +757,7 @@ TEST(KdaChunkBwdGpu, Timing) {
     bk.kept = fk.kept;
     const double fwd_k = time([&] { ops::kda_chunk_forward_cuda(a, fk); });
     const double bwd_k = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, bk); });
-    setenv("HLM_KDA_BWD_PROFILE", "1", 1);
-    ops::kda_chunk_backward_cuda(a, d_o, dht, bk);
-    unsetenv("HLM_KDA_BWD_PROFILE");
     bk.workspace = Tensor();
-    setenv("HLM_KDA_BWD_PROFILE", "1", 1);  // one more call with the stage times on stderr
-    ops::kda_chunk_backward_cuda(a, d_o, dht, b);
-    unsetenv("HLM_KDA_BWD_PROFILE");
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     std::printf(

@@ -1,4 +1,5 @@
-// KDA chunked forward on CUDA (ops/kda_chunk_cuda.h) against the CPU kda_chunk on the same inputs:
+// KDA chunked forward on CUDA (ops/cuda/kda_chunk/params.cuh) against the CPU kda_chunk on the
+// same inputs:
 // f32 and bf16 inputs (the CPU runs on the bf16-rounded values), packed sequences of 1, 63, 65
 // and 1000 tokens and many short ones (empty ones too), GVA, with and without an initial state,
 // plain log decay g (mild, and strong enough to force the per-element diagonal path), the fused
@@ -20,8 +21,8 @@
 #include <string>
 
 #include "kda_gpu_inputs.h"
+#include "ops/cuda/kda_chunk/params.cuh"
 #include "ops/kda.h"
-#include "ops/kda_chunk_cuda.h"
 #include "testing.h"
 
 namespace hlm {

@@ -1,8 +1,10 @@
 // Tests of the KDA core op: kda_chunk against the FP64 recurrence (forward and every gradient),
 // both backwards against central finite differences, packed == one by one (bit-identical),
-// determinism, the lower-bound gate over long chunks, and argument checks.
+// determinism, the lower-bound gate over long chunks, the front door's outputs (every element
+// written) and argument checks.
 #include <cmath>
 
+#include "ops/dispatch.h"
 #include "ops/kda.h"
 #include "testing.h"
 
@@ -286,6 +288,36 @@ TEST(KdaChunk, LengthOneAndEmpty) {
   expect_grads_close(g, ops::kda_recurrent_backward(p.a, p.d_o, p.dht), 1e-12);
 }
 
+// The front door allocates every output (ops/dispatch.h: NaN-poisoned while the test hook is on)
+// and the references write them all: with the hook on, every output and gradient (the fused
+// gate's dA_log and d dt_bias included) has the bits of a run with the hook off.
+TEST(KdaOp, EveryOutputWritten) {
+  Rng rng(testing::test_seed());
+  for (DType dt : {DType::f32, DType::f64}) {
+    Problem p = make_problem(rng, {0, 70, 71, 200}, 1, 2, 16, 8, dt, true, true);
+    const auto o = ops::kda_chunk(p.a), ro = ops::kda_recurrent(p.a);
+    const auto g = ops::kda_chunk_backward(p.a, p.d_o, p.dht);
+    const auto rg = ops::kda_recurrent_backward(p.a, p.d_o, p.dht);
+    ops::set_poison_outputs(true);
+    const auto o2 = ops::kda_chunk(p.a), ro2 = ops::kda_recurrent(p.a);
+    const auto g2 = ops::kda_chunk_backward(p.a, p.d_o, p.dht);
+    const auto rg2 = ops::kda_recurrent_backward(p.a, p.d_o, p.dht);
+    ops::set_poison_outputs(false);
+    for (auto [x, y] : {std::pair{&o.o, &o2.o},
+                        {&o.final_state, &o2.final_state},
+                        {&ro.o, &ro2.o},
+                        {&ro.final_state, &ro2.final_state}})
+      EXPECT_TRUE(testing::bit_equal(*x, *y)) << dtype_name(dt);
+    for (auto [x, y] : {std::pair{&g, &g2}, {&rg, &rg2}})
+      for (auto f : {&ops::KdaGrads::dq, &ops::KdaGrads::dk, &ops::KdaGrads::dv, &ops::KdaGrads::dg,
+                     &ops::KdaGrads::dbeta, &ops::KdaGrads::dinitial_state, &ops::KdaGrads::dA_log,
+                     &ops::KdaGrads::ddt_bias}) {
+        ASSERT_TRUE((x->*f).defined());
+        EXPECT_TRUE(testing::bit_equal(x->*f, y->*f)) << dtype_name(dt);
+      }
+  }
+}
+
 TEST(KdaOp, BadInputs) {
   Rng rng(testing::test_seed());
   Problem p = make_problem(rng, {0, 5, 10}, 1, 2, 4, 4, DType::f32, true);
@@ -324,6 +356,10 @@ TEST(KdaOp, BadInputs) {
   bad([](KdaArgs& a) { a.gate = KdaGateKind::standard; });  // no A_log
   EXPECT_THROW(ops::kda_chunk_backward(p.a, p.d_o.slice(0, 0, 9), p.dht), Error);
   EXPECT_THROW(ops::kda_recurrent_backward(p.a, p.d_o, p.dht.slice(0, 0, 1)), Error);
+  EXPECT_THROW(ops::kda_chunk_backward(p.a, Tensor(), p.dht), Error);  // no d_o
+  const Tensor d_o_int = Tensor::zeros(p.d_o.shape(), DType::i64);     // not floating point
+  EXPECT_THROW(ops::kda_chunk_backward(p.a, d_o_int, p.dht), Error);
+  EXPECT_THROW(ops::kda_recurrent_backward(p.a, d_o_int, p.dht), Error);
 }
 
 }  // namespace

@@ -21,10 +21,9 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/kda.h"
-#include "ops/kda_chunk_cuda.h"
+#include "ops/cpu/kda.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 namespace {
 
 constexpr int64_t C = kKdaChunk;
@@ -60,9 +59,10 @@ struct Buffers {
   Tensor G, Aqk, Akk, Minv, W, U, h, Vnew, ht;
 };
 
+// ht: the final state's buffer [N, HV, K, V] (undefined: a new one).
 template <class T>
 Params<T> make_params(const KdaDims& d, const kda_detail::Prepared& p, const Tensor& v,
-                      Buffers<T>& b) {
+                      const Tensor& ht, Buffers<T>& b) {
   Params<T> P;
   P.T_ = d.T, P.H = d.H, P.HV = d.HV, P.K = d.K, P.V = d.V, P.N = d.N, P.Gq = d.HV / d.H;
   P.scale = T(d.scale);
@@ -86,7 +86,7 @@ Params<T> make_params(const KdaDims& d, const kda_detail::Prepared& p, const Ten
   b.U = Tensor::empty({Tn, HV, d.V}, dt);
   b.h = Tensor::empty({P.NC, HV, d.K, d.V}, dt);
   b.Vnew = Tensor::empty({Tn, HV, d.V}, dt);
-  b.ht = Tensor::empty({d.N, HV, d.K, d.V}, dt);
+  b.ht = ht.defined() ? ht : Tensor::empty({d.N, HV, d.K, d.V}, dt);
   P.G = b.G.template data<T>(), P.Aqk = b.Aqk.template data<T>(), P.Akk = b.Akk.template data<T>();
   P.Minv = b.Minv.template data<T>(), P.W = b.W.template data<T>(), P.U = b.U.template data<T>();
   P.h = b.h.template data<T>(), P.Vnew = b.Vnew.template data<T>(), P.ht = b.ht.template data<T>();
@@ -484,27 +484,24 @@ void stage_reverse_cumsum(const Params<T>& P, const BwdParams<T>& B) {
 }
 
 template <class T>
-KdaOutput chunk_fwd(const KdaArgs& a, const KdaDims& d) {
+void chunk_fwd(const KdaArgs& a, const KdaDims& d, Tensor& o, Tensor& final_state) {
   const DType dt = dtype_of<T>::value;
   const kda_detail::Prepared pr = kda_detail::prepare(a, d, dt);
   Tensor v = a.v.to(dt);
   Buffers<T> buf;
-  Params<T> P = make_params<T>(d, pr, v, buf);
+  Params<T> P = make_params<T>(d, pr, v, final_state, buf);
   forward_stages(P);
-  KdaOutput out;
-  out.o = Tensor::empty({d.T, d.HV, d.V}, dt);
-  stage_output(P, out.o.data<T>());
-  out.final_state = buf.ht;
-  return out;
+  stage_output(P, o.data<T>());
 }
 
 template <class T>
-KdaGrads chunk_bwd(const KdaArgs& a, const KdaDims& d, const Tensor& d_o, const Tensor& d_final) {
+void chunk_bwd(const KdaArgs& a, const KdaDims& d, const Tensor& d_o, const Tensor& d_final,
+               KdaGrads& r) {
   const DType dt = dtype_of<T>::value;
   const kda_detail::Prepared pr = kda_detail::prepare(a, d, dt);
   Tensor v = a.v.to(dt);
   Buffers<T> buf;
-  Params<T> P = make_params<T>(d, pr, v, buf);
+  Params<T> P = make_params<T>(d, pr, v, Tensor(), buf);
   forward_stages(P);  // stage B1: recompute G, A, Minv, W, U, h, V_new
   Tensor doc = d_o.to(dt);
   Tensor dhtc = d_final.defined() ? d_final.to(dt) : Tensor::zeros({d.N, d.HV, d.K, d.V}, dt);
@@ -512,11 +509,6 @@ KdaGrads chunk_bwd(const KdaArgs& a, const KdaDims& d, const Tensor& d_o, const 
   Tensor dVnew = Tensor::empty({d.T, d.HV, d.V}, dt),
          dh = Tensor::empty({P.NC, d.HV, d.K, d.V}, dt);
   Tensor dqv = Tensor::empty({d.T, d.HV, d.K}, dt), dkv = Tensor::empty({d.T, d.HV, d.K}, dt);
-  KdaGrads r;
-  r.dv = Tensor::empty({d.T, d.HV, d.V}, dt);
-  r.dbeta = Tensor::empty({d.T, d.HV}, dt);
-  r.dg = Tensor::empty({d.T, d.HV, d.K}, dt);
-  r.dinitial_state = Tensor::empty({d.N, d.HV, d.K, d.V}, dt);
   BwdParams<T> B{doc.data<T>(),
                  dhtc.data<T>(),
                  dAqk.data<T>(),
@@ -535,8 +527,8 @@ KdaGrads chunk_bwd(const KdaArgs& a, const KdaDims& d, const Tensor& d_o, const 
   stage_intra_bwd(P, B);
   stage_reverse_cumsum(P, B);
   // GVA: sum the value heads of each qk head in a fixed order.
-  r.dq = Tensor::zeros({d.T, d.H, d.K}, dt);
-  r.dk = Tensor::zeros({d.T, d.H, d.K}, dt);
+  r.dq.zero_();
+  r.dk.zero_();
   T *rq = r.dq.data<T>(), *rk = r.dk.data<T>();
   const T *dq = dqv.data<T>(), *dk = dkv.data<T>();
   const int64_t Gq = d.HV / d.H;
@@ -548,69 +540,23 @@ KdaGrads chunk_bwd(const KdaArgs& a, const KdaDims& d, const Tensor& d_o, const 
         rk[(t * d.H + h / Gq) * d.K + i] += dk[(t * d.HV + h) * d.K + i];
       }
   kda_detail::finish_grads(a, d, pr, r);
-  return r;
-}
-
-DType compute_dtype(const KdaArgs& a) {
-  return a.q.dtype() == DType::f64 ? DType::f64 : DType::f32;
 }
 
 }  // namespace
 
-// CUDA tensors go to the CUDA kernels (ops/kda_chunk_cuda.h: the same math, their own checks).
-KdaOutput kda_chunk(const KdaArgs& a) {
-  return kda_chunk(a, nullptr);
+void kda_chunk_forward(const KdaArgs& a, const KdaDims& d, Tensor& o, Tensor& final_state) {
+  if (o.dtype() == DType::f64)
+    chunk_fwd<double>(a, d, o, final_state);
+  else
+    chunk_fwd<float>(a, d, o, final_state);
 }
 
-KdaOutput kda_chunk(const KdaArgs& a, Tensor* saved, KdaSave what) {
-  if (saved) *saved = Tensor();
-  if (a.q.defined() && a.q.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    KdaChunkCudaBuffers b;
-    Tensor* buf = what == KdaSave::all ? &b.saved : &b.kept;
-    if (saved)
-      *buf = Tensor::empty(
-          {what == KdaSave::all ? kda_chunk_cuda_saved_floats(a) : kda_chunk_cuda_kept_floats(a)},
-          DType::f32, Device::cuda);
-    KdaOutput out = kda_chunk_forward_cuda(a, b);
-    if (saved) *saved = *buf;
-    return out;
-#else
-    HLM_FAIL("kda_chunk: no CUDA support in this build");
-#endif
-  }
-  const KdaDims d = kda_check(a, "kda_chunk");
-  return compute_dtype(a) == DType::f64 ? chunk_fwd<double>(a, d) : chunk_fwd<float>(a, d);
+void kda_chunk_backward(const KdaArgs& a, const KdaDims& d, const Tensor& d_o,
+                        const Tensor& d_final_state, KdaGrads& g) {
+  if (g.dv.dtype() == DType::f64)
+    chunk_bwd<double>(a, d, d_o, d_final_state, g);
+  else
+    chunk_bwd<float>(a, d, d_o, d_final_state, g);
 }
 
-KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final) {
-  return kda_chunk_backward(a, d_o, d_final, Tensor());
-}
-
-KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final,
-                            const Tensor& saved, KdaSave what) {
-  const char* op = "kda_chunk_backward";
-  if (a.q.defined() && a.q.device() == Device::cuda) {
-#ifdef HLM_HAVE_CUDA
-    KdaChunkBwdCudaBuffers b;
-    (what == KdaSave::all ? b.saved : b.kept) = saved;
-    return kda_chunk_backward_cuda(a, d_o, d_final, b);
-#else
-    HLM_FAIL("{}: no CUDA support in this build", op);
-#endif
-  }
-  HLM_CHECK(!saved.defined(), "{}: saved intermediates come from a CUDA forward, got {}", op,
-            saved.describe());
-  const KdaDims d = kda_check(a, op);
-  HLM_CHECK(d_o.defined() && d_o.shape() == Shape({d.T, d.HV, d.V}),
-            "{}: d_o must be [{}, {}, {}], got {}", op, d.T, d.HV, d.V,
-            d_o.defined() ? d_o.describe() : "undefined");
-  if (d_final.defined())
-    HLM_CHECK(d_final.shape() == Shape({d.N, d.HV, d.K, d.V}),
-              "{}: d_final_state must be [{}, {}, {}, {}], got {}", op, d.N, d.HV, d.K, d.V,
-              d_final.describe());
-  return compute_dtype(a) == DType::f64 ? chunk_bwd<double>(a, d, d_o, d_final)
-                                        : chunk_bwd<float>(a, d, d_o, d_final);
-}
-
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

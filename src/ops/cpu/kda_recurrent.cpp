@@ -12,9 +12,9 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/kda.h"
+#include "ops/cpu/kda.h"
 
-namespace hlm::ops {
+namespace hlm::ops::cpu {
 namespace {
 
 constexpr int64_t kCk = 64;
@@ -42,19 +42,15 @@ inline void step_fwd(const KdaDims& d, const double* qt, const double* kt, const
 
 }  // namespace
 
-KdaOutput kda_recurrent(const KdaArgs& a) {
-  const KdaDims d = kda_check(a, "kda_recurrent");
+void kda_recurrent_forward(const KdaArgs& a, const KdaDims& d, Tensor& o_out, Tensor& final_state) {
   const kda_detail::Prepared pr = kda_detail::prepare(a, d, DType::f64);
   const int64_t T = d.T, H = d.H, HV = d.HV, K = d.K, V = d.V, Gq = HV / H;
-  KdaOutput out;
-  out.o = Tensor::empty({T, HV, V}, DType::f64);
-  out.final_state = Tensor::empty({d.N, HV, K, V}, DType::f64);
   const double *q = pr.q.data<double>(), *k = pr.k.data<double>(), *g = pr.g.data<double>(),
                *v = nullptr, *beta = pr.beta.data<double>(), *h0 = pr.h0.data<double>();
   Tensor vc = a.v.to(DType::f64);
   v = vc.data<double>();
-  double* o = out.o.data<double>();
-  double* hT = out.final_state.data<double>();
+  double* o = o_out.data<double>();
+  double* hT = final_state.data<double>();
   const double scale = d.scale;
 #pragma omp parallel for collapse(2) schedule(dynamic) if (T * HV * K * V >= (1 << 16))
   for (int64_t n = 0; n < d.N; ++n)
@@ -74,20 +70,11 @@ KdaOutput kda_recurrent(const KdaArgs& a) {
         for (int64_t j = 0; j < V; ++j) ot[j] *= scale;
       }
     }
-  return out;
 }
 
-KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d_final) {
-  const char* op = "kda_recurrent_backward";
-  const KdaDims d = kda_check(a, op);
+void kda_recurrent_backward(const KdaArgs& a, const KdaDims& d, const Tensor& d_o,
+                            const Tensor& d_final, KdaGrads& r) {
   const int64_t T = d.T, H = d.H, HV = d.HV, K = d.K, V = d.V, Gq = HV / H;
-  HLM_CHECK(d_o.defined() && d_o.shape() == Shape({T, HV, V}),
-            "{}: d_o must be [{}, {}, {}], got {}", op, T, HV, V,
-            d_o.defined() ? d_o.describe() : "undefined");
-  if (d_final.defined())
-    HLM_CHECK(d_final.shape() == Shape({d.N, HV, K, V}),
-              "{}: d_final_state must be [{}, {}, {}, {}], got {}", op, d.N, HV, K, V,
-              d_final.describe());
   const kda_detail::Prepared pr = kda_detail::prepare(a, d, DType::f64);
   Tensor vc = a.v.to(DType::f64), doc = d_o.to(DType::f64);
   Tensor dhtc =
@@ -97,11 +84,6 @@ KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tenso
                *dO = doc.data<double>(), *dht = dhtc.data<double>();
   // Per value head gradients of q, k (summed over the GVA group afterwards).
   Tensor dqv = Tensor::empty({T, HV, K}, DType::f64), dkv = Tensor::empty({T, HV, K}, DType::f64);
-  KdaGrads r;
-  r.dv = Tensor::empty({T, HV, V}, DType::f64);
-  r.dg = Tensor::empty({T, HV, K}, DType::f64);
-  r.dbeta = Tensor::empty({T, HV}, DType::f64);
-  r.dinitial_state = Tensor::empty({d.N, HV, K, V}, DType::f64);
   double *dq = dqv.data<double>(), *dk = dkv.data<double>(), *dv = r.dv.data<double>(),
          *dg = r.dg.data<double>(), *db = r.dbeta.data<double>(),
          *dh0 = r.dinitial_state.data<double>();
@@ -197,8 +179,8 @@ KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tenso
       std::copy(dS.begin(), dS.end(), dh0 + (n * HV + h) * KV);
     }
   // GVA: sum the value heads of each qk head in a fixed order.
-  r.dq = Tensor::zeros({T, H, K}, DType::f64);
-  r.dk = Tensor::zeros({T, H, K}, DType::f64);
+  r.dq.zero_();
+  r.dk.zero_();
   double *rq = r.dq.data<double>(), *rk = r.dk.data<double>();
 #pragma omp parallel for schedule(static) if (T * HV * K >= (1 << 16))
   for (int64_t t = 0; t < T; ++t)
@@ -208,7 +190,6 @@ KdaGrads kda_recurrent_backward(const KdaArgs& a, const Tensor& d_o, const Tenso
         rk[(t * H + h / Gq) * K + i] += dk[(t * HV + h) * K + i];
       }
   kda_detail::finish_grads(a, d, pr, r);
-  return r;
 }
 
-}  // namespace hlm::ops
+}  // namespace hlm::ops::cpu

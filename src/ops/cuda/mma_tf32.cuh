@@ -33,7 +33,7 @@ enum class Prec { tf32, tf32x3, fp32 };
 // The precision of the KDA kernels' products. f32 inputs: FP32 FMA, because 3xTF32 (2^-22 per
 // product against FP32's 2^-24) measured 2.6e-5 on d dt_bias, a long sum with cancellation,
 // against the FP32 path's 2e-5 bound. bf16 inputs: 3xTF32, or plain TF32 in the stages that
-// kda_cu::kTf32Stages selects (kda_chunk_common.cuh).
+// the launch selects (kTf32Stages by default, kda_chunk/heuristics.h).
 template <class Tin, bool kTf32 = false>
 inline constexpr Prec prec_for = std::is_same_v<Tin, float> ? Prec::fp32
                                  : kTf32                    ? Prec::tf32

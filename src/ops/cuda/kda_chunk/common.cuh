@@ -1,18 +1,39 @@
-// Helpers shared by the CUDA chunked KDA forward (kda_chunk.cu) and backward (kda_chunk_bwd.cu):
-// scalar and float4 device helpers, cp.async, and the host-side launch checks. Internal.
+// What the stage files of the CUDA chunked KDA (params.cuh) share: the chunk constants, scalar and
+// float4 device helpers, cp.async, and the host-side launch helpers. Internal.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/cuda/kda_chunk/heuristics.h"
+#include "ops/cuda/kda_chunk/params.cuh"
+#include "ops/dispatch.h"
+#include "ops/kda.h"
 
-namespace hlm::ops::kda_cu {
+namespace hlm::ops::cuda::kda {
+
+constexpr int kC = 64;            // chunk size (== kKdaChunk)
+constexpr int kSub = 16;          // sub-chunk (block) size of the intra matrices and their split
+constexpr int kThreads = 256;     // the state passes and every backward kernel
+constexpr float kSpanMax = 80.f;  // largest decay span (nats) of a diagonal 16x16 block for the
+                                  // split-reference product (else per element)
+constexpr int kSliceK = 64;       // channels per block of the contractions and the intra backward
+
+static_assert(kKdaChunk == kC, "the CUDA kernels are written for C = 64");
+
+// Channels per block of the channel-split backward kernels, and blocks per (chunk, head): K = 128
+// -> 2.
+__host__ __device__ constexpr int slice_k(int K) {
+  return K < kSliceK ? K : kSliceK;
+}
+__host__ __device__ constexpr int slices(int K) {
+  return K / slice_k(K);
+}
 
 // ------------------------------------------------------------------ device helpers
 
@@ -142,50 +163,86 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// ------------------------------------------------------------------ host helpers
-
-// The stages of the chunked forward and backward. With bf16 inputs each stage's products run
-// in plain TF32 or in 3xTF32 (mma_tf32.cuh); both are compiled. KdaArgs::exact_bf16_products
-// takes 3xTF32 everywhere; otherwise the stages of kTf32Stages (a bit per stage) take TF32. The
-// intra backward keeps 3xTF32: in TF32 it alone put dg 8.2e-3 and dA_log / d dt_bias 3e-2 to
-// 4e-2 from the FP32 path, while TF32 in all the other stages together stays within 4.2e-4
-// (bench/kda_chunk_notes.md). A build with HLM_KDA_TF32_STUDY reads the set from the environment
-// instead (HLM_KDA_TF32_STAGES, a bit mask) on every call: a measurement switch, not an API.
-enum KdaStage : int {
-  kStageIntra = 0,     // forward intra kernel (A_qk, A_kk, W, U), also in the recompute
-  kStageState = 1,     // forward state pass, also in the recompute
-  kStageStateBwd = 2,  // reverse state pass
-  kStageProducts = 3,  // backward contractions over V (dA_qk, dq, dk, dW)
-  kStageWy = 4,        // WY backward
-  kStageIntraBwd = 5,  // intra backward
-};
-inline constexpr unsigned kTf32Stages = 0x1fu;  // every stage but the intra backward
-
-inline unsigned tf32_stages(bool exact) {
-#ifdef HLM_KDA_TF32_STUDY
-  if (const char* e = std::getenv("HLM_KDA_TF32_STAGES"))
-    return unsigned(std::strtoul(e, nullptr, 0));
-#endif
-  return exact ? 0u : kTf32Stages;
+// Copies rows x cols floats (cols % 4 == 0) from global (row stride gs) to shared (row stride ss,
+// ss % 4 == 0) by cp.async with kThreads threads; the caller commits and waits.
+__device__ __forceinline__ void cp_rows(float* dst, int ss, const float* src, int64_t gs, int rows,
+                                        int cols) {
+  const int c4 = cols / 4;
+  for (int i = threadIdx.x; i < rows * c4; i += kThreads) {
+    const int r = i / c4, c = 4 * (i % c4);
+    cp_async16(dst + r * ss + c, src + r * gs + c);
+  }
 }
 
-// Calls f(std::bool_constant<tf32>) with the precision of stage S for inputs of type Tin (f32
-// inputs: always false, FP32 FMA).
+// ------------------------------------------------------------------ host helpers
+
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+// Calls f(std::bool_constant<tf32>) with the precision of stage S (heuristics.h) for inputs of
+// type Tin: TF32 when bit S of `tf32` is set, else 3xTF32 (f32 inputs: always false, FP32 FMA).
 template <int S, class Tin, class F>
-void with_prec(bool exact, F&& f) {
+void with_prec(unsigned tf32, F&& f) {
   if constexpr (std::is_same_v<Tin, float>) {
     f(std::false_type{});
   } else {
-    if ((tf32_stages(exact) >> S) & 1u)
+    if ((tf32 >> S) & 1u)
       f(std::true_type{});
     else
       f(std::false_type{});
   }
 }
 
-inline int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
+// Calls f(std::integral_constant<int, K>) for K = 32, 64, 128 (checked by ops::kda_check).
+template <class F>
+void with_k(int64_t K, const char* op, F&& f) {
+  switch (K) {
+    case 32:
+      return f(std::integral_constant<int, 32>{});
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    default:
+      HLM_FAIL("{}: unsupported K={}", op, K);
+  }
 }
+
+// The checks of a direct call of the CUDA entry points (params.cuh): q on CUDA, then those of
+// every call (ops::kda_check, ops/kda.cpp).
+inline KdaDims check_call(const KdaArgs& a, const char* op) {
+  HLM_CHECK(a.q.defined() && a.q.device() == Device::cuda, "{}: q must be a CUDA tensor, got {}",
+            op, a.q.defined() ? a.q.describe() : "undefined");
+  return kda_check(a, op);
+}
+
+// The V tile of the state passes for this call on the current device (heuristics.h).
+inline int state_tile(const Plan& p) {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return state_tile(p, sms);
+}
+
+// Calls f(std::integral_constant<int, BV>) with that V tile.
+template <class F>
+void with_state_tile(const Plan& p, F&& f) {
+  if (state_tile(p) == 64)
+    f(std::integral_constant<int, 64>{});
+  else
+    f(std::integral_constant<int, 32>{});
+}
+
+// Consecutive slices of a workspace, each starting at a multiple of 64 floats (256 bytes).
+struct Offsets {
+  int64_t end = 0;  // floats taken so far
+  int64_t take(int64_t floats) {
+    const int64_t o = end;
+    end = round_up(end + floats, 64);
+    return o;
+  }
+};
 
 inline bool aligned16(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0;
@@ -214,7 +271,7 @@ inline void set_smem(const char* op, const void* kernel, size_t bytes, const cha
 // shape `shape`), or a new tensor when `given` is undefined.
 inline Tensor output_buffer(const Tensor& given, DType dt, const Shape& shape, const char* op,
                             const char* what) {
-  if (!given.defined()) return Tensor::empty(shape, dt, Device::cuda);
+  if (!given.defined()) return detail::new_output(shape, dt, Device::cuda);
   HLM_CHECK(given.device() == Device::cuda && given.is_contiguous() && aligned16(given) &&
                 given.dtype() == dt && given.shape() == shape,
             "{}: {} must be a contiguous, 16-byte aligned CUDA tensor {} {}, got {}", op, what,
@@ -225,7 +282,7 @@ inline Tensor output_buffer(const Tensor& given, DType dt, const Shape& shape, c
 // An f32 workspace of at least `floats` elements: the caller's, checked as above, or a new one.
 inline Tensor workspace_buffer(const Tensor& given, int64_t floats, const char* op,
                                const char* what = "buffers.workspace") {
-  if (!given.defined()) return Tensor::empty({floats}, DType::f32, Device::cuda);
+  if (!given.defined()) return detail::new_output({floats}, DType::f32, Device::cuda);
   HLM_CHECK(given.device() == Device::cuda && given.is_contiguous() && aligned16(given) &&
                 given.dtype() == DType::f32 && given.numel() >= floats,
             "{}: {} must be a contiguous, 16-byte aligned CUDA f32 tensor of at least {} elements, "
@@ -234,4 +291,4 @@ inline Tensor workspace_buffer(const Tensor& given, int64_t floats, const char* 
   return given;
 }
 
-}  // namespace hlm::ops::kda_cu
+}  // namespace hlm::ops::cuda::kda
