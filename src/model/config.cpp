@@ -603,11 +603,8 @@ void ModelConfig::validate(const std::string& what) const {
               "rank)",
               what, kda.f_lora_rank, kda.g_lora_rank);
     if (kda.lower_bound) {
-      HLM_CHECK(
-          std::isfinite(*kda.lower_bound) && *kda.lower_bound >= -5.0 && *kda.lower_bound < 0.0,
-          "{}: 'linear_lower_bound' is {}, expected a value in [-5, 0) or null (softplus "
-          "gate)",
-          what, *kda.lower_bound);
+      ops::check_kda_lower_bound(*kda.lower_bound, what.c_str(),
+                                 "'linear_lower_bound' (null: the softplus gate)");
     }
     HLM_CHECK(kda.use_a_log || kda.lower_bound,
               "{}: 'linear_use_a_log' is false, which needs the lower-bound gate "

@@ -33,6 +33,7 @@
 
 #include "core/json.h"  // read_json_file
 #include "layers/precision.h"
+#include "ops/kda_gate.h"
 
 namespace hlm {
 
@@ -76,7 +77,7 @@ struct KdaHparams {
   int64_t g_lora_rank = 128;  // kda_gate_lora_rank  r_g; 0 = full-rank g_proj; default K
   // linear_lower_bound (alias gate_lower_bound): the safe lower-bound gate when set (must lie
   // in [-5, 0)); the softplus gate when null.
-  std::optional<double> lower_bound = -5.0;
+  std::optional<double> lower_bound = ops::kKdaLowerBound;
   bool use_a_log = true;          // linear_use_a_log: false only with a lower bound
   bool output_gate_bias = false;  // linear_output_gate_bias: g_b_proj has a bias
   // Initialisation (FLA / Mamba2 convention): A ~ U(a_init_min, a_init_max), A_log = ln A;

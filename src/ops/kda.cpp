@@ -107,9 +107,7 @@ KdaDims kda_check(const KdaArgs& a, const char* op) {
                   t->describe());
       detail::require_shape(*t, {n}, op, what);
     }
-    if (*a.gate == KdaGateKind::lower_bound)
-      HLM_CHECK(a.lower_bound >= -5.0 && a.lower_bound < 0.0,
-                "{}: lower_bound must lie in [-5, 0), got {}", op, a.lower_bound);
+    if (*a.gate == KdaGateKind::lower_bound) check_kda_lower_bound(a.lower_bound, op);
   }
   HLM_CHECK(std::isfinite(a.scale), "{}: scale must be finite, got {}", op, a.scale);
   d.scale = a.scale > 0 ? a.scale : 1.0 / std::sqrt(double(d.K));

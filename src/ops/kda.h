@@ -45,10 +45,10 @@ struct KdaArgs {
   double scale = 0;      // <= 0: K^-1/2
   bool use_qk_l2norm = false;
   bool beta_logits = false;
-  std::optional<KdaGateKind> gate;  // set: g is z and the gate below is fused
-  Tensor A_log;                     // [HV] f32 (gate only)
-  Tensor dt_bias;                   // [HV*K] f32 (gate only, optional)
-  double lower_bound = -5.0;        // gate == lower_bound only, in [-5, 0)
+  std::optional<KdaGateKind> gate;      // set: g is z and the gate below is fused
+  Tensor A_log;                         // [HV] f32 (gate only)
+  Tensor dt_bias;                       // [HV*K] f32 (gate only, optional)
+  double lower_bound = kKdaLowerBound;  // gate == lower_bound only: check_kda_lower_bound
   // CUDA chunked kernels with bf16 inputs: true takes 3xTF32 in every matrix product (gradients
   // within ~1e-5 of the f32 path); false (default) plain TF32 wherever it was measured harmless
   // (within ~5e-4; ops/cuda/kda_chunk/heuristics.h), 1.2x faster. f32 inputs: always FP32 FMA.

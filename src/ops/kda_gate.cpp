@@ -3,6 +3,8 @@
 // (ops/cuda/kda_gate.cu).
 #include "ops/kda_gate.h"
 
+#include <cmath>
+
 #include "ops/cpu/kda_gate.h"
 #include "ops/cuda/kda_gate.cuh"
 #include "ops/dispatch.h"
@@ -46,9 +48,7 @@ GateDims check_gate(const KdaGateArgs& a, const char* op) {
     check_on_device(a.dt_bias, a.z, d.dt, op, "dt_bias");
     detail::require_shape(a.dt_bias, {d.HV * d.K}, op, "dt_bias");
   }
-  if (a.kind == KdaGateKind::lower_bound)
-    HLM_CHECK(a.lower_bound >= -5.0 && a.lower_bound < 0.0,
-              "{}: lower_bound must lie in [-5, 0), got {}", op, a.lower_bound);
+  if (a.kind == KdaGateKind::lower_bound) check_kda_lower_bound(a.lower_bound, op);
   return d;
 }
 
@@ -76,6 +76,11 @@ KdaGateGrads kda_gate_backward(const KdaGateArgs& a, const Tensor& dg) {
   if (a.dt_bias.defined()) r.ddt_bias = detail::new_output({d.HV * d.K}, d.dt, dev);
   HLM_DISPATCH(op, dev, kda_gate_backward, a, dg, r);
   return r;
+}
+
+void check_kda_lower_bound(double lb, const char* where, const char* what) {
+  HLM_CHECK(std::isfinite(lb) && lb >= kKdaLowerBoundMin && lb < 0.0,
+            "{}: {} must lie in [{}, 0), got {}", where, what, kKdaLowerBoundMin, lb);
 }
 
 }  // namespace hlm::ops

@@ -14,12 +14,21 @@ namespace hlm::ops {
 
 enum class KdaGateKind { standard, lower_bound };
 
+// The lower-bound gate's bound lb lies in [kKdaLowerBoundMin, 0): the range in which the safe gate
+// was trained and kept stable (Kimi Linear's safe gate; lb = -5 is its default, kKdaLowerBound).
+// Every config, layer and op checks a bound with check_kda_lower_bound, the one place the range is
+// written.
+constexpr double kKdaLowerBoundMin = -5.0;
+constexpr double kKdaLowerBound = -5.0;
+// Throws hlm::Error "<where>: <what> must lie in [-5, 0), got <lb>" unless lb is in that range.
+void check_kda_lower_bound(double lb, const char* where, const char* what = "lower_bound");
+
 struct KdaGateArgs {
   Tensor z;        // [T, HV, K] raw gate logits (f32 or f64; other floats are computed in f32)
   Tensor A_log;    // [HV] (f32); optional for lower_bound (undefined: exp(A_log) = 1)
   Tensor dt_bias;  // [HV*K] (f32); optional (undefined: 0)
   KdaGateKind kind = KdaGateKind::lower_bound;
-  double lower_bound = -5.0;  // lower_bound kind only; must lie in [-5, 0)
+  double lower_bound = kKdaLowerBound;  // lower_bound kind only; check_kda_lower_bound
 };
 
 struct KdaGateGrads {

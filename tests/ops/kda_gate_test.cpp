@@ -142,5 +142,19 @@ TEST(KdaGate, BadInputs) {
   EXPECT_THROW(ops::kda_gate_backward(a, Tensor::zeros({7, 3, 4}, DType::f32)), Error);
 }
 
+// The one range check of the lower bound: [-5, 0), finite; every caller names itself.
+TEST(KdaGate, LowerBoundRange) {
+  EXPECT_NO_THROW(ops::check_kda_lower_bound(-5.0, "w"));
+  EXPECT_NO_THROW(ops::check_kda_lower_bound(-1e-300, "w"));
+  for (double bad : {-5.000001, 0.0, 1.0, std::nan(""), -INFINITY}) {
+    testing::expect_error([&] { ops::check_kda_lower_bound(bad, "KdaConfig", "lower_bound"); },
+                          "KdaConfig: lower_bound must lie in [-5, 0)");
+  }
+  KdaGateArgs a;
+  a.z = Tensor::full({2, 1, 4}, 0.5, DType::f64);
+  a.lower_bound = -6;
+  testing::expect_error([&] { ops::kda_gate(a); }, "lower_bound must lie in [-5, 0), got -6");
+}
+
 }  // namespace
 }  // namespace hlm

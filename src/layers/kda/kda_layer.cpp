@@ -76,9 +76,7 @@ void KdaConfig::validate() const {
             "KdaConfig: output_gate_rank must be >= 0 (0: full-rank g_proj), got {}",
             output_gate_rank);
   if (gate == ops::KdaGateKind::lower_bound)
-    HLM_CHECK(lower_bound >= -5.0 && lower_bound < 0.0,
-              "KdaConfig: lower_bound must lie in [-5, 0) for the lower-bound gate, got {}",
-              lower_bound);
+    ops::check_kda_lower_bound(lower_bound, "KdaConfig (lower-bound gate)");
   HLM_CHECK(std::isfinite(norm_eps) && norm_eps > 0,
             "KdaConfig: norm_eps must be positive and finite, got {}", norm_eps);
 }

@@ -87,8 +87,8 @@ struct KdaConfig {
   int64_t output_gate_rank = 128;  // rank of g_a -> g_b; 0: one full-rank g_proj [HV V, D]
   bool output_gate_bias = false;   // a bias on g_b_proj (g_proj) (FLA's layer has one)
   ops::KdaGateKind gate = ops::KdaGateKind::lower_bound;
-  double lower_bound = -5.0;  // lower-bound gate only: in [-5, 0)
-  double norm_eps = 1e-5;     // o_norm eps (GLM passes rms_norm_eps)
+  double lower_bound = ops::kKdaLowerBound;  // lower-bound gate only: ops::check_kda_lower_bound
+  double norm_eps = 1e-5;                    // o_norm eps (GLM passes rms_norm_eps)
   KdaNaming naming = KdaNaming::glm5_next;
   KdaCoreImpl core = KdaCoreImpl::chunk;
   // CUDA chunk core in training: what its forward keeps for the backward (the same bits in all
