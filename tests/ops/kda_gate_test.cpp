@@ -146,7 +146,7 @@ TEST(KdaGate, BadInputs) {
 TEST(KdaGate, LowerBoundRange) {
   EXPECT_NO_THROW(ops::check_kda_lower_bound(-5.0, "w"));
   EXPECT_NO_THROW(ops::check_kda_lower_bound(-1e-300, "w"));
-  for (double bad : {-5.000001, 0.0, 1.0, std::nan(""), -INFINITY}) {
+  for (double bad : {-5.000001, 0.0, 1.0, std::nan(""), -double(INFINITY)}) {
     testing::expect_error([&] { ops::check_kda_lower_bound(bad, "KdaConfig", "lower_bound"); },
                           "KdaConfig: lower_bound must lie in [-5, 0)");
   }
