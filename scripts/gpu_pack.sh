@@ -7,9 +7,12 @@
 set -euo pipefail
 build=$1; pack=$2; tarball=${3:-}
 rm -rf "$pack"; mkdir -p "$pack/lib"
-for b in tests/hlm_gpu_tests bench/bench_kda_decode_gpu; do cp "$build/$b" "$pack/"; done
+bins=(tests/hlm_gpu_tests bench/bench_kda_decode_gpu bench/kda_lab/kda_bits bench/kda_lab/kda_stage_timer
+      bench/kda_lab/kda_tf32_study)
+for b in "${bins[@]}"; do [ -f "$build/$b" ] && cp "$build/$b" "$pack/"; done
 # Libraries from Debian packages that a CUDA image may lack (the CUDA ones are on the machine).
-for b in "$pack"/hlm_gpu_tests "$pack"/bench_kda_decode_gpu; do
+for b in "$pack"/*; do
+  [ -f "$b" ] || continue
   ldd "$b" | awk '/=> \//{print $3}' | grep -E 'fmt|openblas|gfortran|quadmath|benchmark|gomp' || true
 done | sort -u | while read -r lib; do cp -L "$lib" "$pack/lib/"; done
 du -sh "$pack"

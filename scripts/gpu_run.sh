@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # On the GPU machine: run the GPU tests and the GPU benchmarks of a CUDA build made beforehand
 # (scripts/build.sh build-cuda) and carried with its shared libraries (scripts/gpu_pack.sh).
-# Usage: scripts/gpu_run.sh PACK_DIR [OUT_DIR]
+# Usage: scripts/gpu_run.sh PACK_DIR [OUT_DIR] [BASE_KDA_BITS]
+# BASE_KDA_BITS: a kda_bits program built from an earlier revision (bench/kda_lab/README.md): its
+# output and this pack's must be byte-identical when the change was not meant to move any bit.
 set -uo pipefail
-pack=$1; out=${2:-/tmp}
+pack=$1; out=${2:-/tmp}; base_bits=${3:-}
 export LD_LIBRARY_PATH="$pack/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 echo "== GPU tests =="
 "$pack/hlm_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (PASSED|FAILED|  OK|SKIPPED) |FAILED|error|Failure|rel_l2" | head -60
+if [ -x "$pack/kda_bits" ]; then
+  echo "== KDA chunked kernels: bits (bench/kda_lab/kda_bits) =="
+  "$pack/kda_bits" /tmp/kda_bits_new.safetensors >/dev/null && sha256sum /tmp/kda_bits_new.safetensors
+  if [ -n "$base_bits" ]; then
+    "$base_bits" /tmp/kda_bits_base.safetensors >/dev/null && sha256sum /tmp/kda_bits_base.safetensors
+    cmp /tmp/kda_bits_base.safetensors /tmp/kda_bits_new.safetensors && echo "kda_bits: identical to the base revision"
+  fi
+fi
 echo "== bench: KDA decode (ours) =="
 "$pack/bench_kda_decode_gpu" 2>&1 | tee "$out/bench_kda_decode.log"
 if [ -d .whl ]; then
