@@ -1,8 +1,8 @@
-# Chunked KDA on the GPU: our CUDA kernels (libhlm_kda_bench.so, bench/kda_chunk_capi.cpp) and
-# FLA's chunk_kda (the anchor of ../shared/TARGETS.md) in one process, on the same input tensors,
-# timed by the same timer: the median of triton.testing.do_bench (which flushes the L2 cache
-# before every call). FLA comes from the PyPI wheels fla-core / flash-linear-attention carried to
-# the device (never committed).
+# Chunked KDA on the GPU: our CUDA kernels (libhlm_kda_bench.so, bench/kda_chunk_capi.cpp) and FLA's
+# chunk_kda (the anchor of bench/RESULTS.md, "Anchors and targets") in one process, on the same
+# input tensors, timed by the same timer: the median of triton.testing.do_bench (which flushes the
+# L2 cache before every call). FLA comes from the PyPI wheels fla-core / flash-linear-attention
+# carried to the device (never committed).
 #
 # Usage: python3 bench/kda_chunk_bench.py --lib BUILD/bench/libhlm_kda_bench.so [--no-fla]
 #        [--rows 1,2,...] [--rep MS] [--tf32-stages M1,M2,...] [--no-saved]
@@ -18,10 +18,10 @@
 # src/ops/cuda/kda_chunk/heuristics.h), and print every tensor's error and a digest of the output
 # bits (to check that a change keeps them).
 #
-# Rows (TARGETS.md): K = V = 128, bf16 inputs, packed sequences of equal length, zero initial
-# state, the final state written; the backward starts from a random d o (no final-state gradient).
-# "plain": g is a precomputed log decay lower_bound * sigmoid(x) in [-5, 0) (FLA: safe_gate=True,
-# lower_bound=-5); q, k L2-normalised beforehand; beta = sigmoid(x).
+# Rows (bench/RESULTS.md, "Anchors and targets"): K = V = 128, bf16 inputs, packed sequences of
+# equal length, zero initial state, the final state written; the backward starts from a random d o
+# (no final-state gradient). "plain": g is a precomputed log decay lower_bound * sigmoid(x) in
+# [-5, 0) (FLA: safe_gate=True, lower_bound=-5); q, k L2-normalised beforehand; beta = sigmoid(x).
 # "fused": raw q, k with the in-kernel L2 norm, beta logits with the in-kernel sigmoid and the raw
 # gate input with the lower-bound gate (A_log, dt_bias) computed inside the kernels.
 #

@@ -9,9 +9,9 @@
 //   kda_stage_timer [--T 512] [--H 2] [--N 2] [--K 64] [--V 64] [--dtype bf16|f32]
 //                   [--gate lower_bound|standard|none] [--mode recompute|kept|saved] [--exact]
 //                   [--reps 5] [--seed 1234]
-// The TARGETS.md backward shapes: --T 8192 --H 32 --N 1 --K 128 --V 128 and
-// --T 32768 --H 64 --N 8 --K 128 --V 128. On the CUDA emulation the times are the CPU's (only
-// the bit check means anything there).
+// The backward shapes of bench/RESULTS.md ("Anchors and targets"): --T 8192 --H 32 --N 1 --K 128
+// --V 128 and --T 32768 --H 64 --N 8 --K 128 --V 128. On the CUDA emulation the times are the CPU's
+// (only the bit check means anything there).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

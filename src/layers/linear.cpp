@@ -199,7 +199,8 @@ Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved
       const auto dyq = quantize(dy, pad128(out_), g, ops::TileShape::t1x128, pow2);
       const Tensor dxp = ops::fp8_gemm_tn(dyq, ops::fp8_transpose_blocks(wq));  // [T, pad(in)]
       dx = dxp.slice(1, 0, in_).contiguous();
-      // wgrad: K = T. dy^T and x^T quantized 1x128 along T, from high precision (spec 4.2).
+      // wgrad: K = T. dy^T and x^T quantized 1x128 along T, from high precision (docs/fp8.md,
+      // "The blockwise FP8 GEMM").
       const int64_t tp = pad128(T);
       const auto dytq = quantize(dy.transpose(0, 1), tp, g, ops::TileShape::t1x128, pow2);
       const auto xtq =

@@ -24,7 +24,8 @@ class Linear : public Module {
     Tensor x;  // the layer input [T, in] as given
     // fp8_block only (empty under ctx.recompute, when backward re-quantizes W): the 128x128 E4M3
     // quantization of W, zero-padded to [out, ceil(in/128)*128], that the forward GEMM used; the
-    // dgrad GEMM uses the same codes and scales (2-D blocks transpose exactly, spec 4.2).
+    // dgrad GEMM uses the same codes and scales (2-D blocks transpose exactly; docs/fp8.md, "The
+    // blockwise FP8 GEMM").
     ops::Fp8Tensor w_q;
   };
 

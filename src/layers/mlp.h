@@ -1,4 +1,4 @@
-// DenseMlp: the SwiGLU feed-forward block with the GLM clamp (spec mhc_moe_fp8.md 2.2). Used for
+// DenseMlp: the SwiGLU feed-forward block with the GLM clamp (docs/mhc_moe.md, "MoE"). Used for
 // the leading dense layers (role ModuleRole::dense_mlp, "model.layers.0.mlp") and as the MoE shared
 // expert (role ModuleRole::moe_expert, "model.layers.3.mlp.shared_experts").
 //
@@ -7,10 +7,10 @@
 //   h = silu(g') * u'
 //   y = h Wd^T                                  down_proj: [D, I]
 //
-// Conventions (DESIGN.md): explicit forward and backward, no autograd. forward() fills Saved (the
-// three Linear::Saved and the pre-activations gu = [g | u]); under ctx.recompute only the input is
-// kept and backward recomputes g, u and h (bit for bit: every step is deterministic). backward()
-// writes dx (=) and accumulates every weight gradient (+=) into Param::grad.
+// Conventions (docs/architecture.md): explicit forward and backward, no autograd. forward() fills
+// Saved (the three Linear::Saved and the pre-activations gu = [g | u]); under ctx.recompute only
+// the input is kept and backward recomputes g, u and h (bit for bit: every step is deterministic).
+// backward() writes dx (=) and accumulates every weight gradient (+=) into Param::grad.
 //
 // Parameters (HF names relative to the module path): gate_proj.weight [I, D], up_proj.weight [I,
 // D], down_proj.weight [D, I]; no biases. Init: N(0, init_std) from cfg.seed, one Philox stream per

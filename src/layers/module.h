@@ -1,6 +1,6 @@
 // Module: the parameter container every layer derives from.
 //
-// Conventions of every layer (DESIGN.md):
+// Conventions of every layer (docs/architecture.md, "Conventions that hold everywhere"):
 //  - Explicit forward and backward, no autograd: forward(ctx, inputs, saved*) fills a named Saved
 //    struct with exactly what backward needs; backward(ctx, grads, saved) returns the activation
 //    gradients (written, =) and accumulates parameter gradients into Param::grad (+=).

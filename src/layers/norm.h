@@ -5,9 +5,9 @@
 //   rstd = 1 / sqrt(mean(x^2) + eps)          eps INSIDE the sqrt (rms_norm_eps = 1e-5)
 //   y    = x * rstd * w
 //
-// Conventions (DESIGN.md): explicit forward and backward, no autograd. forward() fills Saved (x in
-// the compute dtype and rstd; under ctx.recompute only x, and the backward recomputes rstd, bit for
-// bit). backward() writes dx (=) and accumulates dw into weight().grad (+=).
+// Conventions (docs/architecture.md): explicit forward and backward, no autograd. forward() fills
+// Saved (x in the compute dtype and rstd; under ctx.recompute only x, and the backward recomputes
+// rstd, bit for bit). backward() writes dx (=) and accumulates dw into weight().grad (+=).
 //
 // Parameter (HF name, relative to the module path, e.g. "model.layers.3.input_layernorm"):
 //   weight [D]   initialised to 1; no weight decay

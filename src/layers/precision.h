@@ -1,6 +1,6 @@
 // Precision policy: which GEMM precision each Linear runs, chosen once from the config
-// (DESIGN.md "Precision is a policy, not a code path per layer"; spec mhc_moe_fp8.md 4 and 5.1;
-// docs/fp8.md).
+// (docs/architecture.md, "Precision is a policy, not a code path per layer"; docs/fp8.md,
+// "The precision policy").
 //
 // GemmKind:
 //   native    exact in the tensor dtype (f32 / f64 reference runs, the FP32 router, mHC mappings)
@@ -10,7 +10,7 @@
 //
 // PrecisionPolicy::resolve(path, role): the role says which Megatron flag applies; the path is
 // checked against quantization_config.modules_to_not_convert. The rules, in order:
-//   1. Roles that never run FP8 (spec 4.1 / 6.5): router and mhc -> native (FP32 weights);
+//   1. Roles that never run FP8: router and mhc -> native (FP32 weights);
 //      lm_head, kda_gate, indexer_weights, mtp -> bf16 (native when the default is native).
 //   2. default kind native or bf16: that kind for every other role.
 //   3. default fp8_block: bf16 (never FP8) when
@@ -105,12 +105,12 @@ class PrecisionPolicy {
 
 // Parameters that stay FP32 through BF16 casts, the optimizer and checkpoints (Param::keep_fp32),
 // by checkpoint name (full or relative); the last dot-separated component decides:
-//   KDA   A_log, dt_bias                                         (spec kda.md 1.1)
-//   mHC   hc_{attn|ffn|head}_{fn|base|scale}                     (spec mhc_moe_fp8.md 1.3)
+//   KDA   A_log, dt_bias                                         (docs/kda.md, "The layer")
+//   mHC   hc_{attn|ffn|head}_{fn|base|scale}                     (docs/mhc_moe.md, "Modules")
 //         transformers: {attn|ffn}_hc.{fn|base|scale}
 //         Megatron: alpha_pre, alpha_post, alpha_res, and mapping_proj.{weight|bias}
-//   KPool index_kpool_compress_ape                               (spec dsa.md 4.1)
-//   MoE   e_score_correction_bias (Megatron: expert_bias)        (spec mhc_moe_fp8.md 2.1)
+//   KPool index_kpool_compress_ape                               (docs/dsa.md, "KPool")
+//   MoE   e_score_correction_bias (Megatron: expert_bias)        (docs/mhc_moe.md, "Modules")
 bool is_keep_fp32_name(const std::string& param_name);
 
 }  // namespace hlm

@@ -1,8 +1,8 @@
 // ModelConfig: the hybrid model's configuration, parsed from an HF config.json
 // (docs/model_config.md lists every field, its default and the checks).
 //
-// Accepted inputs (field names are the HF / checkpoint names quoted in spec/kda.md 5,
-// spec/dsa.md 5, spec/mhc_moe_fp8.md 2.4 and 3):
+// Accepted inputs (field names are the HF / checkpoint names of the public configs;
+// docs/model_config.md, "What `ModelConfig::from_json` accepts"):
 //   - model_type "glm5_next" with a nested "text_config" (model_type "glm5_next_text"); text
 //     fields found at the top level are merged into it (a conflicting value is an error);
 //   - model_type "glm5_next" without text_config, or "glm5_next_text": flat;
@@ -64,8 +64,8 @@ struct RopeScaling {
   bool operator==(const RopeScaling&) const = default;
 };
 
-// KDA layers (spec kda.md 1, 5). Weights per layer: q/k [H*K, D], v [HV*V, D], f_a [r_f, D],
-// f_b [HV*K, r_f], g_a [r_g, D], g_b [HV*V, r_g], b [HV, D], o [D, HV*V], A_log [HV],
+// KDA layers (docs/kda.md, "The layer"). Weights per layer: q/k [H*K, D], v [HV*V, D],
+// f_a [r_f, D], f_b [HV*K, r_f], g_a [r_g, D], g_b [HV*V, r_g], b [HV, D], o [D, HV*V], A_log [HV],
 // dt_bias [HV*K], conv [2*H*K + HV*V, 1, W], o_norm [V].
 struct KdaHparams {
   int64_t num_heads = 64;     // linear_num_heads          H (q/k heads)
@@ -89,7 +89,7 @@ struct KdaHparams {
   bool operator==(const KdaHparams&) const = default;
 };
 
-// MLA attention (spec dsa.md 1), used by DSA and dense MLA layers.
+// MLA attention (docs/dsa.md, "MLA"), used by DSA and dense MLA layers.
 struct MlaHparams {
   int64_t num_heads = 64;          // num_attention_heads
   int64_t num_kv_heads = 64;       // num_key_value_heads (must divide num_heads)
@@ -104,12 +104,13 @@ struct MlaHparams {
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool applies_rope() const { return qk_rope_head_dim > 0 && !use_nope; }
   // (d_n + d_r)^-1/2, times mscale^2 for YaRN with mscale_all_dim != 0 and factor > 1
-  // (mscale = 0.1 mscale_all_dim ln(factor) + 1), only when RoPE is applied (spec dsa.md 1.3).
+  // (mscale = 0.1 mscale_all_dim ln(factor) + 1), only when RoPE is applied (docs/dsa.md, "MLA").
   double softmax_scale() const;
   bool operator==(const MlaHparams&) const = default;
 };
 
-// DSA indexer (spec dsa.md 2, 4). kpool == 1 is the plain lightning indexer, kpool > 1 KPool.
+// DSA indexer (docs/dsa.md, "The lightning indexer", "KPool"). kpool == 1 is the plain lightning
+// indexer, kpool > 1 KPool.
 struct IndexerHparams {
   int64_t n_heads = 32;                  // index_n_heads     H_I
   int64_t head_dim = 128;                // index_head_dim    d_I
@@ -124,7 +125,7 @@ struct IndexerHparams {
   bool operator==(const IndexerHparams&) const = default;
 };
 
-// MoE (spec mhc_moe_fp8.md 2). Sigmoid scoring and noaux_tc selection are the only supported
+// MoE (docs/mhc_moe.md, "MoE"). Sigmoid scoring and noaux_tc selection are the only supported
 // scoring_func / topk_method.
 struct MoeHparams {
   int64_t n_routed_experts = 288;        // alias num_experts; 0: no MoE layers
@@ -140,7 +141,7 @@ struct MoeHparams {
   bool operator==(const MoeHparams&) const = default;
 };
 
-// mHC (spec mhc_moe_fp8.md 1.3).
+// mHC (docs/mhc_moe.md, "mHC").
 struct MhcHparams {
   bool enabled = true;          // mhc
   int64_t hc_mult = 4;          // n streams when enabled
@@ -150,7 +151,7 @@ struct MhcHparams {
   bool operator==(const MhcHparams&) const = default;
 };
 
-// MTP (spec mhc_moe_fp8.md 3): each depth is a DSA + MoE block (dense MLP without experts).
+// MTP (docs/model.md, "MTP"): each depth is a DSA + MoE block (dense MLP without experts).
 struct MtpHparams {
   int64_t num_layers = 1;            // num_nextn_predict_layers
   double loss_scaling_factor = 0.1;  // mtp_loss_scaling_factor (lambda)

@@ -492,7 +492,7 @@ class MtpBlock : public Module {
     Tensor en = enorm_->forward(c, e, train ? &s->enorm : nullptr);
     Tensor hn = hnorm_->forward(c, h, train ? &s->hnorm : nullptr);
     Tensor cat = Tensor::empty({T, 2 * D}, en.dtype());
-    cat.slice(1, 0, D).copy_(en);  // [e; h]: embedding first (spec 3)
+    cat.slice(1, 0, D).copy_(en);  // [e; h]: embedding first (docs/model.md, "MTP")
     cat.slice(1, D, 2 * D).copy_(hn);
     Tensor m = eh_.forward(c, cat, train ? &s->eh : nullptr);
     Tensor a = in_norm_->forward(c, m, train ? &s->in_norm : nullptr);

@@ -3,7 +3,7 @@
 //
 //   e      = embed_tokens(tokens)                                      [T, D]
 //   X^0    = (e, e, ..., e)                        n mHC streams       [T, n, D]
-//   per decoder layer l (attention site, then FFN site; spec mhc_moe_fp8.md 1.3):
+//   per decoder layer l (attention site, then FFN site; docs/model.md, "The forward"):
 //     u = attn_hc.collapse(X);  y = self_attn(input_layernorm(u));  X = attn_hc.write_back(y)
 //     u = ffn_hc.collapse(X);   y = mlp(post_attention_layernorm(u)); X = ffn_hc.write_back(y)
 //     self_attn: KDA ("linear_attention") or DSA ("deepseek_sparse_attention", MLA + indexer +
@@ -13,8 +13,8 @@
 //   logits = lm_head(hidden)                       (tied to embed_tokens when configured)
 // Without mHC (mhc = false) every site is a plain pre-norm residual: X' = X + y.
 //
-// MTP (one depth, spec 3; checkpoint layer index L = num_hidden_layers): for position i of a
-// sequence, e' = embed(tokens[i+1]) (zeros at the last position),
+// MTP (one depth, docs/model.md "MTP"; checkpoint layer index L = num_hidden_layers): for
+// position i of a sequence, e' = embed(tokens[i+1]) (zeros at the last position),
 //   m = eh_proj([enorm(e'); hnorm(h_i)]),  m += self_attn(input_layernorm(m)),
 //   m += mlp(post_attention_layernorm(m)),  logits' = lm_head(shared_head.norm(m)),
 // predicting tokens[i+2] (the target of position i+1); a single-stream pre-norm block, DSA + MoE.
@@ -25,7 +25,8 @@
 // CE is the mean over non-ignored targets (-100). The indexer losses train only the indexers (their
 // inputs are detached); the aux losses reach only the routers. Each part is reported separately.
 //
-// Conventions (DESIGN.md): forward fills Saved; backward accumulates every parameter gradient (+=).
+// Conventions (docs/architecture.md): forward fills Saved; backward accumulates every parameter
+// gradient (+=).
 // Recompute: none keeps every activation; selective passes ctx.recompute to the sublayers (each
 // keeps its input only); full keeps only each decoder layer's input streams and re-runs the layer
 // in backward. All three give bit-identical gradients.

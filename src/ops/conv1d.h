@@ -1,4 +1,4 @@
-// Causal depthwise conv1d over packed sequences (spec/kda.md 1.2), optional fused SiLU:
+// Causal depthwise conv1d over packed sequences (docs/kda.md, "The layer"), optional fused SiLU:
 //   y_t[c] = act( sum_{j=0}^{W-1} w[c, j] * x_{t-W+1+j}[c] )
 // with the positions before a sequence's start taken from its initial conv state, or 0 when no
 // state is given (the conv restarts at every cu_seqlens boundary; never looks across one).

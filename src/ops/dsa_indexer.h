@@ -1,5 +1,6 @@
-// DSA lightning-indexer ops (spec dsa.md 2.2, 2.4, 4.3), CPU reference: scoring with its backward,
-// and top-k selection. Packed THD layout: every op restarts at each cu_seqlens boundary.
+// DSA lightning-indexer ops (docs/dsa.md, "Indexer scoring", "Top-k selection"), CPU reference:
+// scoring with its backward, and top-k selection. Packed THD layout: every op restarts at each
+// cu_seqlens boundary.
 //
 // Scoring (weights already scaled, i.e. w = weights_proj(h) * H_I^-1/2):
 //   I(t, s) = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s]),   scale = d_I^-1/2 by default,
@@ -30,16 +31,16 @@ struct IndexerScoreOptions {
   int64_t pool = 1;  // 1: token keys; P > 1: KPool pooled keys
   double scale = 0;  // inner scale on q.k; 0 means d_I^-1/2
   bool relu = true;  // Megatron dsa_indexer_scoring_relu
-  // FP8 emulation of the scoring inputs (spec 2.2 step 4 / 2.4): q per (t, h) and k per key row
-  // are quantised to E4M3 with one scale per 128 channels (a shorter last block when d_I % 128 !=
-  // 0):
+  // FP8 emulation of the scoring inputs (docs/dsa.md, "Indexer scoring"): q per (t, h) and k per
+  // key row are quantised to E4M3 with one scale per 128 channels (a shorter last block when
+  // d_I % 128 != 0):
   //   amax = max(max|x|, fp8_amax_floor) in f32; scale = amax / 448, or with fp8_pow2 the power of
   //   two 2^ceil(log2(amax / 448)) (ue8m0, DS V3.2 / GLM); x8 = e4m3_satfinite(x / scale);
   // and the scores are computed in the input dtype from the dequantised values x8 * scale (equal to
   // the DeepGEMM form sum_h w q_scale ReLU(q8 . k8) k_scale up to rounding). The scale rule is
-  // fp8_scale_inv of ops/fp8_quant.h with the indexer's own amax floor (1e-4, spec 2.2; the GEMM
-  // contract uses 1e-12). Backward is straight-through: the gradient is that of the scores as a
-  // function of the dequantised values, passed to the unquantised q and k unchanged.
+  // fp8_scale_inv of ops/fp8_quant.h with the indexer's own amax floor (1e-4, DeepSeek-V3.2's;
+  // the GEMM contract uses 1e-12). Backward is straight-through: the gradient is that of the
+  // scores as a function of the dequantised values, passed to the unquantised q and k unchanged.
   bool fp8 = false;
   bool fp8_pow2 = true;
   double fp8_amax_floor = 1e-4;

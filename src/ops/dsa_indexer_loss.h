@@ -1,4 +1,5 @@
-// DSA indexer KL loss (spec dsa.md 2.3; pool level 4.5 [PROPOSAL], docs/dsa.md), CPU reference.
+// DSA indexer KL loss (docs/dsa.md, "Indexer KL loss"; the pool level, our own design: "Pool-level
+// KL for KPool: our design"), CPU reference.
 //
 // Target (detached; computed from the main attention's q and latent kv, absorbed form):
 //   p[t,s,h] = softmax_s(scale * q[t,h] . kv[s])  over the row's set

@@ -1,4 +1,4 @@
-// KPool pooled-key indexer ops (spec dsa.md section 4), CPU reference.
+// KPool pooled-key indexer ops (docs/dsa.md, "KPool"), CPU reference.
 //
 // Pools: each document [cu[i], cu[i+1]) holds floor(L_i / P) complete pools of P consecutive
 // tokens starting at the document start; the partial last pool is never compressed. Pools are
@@ -56,7 +56,8 @@ struct KPoolSelection {
 KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens, int64_t K,
                             int64_t P, bool always_select_tail = true);
 
-// Pool-level indexer-loss targets (spec 4.5, our [PROPOSAL]; docs/dsa.md). Input: the token-level
+// Pool-level indexer-loss targets (our own design, no public source trains KPool; docs/dsa.md,
+// "Pool-level KL for KPool: our design"). Input: the token-level
 // target p*(t, s) (head-summed, L1-normalised main attention, dsa_indexer_loss.h), computed over
 // the set the main attention actually attends. Output: P*(t, p) = sum of p* over pool p's tokens,
 // renormalised over the candidate pools of the row (the tail tokens are dropped); rows without any

@@ -1,5 +1,5 @@
-// Sparse MLA attention over selected indices (spec dsa.md 3.1, absorbed MQA form of 1.4/1.5), CPU
-// reference, forward and backward.
+// Sparse MLA attention over selected indices (docs/dsa.md, "Sparse attention"; the absorbed MQA
+// form of "MLA"), CPU reference, forward and backward.
 //
 // One KV head: the cache row kv[s] in R^{D_qk} ([c_kv ; k_pe], or just c_kv for NoPE) is the key of
 // every head, and its first d_v channels are the value. For query t with selected set

@@ -1,5 +1,5 @@
-// FP8 blockwise quantization (DeepSeek-V3 / TransformerEngine Float8BlockScaling; spec
-// mhc_moe_fp8.md 4.1-4.3; our contract in docs/fp8.md).
+// FP8 blockwise quantization (DeepSeek-V3 / TransformerEngine Float8BlockScaling; our
+// contract: docs/fp8.md, "The FP8 quantizer").
 //
 // A recipe is data, not a code path (TransformerEngine style): the format (E4M3 / E5M2), the tile
 // shape (1x128: one scale per row and 128 consecutive columns; 128x128: one scale per block of 128
@@ -18,8 +18,8 @@
 // with zeros, which changes no amax). rows is free: 1x128 scale_inv is [rows, cols/128]; 128x128
 // scale_inv is [ceil(rows/128), cols/128] and the last block row is partial (its amax runs over the
 // rows that exist, which is exactly what zero padding to a multiple of 128 would give).
-// A non-finite input element (NaN, +-inf) is an error naming its position: the spec (4.3) treats a
-// non-finite amax as a bad step, and a NaN must never be hidden inside a finite scale.
+// A non-finite input element (NaN, +-inf) is an error naming its position: a non-finite amax is a
+// bad step (docs/fp8.md, "The FP8 quantizer"), and a NaN must never hide inside a finite scale.
 #pragma once
 
 #include <cstdint>
@@ -71,7 +71,8 @@ Tensor fp8_values(const Fp8Tensor& t);
 
 // The 128x128 quantization of W^T, exactly, from that of W [R, C]: q^T [C, pad128(R)] (the padded
 // columns hold zero codes) and scale_inv^T [C/128, ceil(R/128)]. This is how the dgrad GEMM gets a
-// K-major weight without re-quantizing (2-D blocks transpose exactly; spec 4.2).
+// K-major weight without re-quantizing (2-D blocks transpose exactly; docs/fp8.md, "The blockwise
+// FP8 GEMM").
 Fp8Tensor fp8_transpose_blocks(const Fp8Tensor& w);
 
 // The blockwise FP8 GEMM in "TN" form (both operands K-contiguous, as cuBLASLt and DeepGEMM take

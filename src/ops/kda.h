@@ -1,6 +1,7 @@
-// Kimi Delta Attention core op (spec kda.md 1.3-1.6, 2, 3). The front door (ops/kda.cpp) checks
-// the arguments, allocates the outputs and runs the CPU references (ops/cpu/kda_*.cpp) or, for
-// CUDA tensors, the chunked CUDA kernels (kda_chunk only; ops/cuda/kda_chunk/).
+// Kimi Delta Attention core op (docs/kda.md, "The recurrence", "The chunked algorithm"). The
+// front door (ops/kda.cpp) checks the arguments, allocates the outputs and runs the CPU references
+// (ops/cpu/kda_*.cpp) or, for CUDA tensors, the chunked CUDA kernels (kda_chunk only;
+// ops/cuda/kda_chunk/).
 //
 // Per sequence and value head h (qk head h / (HV/H)), with state S in R^{K x V} ([K, V] layout):
 //   S <- Diag(exp(g_t)) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T (scale q_t)
@@ -8,13 +9,14 @@
 // Two implementations with the same interface:
 //   kda_recurrent: the step form above, computed in FP64 whatever the input dtype; outputs are f64.
 //                  Its backward is the hand-derived reverse-time recurrence (FP64). The oracle.
-//   kda_chunk:     the chunked (C = 64) WY form of spec section 2, computed in the input dtype (f64
-//                  for f64 inputs, f32 otherwise, f32 accumulation); outputs in that dtype. It is
-//                  written as separate stages (gate cumsum, intra matrices, WY, state pass, output;
-//                  backward: recompute, dAv, reverse state pass, WY/dq/dk/dg, intra, reverse
-//                  cumsum) that each map onto one CUDA kernel. OpenMP over (chunk or sequence,
-//                  head); deterministic. The backward recomputes everything from the arguments
-//                  (FLA's default recompute mode), so it takes the same KdaArgs as the forward.
+//   kda_chunk:     the chunked (C = 64) WY form (docs/kda.md, "The chunked algorithm"), computed
+//                  in the input dtype (f64 for f64 inputs, f32 otherwise, f32 accumulation);
+//                  outputs in that dtype. It is written as separate stages (gate cumsum, intra
+//                  matrices, WY, state pass, output; backward: recompute, dAv, reverse state pass,
+//                  WY/dq/dk/dg, intra, reverse cumsum) that each map onto one CUDA kernel. OpenMP
+//                  over (chunk or sequence, head); deterministic. The backward recomputes
+//                  everything from the arguments (FLA's default recompute mode), so it takes the
+//                  same KdaArgs as the forward.
 //
 // Optional fused pre-processing (FLA's chunk_kda options), applied in the computation dtype:
 //   use_qk_l2norm: q, k <- x / sqrt(sum x^2 + 1e-6) (eps inside the sqrt), backward through it;

@@ -1,5 +1,5 @@
-// KDA decode: one recurrent step (spec kda.md 1.6 / 4) for a batch of N sequences, one token each,
-// updating the FP32 states in place ([K, V] layout):
+// KDA decode: one recurrent step (docs/kda.md, "The recurrence") for a batch of N sequences,
+// one token each, updating the FP32 states in place ([K, V] layout):
 //   S <- Diag(exp(g)) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T (scale q)
 // With use_qk_l2norm, q and k are first L2-normalised (eps 1e-6 inside the sqrt).
 // Value head h reads qk head h / (HV/H) (GVA). `state_indices` (optional i32/i64 [N]) picks the

@@ -1,4 +1,5 @@
-// KDA decay gate (spec kda.md 1.5): the log-space per-channel decay g of Kimi Delta Attention.
+// KDA decay gate (docs/kda.md, "The decay gate"): the log-space per-channel decay g of Kimi Delta
+// Attention.
 //   standard:    g = -exp(A_log[h]) * softplus(z + dt_bias)            g in (-inf, 0)
 //   lower_bound: g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))       g in (lb, 0), lb in [-5, 0)
 // softplus(x) returns x for x > 20 (as the GLM reference does). Forward and backward compute in

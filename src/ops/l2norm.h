@@ -1,4 +1,4 @@
-// L2 normalisation over the last dimension (spec/kda.md 1.3, q/k of KDA):
+// L2 normalisation over the last dimension (q/k of KDA; docs/kda.md, "The layer"):
 //   y = x * rstd,  rstd = 1 / sqrt(sum_d x_d^2 + eps)   (eps inside the sqrt, unlike F.normalize)
 //   dx = rstd * (dy - y (y . dy))
 // x [..., D], f32 or f64 (computed in that dtype). Forward saves rstd [...].

@@ -1,5 +1,5 @@
-// mHC (manifold-constrained hyper-connections) as shipped in GLM-5.3-Flash (spec/mhc_moe_fp8.md
-// 1.3, the contract). The residual is n streams X [T, n, D] per token. One "site" (attn or ffn of
+// mHC (manifold-constrained hyper-connections) as shipped in GLM-5.3-Flash (docs/mhc_moe.md,
+// "mHC", the contract). The residual is n streams X [T, n, D] per token. One "site" (attn or ffn of
 // a decoder layer) does, per token, with flat = vec(X) in R^{nD} (stream-major: flat[j*D + d]):
 //
 //   inv_rms  = 1 / sqrt(mean(flat^2) + norm_eps)                    eps INSIDE the sqrt (1e-5)
@@ -17,10 +17,10 @@
 // Model level: X^0_j = embed for all j (mhc_expand); exit h = (1/n) sum_j X^L_j (the mean output
 // contract, no learned head: mhc_mean_contract).
 //
-// Precision: computed in FP64 when X is f64, else in FP32 (the mappings are FP32 per the spec;
-// bf16 X is read into FP32 and u / X' are stored back in X's dtype). Parameters fn, base, scale
-// may be f32 or f64; they are read in the computation dtype. Every reduction runs in a fixed
-// order (per token, then over tokens in token order for parameter gradients): no atomics,
+// Precision: computed in FP64 when X is f64, else in FP32 (the mappings are FP32 as in the
+// reference; bf16 X is read into FP32 and u / X' are stored back in X's dtype). Parameters fn,
+// base, scale may be f32 or f64; they are read in the computation dtype. Every reduction runs in a
+// fixed order (per token, then over tokens in token order for parameter gradients): no atomics,
 // bit-identical run to run.
 //
 // Gradients: activation gradients are returned (=); parameter gradients accumulate (+=) into the

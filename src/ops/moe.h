@@ -1,4 +1,4 @@
-// The sigmoid-routed MoE of DeepSeek-V3 / GLM-5.3-Flash (spec/mhc_moe_fp8.md 2.1-2.3), CPU.
+// The sigmoid-routed MoE of DeepSeek-V3 / GLM-5.3-Flash (docs/mhc_moe.md, "MoE"), CPU.
 //
 // Router ("noaux_tc"), per token, from the router logits l [E] (= x W_router^T, computed in FP32
 // by the caller):

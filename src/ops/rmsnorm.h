@@ -1,7 +1,8 @@
 // RMSNorm and the gated RMSNorm of KDA's output, row-wise over the last dimension.
 //
 //   rmsnorm:        y = x * rstd * w,               rstd = 1 / sqrt(mean(x^2) + eps)
-//   gated rmsnorm:  y = x * rstd * w * sigmoid(g)   (spec/kda.md 1.7: normalise, weight, gate)
+//   gated rmsnorm:  y = x * rstd * w * sigmoid(g)   (normalise, weight, gate; docs/kda.md,
+//                                                    "The layer")
 //
 // x [..., D] (rows = all leading dims, e.g. [T, D] or [T, H, V]); w [D] shared by all rows;
 // eps is inside the sqrt. f32 or f64, all tensors of one dtype; computed in that dtype, each row

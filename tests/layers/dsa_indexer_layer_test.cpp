@@ -672,7 +672,8 @@ TEST(DsaIndexerLayer, ParametersNamesInitAndApeStaysFp32) {
   EXPECT_TRUE(ape->keep_fp32);
   EXPECT_TRUE(ape->no_weight_decay);
   EXPECT_EQ(ape->value.shape(), (Shape{4, 8}));
-  for (double v : ape->value.to_f64_vector()) EXPECT_EQ(v, 0.0);  // zeros init (spec 4.1)
+  // zeros init (docs/dsa.md, "The indexer module")
+  for (double v : ape->value.to_f64_vector()) EXPECT_EQ(v, 0.0);
   EXPECT_EQ(m.kpool_gate()->value.shape(), (Shape{8, 6}));
   EXPECT_EQ(m.find_parameter("wq_b.weight")->value.shape(), (Shape{24, 5}));
   // Deterministic init: same seed, same values; another seed differs.

@@ -197,9 +197,10 @@ double kl(const Vec& p, const Vec& scores) {
   return r;
 }
 
-// The indexer loss of spec 2.3 / 4.5 from scratch: p* over the set the main attention attends,
-// pooled for KPool, the KL against the softmax of the indexer's scores (dense layout, from the
-// indexer module), coeff * mean over non-empty rows.
+// The indexer loss (docs/dsa.md, "Indexer KL loss" and "Pool-level KL for KPool: our design") from
+// scratch: p* over the set the main attention attends, pooled for KPool, the KL against the softmax
+// of the indexer's scores (dense layout, from the indexer module), coeff * mean over non-empty
+// rows.
 double naive_indexer_loss(DsaLayer& l, const Tensor& x, const std::vector<int64_t>& lens,
                           const Tensor& attended, DsaStage stage) {
   const Tensor cu = cu_of(lens);

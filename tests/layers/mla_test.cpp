@@ -132,7 +132,7 @@ Vec naive_mla(Mla& m, const Vec& x, const std::vector<int64_t>& lens) {
   const int64_t D = c.hidden_size, H = c.num_heads, rq = c.q_lora_rank, rkv = c.kv_lora_rank,
                 dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim, dqk = dn + dr;
   const int64_t T = total(lens);
-  // Softmax scale and RoPE, from the spec's formulas.
+  // Softmax scale and RoPE, from the formulas of docs/dsa.md ("MLA").
   double scale = 1.0 / std::sqrt(double(dqk)), factor = 1.0;
   Vec freq;
   if (c.rope && dr > 0) {

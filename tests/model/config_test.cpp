@@ -103,7 +103,8 @@ json nested_glm5_next() {
           {"text_config", text}};
 }
 
-// Kimi-Linear-48B-A3B as spec/kda.md 5 quotes it (1-based layer lists, Kimi spellings).
+// Kimi-Linear-48B-A3B as its published config.json has it (1-based layer lists, Kimi spellings;
+// docs/model_config.md, "What `ModelConfig::from_json` accepts").
 json kimi_linear() {
   return {
       {"model_type", "kimi_linear"},
@@ -208,7 +209,7 @@ TEST(ModelConfig, ParsesGlm53FlashConfig) {
   EXPECT_EQ(c.mla.qk_nope_head_dim, 256);
   EXPECT_EQ(c.mla.qk_rope_head_dim, 0);
   EXPECT_EQ(c.mla.v_head_dim, 256);
-  EXPECT_DOUBLE_EQ(c.mla.softmax_scale(), 1.0 / 16);  // spec dsa.md 1.3
+  EXPECT_DOUBLE_EQ(c.mla.softmax_scale(), 1.0 / 16);  // NoPE: d_n^-1/2 (docs/dsa.md, "MLA")
   EXPECT_EQ(c.indexer.n_heads, 32);
   EXPECT_EQ(c.indexer.head_dim, 128);
   EXPECT_EQ(c.indexer.topk, 2048);

@@ -1,5 +1,6 @@
 // KPool ops (ops/dsa_kpool.h): compression and its backward, pooled scoring, selection with the
-// tail, document restarts, and the pool-level KL [PROPOSAL] chain, against plain FP64 references.
+// tail, document restarts, and the pool-level KL chain (our own design: docs/dsa.md, "Pool-level KL
+// for KPool: our design"), against plain FP64 references.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -202,8 +203,8 @@ TEST(DsaKPool, PackedBatchEqualsSequencesBitwise) {
   }
 }
 
-// Pool-level KL (spec 4.5 [PROPOSAL]) through the whole chain: KL -> pooled scores -> pooled keys
-// -> (k, gate, ape), plus q and w; dense warm-up and sparse stage.
+// Pool-level KL (docs/dsa.md, "Pool-level KL for KPool: our design") through the whole chain: KL ->
+// pooled scores -> pooled keys -> (k, gate, ape), plus q and w; dense warm-up and sparse stage.
 TEST(DsaKPool, PoolLevelKlGradientsMatchFiniteDifferences) {
   Rng rng(test_seed());
   const std::vector<int64_t> lens{10, 7};

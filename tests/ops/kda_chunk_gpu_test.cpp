@@ -278,9 +278,10 @@ TEST(KdaChunkGpu, RejectsBadArguments) {
 }
 
 // Opt-in timing (--gtest_also_run_disabled_tests): bf16, plain g, K = V = 128, packed equal-length
-// sequences, the TARGETS.md forward shapes. Wall time of the synchronous call with preallocated
-// buffers (host planning and one small host-to-device copy included), median of 5 after a warm-up.
-// Inputs are 2048 random tokens tiled along T (the values do not change the work).
+// sequences, the forward rows of bench/RESULTS.md, "Anchors and targets". Wall time of the
+// synchronous call with preallocated buffers (host planning and one small host-to-device copy
+// included), median of 5 after a warm-up. Inputs are 2048 random tokens tiled along T (the values
+// do not change the work).
 TEST(KdaChunkGpu, DISABLED_Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";

@@ -1,5 +1,5 @@
-// Tests of ops/mhc.h against plain-loop FP64 references written here from spec 1.3, plus central
-// finite differences of every input and parameter.
+// Tests of ops/mhc.h against plain-loop FP64 references written here from docs/mhc_moe.md ("mHC"),
+// plus central finite differences of every input and parameter.
 #include "ops/mhc.h"
 
 #include <cmath>

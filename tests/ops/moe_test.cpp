@@ -1,5 +1,5 @@
-// Tests of ops/moe.h: plain-loop FP64 references written here from spec 2.1-2.3, brute-force
-// top-k and group enumeration, finite differences of every input and parameter.
+// Tests of ops/moe.h: plain-loop FP64 references written here from docs/mhc_moe.md ("MoE"),
+// brute-force top-k and group enumeration, finite differences of every input and parameter.
 #include "ops/moe.h"
 
 #include <algorithm>

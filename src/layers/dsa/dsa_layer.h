@@ -1,11 +1,12 @@
 // DsaLayer: DeepSeek Sparse Attention = MLA (absorbed form) + the lightning indexer + top-k sparse
-// attention over exactly each query's selected tokens, with the indexer KL loss (spec/dsa.md
-// sections 1-4; docs/dsa.md "The MLA module and the DSA layer"). CPU, explicit forward and
+// attention over exactly each query's selected tokens, with the indexer KL loss (docs/dsa.md,
+// "The math, file by file" and "The MLA module and the DSA layer"). CPU, explicit forward and
 // backward.
 //
-// Conventions (DESIGN.md): forward(ctx, x, cu_seqlens, saved*) fills Saved (only the input under
-// ctx.recompute; backward then re-runs the forward, which selects the same indices because every
-// step is deterministic); backward writes dx (=) and accumulates parameter gradients (+=).
+// Conventions (docs/architecture.md): forward(ctx, x, cu_seqlens, saved*) fills Saved (only the
+// input under ctx.recompute; backward then re-runs the forward, which selects the same indices
+// because every step is deterministic); backward writes dx (=) and accumulates parameter gradients
+// (+=).
 //
 // Forward, x [T, D] packed with cu_seqlens:
 //   (c_q, q, kv) = MLA projections (Mla::project);  q_abs = Mla::absorb_query(q)
@@ -17,7 +18,7 @@
 //                                     pools + tail; a sequence prefix of at most K tokens selects
 //                                     all its causal tokens, so short sequences are dense
 //   o_lat = ops::sparse_attention(q_abs, kv, S, d_v = r_kv, scale);  y = Mla::output(o_lat)
-// Indexer loss (training forward with an indexer and indexer_loss on; spec 2.3):
+// Indexer loss (training forward with an indexer and indexer_loss on; docs/dsa.md, "DSA layer"):
 //   target p* = ops::attention_target(q_abs, kv) over every causal token (dense warm-up) or
 //   ops::attention_target_at(q_abs, kv, S) over the selection (sparse stage): the head-summed,
 //   L1-normalised main-attention distribution, detached. The indexer compares its own scores with

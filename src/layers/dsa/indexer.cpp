@@ -1,6 +1,7 @@
 // DsaIndexer (layers/dsa/indexer.h): forward, selection, the KL loss and its analytic backward.
 //
-// Backward chain (spec 2.3 / 4.5), for the loss L of the chosen stage:
+// Backward chain (docs/dsa.md, "Indexer KL loss" and "Pool-level KL for KPool: our design"), for
+// the loss L of the chosen stage:
 //   dI                = ops::indexer_kl_loss(...).d_scores * grad_scale      [T, W]
 //   (dq, dkey, dw)    = ops::indexer_scores[_at]_backward(q, key, w, dI)
 //   d weights_proj(h) = dw * H_I^-1/2                          -> weights_proj.backward -> dh

@@ -1,11 +1,12 @@
 // DsaIndexer: the DSA lightning indexer module, with the optional KPool pooled-key indexer
-// (spec dsa.md 2.1-2.3 and 4; decisions in docs/dsa.md, "The indexer module"). CPU reference.
+// (docs/dsa.md, "The lightning indexer" and "KPool"; decisions in "The indexer module"). CPU
+// reference.
 //
-// Conventions (DESIGN.md): explicit forward and backward, no autograd. forward() fills a named
-// Saved struct (or, under ctx.recompute, only the inputs and the discrete selection; the rest is
-// recomputed by the backward). loss_backward() accumulates (+=) into every indexer parameter's
-// Param::grad and writes (=) the optional input gradients. Packed THD layout: every step that
-// looks along the sequence (RoPE positions, causal candidates, KPool pools, top-k) restarts at each
+// Conventions (docs/architecture.md): explicit forward and backward, no autograd. forward() fills a
+// named Saved struct (or, under ctx.recompute, only the inputs and the discrete selection; the rest
+// is recomputed by the backward). loss_backward() accumulates (+=) into every indexer parameter's
+// Param::grad and writes (=) the optional input gradients. Packed THD layout: every step that looks
+// along the sequence (RoPE positions, causal candidates, KPool pools, top-k) restarts at each
 // cu_seqlens boundary, so a packed batch gives the documents' results bit for bit.
 //
 // Parameters (HF checkpoint names, relative to the module, e.g.
@@ -55,11 +56,12 @@
 // per head and of each key) when IndexerConfig::fp8_scoring is set; the pooled (KPool) scoring
 // also takes the FP8 path when the policy's dsa_indexer_kpool_use_quantization is set.
 //
-// Loss (spec 2.3 / 4.5, ops/dsa_indexer_loss.h): the caller computes the detached target from the
-// main attention (ops::attention_target for the dense warm-up, over all causal tokens;
-// ops::attention_target_at(..., out.indices, ...) for the sparse stage) and passes it in TOKEN
-// level; with KPool the module aggregates it to pools (ops::kpool_pool_target_dense/_sparse: pool
-// sums of p*, tail tokens dropped, renormalised over the candidate/selected pools, our [PROPOSAL]).
+// Loss (docs/dsa.md, "Indexer KL loss"; ops/dsa_indexer_loss.h): the caller computes the detached
+// target from the main attention (ops::attention_target for the dense warm-up, over all causal
+// tokens; ops::attention_target_at(..., out.indices, ...) for the sparse stage) and passes it in
+// TOKEN level; with KPool the module aggregates it to pools (ops::kpool_pool_target_dense/_sparse:
+// pool sums of p*, tail tokens dropped, renormalised over the candidate/selected pools; our own
+// design, docs/dsa.md, "Pool-level KL for KPool: our design").
 // L = coeff * mean over non-empty rows of KL(target || softmax(scores)) over the row's set.
 // The gradient flows analytically into wq_b, wk, k_norm, weights_proj and (KPool) the gate and
 // ape; h and c_q are detached in the model, but their gradients fall out of the Linear backwards

@@ -1,10 +1,11 @@
-// MLA: DeepSeek multi-head latent attention (spec/dsa.md section 1; docs/dsa.md "The MLA module and
+// MLA: DeepSeek multi-head latent attention (docs/dsa.md, "MLA" and "The MLA module and
 // the DSA layer"), CPU, explicit forward and backward.
 //
-// Conventions (DESIGN.md): forward(ctx, x, cu_seqlens, saved*) fills Saved with what backward
-// needs (only the input under ctx.recompute; backward then re-runs the forward); backward writes
-// dx (=) and accumulates every parameter gradient (+=). Packed THD input x [T, D] with cu_seqlens
-// [N+1]; attention is causal within each sequence and RoPE positions restart at 0 in each one.
+// Conventions (docs/architecture.md): forward(ctx, x, cu_seqlens, saved*) fills Saved with what
+// backward needs (only the input under ctx.recompute; backward then re-runs the forward); backward
+// writes dx (=) and accumulates every parameter gradient (+=). Packed THD input x [T, D] with
+// cu_seqlens [N+1]; attention is causal within each sequence and RoPE positions restart at 0 in
+// each one.
 //
 // Math (per token t, head h; d_n = qk_nope_head_dim, d_r = qk_rope_head_dim, d_v = v_head_dim,
 // r_q = q_lora_rank, r_kv = kv_lora_rank, dqk = d_n + d_r):
@@ -49,7 +50,7 @@ enum class MlaForm : uint8_t {
   absorbed,  // W_UK folded into q, attention over the latent as one KV head, W_UV after
 };
 
-// YaRN rope scaling (HF rope_scaling type "yarn" / "deepseek_yarn"; spec 1.3).
+// YaRN rope scaling (HF rope_scaling type "yarn" / "deepseek_yarn"; docs/dsa.md, "MLA").
 struct YarnConfig {
   double factor = 1.0;                             // "factor"
   double original_max_position_embeddings = 4096;  // "original_max_position_embeddings"
@@ -85,11 +86,12 @@ struct MlaConfig {
   void validate() const;
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool rotary() const { return rope && qk_rope_head_dim > 0; }
-  // Spec 1.3: (d_n + d_r)^-1/2 (NoPE: d_n^-1/2), times m^2 with m = yarn_get_mscale(factor,
-  // mscale_all_dim) when YaRN is on and mscale_all_dim != 0; or the explicit softmax_scale.
+  // docs/dsa.md, "MLA": (d_n + d_r)^-1/2 (NoPE: d_n^-1/2), times m^2 with
+  // m = yarn_get_mscale(factor, mscale_all_dim) when YaRN is on and mscale_all_dim != 0; or the
+  // explicit softmax_scale.
   double softmax_scale_value() const;
-  // RoPE inverse frequencies [d_r / 2] in f64: theta^(-2i/d_r), with YaRN the ramp of spec 1.3
-  // (low = floor(corr(beta_fast)), high = ceil(corr(beta_slow)), clamped to [0, d_r - 1];
+  // RoPE inverse frequencies [d_r / 2] in f64: theta^(-2i/d_r), with YaRN the ramp of docs/dsa.md,
+  // "MLA" (low = floor(corr(beta_fast)), high = ceil(corr(beta_slow)), clamped to [0, d_r - 1];
   // corr(b) = d_r ln(L_orig / (2 pi b)) / (2 ln theta); mix = clamp((i - low) / (high - low), 0,
   // 1); inv = (inv_base / factor) * mix + inv_base * (1 - mix)). Empty when !rotary().
   std::vector<double> rope_inv_freq() const;

@@ -1,9 +1,9 @@
-// KdaLayer: the Kimi Delta Attention layer of GLM-5.3-Flash / Kimi-Linear (spec/kda.md section 1),
-// CPU or CUDA, packed THD input.
+// KdaLayer: the Kimi Delta Attention layer of GLM-5.3-Flash / Kimi-Linear (docs/kda.md, "The
+// layer"), CPU or CUDA, packed THD input.
 //
-// Explicit forward and backward, no autograd (DESIGN.md, layers/module.h): forward(ctx, x,
-// cu_seqlens, states, saved) fills the named Saved fields backward needs (or only the layer input
-// under ctx.recompute, and backward re-runs the forward); backward(ctx, dy, saved) writes the
+// Explicit forward and backward, no autograd (docs/architecture.md, layers/module.h): forward(ctx,
+// x, cu_seqlens, states, saved) fills the named Saved fields backward needs (or only the layer
+// input under ctx.recompute, and backward re-runs the forward); backward(ctx, dy, saved) writes the
 // activation gradients (dx and the gradients of the initial states, =) and accumulates every
 // parameter gradient into Param::grad (+=).
 //
@@ -73,9 +73,9 @@ enum class KdaCoreImpl : uint8_t { chunk, recurrent };
 // What the CUDA chunk core's training forward keeps for its backward (KdaConfig::core_save).
 enum class KdaCoreSave : uint8_t { none, kept, all };
 
-// The layer's configuration. The defaults are GLM-5.3-Flash's (spec/kda.md 5). The model config
-// parser fills the fields; validate() checks every field (hlm::Error naming it) and the KdaLayer
-// constructor calls it, so no layer is ever built from an invalid config.
+// The layer's configuration. The defaults are GLM-5.3-Flash's (docs/model_config.md, "KDA"). The
+// model config parser fills the fields; validate() checks every field (hlm::Error naming it) and
+// the KdaLayer constructor calls it, so no layer is ever built from an invalid config.
 struct KdaConfig {
   int64_t hidden_size = 4096;      // D
   int64_t num_heads = 64;          // H: q/k heads

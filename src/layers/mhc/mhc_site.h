@@ -1,5 +1,5 @@
 // MhcSite: one mHC site of a decoder layer ("attn" or "ffn"), the parameter-owning module over
-// ops/mhc.h (spec mhc_moe_fp8.md 1.3, the GLM-5.3-Flash contract; decisions in docs/mhc_moe.md).
+// ops/mhc.h (the GLM-5.3-Flash contract: docs/mhc_moe.md, "mHC"; decisions in "Modules").
 //
 // Per token, with the n residual streams X [T, n, D] and flat = vec(X) (stream-major):
 //   inv_rms = 1 / sqrt(mean(flat^2) + norm_eps)
@@ -23,14 +23,14 @@
 // Model level (no parameters, already ops): X0 = ops::mhc_expand(embed, n) and the exit
 // h = ops::mhc_mean_contract(XL) (the mean output contract, no hc_head), with their backwards.
 //
-// Conventions (DESIGN.md): explicit forward and backward, no autograd. Activation gradients are
-// written (=): dy in y's dtype, dX in X's dtype. Parameter gradients accumulate (+=) into
-// Param::grad, all in backward_collapse (the mapping backward needs d pre, d post and d comb
+// Conventions (docs/architecture.md): explicit forward and backward, no autograd. Activation
+// gradients are written (=): dy in y's dtype, dX in X's dtype. Parameter gradients accumulate (+=)
+// into Param::grad, all in backward_collapse (the mapping backward needs d pre, d post and d comb
 // together). dX = write-back path + collapse path + mapping path, added in that fixed order, the
-// same arithmetic as ops::mhc_site_backward (bit for bit).
-// Saved is needed in inference too: it carries the mappings from collapse to write_back (with
-// ctx.training = false, write_back empties it). Under ctx.recompute the mappings are dropped after
-// write_back and backward_write_back recomputes them from X (deterministic: bit for bit).
+// same arithmetic as ops::mhc_site_backward (bit for bit). Saved is needed in inference too: it
+// carries the mappings from collapse to write_back (with ctx.training = false, write_back empties
+// it). Under ctx.recompute the mappings are dropped after write_back and backward_write_back
+// recomputes them from X (deterministic: bit for bit).
 //
 // Parameters (HF names, relative to the DECODER LAYER path, e.g. "model.layers.3"; all keep_fp32,
 // no weight decay; f64 in f64 mode):
@@ -39,7 +39,8 @@
 //   hc_{attn|ffn}_scale [3]               (scale_pre, scale_post, scale_comb)
 //
 // Init (deterministic from cfg.seed, one Philox stream per parameter from its full name):
-//   MhcInit::hf (default, the HF reference, spec 1.3): fn ~ N(0, init_std), base = 0, scale = 1.
+//   MhcInit::hf (default, the HF reference; docs/mhc_moe.md, "Decisions"): fn ~ N(0, init_std),
+//     base = 0, scale = 1.
 //     At fn = 0 this gives pre = 1/2 + hc_eps (u = (1/2) sum_j X_j), post = 1 and comb = J/n
 //     (every stream receives the mean of the streams).
 //   MhcInit::residual (pre-norm-residual start, paper/HC-style): fn ~ N(0, init_std), scale =
@@ -69,7 +70,7 @@ enum class MhcInit : uint8_t { hf, residual };
 
 // Checkpoint names of a site's parameters, relative to the decoder layer.
 enum class MhcNaming : uint8_t {
-  hc_prefixed,   // hc_attn_fn, hc_attn_base, hc_attn_scale (spec 1.3; DeepSeek-V4 style)
+  hc_prefixed,   // hc_attn_fn, hc_attn_base, hc_attn_scale (GLM-5.3-Flash; DeepSeek-V4 style)
   transformers,  // attn_hc.fn, attn_hc.base, attn_hc.scale (transformers' modeling_glm5_next)
 };
 
@@ -111,7 +112,8 @@ class MhcSite : public Module {
 
   // `layer_path` is the decoder layer's full name ("model.layers.3"); the parameters are
   // layer_path + ".hc_attn_fn" etc. The policy is accepted for uniformity: the mHC role always
-  // resolves to native FP32 (spec 4.1; the mapping GEMM is part of ops/mhc).
+  // resolves to native FP32 (docs/fp8.md, "The precision policy"; the mapping GEMM is part of
+  // ops/mhc).
   MhcSite(const MhcSiteConfig& cfg, MhcSiteKind kind, const PrecisionPolicy& policy,
           const std::string& layer_path);
 

@@ -1,5 +1,5 @@
-// MoeLayer: the sigmoid-routed MoE block of DeepSeek-V3 / GLM-5.3-Flash (spec
-// mhc_moe_fp8.md 2.1-2.3, HF Glm5NextTextMoE), the parameter-owning module over ops/moe.h. CPU
+// MoeLayer: the sigmoid-routed MoE block of DeepSeek-V3 / GLM-5.3-Flash (docs/mhc_moe.md,
+// "MoE" and "Modules"; HF Glm5NextTextMoE), the parameter-owning module over ops/moe.h. CPU
 // reference.
 //
 // Forward, per token x [D] (the sublayer input after post_attention_layernorm):
@@ -145,10 +145,10 @@ class MoeLayer : public Module {
   // as Megatron's aux-loss scaler does; ignored when aux_loss_coeff == 0).
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved, double d_aux = 1.0);
 
-  // Aux-loss-free balancing (spec 2.3), after the optimizer step: bias_i += rate *
-  // sign(mean(counts)
-  // - counts_i) (sign(0) = 0), rounded once to the bias dtype. counts [E], all-reduced over the
-  // global batch by the caller. Over-loaded experts go down, under-loaded ones up.
+  // Aux-loss-free balancing (docs/mhc_moe.md, "MoE"), after the optimizer step:
+  // bias_i += rate * sign(mean(counts) - counts_i) (sign(0) = 0), rounded once to the bias dtype.
+  // counts [E], all-reduced over the global batch by the caller. Over-loaded experts go down,
+  // under-loaded ones up.
   void update_bias(const Tensor& counts, double rate);
 
   const MoeConfig& config() const { return cfg_; }

@@ -1,4 +1,5 @@
-// kda_chunk: the chunked WY form of KDA (spec kda.md section 2), forward and backward, CPU.
+// kda_chunk: the chunked WY form of KDA (docs/kda.md, "The chunked algorithm"), forward and
+// backward, CPU.
 //
 // Each stage below is one OpenMP loop over (chunk, value head) or (sequence, value head) that
 // writes only its own slice of a global buffer, as one CUDA kernel would (deterministic, no

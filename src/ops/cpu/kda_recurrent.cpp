@@ -1,5 +1,6 @@
-// kda_recurrent: the KDA step form (spec kda.md 1.6) in FP64, forward and the hand-derived
-// reverse-time backward. Parallel over (sequence, value head); each task owns its outputs.
+// kda_recurrent: the KDA step form (docs/kda.md, "The recurrence") in FP64, forward and the
+// hand-derived reverse-time backward. Parallel over (sequence, value head); each task owns its
+// outputs.
 //
 // Forward, per token t (qs = scale q_t, alpha = exp(g_t)):
 //   S_a = Diag(alpha) S_{t-1};  p = S_a^T k;  u = beta (v - p);  S_t = S_a + k u^T;  o = S_t^T qs

@@ -1,6 +1,6 @@
-// mHC on the CPU (ops/mhc.h, the reference; entry points in ops/cpu/mhc.h; spec/mhc_moe_fp8.md
-// 1.3). One token at a time, every sum in a fixed order; parameter gradients reduce over tokens in
-// token order. Activation gradients are written (=), parameter gradients accumulate (+=).
+// mHC on the CPU (ops/mhc.h, the reference; entry points in ops/cpu/mhc.h; docs/mhc_moe.md, "mHC").
+// One token at a time, every sum in a fixed order; parameter gradients reduce over tokens in token
+// order. Activation gradients are written (=), parameter gradients accumulate (+=).
 #include "ops/cpu/mhc.h"
 
 #include <algorithm>

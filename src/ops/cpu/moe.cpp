@@ -1,5 +1,5 @@
-// The MoE router, load balancing and experts on the CPU (ops/moe.h, the reference; entry points
-// in ops/cpu/moe.h; spec 2.1-2.3). Activation gradients are written (=), parameter gradients
+// The MoE router, load balancing and experts on the CPU (ops/moe.h, the reference; entry points in
+// ops/cpu/moe.h; docs/mhc_moe.md, "MoE"). Activation gradients are written (=), parameter gradients
 // accumulate (+=). Per-expert work goes through ops::gemm on the rows routed to that expert
 // (gathered in ascending token order); every combine and scatter-add runs in a fixed order (k
 // ascending per token, then the shared expert).

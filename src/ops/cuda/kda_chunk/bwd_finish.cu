@@ -1,5 +1,5 @@
 // KDA chunked backward on CUDA, B5 and B6: the gradients of the arguments as passed (params.cuh;
-// spec kda.md 2.5, 3); the stages and their notation are listed in bwd_launch.cu.
+// docs/kda.md, "CUDA chunked backward"); the stages and their notation are listed in bwd_launch.cu.
 //   B5 per (chunk, qk head): dq, dk summed over the value heads of the group in order, then the
 //      L2-norm backward dx = rstd (dx^ - x^ (x^ . dx^)); dbeta = the WY part + the slices'
 //      partials, then the beta sigmoid's chain rule.

@@ -1,7 +1,7 @@
-// KDA chunked backward on CUDA, B4c: the intra backward and the finish of dg (params.cuh; spec
-// kda.md 2.5, 2.6, 3), C = 64; the stages and their notation are listed in bwd_launch.cu. Per
-// (chunk, head, slice of 64 channels), from a = scale dA_qk (s <= r) and b = dA_kk (s < r), with
-// E_rs = exp(G_r - G_s) per channel:
+// KDA chunked backward on CUDA, B4c: the intra backward and the finish of dg (params.cuh;
+// docs/kda.md, "CUDA chunked backward"), C = 64; the stages and their notation are listed in
+// bwd_launch.cu. Per (chunk, head, slice of 64 channels), from a = scale dA_qk (s <= r) and b =
+// dA_kk (s < r), with E_rs = exp(G_r - G_s) per channel:
 //   dq_r += sum_s a_rs k_s E_rs;  R_r = sum_s b_rs k_s E_rs;  dk_r += beta_r R_r;
 //   dbeta_r += k_r . R_r;  P_s = sum_r (a_rs q_r + beta_r b_rs k_r) E_rs;  dk_s += P_s;
 //   dG_r += q_r dq^intra_r + beta_r k_r R_r;  dG_s -= k_s P_s

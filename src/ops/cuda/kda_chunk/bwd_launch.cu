@@ -1,5 +1,6 @@
-// The launcher of the CUDA chunked KDA backward (params.cuh; spec kda.md 2.5, 2.6, 3), C = 64:
-// the semantics of the CPU ops::kda_chunk_backward (src/ops/cpu/kda_chunk.cpp), stage by stage.
+// The launcher of the CUDA chunked KDA backward (params.cuh; docs/kda.md, "CUDA chunked backward"),
+// C = 64: the semantics of the CPU ops::kda_chunk_backward (src/ops/cpu/kda_chunk.cpp), stage by
+// stage.
 //
 // Notation as in intra.cu (per chunk of L <= C tokens, value head h, rows r, s from the chunk
 // start, padded rows exactly zero; S = h[c] the state at the chunk start, dS' = dh[c] the
@@ -30,12 +31,13 @@
 //      partials, then the beta sigmoid's chain rule.
 //   B6 per value head: dA_log, d dt_bias = the per-chunk partials summed in chunk order.
 //
-// exp safety (spec 2.6), as in the forward: exp(-G) alone is never formed. B4c splits E_rs per
-// 16-row block i with the reference row n = 16 i: E_rs = exp(G_r - G_n) exp(G_n - G_s), both
-// factors <= 1 for s < n (off-diagonal blocks); inside the diagonal block the split is used while
-// its span max_d (G_n - G_s) <= 80 nats (both factors finite and normal; the coefficients above
-// the diagonal are exact zeros, never multiplied with an infinite factor), otherwise E_rs is
-// formed per element for s <= r only. The other factors are exp(G) and exp(G_L - G), <= 1.
+// exp safety (docs/kda.md, "exp safety and other numerical pitfalls"), as in the forward: exp(-G)
+// alone is never formed. B4c splits E_rs per 16-row block i with the reference row n = 16 i: E_rs =
+// exp(G_r - G_n) exp(G_n - G_s), both factors <= 1 for s < n (off-diagonal blocks); inside the
+// diagonal block the split is used while its span max_d (G_n - G_s) <= 80 nats (both factors finite
+// and normal; the coefficients above the diagonal are exact zeros, never multiplied with an
+// infinite factor), otherwise E_rs is formed per element for s <= r only. The other factors are
+// exp(G) and exp(G_L - G), <= 1.
 //
 // Determinism: no atomics; every reduction has a fixed order (per-thread loops, butterfly
 // shuffles over fixed lanes, chunk-ordered sums of partials); every per-token result depends only

@@ -1,6 +1,6 @@
-// KDA chunked backward on CUDA, B4a: the contractions over V (params.cuh; spec kda.md 2.5, 3),
-// C = 64; the stages and their notation are listed in bwd_launch.cu. Per (chunk, head, slice of
-// 64 channels):
+// KDA chunked backward on CUDA, B4a: the contractions over V (params.cuh; docs/kda.md, "CUDA
+// chunked backward"), C = 64; the stages and their notation are listed in bwd_launch.cu. Per
+// (chunk, head, slice of 64 channels):
 //   dA_qk = tril_incl(dO V_new^T);  dq = scale exp(G) (dO S^T);  dk = exp(G_L - G) (V_new dS'^T)
 //   dW = -dV_new S^T;  dG = q dq - k dk;  dG_{L-1} += sum_r k dk + exp(G_L) rowsum(S . dS')
 #include <cuda_bf16.h>

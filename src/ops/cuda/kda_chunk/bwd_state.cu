@@ -1,6 +1,6 @@
-// KDA chunked backward on CUDA, B3: the reverse state pass (params.cuh; spec kda.md 2.5, 3),
-// C = 64; the stages and their notation are listed in bwd_launch.cu. Per (sequence, value head,
-// V tile), chunks last to first, dS starting at d_final_state (or 0):
+// KDA chunked backward on CUDA, B3: the reverse state pass (params.cuh; docs/kda.md, "CUDA chunked
+// backward"), C = 64; the stages and their notation are listed in bwd_launch.cu. Per (sequence,
+// value head, V tile), chunks last to first, dS starting at d_final_state (or 0):
 //   dh[c] = dS;  dV_new = A_qk^T dO + kg dS;  dS <- Diag(exp G_L) dS + qg^T dO - W^T dV_new
 // and dinitial_state = the final dS.
 #include <cuda_bf16.h>

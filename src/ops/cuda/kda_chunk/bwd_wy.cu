@@ -1,8 +1,8 @@
-// KDA chunked backward on CUDA, B4b: the WY backward (params.cuh; spec kda.md 2.5, 3), C = 64;
-// the stages and their notation are listed in bwd_launch.cu. Per (chunk, head, side: keys |
-// values): dKB = M^-T dW, dVB = M^-T dV_new, dA_kk = -stril(dKB W^T + dVB U^T), dv = beta dVB,
-// dbeta = v.dVB + (exp(G) k).dKB, dk += beta exp(G) dKB, dG += beta exp(G) k dKB (dA_kk and dbeta
-// as per-side partials).
+// KDA chunked backward on CUDA, B4b: the WY backward (params.cuh; docs/kda.md, "CUDA chunked
+// backward"), C = 64; the stages and their notation are listed in bwd_launch.cu. Per (chunk, head,
+// side: keys | values): dKB = M^-T dW, dVB = M^-T dV_new, dA_kk = -stril(dKB W^T + dVB U^T), dv =
+// beta dVB, dbeta = v.dVB + (exp(G) k).dKB, dk += beta exp(G) dKB, dG += beta exp(G) k dKB (dA_kk
+// and dbeta as per-side partials).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
-// KDA chunked forward on CUDA, the intra-chunk stage (params.cuh; spec kda.md 2.1-2.4, 2.6, 3),
-// C = 64. The state pass is state.cu, the launcher launch.cu.
+// KDA chunked forward on CUDA, the intra-chunk stage (params.cuh; docs/kda.md, "CUDA chunked
+// forward"), C = 64. The state pass is state.cu, the launcher launch.cu.
 //
 // Notation per chunk of L <= C tokens of one sequence and one value head h (qk head h / (HV/H)):
 // rows r, s = 0..C-1 from the chunk start; rows >= L are padding with q = k = v = beta = 0 and
@@ -14,9 +14,10 @@
 // and, sequentially over the chunks of a sequence with the state S [K, V] at chunk start:
 //   V_new  = U - W S;   O = qg S + A_qk V_new;   S <- Diag(gl) S + kg^T V_new.
 //
-// exp safety (spec 2.6): g <= 0 makes G non-increasing. Block row i (rows n .. n+15, n = 16 i)
-// of A_qk / A_kk uses the reference row n: exp(G_r - G_s) = exp(G_r - G_n) exp(G_n - G_s), i.e.
-// A[r][s] = (q_r exp(G_r - G_n)) . (k_s exp(G_n - G_s)), a plain product of pre-scaled rows.
+// exp safety (docs/kda.md, "exp safety and other numerical pitfalls"): g <= 0 makes G
+// non-increasing. Block row i (rows n .. n+15, n = 16 i) of A_qk / A_kk uses the reference row n:
+// exp(G_r - G_s) = exp(G_r - G_n) exp(G_n - G_s), i.e. A[r][s] = (q_r exp(G_r - G_n)) . (k_s
+// exp(G_n - G_s)), a plain product of pre-scaled rows.
 //   s < n (off-diagonal 16x16 blocks): both factors <= 1, always safe (FLA's choice too).
 //   n <= s <= r (diagonal block): exp(G_r - G_n) in [exp(-span), 1], exp(G_n - G_s) in
 //     [1, exp(span)] with span = max_d (G_n - G_{n+15}); used while span <= 80 nats (both factors

@@ -1,8 +1,9 @@
 // The host interface of the CUDA chunked KDA forward and backward (C = 64): the same math and
-// interface as ops::kda_chunk / ops::kda_chunk_backward (ops/kda.h, spec kda.md 2.1-2.6, 3) for
-// tensors on the GPU. Plain C++ (no CUDA header): the caller-owned buffers and their sizes, the
-// entry points, and for the stage files of this folder and the kernel lab (bench/kda_lab/) the
-// plan of a call, the kernel parameter blocks and the stage launchers.
+// interface as ops::kda_chunk / ops::kda_chunk_backward (ops/kda.h; docs/kda.md, "CUDA chunked
+// forward" and "CUDA chunked backward") for tensors on the GPU. Plain C++ (no CUDA header): the
+// caller-owned buffers and their sizes, the entry points, and for the stage files of this folder
+// and the kernel lab (bench/kda_lab/) the plan of a call, the kernel parameter blocks and the stage
+// launchers.
 //
 // The stages, one file each (kernels and their launcher; launch.cu / bwd_launch.cu run them):
 //   intra.cu        forward intra kernel, one block per (chunk, value head): gate (fused or not),

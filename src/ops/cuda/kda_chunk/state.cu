@@ -1,6 +1,6 @@
-// KDA chunked forward on CUDA, the state pass (params.cuh; spec kda.md 2.3, 3), C = 64: with the
-// intermediates of the intra stage (intra.cu), sequentially over the chunks of a sequence with the
-// state S [K, V] at chunk start,
+// KDA chunked forward on CUDA, the state pass (params.cuh; docs/kda.md, "CUDA chunked forward"),
+// C = 64: with the intermediates of the intra stage (intra.cu), sequentially over the chunks of a
+// sequence with the state S [K, V] at chunk start,
 //   V_new  = U - W S;   O = qg S + A_qk V_new;   S <- Diag(gl) S + kg^T V_new.
 //   kda_state_kernel<K, BV, Tin>: grid (N * HV * V/BV), 256 threads, one block per (sequence,
 //     value head, BV-wide V tile; BV = 32 or 64, heuristics.h), looping over the sequence's
