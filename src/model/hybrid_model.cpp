@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "core/enum_names.h"
 #include "core/rng.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -67,25 +68,16 @@ std::vector<int64_t> successors(const std::vector<int64_t>& cu) {
   return next;
 }
 
+constexpr auto kRecomputeNames = enum_names<Recompute::full>({"none", "selective", "full"});
+
 }  // namespace
 
 const char* recompute_name(Recompute r) {
-  switch (r) {
-    case Recompute::none:
-      return "none";
-    case Recompute::selective:
-      return "selective";
-    case Recompute::full:
-      return "full";
-  }
-  return "?";
+  return kRecomputeNames.name(r);
 }
 
 Recompute parse_recompute(const std::string& s) {
-  if (s == "none") return Recompute::none;
-  if (s == "selective") return Recompute::selective;
-  if (s == "full") return Recompute::full;
-  HLM_FAIL("recompute must be \"none\", \"selective\" or \"full\", got \"{}\"", s);
+  return kRecomputeNames.parse(s, "recompute");
 }
 
 // ---- layer configs from the model config --------------------------------------------------------

@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "core/enum_names.h"
 #include "ops/cpu/fp8_quant.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
@@ -18,14 +19,18 @@ std::string recipe_str(const QuantRecipe& r) {
                      tile_shape_name(r.tile), r.pow2 ? " pow2" : "");
 }
 
+namespace {
+
+constexpr auto kTileShapeNames = enum_names<TileShape::t128x128>({"1x128", "128x128"});
+
+}  // namespace
+
 const char* tile_shape_name(TileShape t) {
-  return t == TileShape::t1x128 ? "1x128" : "128x128";
+  return kTileShapeNames.name(t);
 }
 
 TileShape parse_tile_shape(const std::string& s) {
-  if (s == "1x128") return TileShape::t1x128;
-  if (s == "128x128") return TileShape::t128x128;
-  HLM_FAIL("unknown fp8 tile shape '{}' (expected 1x128 or 128x128)", s);
+  return kTileShapeNames.parse(s, "fp8 tile shape");
 }
 
 Fp8Format parse_fp8_format(const std::string& s) {
