@@ -92,22 +92,25 @@ Fp8Tensor fp8_quantize(const Tensor& x, const QuantRecipe& rc) {
   return out;
 }
 
-Tensor fp8_dequantize(const Fp8Tensor& t) {
-  const char* op = "fp8_dequantize";
+namespace {
+
+// The front door of an op that reads an Fp8Tensor and writes an f32 tensor of its shape.
+Tensor fp8_to_f32(const char* op, const Fp8Tensor& t, void (*cpu_fn)(const Fp8Tensor&, Tensor&)) {
   check_fp8_tensor(t, op);
   Tensor out = detail::new_output(t.q.shape(), DType::f32, t.q.device());
   detail::cpu_only(op, t.q, "q");
-  cpu::fp8_dequantize(t, out);
+  cpu_fn(t, out);
   return out;
 }
 
+}  // namespace
+
+Tensor fp8_dequantize(const Fp8Tensor& t) {
+  return fp8_to_f32("fp8_dequantize", t, cpu::fp8_dequantize);
+}
+
 Tensor fp8_values(const Fp8Tensor& t) {
-  const char* op = "fp8_values";
-  check_fp8_tensor(t, op);
-  Tensor out = detail::new_output(t.q.shape(), DType::f32, t.q.device());
-  detail::cpu_only(op, t.q, "q");
-  cpu::fp8_values(t, out);
-  return out;
+  return fp8_to_f32("fp8_values", t, cpu::fp8_values);
 }
 
 Fp8Tensor fp8_transpose_blocks(const Fp8Tensor& w) {
