@@ -17,23 +17,11 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/rng.h"
 #include "ops/seqlens.h"
 
 namespace hlm {
 
 namespace {
-
-uint64_t name_stream(const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-void init_normal(Tensor& value, uint64_t seed, const std::string& full_name, double std) {
-  Rng rng(seed, name_stream(full_name));
-  rng.fill_normal(value, 0.0, std);  // FP64 draws, one rounding to the parameter dtype
-}
 
 Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
@@ -217,9 +205,9 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const st
   gate_up_w_.init(D, 2 * I, false, ep, cfg_.dtype);
   down_w_.init(I, D, false, ep, cfg_.dtype);
   alias_workers(-1, false);  // drop the workers' own (zero) weights
-  init_normal(gate_.weight().value, cfg_.seed, pre + "gate.weight", cfg_.init_std);
-  init_normal(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std);
-  init_normal(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std);
+  init_normal_named(gate_.weight().value, cfg_.seed, pre + "gate.weight", cfg_.init_std);
+  init_normal_named(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std);
+  init_normal_named(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std);
 }
 
 DType MoeLayer::compute_dtype(DType x_dt) const {
