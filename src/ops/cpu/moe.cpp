@@ -394,12 +394,19 @@ void scatter_rows(const Tensor& src, const std::vector<int64_t>& rows, int64_t C
     std::copy(s + int64_t(r) * C, s + int64_t(r) * C + C, o + rows[r] * C);
 }
 
-// Assignments a = t*K + k of each expert, ascending.
-std::vector<std::vector<int64_t>> assignments(const std::vector<int64_t>& idx, int64_t E) {
-  std::vector<std::vector<int64_t>> a(static_cast<size_t>(E));
-  for (size_t i = 0; i < idx.size(); ++i) a[size_t(idx[i])].push_back(int64_t(i));
-  return a;
+// For each expert e in order that has assignments: fn(e, rows, toks) with its assignments
+// a = t*K + k (rows, ascending) and their tokens t = a / K (toks).
+template <class Fn>
+void for_each_expert(const std::vector<int64_t>& idx, int64_t E, int64_t K, Fn&& fn) {
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E)), toks(static_cast<size_t>(E));
+  for (size_t i = 0; i < idx.size(); ++i) {
+    rows[size_t(idx[i])].push_back(int64_t(i));
+    toks[size_t(idx[i])].push_back(int64_t(i) / K);
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (!rows[size_t(e)].empty()) fn(e, rows[size_t(e)], toks[size_t(e)]);
 }
+using Rows = std::vector<int64_t>;  // the rows / toks of for_each_expert
 
 template <class T>
 void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int64_t>& idx,
@@ -416,12 +423,7 @@ void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int6
   s.gu = Tensor::empty({T_ * K, 2 * I}, dt);
   s.h = Tensor::empty({T_ * K, I}, dt);
   s.eo = Tensor::empty({T_ * K, D}, dt);
-  const auto asg = assignments(idx, d.E);
-  for (int64_t e = 0; e < d.E; ++e) {
-    const auto& rows = asg[size_t(e)];
-    if (rows.empty()) continue;
-    std::vector<int64_t> toks(rows.size());
-    for (size_t r = 0; r < rows.size(); ++r) toks[r] = rows[r] / K;
+  for_each_expert(idx, d.E, K, [&](int64_t e, const Rows& rows, const Rows& toks) {
     Tensor xe = gather_rows<T>(x, toks, D);
     Tensor gue = matmul(xe, false, gu_w.select(0, e), true);  // [n, 2I]
     Tensor he = ops::swiglu_clamped_forward(gue, limit);      // [n, I]
@@ -429,7 +431,7 @@ void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int6
     scatter_rows<T>(gue, rows, 2 * I, s.gu);
     scatter_rows<T>(he, rows, I, s.h);
     scatter_rows<T>(eoe, rows, D, s.eo);
-  }
+  });
   Tensor so;
   if (d.shared && T_ > 0) {
     s.sgu = matmul(x, false, as_dt(w.shared_gate_up, dt), true);
@@ -456,12 +458,7 @@ void experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in, 
                            r.dtopk_weight.data<T>(), dO.data<T>());
   Tensor gu_all = s.gu.view({T_ * K, 2 * I}), h_all = s.h.view({T_ * K, I});
   Tensor dxk = Tensor::zeros({T_ * K, D}, dt);
-  const auto asg = assignments(idx, d.E);
-  for (int64_t e = 0; e < d.E; ++e) {
-    const auto& rows = asg[size_t(e)];
-    if (rows.empty()) continue;
-    std::vector<int64_t> toks(rows.size());
-    for (size_t q = 0; q < rows.size(); ++q) toks[q] = rows[q] / K;
+  for_each_expert(idx, d.E, K, [&](int64_t e, const Rows& rows, const Rows& toks) {
     Tensor xe = gather_rows<T>(s.x, toks, D);
     Tensor dOe = gather_rows<T>(dO, rows, D);
     Tensor he = gather_rows<T>(h_all, rows, I);
@@ -474,7 +471,7 @@ void experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in, 
     accumulate_at<T>(g.ddown, e * D * I, ddn);
     accumulate_at<T>(g.dgate_up, e * 2 * I * D, dgu);
     scatter_rows<T>(dxe, rows, D, dxk);
-  }
+  });
   Tensor sdx;
   if (d.shared && T_ > 0) {
     Tensor sgu_w = as_dt(w.shared_gate_up, dt), sdn_w = as_dt(w.shared_down, dt);
