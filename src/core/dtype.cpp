@@ -2,8 +2,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
+#include "core/enum_names.h"
 #include "core/error.h"
 
 namespace hlm {
@@ -27,42 +29,31 @@ size_t dtype_size(DType dt) {
   HLM_FAIL("unknown dtype {}", int(dt));
 }
 
+namespace {
+
+constexpr auto kDTypeNames =
+    enum_names<DType::u8>({"f64", "f32", "bf16", "f16", "e4m3", "e5m2", "i64", "i32", "u8"});
+
+}  // namespace
+
 const char* dtype_name(DType dt) {
-  switch (dt) {
-    case DType::f64:
-      return "f64";
-    case DType::f32:
-      return "f32";
-    case DType::bf16:
-      return "bf16";
-    case DType::f16:
-      return "f16";
-    case DType::e4m3:
-      return "e4m3";
-    case DType::e5m2:
-      return "e5m2";
-    case DType::i64:
-      return "i64";
-    case DType::i32:
-      return "i32";
-    case DType::u8:
-      return "u8";
-  }
-  return "?";
+  return kDTypeNames.name(dt);
 }
 
 DType parse_dtype(std::string_view n) {
-  if (n == "f64" || n == "float64" || n == "fp64") return DType::f64;
-  if (n == "f32" || n == "float32" || n == "fp32" || n == "float") return DType::f32;
-  if (n == "bf16" || n == "bfloat16") return DType::bf16;
-  if (n == "f16" || n == "float16" || n == "fp16" || n == "half") return DType::f16;
-  if (n == "e4m3" || n == "float8_e4m3fn" || n == "fp8_e4m3") return DType::e4m3;
-  if (n == "e5m2" || n == "float8_e5m2" || n == "fp8_e5m2") return DType::e5m2;
-  if (n == "i64" || n == "int64") return DType::i64;
-  if (n == "i32" || n == "int32") return DType::i32;
-  if (n == "u8" || n == "uint8") return DType::u8;
-  HLM_FAIL("unknown dtype '{}': expected one of f64, f32, bf16, f16, e4m3, e5m2, i64, i32, u8",
-           std::string(n));
+  // Other spellings (PyTorch's, numpy's) besides our names.
+  static constexpr std::pair<const char*, DType> kAliases[] = {
+      {"float64", DType::f64},   {"fp64", DType::f64},
+      {"float32", DType::f32},   {"fp32", DType::f32},
+      {"float", DType::f32},     {"bfloat16", DType::bf16},
+      {"float16", DType::f16},   {"fp16", DType::f16},
+      {"half", DType::f16},      {"float8_e4m3fn", DType::e4m3},
+      {"fp8_e4m3", DType::e4m3}, {"float8_e5m2", DType::e5m2},
+      {"fp8_e5m2", DType::e5m2}, {"int64", DType::i64},
+      {"int32", DType::i32},     {"uint8", DType::u8}};
+  for (const auto& [alias, dt] : kAliases)
+    if (n == alias) return dt;
+  return kDTypeNames.parse(n, "dtype");
 }
 
 bool is_floating(DType dt) {

@@ -27,42 +27,21 @@ const char* device_name(Device d);
 // The C++ element type of each DType, for Tensor::data<T>().
 template <class T>
 struct dtype_of;
-template <>
-struct dtype_of<double> {
-  static constexpr DType value = DType::f64;
-};
-template <>
-struct dtype_of<float> {
-  static constexpr DType value = DType::f32;
-};
-template <>
-struct dtype_of<bf16> {
-  static constexpr DType value = DType::bf16;
-};
-template <>
-struct dtype_of<f16> {
-  static constexpr DType value = DType::f16;
-};
-template <>
-struct dtype_of<e4m3> {
-  static constexpr DType value = DType::e4m3;
-};
-template <>
-struct dtype_of<e5m2> {
-  static constexpr DType value = DType::e5m2;
-};
-template <>
-struct dtype_of<int64_t> {
-  static constexpr DType value = DType::i64;
-};
-template <>
-struct dtype_of<int32_t> {
-  static constexpr DType value = DType::i32;
-};
-template <>
-struct dtype_of<uint8_t> {
-  static constexpr DType value = DType::u8;
-};
+#define HLM_DTYPE_OF(T, DT)                   \
+  template <>                                 \
+  struct dtype_of<T> {                        \
+    static constexpr DType value = DType::DT; \
+  }
+HLM_DTYPE_OF(double, f64);
+HLM_DTYPE_OF(float, f32);
+HLM_DTYPE_OF(bf16, bf16);
+HLM_DTYPE_OF(f16, f16);
+HLM_DTYPE_OF(e4m3, e4m3);
+HLM_DTYPE_OF(e5m2, e5m2);
+HLM_DTYPE_OF(int64_t, i64);
+HLM_DTYPE_OF(int32_t, i32);
+HLM_DTYPE_OF(uint8_t, u8);
+#undef HLM_DTYPE_OF
 
 // Convert n contiguous elements between any two dtypes (CPU memory). Floating conversions round to
 // nearest even (fp8 saturating to finite); float -> integer truncates toward zero.

@@ -32,15 +32,19 @@ inline float f32_from_bits(uint32_t u) {
   return f;
 }
 
-// ---- bf16 ------------------------------------------------------------------------------------
-struct bf16 {
+// A 16-bit float held as its bit pattern; Self (bf16 or f16) keeps the formats distinct types.
+template <class Self>
+struct Float16Bits {
   uint16_t bits = 0;
-  static bf16 from_bits(uint16_t b) {
-    bf16 h;
+  static Self from_bits(uint16_t b) {
+    Self h;
     h.bits = b;
     return h;
   }
 };
+
+// ---- bf16 ------------------------------------------------------------------------------------
+struct bf16 : Float16Bits<bf16> {};
 
 inline float bf16_to_float(bf16 h) {
   return f32_from_bits(uint32_t(h.bits) << 16);
@@ -57,14 +61,7 @@ inline float round_bf16(float f) {
 }
 
 // ---- f16 (IEEE binary16), needed for safetensors F16 --------------------------------------------
-struct f16 {
-  uint16_t bits = 0;
-  static f16 from_bits(uint16_t b) {
-    f16 h;
-    h.bits = b;
-    return h;
-  }
-};
+struct f16 : Float16Bits<f16> {};
 float f16_to_float(f16 h);
 f16 float_to_f16(float f);
 

@@ -158,14 +158,11 @@ std::string JsonReader::one_of(const std::vector<const char*>& names) {
 // ---- keys ---------------------------------------------------------------------------------------
 
 int64_t JsonReader::get_int(const std::string& key, int64_t def, IntRange r) {
-  const json* v = find(key);
-  return v ? to_int(*v, key, r) : def;
+  return get_with(key, def, [&](const json& v) { return to_int(v, key, r); });
 }
 
 std::optional<int64_t> JsonReader::opt_int(const std::string& key, IntRange r) {
-  const json* v = find_non_null(key);
-  if (!v) return std::nullopt;
-  return to_int(*v, key, r);
+  return opt_with(key, [&](const json& v) { return to_int(v, key, r); });
 }
 
 int64_t JsonReader::req_int(const std::string& key, IntRange r) {
@@ -175,30 +172,23 @@ int64_t JsonReader::req_int(const std::string& key, IntRange r) {
 }
 
 double JsonReader::get_double(const std::string& key, double def, DoubleRange r) {
-  const json* v = find(key);
-  return v ? to_double(*v, key, r) : def;
+  return get_with(key, def, [&](const json& v) { return to_double(v, key, r); });
 }
 
 std::optional<double> JsonReader::opt_double(const std::string& key, DoubleRange r) {
-  const json* v = find_non_null(key);
-  if (!v) return std::nullopt;
-  return to_double(*v, key, r);
+  return opt_with(key, [&](const json& v) { return to_double(v, key, r); });
 }
 
 bool JsonReader::get_bool(const std::string& key, bool def) {
-  const json* v = find(key);
-  return v ? to_bool(*v, key) : def;
+  return get_with(key, def, [&](const json& v) { return to_bool(v, key); });
 }
 
 std::string JsonReader::get_string(const std::string& key, const std::string& def) {
-  const json* v = find(key);
-  return v ? to_string(*v, key) : def;
+  return get_with(key, def, [&](const json& v) { return to_string(v, key); });
 }
 
 std::optional<std::string> JsonReader::opt_string(const std::string& key) {
-  const json* v = find_non_null(key);
-  if (!v) return std::nullopt;
-  return to_string(*v, key);
+  return opt_with(key, [&](const json& v) { return to_string(v, key); });
 }
 
 std::string JsonReader::req_string(const std::string& key) {
@@ -208,9 +198,7 @@ std::string JsonReader::req_string(const std::string& key) {
 }
 
 std::optional<std::vector<std::string>> JsonReader::opt_string_list(const std::string& key) {
-  const json* v = find_non_null(key);
-  if (!v) return std::nullopt;
-  return to_string_list(*v, key);
+  return opt_with(key, [&](const json& v) { return to_string_list(v, key); });
 }
 
 void JsonReader::expect_one_of(const std::string& key, std::initializer_list<const char*> allowed) {

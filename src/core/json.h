@@ -81,15 +81,12 @@ class JsonReader {
   template <class T>
   T get_enum(const std::string& key, T def,
              std::initializer_list<std::pair<const char*, T>> names) {
-    const nlohmann::json* v = find(key);
-    return v ? to_enum(*v, key, names) : def;
+    return get_with(key, def, [&](const nlohmann::json& v) { return to_enum(v, key, names); });
   }
   template <class T>
   std::optional<T> opt_enum(const std::string& key,
                             std::initializer_list<std::pair<const char*, T>> names) {
-    const nlohmann::json* v = find_non_null(key);
-    if (!v) return std::nullopt;
-    return to_enum(*v, key, names);
+    return opt_with(key, [&](const nlohmann::json& v) { return to_enum(v, key, names); });
   }
 
   // A key that is accepted with one of `allowed` only (absent or null: nothing to check).
@@ -150,6 +147,21 @@ class JsonReader {
  private:
   static std::string one_of(const std::vector<const char*>& names);
   [[noreturn]] void rethrow_under(const std::string& name, const std::exception& e) const;
+
+  // The get_X and opt_X rules of every type: `to` checks and converts a value that is present
+  // (get: absent -> def; opt: absent or null -> nullopt).
+  template <class T, class To>
+  T get_with(const std::string& key, T def, To&& to) {
+    const nlohmann::json* v = find(key);
+    return v ? T(to(*v)) : def;
+  }
+  template <class To>
+  auto opt_with(const std::string& key, To&& to)
+      -> std::optional<decltype(to(std::declval<const nlohmann::json&>()))> {
+    const nlohmann::json* v = find_non_null(key);
+    if (!v) return std::nullopt;
+    return to(*v);
+  }
 
   const nlohmann::json& obj_;
   std::string source_, path_;

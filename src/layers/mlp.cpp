@@ -8,7 +8,6 @@
 
 #include <cmath>
 
-#include "core/rng.h"
 #include "ops/moe.h"
 
 namespace hlm {
@@ -17,18 +16,6 @@ namespace {
 
 Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
-}
-
-// The Philox stream of a parameter: FNV-1a of its full name.
-uint64_t name_stream(const std::string& name) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-void init_normal(Tensor& value, uint64_t seed, const std::string& full_name, double std) {
-  Rng rng(seed, name_stream(full_name));
-  rng.fill_normal(value, 0.0, std);  // FP64 draws, one rounding to the parameter dtype
 }
 
 // a + b elementwise (same shape, contiguous, dtype T), in that order.
@@ -73,7 +60,7 @@ DenseMlp::DenseMlp(const DenseMlpConfig& cfg, const PrecisionPolicy& policy,
   add_child("up_proj", &up_);
   add_child("down_proj", &down_);
   for (auto& [name, p] : named_parameters())
-    init_normal(p->value, cfg_.seed, pre + name, cfg_.init_std);
+    init_normal_named(p->value, cfg_.seed, pre + name, cfg_.init_std);
 }
 
 void DenseMlp::run_forward(const Context& ctx, const Tensor& xc, Saved& s, Tensor* y) const {

@@ -1,5 +1,7 @@
 #include "layers/module.h"
 
+#include "core/rng.h"
+
 namespace hlm {
 
 std::vector<std::pair<std::string, Param*>> Module::named_parameters(const std::string& prefix) {
@@ -81,6 +83,17 @@ Tensor& ensure_grad(Param& p, std::string_view owner) {
             owner, p.name, p.grad.describe(), dtype_name(gd), shape_str(p.value.shape()),
             device_name(p.value.device()));
   return p.grad;
+}
+
+uint64_t name_stream(std::string_view full_name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  for (unsigned char c : full_name) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+void init_normal_named(Tensor& value, uint64_t seed, std::string_view full_name, double std) {
+  Rng rng(seed, name_stream(full_name));
+  rng.fill_normal(value, 0.0, std);
 }
 
 }  // namespace hlm

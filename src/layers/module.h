@@ -72,4 +72,11 @@ inline DType grad_dtype_for(DType value_dt) {
 // value's shape and device; anything else is an hlm::Error naming `owner` and the parameter.
 Tensor& ensure_grad(Param& p, std::string_view owner);
 
+// The Philox stream of a parameter drawn by its full name (e.g. "model.layers.0.mlp.down_proj"):
+// FNV-1a of the name, so each parameter's draws depend on its name only.
+uint64_t name_stream(std::string_view full_name);
+// Fill a CPU parameter with N(0, std^2): FP64 draws from (seed, name_stream(full_name)), one
+// rounding to the parameter's dtype.
+void init_normal_named(Tensor& value, uint64_t seed, std::string_view full_name, double std);
+
 }  // namespace hlm

@@ -3,21 +3,23 @@
 
 #include <fmt/format.h>
 
+#include "core/enum_names.h"
 #include "core/error.h"
 #include "core/json.h"
 
 namespace hlm {
 
+namespace {
+
+constexpr auto kGemmKindNames = enum_names<GemmKind::fp8_block>({"native", "bf16", "fp8_block"});
+constexpr auto kModuleRoleNames = enum_names<ModuleRole::other>(
+    {"kda_proj", "kda_gate", "mla_proj", "indexer_qk_proj", "indexer_kpool", "indexer_weights",
+     "moe_expert", "dense_mlp", "lm_head", "router", "mhc", "mtp", "other"});
+
+}  // namespace
+
 const char* gemm_kind_name(GemmKind k) {
-  switch (k) {
-    case GemmKind::native:
-      return "native";
-    case GemmKind::bf16:
-      return "bf16";
-    case GemmKind::fp8_block:
-      return "fp8_block";
-  }
-  return "?";
+  return kGemmKindNames.name(k);
 }
 
 std::string precision_str(const GemmPrecision& p) {
@@ -27,35 +29,7 @@ std::string precision_str(const GemmPrecision& p) {
 }
 
 const char* module_role_name(ModuleRole r) {
-  switch (r) {
-    case ModuleRole::kda_proj:
-      return "kda_proj";
-    case ModuleRole::kda_gate:
-      return "kda_gate";
-    case ModuleRole::mla_proj:
-      return "mla_proj";
-    case ModuleRole::indexer_qk_proj:
-      return "indexer_qk_proj";
-    case ModuleRole::indexer_kpool:
-      return "indexer_kpool";
-    case ModuleRole::indexer_weights:
-      return "indexer_weights";
-    case ModuleRole::moe_expert:
-      return "moe_expert";
-    case ModuleRole::dense_mlp:
-      return "dense_mlp";
-    case ModuleRole::lm_head:
-      return "lm_head";
-    case ModuleRole::router:
-      return "router";
-    case ModuleRole::mhc:
-      return "mhc";
-    case ModuleRole::mtp:
-      return "mtp";
-    case ModuleRole::other:
-      return "other";
-  }
-  return "?";
+  return kModuleRoleNames.name(r);
 }
 
 namespace {

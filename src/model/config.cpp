@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <set>
 
+#include "core/enum_names.h"
 #include "core/error.h"
 #include "core/json.h"
 
@@ -17,28 +18,20 @@ namespace hlm {
 
 using json = nlohmann::json;
 
+namespace {
+
+// Indexed by LayerKind.
+constexpr auto kLayerKindNames = enum_names<LayerKind::mla>({"kda", "dsa", "mla"});
+constexpr auto kLayerKindSymbols = enum_names<LayerKind::mla>({"K", "D", "M"});
+
+}  // namespace
+
 char layer_kind_symbol(LayerKind k) {
-  switch (k) {
-    case LayerKind::kda:
-      return 'K';
-    case LayerKind::dsa:
-      return 'D';
-    case LayerKind::mla:
-      return 'M';
-  }
-  return '?';
+  return kLayerKindSymbols.name(k)[0];
 }
 
 const char* layer_kind_name(LayerKind k) {
-  switch (k) {
-    case LayerKind::kda:
-      return "kda";
-    case LayerKind::dsa:
-      return "dsa";
-    case LayerKind::mla:
-      return "mla";
-  }
-  return "?";
+  return kLayerKindNames.name(k);
 }
 
 double MlaHparams::softmax_scale() const {

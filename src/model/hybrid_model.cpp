@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "core/enum_names.h"
 #include "core/rng.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -67,25 +68,16 @@ std::vector<int64_t> successors(const std::vector<int64_t>& cu) {
   return next;
 }
 
+constexpr auto kRecomputeNames = enum_names<Recompute::full>({"none", "selective", "full"});
+
 }  // namespace
 
 const char* recompute_name(Recompute r) {
-  switch (r) {
-    case Recompute::none:
-      return "none";
-    case Recompute::selective:
-      return "selective";
-    case Recompute::full:
-      return "full";
-  }
-  return "?";
+  return kRecomputeNames.name(r);
 }
 
 Recompute parse_recompute(const std::string& s) {
-  if (s == "none") return Recompute::none;
-  if (s == "selective") return Recompute::selective;
-  if (s == "full") return Recompute::full;
-  HLM_FAIL("recompute must be \"none\", \"selective\" or \"full\", got \"{}\"", s);
+  return kRecomputeNames.parse(s, "recompute");
 }
 
 // ---- layer configs from the model config --------------------------------------------------------
@@ -219,6 +211,58 @@ MhcSiteConfig mhc_site_config(const ModelConfig& c, DType dt, uint64_t seed) {
   return m;
 }
 
+// ---- the feed-forward block
+// ----------------------------------------------------------------------
+
+// The FFN of a decoder layer or of the MTP block (layer `index`): a MoE layer or a dense MLP,
+// "<path>" in the checkpoint either way (the owner adds it as its child "mlp").
+class FeedForward : public Module {
+ public:
+  struct Saved {
+    DenseMlp::Saved mlp;
+    MoeLayer::Saved moe;
+  };
+  struct Out {  // MoE only
+    double aux_loss = 0;
+    Tensor counts, topk;
+  };
+
+  FeedForward(const ModelConfig& c, MlpKind kind, int64_t index, const HybridModelOptions& o,
+              const std::string& path) {
+    if (kind == MlpKind::moe) {
+      moe_ = std::make_unique<MoeLayer>(moe_layer_config(c, o.dtype, sub_seed(o.seed, index, 6)),
+                                        c.precision, path);
+      add_child("", moe_.get());
+    } else {
+      mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, o.dtype, sub_seed(o.seed, index, 7)),
+                                        c.precision, path);
+      add_child("", mlp_.get());
+    }
+  }
+
+  MoeLayer* moe() const { return moe_.get(); }
+
+  Tensor forward(const Context& c, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
+                 const Tensor& replay) const {
+    if (!moe_) return mlp_->forward(c, x, s ? &s->mlp : nullptr);
+    MoeLayer::Output o = moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay);
+    if (out) {
+      out->aux_loss = o.aux_loss;
+      out->counts = o.counts;
+      out->topk = o.topk_idx;
+    }
+    return o.y;
+  }
+
+  Tensor backward(const Context& c, const Tensor& dy, Saved& s, double d_aux) {
+    return moe_ ? moe_->backward(c, dy, s.moe, d_aux) : mlp_->backward(c, dy, s.mlp);
+  }
+
+ private:
+  std::unique_ptr<MoeLayer> moe_;
+  std::unique_ptr<DenseMlp> mlp_;
+};
+
 // ---- the decoder layer --------------------------------------------------------------------------
 
 // One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
@@ -233,13 +277,11 @@ class DecoderLayer : public Module {
     RmsNorm::Saved in_norm, post_norm;
     KdaLayer::Saved kda;
     DsaLayer::Saved dsa;
-    DenseMlp::Saved mlp;
-    MoeLayer::Saved moe;
+    FeedForward::Saved ffn;
   };
-  struct Out {
-    double aux_loss = 0, indexer_loss = 0;
-    Tensor counts, topk;  // MoE only
-    Tensor indices;       // DSA only: the attended sets
+  struct Out : FeedForward::Out {
+    double indexer_loss = 0;
+    Tensor indices;  // DSA only: the attended sets
   };
 
   DecoderLayer(const ModelConfig& c, int64_t index, const HybridModelOptions& o)
@@ -283,20 +325,12 @@ class DecoderLayer : public Module {
         break;
       }
     }
-    const std::string mlp_path = path + ".mlp";
-    if (c.mlp_kind(index) == MlpKind::moe) {
-      moe_ = std::make_unique<MoeLayer>(moe_layer_config(c, dt, sub_seed(o.seed, index, 6)), pol,
-                                        mlp_path);
-      add_child("mlp", moe_.get());
-    } else {
-      mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, dt, sub_seed(o.seed, index, 7)), pol,
-                                        mlp_path);
-      add_child("mlp", mlp_.get());
-    }
+    ffn_ = std::make_unique<FeedForward>(c, c.mlp_kind(index), index, o, path + ".mlp");
+    add_child("mlp", ffn_.get());
   }
 
-  bool is_moe() const { return moe_ != nullptr; }
-  MoeLayer* moe() { return moe_.get(); }
+  bool is_moe() const { return ffn_->moe() != nullptr; }
+  MoeLayer* moe() { return ffn_->moe(); }
   DsaLayer* dsa() { return dsa_.get(); }
   bool is_dsa() const { return dsa_ != nullptr; }
   bool shares_selection() const { return shared_; }
@@ -362,18 +396,7 @@ class DecoderLayer : public Module {
     // FFN site.
     Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
     Tensor b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
-    Tensor f;
-    if (moe_) {
-      MoeLayer::Output o = moe_->forward(c, b, cu, train ? &s->moe : nullptr, replay);
-      f = o.y;
-      if (out) {
-        out->aux_loss = o.aux_loss;
-        out->counts = o.counts;
-        out->topk = o.topk_idx;
-      }
-    } else {
-      f = mlp_->forward(c, b, train ? &s->mlp : nullptr);
-    }
+    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay);
     return mhc_ ? ffn_hc_->write_back(c, f, s->ffn_site) : add(x1, f.reshape({T, 1, D}));
   }
 
@@ -390,7 +413,7 @@ class DecoderLayer : public Module {
     } else {
       dy2 = dx2.reshape({T, D});
     }
-    Tensor db = moe_ ? moe_->backward(c, dy2, s.moe, d_aux) : mlp_->backward(c, dy2, s.mlp);
+    Tensor db = ffn_->backward(c, dy2, s.ffn, d_aux);
     Tensor du2 = post_norm_->backward(c, db, s.post_norm);
     Tensor dx1 = mhc_ ? ffn_hc_->backward_collapse(c, du2, s.ffn_site, p2)
                       : add(dx2, du2.reshape({T, 1, D}));
@@ -418,8 +441,7 @@ class DecoderLayer : public Module {
   std::unique_ptr<RmsNorm> in_norm_, post_norm_;
   std::unique_ptr<KdaLayer> kda_;
   std::unique_ptr<DsaLayer> dsa_;
-  std::unique_ptr<DenseMlp> mlp_;
-  std::unique_ptr<MoeLayer> moe_;
+  std::unique_ptr<FeedForward> ffn_;
 };
 
 // ---- the MTP block ------------------------------------------------------------------------------
@@ -431,12 +453,10 @@ class MtpBlock : public Module {
     RmsNorm::Saved enorm, hnorm, in_norm, post_norm, head_norm;
     Linear::Saved eh;
     DsaLayer::Saved dsa;
-    DenseMlp::Saved mlp;
-    MoeLayer::Saved moe;
+    FeedForward::Saved ffn;
   };
-  struct Out {
-    double aux_loss = 0, indexer_loss = 0;
-    Tensor counts, topk;
+  struct Out : FeedForward::Out {
+    double indexer_loss = 0;
   };
 
   MtpBlock(const ModelConfig& c, const HybridModelOptions& o) : recompute_(o.recompute) {
@@ -459,26 +479,19 @@ class MtpBlock : public Module {
     DsaLayerConfig d = dsa_layer_config(c, dt, sub_seed(o.seed, L, 4));
     dsa_ = std::make_unique<DsaLayer>(d, pol, path + ".self_attn");
     dsa_->init_weights(sub_seed(o.seed, L, 5));
-    if (c.mtp_mlp_kind() == MlpKind::moe) {
-      moe_ = std::make_unique<MoeLayer>(moe_layer_config(c, dt, sub_seed(o.seed, L, 6)), pol,
-                                        path + ".mlp");
-    } else {
-      mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, dt, sub_seed(o.seed, L, 7)), pol,
-                                        path + ".mlp");
-    }
+    ffn_ = std::make_unique<FeedForward>(c, c.mtp_mlp_kind(), L, o, path + ".mlp");
     add_child("enorm", enorm_.get());
     add_child("hnorm", hnorm_.get());
     add_child("eh_proj", &eh_);
     add_child("input_layernorm", in_norm_.get());
     add_child("self_attn", dsa_.get());
     add_child("post_attention_layernorm", post_norm_.get());
-    if (moe_) add_child("mlp", moe_.get());
-    if (mlp_) add_child("mlp", mlp_.get());
+    add_child("mlp", ffn_.get());
     add_child("shared_head.norm", head_norm_.get());
   }
 
-  bool is_moe() const { return moe_ != nullptr; }
-  MoeLayer* moe() { return moe_.get(); }
+  bool is_moe() const { return ffn_->moe() != nullptr; }
+  MoeLayer* moe() { return ffn_->moe(); }
   DsaLayer* dsa() { return dsa_.get(); }
 
   // e [T, D] (embedding of the next token, zeros where there is none), h [T, D] (the main
@@ -500,18 +513,7 @@ class MtpBlock : public Module {
     if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
     Tensor m2 = add(m, o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
-    Tensor f;
-    if (moe_) {
-      MoeLayer::Output mo = moe_->forward(c, b, cu, train ? &s->moe : nullptr, replay);
-      f = mo.y;
-      if (out) {
-        out->aux_loss = mo.aux_loss;
-        out->counts = mo.counts;
-        out->topk = mo.topk_idx;
-      }
-    } else {
-      f = mlp_->forward(c, b, train ? &s->mlp : nullptr);
-    }
+    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay);
     Tensor m3 = add(m2, f);
     return head_norm_->forward(c, m3, train ? &s->head_norm : nullptr);
   }
@@ -523,7 +525,7 @@ class MtpBlock : public Module {
     c.recompute = ctx.training && recompute_ == Recompute::selective;
     const int64_t D = dout.size(1);
     Tensor dm3 = head_norm_->backward(c, dout, s.head_norm);
-    Tensor db = moe_ ? moe_->backward(c, dm3, s.moe, d_aux) : mlp_->backward(c, dm3, s.mlp);
+    Tensor db = ffn_->backward(c, dm3, s.ffn, d_aux);
     Tensor dm2 = add(dm3, post_norm_->backward(c, db, s.post_norm));
     Tensor da = dsa_->backward(c, dm2, s.dsa, indexer_scale);
     Tensor dm = add(dm2, in_norm_->backward(c, da, s.in_norm));
@@ -538,8 +540,7 @@ class MtpBlock : public Module {
   std::unique_ptr<RmsNorm> enorm_, hnorm_, in_norm_, post_norm_, head_norm_;
   Linear eh_;
   std::unique_ptr<DsaLayer> dsa_;
-  std::unique_ptr<MoeLayer> moe_;
-  std::unique_ptr<DenseMlp> mlp_;
+  std::unique_ptr<FeedForward> ffn_;
 };
 
 // ---- the model ----------------------------------------------------------------------------------

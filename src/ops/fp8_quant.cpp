@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "core/enum_names.h"
 #include "ops/cpu/fp8_quant.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
@@ -18,14 +19,18 @@ std::string recipe_str(const QuantRecipe& r) {
                      tile_shape_name(r.tile), r.pow2 ? " pow2" : "");
 }
 
+namespace {
+
+constexpr auto kTileShapeNames = enum_names<TileShape::t128x128>({"1x128", "128x128"});
+
+}  // namespace
+
 const char* tile_shape_name(TileShape t) {
-  return t == TileShape::t1x128 ? "1x128" : "128x128";
+  return kTileShapeNames.name(t);
 }
 
 TileShape parse_tile_shape(const std::string& s) {
-  if (s == "1x128") return TileShape::t1x128;
-  if (s == "128x128") return TileShape::t128x128;
-  HLM_FAIL("unknown fp8 tile shape '{}' (expected 1x128 or 128x128)", s);
+  return kTileShapeNames.parse(s, "fp8 tile shape");
 }
 
 Fp8Format parse_fp8_format(const std::string& s) {
@@ -87,22 +92,25 @@ Fp8Tensor fp8_quantize(const Tensor& x, const QuantRecipe& rc) {
   return out;
 }
 
-Tensor fp8_dequantize(const Fp8Tensor& t) {
-  const char* op = "fp8_dequantize";
+namespace {
+
+// The front door of an op that reads an Fp8Tensor and writes an f32 tensor of its shape.
+Tensor fp8_to_f32(const char* op, const Fp8Tensor& t, void (*cpu_fn)(const Fp8Tensor&, Tensor&)) {
   check_fp8_tensor(t, op);
   Tensor out = detail::new_output(t.q.shape(), DType::f32, t.q.device());
   detail::cpu_only(op, t.q, "q");
-  cpu::fp8_dequantize(t, out);
+  cpu_fn(t, out);
   return out;
 }
 
+}  // namespace
+
+Tensor fp8_dequantize(const Fp8Tensor& t) {
+  return fp8_to_f32("fp8_dequantize", t, cpu::fp8_dequantize);
+}
+
 Tensor fp8_values(const Fp8Tensor& t) {
-  const char* op = "fp8_values";
-  check_fp8_tensor(t, op);
-  Tensor out = detail::new_output(t.q.shape(), DType::f32, t.q.device());
-  detail::cpu_only(op, t.q, "q");
-  cpu::fp8_values(t, out);
-  return out;
+  return fp8_to_f32("fp8_values", t, cpu::fp8_values);
 }
 
 Fp8Tensor fp8_transpose_blocks(const Fp8Tensor& w) {

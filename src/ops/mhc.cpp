@@ -92,6 +92,19 @@ Tensor rows_out(const Tensor& x, DType dt) {
   return detail::new_output({x.size(0), x.size(-1)}, dt, x.device());
 }
 
+// The front door of an op that spreads a floating [T, D] `e` over n >= 1 streams: checks e and n,
+// allocates the [T, n, D] output (e's dtype) and runs the CPU reference cpu_fn(e, out).
+Tensor spread_over_streams(const char* op, const Tensor& e, int64_t n, const char* what,
+                           void (*cpu_fn)(const Tensor&, Tensor&)) {
+  detail::require_floating(e, op, what);
+  HLM_CHECK(e.dim() == 2, "{}: {} must be [T, D], got {}", op, what, e.describe());
+  HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
+  Tensor out = detail::new_output({e.size(0), n, e.size(1)}, e.dtype(), e.device());
+  detail::cpu_only(op, e, what);
+  cpu_fn(e, out);
+  return out;
+}
+
 }  // namespace
 
 // ---- public: pieces
@@ -233,14 +246,7 @@ MhcWriteBackGrads mhc_write_back_backward(const Tensor& x, const Tensor& y, cons
 // ---- model level -------------------------------------------------------------------------------
 
 Tensor mhc_expand(const Tensor& e, int64_t n) {
-  const char* op = "mhc_expand";
-  detail::require_floating(e, op, "e");
-  HLM_CHECK(e.dim() == 2, "{}: e must be [T, D], got {}", op, e.describe());
-  HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
-  Tensor out = detail::new_output({e.size(0), n, e.size(1)}, e.dtype(), e.device());
-  detail::cpu_only(op, e, "e");
-  cpu::mhc_expand(e, out);
-  return out;
+  return spread_over_streams("mhc_expand", e, n, "e", cpu::mhc_expand);
 }
 
 Tensor mhc_expand_backward(const Tensor& dx) {
@@ -262,14 +268,8 @@ Tensor mhc_mean_contract(const Tensor& x) {
 }
 
 Tensor mhc_mean_contract_backward(const Tensor& dh, int64_t n) {
-  const char* op = "mhc_mean_contract_backward";
-  detail::require_floating(dh, op, "dh");
-  HLM_CHECK(dh.dim() == 2, "{}: dh must be [T, D], got {}", op, dh.describe());
-  HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
-  Tensor dx = detail::new_output({dh.size(0), n, dh.size(1)}, dh.dtype(), dh.device());
-  detail::cpu_only(op, dh, "dh");
-  cpu::mhc_mean_contract_backward(dh, dx);
-  return dx;
+  return spread_over_streams("mhc_mean_contract_backward", dh, n, "dh",
+                             cpu::mhc_mean_contract_backward);
 }
 
 // ---- a whole site ------------------------------------------------------------------------------

@@ -253,6 +253,42 @@ Tensor swiglu_clamped_backward(const Tensor& gu_, const Tensor& dh_, double limi
 }
 
 // ---- experts ------------------------------------------------------------------------------------
+namespace {
+
+// eo [T, K, D] f32 / f64 and, when defined, w [T, K] of its dtype and device.
+void check_combine(const Tensor& eo, const Tensor& w, const char* op) {
+  detail::require_real(eo, op, "eo");
+  HLM_CHECK(eo.dim() == 3, "{}: eo must be [T, K, D], got {}", op, eo.describe());
+  if (w.defined()) detail::require_real_like(w, eo, {eo.size(0), eo.size(1)}, op, "w", "eo");
+}
+
+}  // namespace
+
+Tensor moe_combine(const Tensor& eo_, const Tensor& w_, const Tensor& shared_) {
+  const char* op = "moe_combine";
+  check_combine(eo_, w_, op);
+  const int64_t T = eo_.size(0), D = eo_.size(2);
+  if (shared_.defined()) detail::require_real_like(shared_, eo_, {T, D}, op, "shared", "eo");
+  Tensor out = detail::new_output({T, D}, eo_.dtype(), eo_.device());
+  detail::cpu_only(op, eo_, "eo");
+  const Tensor eo = eo_.contiguous(), w = w_.defined() ? w_.contiguous() : Tensor(),
+               shared = shared_.defined() ? shared_.contiguous() : Tensor();
+  cpu::moe_combine(eo, w, shared, out);
+  return out;
+}
+
+MoeCombineGrads moe_combine_backward(const Tensor& dout_, const Tensor& eo_, const Tensor& w_) {
+  const char* op = "moe_combine_backward";
+  check_combine(eo_, w_, op);
+  HLM_CHECK(w_.defined(), "{}: w is undefined", op);
+  detail::require_real_like(dout_, eo_, {eo_.size(0), eo_.size(2)}, op, "dout", "eo");
+  MoeCombineGrads r{detail::new_output(w_.shape(), eo_.dtype(), eo_.device()),
+                    detail::new_output(eo_.shape(), eo_.dtype(), eo_.device())};
+  detail::cpu_only(op, eo_, "eo");
+  cpu::moe_combine_backward(dout_.contiguous(), eo_.contiguous(), w_.contiguous(), r);
+  return r;
+}
+
 Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& topk_idx,
                            const Tensor& topk_weight, double swiglu_limit, MoeSaved& saved) {
   const char* op = "moe_experts_forward";

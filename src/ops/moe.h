@@ -79,6 +79,19 @@ Tensor swiglu_clamped_forward(const Tensor& gu, double limit);
 // closed interval (gate <= limit; -limit <= up <= limit), zero outside.
 Tensor swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit);
 
+// ---- combine ------------------------------------------------------------------------------------
+// Each token's K routed-expert outputs summed in a fixed order (k ascending, then the shared one):
+//   out[t] = sum_{k = 0..K-1} w[t, k] eo[t, k]  (+ shared[t])
+// eo [T, K, D] f32 / f64; w [T, K] of eo's dtype, or undefined for the plain sum (no
+// multiplication); shared [T, D] of eo's dtype or undefined. Computed in eo's dtype.
+Tensor moe_combine(const Tensor& eo, const Tensor& w, const Tensor& shared = {});
+struct MoeCombineGrads {
+  Tensor dw;   // [T, K]: <dout_t, eo[t, k]>, channels ascending
+  Tensor deo;  // [T, K, D]: w[t, k] dout_t
+};
+// dout [T, D], eo [T, K, D], w [T, K]: one dtype (f32 / f64).
+MoeCombineGrads moe_combine_backward(const Tensor& dout, const Tensor& eo, const Tensor& w);
+
 // ---- experts ------------------------------------------------------------------------------------
 struct MoeWeights {
   Tensor gate_up;         // [E, 2I, D]

@@ -420,12 +420,7 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
 IndexerLossResult DsaIndexer::loss_value(const Context& ctx, const Tensor& target,
                                          const IndexerLossOptions& opt, const Saved& saved) const {
   Saved local;
-  const Saved& s = full_saved(saved, local);
-  const LossEval ev = eval_loss(s, target, opt);
-  IndexerLossResult r;
-  r.loss = ev.kl.loss;
-  r.rows = ev.kl.rows;
-  return r;
+  return eval_loss(full_saved(saved, local), target, opt).result();
 }
 
 IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& target,
@@ -433,9 +428,7 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   Saved local;
   const Saved& s = full_saved(saved, local);
   const LossEval ev = eval_loss(s, target, opt);
-  IndexerLossResult r;
-  r.loss = ev.kl.loss;
-  r.rows = ev.kl.rows;
+  IndexerLossResult r = ev.result();
 
   const int64_t T = s.h.size(0), H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool;
   const DType cdt = compute_dtype();

@@ -203,6 +203,13 @@ class DsaIndexer : public Module {
     Tensor scores;  // scores over the stage's set (token or pool level)
     Tensor target;  // the target in the same layout (pool level with KPool)
     ops::IndexerKl kl;
+    // The loss and its row count (no gradients yet).
+    IndexerLossResult result() const {
+      IndexerLossResult r;
+      r.loss = kl.loss;
+      r.rows = kl.rows;
+      return r;
+    }
   };
   DType compute_dtype() const;
   ops::IndexerScoreOptions score_options() const;

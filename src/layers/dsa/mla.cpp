@@ -23,6 +23,7 @@
 #include <cmath>
 #include <limits>
 #include <numbers>
+#include <utility>
 
 #include "core/rng.h"
 #include "ops/dsa_sparse_attention.h"
@@ -295,19 +296,25 @@ void mha_backward(const Tensor& qt, const Tensor& kt, const Tensor& vt, const Te
   const int64_t work = attention_work(dc, H * (Dk + Dv));
   std::vector<F> Dt(size_t(T * H));
   for (int64_t i = 0; i < T * H; ++i) Dt[size_t(i)] = dotp(dout + i * Dv, o + i * Dv, Dv);
-    // dq: per query, keys in increasing order.
+  // Query t, key s, head h: the probability p = exp(scale q.k - lse) and the logit gradient
+  // ds = p (dout_t . v_s - D_t).
+  auto p_ds = [&](int64_t t, int64_t s, int64_t h) {
+    const F p =
+        std::exp(scale * dotp(q + (t * H + h) * Dk, k + (s * H + h) * Dk, Dk) - lse[t * H + h]);
+    const F ds =
+        p * (dotp(dout + (t * H + h) * Dv, v + (s * H + h) * Dv, Dv) - Dt[size_t(t * H + h)]);
+    return std::pair<F, F>{p, ds};
+  };
+  // dq: per query, keys in increasing order.
 #pragma omp parallel for schedule(dynamic, 4) if (work > kParallelWork)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s0 = dc.start[size_t(t)];
     for (int64_t h = 0; h < H; ++h) {
-      const F* qr = q + (t * H + h) * Dk;
-      const F* dor = dout + (t * H + h) * Dv;
       F* dqr = dq + (t * H + h) * Dk;
       for (int64_t c = 0; c < Dk; ++c) dqr[c] = 0;
       for (int64_t s = s0; s <= t; ++s) {
         const F* kr = k + (s * H + h) * Dk;
-        const F p = std::exp(scale * dotp(qr, kr, Dk) - lse[t * H + h]);
-        const F ds = p * (dotp(dor, v + (s * H + h) * Dv, Dv) - Dt[size_t(t * H + h)]);
+        const F ds = p_ds(t, s, h).second;
         for (int64_t c = 0; c < Dk; ++c) dqr[c] += ds * kr[c];
       }
       for (int64_t c = 0; c < Dk; ++c) dqr[c] *= scale;
@@ -318,8 +325,6 @@ void mha_backward(const Tensor& qt, const Tensor& kt, const Tensor& vt, const Te
   for (int64_t s = 0; s < T; ++s) {
     const int64_t e = dc.end[size_t(s)];
     for (int64_t h = 0; h < H; ++h) {
-      const F* kr = k + (s * H + h) * Dk;
-      const F* vr = v + (s * H + h) * Dv;
       F* dkr = dk + (s * H + h) * Dk;
       F* dvr = dv + (s * H + h) * Dv;
       for (int64_t c = 0; c < Dk; ++c) dkr[c] = 0;
@@ -327,8 +332,7 @@ void mha_backward(const Tensor& qt, const Tensor& kt, const Tensor& vt, const Te
       for (int64_t t = s; t < e; ++t) {
         const F* qr = q + (t * H + h) * Dk;
         const F* dor = dout + (t * H + h) * Dv;
-        const F p = std::exp(scale * dotp(qr, kr, Dk) - lse[t * H + h]);
-        const F ds = p * (dotp(dor, vr, Dv) - Dt[size_t(t * H + h)]);
+        const auto [p, ds] = p_ds(t, s, h);
         for (int64_t c = 0; c < Dk; ++c) dkr[c] += ds * qr[c];
         for (int64_t c = 0; c < Dv; ++c) dvr[c] += p * dor[c];
       }

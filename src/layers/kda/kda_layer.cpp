@@ -34,6 +34,7 @@
 
 #include <cmath>
 
+#include "core/enum_names.h"
 #include "core/rng.h"
 #include "ops/conv1d.h"
 #include "ops/kda.h"
@@ -43,16 +44,15 @@
 
 namespace hlm {
 
+namespace {
+
+constexpr auto kKdaNamingNames =
+    enum_names<KdaNaming::kimi_linear>({"glm5_next", "glm5_next_transformers", "kimi_linear"});
+
+}  // namespace
+
 const char* kda_naming_name(KdaNaming n) {
-  switch (n) {
-    case KdaNaming::glm5_next:
-      return "glm5_next";
-    case KdaNaming::glm5_next_transformers:
-      return "glm5_next_transformers";
-    case KdaNaming::kimi_linear:
-      return "kimi_linear";
-  }
-  return "?";
+  return kKdaNamingNames.name(n);
 }
 
 // ---- config -----------------------------------------------------------------------------------

@@ -12,19 +12,7 @@
 
 #include <cmath>
 
-#include "core/rng.h"
-
 namespace hlm {
-
-namespace {
-
-uint64_t name_stream(const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-}  // namespace
 
 const char* mhc_site_kind_name(MhcSiteKind k) {
   return k == MhcSiteKind::attn ? "attn" : "ffn";
@@ -76,8 +64,7 @@ MhcSite::MhcSite(const MhcSiteConfig& cfg, MhcSiteKind kind, const PrecisionPoli
   const std::string pre = path_.empty() ? "" : path_ + ".";
 
   Tensor fn = Tensor::empty({m, n * D}, DType::f64);
-  Rng rng(cfg_.seed, name_stream(pre + site + "fn"));
-  rng.fill_normal(fn, 0.0, cfg_.init_std);
+  init_normal_named(fn, cfg_.seed, pre + site + "fn", cfg_.init_std);
   std::vector<double> base(size_t(m), 0.0), scale(3, 1.0);
   if (cfg_.init == MhcInit::residual) {
     const double p = 1.0 / double(n) - cfg_.hc_eps;  // sigmoid(b) = p  ->  pre = 1/n

@@ -17,23 +17,11 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/rng.h"
 #include "ops/seqlens.h"
 
 namespace hlm {
 
 namespace {
-
-uint64_t name_stream(const std::string& name) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-void init_normal(Tensor& value, uint64_t seed, const std::string& full_name, double std) {
-  Rng rng(seed, name_stream(full_name));
-  rng.fill_normal(value, 0.0, std);  // FP64 draws, one rounding to the parameter dtype
-}
 
 Tensor as_dtype(const Tensor& t, DType dt) {
   return t.dtype() == dt ? t.contiguous() : t.to(dt);
@@ -62,63 +50,6 @@ std::vector<int64_t> index_vector(const Tensor& idx) {
   const Tensor c = idx.dtype() == DType::i64 ? idx.contiguous() : idx.to(DType::i64);
   const int64_t* p = c.data<int64_t>();
   return std::vector<int64_t>(p, p + c.numel());
-}
-
-// y[t] = sum_k w[t, k] eo[t*K + k] (+ shared[t]), k ascending then the shared expert.
-template <class T>
-Tensor combine(const Tensor& eo, const Tensor& w, const Tensor& shared, int64_t Tn, int64_t K,
-               int64_t D) {
-  Tensor out = Tensor::empty({Tn, D}, eo.dtype());
-  const T *pe = eo.data<T>(), *pw = w.data<T>();
-  const T* ps = shared.defined() ? shared.data<T>() : nullptr;
-  T* o = out.data<T>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t c = 0; c < D; ++c) {
-      T acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += pw[t * K + k] * pe[(t * K + k) * D + c];
-      if (ps) acc += ps[t * D + c];
-      o[t * D + c] = acc;
-    }
-  return out;
-}
-
-// dw[a] = <dy_t, eo[a]>, dO[a] = w[a] dy_t.
-template <class T>
-void combine_backward(const Tensor& dy, const Tensor& eo, const Tensor& w, Tensor& dw, Tensor& dO,
-                      int64_t Tn, int64_t K, int64_t D) {
-  const T *pd = dy.data<T>(), *pe = eo.data<T>(), *pw = w.data<T>();
-  T *pdw = dw.data<T>(), *pdO = dO.data<T>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t a = t * K + k;
-      T acc = 0;
-      for (int64_t c = 0; c < D; ++c) {
-        acc += pd[t * D + c] * pe[a * D + c];
-        pdO[a * D + c] = pw[a] * pd[t * D + c];
-      }
-      pdw[a] = acc;
-    }
-}
-
-// dx[t] = sum_k dxk[t*K + k] + ds[t] + dr[t] (undefined ds: none).
-template <class T>
-Tensor sum_dx(const Tensor& dxk, const Tensor& ds, const Tensor& dr, int64_t Tn, int64_t K,
-              int64_t D) {
-  Tensor out = Tensor::empty({Tn, D}, dxk.dtype());
-  const T *pk = dxk.data<T>(), *pr = dr.data<T>();
-  const T* ps = ds.defined() ? ds.data<T>() : nullptr;
-  T* o = out.data<T>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < Tn; ++t)
-    for (int64_t c = 0; c < D; ++c) {
-      T acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += pk[(t * K + k) * D + c];
-      if (ps) acc += ps[t * D + c];
-      o[t * D + c] = acc + pr[t * D + c];
-    }
-  return out;
 }
 
 template <class T>
@@ -217,9 +148,9 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const st
   gate_up_w_.init(D, 2 * I, false, ep, cfg_.dtype);
   down_w_.init(I, D, false, ep, cfg_.dtype);
   alias_workers(-1, false);  // drop the workers' own (zero) weights
-  init_normal(gate_.weight().value, cfg_.seed, pre + "gate.weight", cfg_.init_std);
-  init_normal(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std);
-  init_normal(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std);
+  init_normal_named(gate_.weight().value, cfg_.seed, pre + "gate.weight", cfg_.init_std);
+  init_normal_named(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std);
+  init_normal_named(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std);
 }
 
 DType MoeLayer::compute_dtype(DType x_dt) const {
@@ -302,8 +233,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
   run_experts(fctx, xc, s);
   Tensor ys;
   if (shared_) ys = shared_->forward(fctx, xc, keep ? &s.shared : nullptr);
-  Tensor y = cdt == DType::f64 ? combine<double>(s.eo, s.route.topk_weight, ys, Tn, K, D)
-                               : combine<float>(s.eo, s.route.topk_weight, ys, Tn, K, D);
+  Tensor y = ops::moe_combine(s.eo.view({Tn, K, D}), s.route.topk_weight, ys);
   Output out;
   out.y = x.dtype() == cdt ? y : y.to(x.dtype());
   out.topk_idx = s.route.topk_idx;
@@ -352,11 +282,9 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   ensure_grad(*down_, where);
 
   const Tensor dyc = as_dtype(dy, cdt);
-  Tensor dw = Tensor::empty({Tn, K}, cdt), dO = Tensor::empty({Tn * K, D}, cdt);
-  if (cdt == DType::f64)
-    combine_backward<double>(dyc, R.eo, R.route.topk_weight, dw, dO, Tn, K, D);
-  else
-    combine_backward<float>(dyc, R.eo, R.route.topk_weight, dw, dO, Tn, K, D);
+  const ops::MoeCombineGrads cg =
+      ops::moe_combine_backward(dyc, R.eo.view({Tn, K, D}), R.route.topk_weight);
+  const Tensor dO = cg.deo.view({Tn * K, D});
 
   Tensor dxk = Tensor::empty({Tn * K, D}, cdt);
   for (int64_t e = 0; e < E; ++e) {
@@ -374,7 +302,7 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   if (shared_) dxs = as_dtype(shared_->backward(ctx, dyc, saved.shared), cdt);
 
   const ops::MoeRouterConfig rc = cfg_.router_config();
-  Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, dw);
+  Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, cg.dw);
   if (cfg_.aux_loss_coeff > 0 && d_aux != 0) {
     const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.cu_seqlens,
                                                      cfg_.aux_loss_coeff, d_aux);
@@ -384,8 +312,12 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
       add_in_place<float>(dl, da);
   }
   const Tensor dxr = as_dtype(gate_.backward(ctx, dl, R.router), cdt);
-  Tensor dx = cdt == DType::f64 ? sum_dx<double>(dxk, dxs, dxr, Tn, K, D)
-                                : sum_dx<float>(dxk, dxs, dxr, Tn, K, D);
+  // dx = sum_k dxk[t, k] + dxs + dxr, in that order.
+  Tensor dx = ops::moe_combine(dxk.view({Tn, K, D}), Tensor(), dxs);
+  if (cdt == DType::f64)
+    add_in_place<double>(dx, dxr);
+  else
+    add_in_place<float>(dx, dxr);
   return saved.x_dtype == cdt ? dx : dx.to(saved.x_dtype);
 }
 

@@ -51,40 +51,14 @@ void pool_alpha(const F* g, const F* ape, int64_t s, int64_t c, int64_t P, int64
   for (int64_t j = 0; j < P; ++j) alpha[j] /= sum;
 }
 
-template <class F>
-void compress_fwd(const CompressArgs& a, Tensor& out) {
+// For every pool p (first token s) and channel c, pools in parallel: the softmax weights alpha
+// [P] and the pooled key K = sum_j alpha[j] k[s + j, c] (j ascending), handed to
+// fn(p, s, c, alpha, K).
+template <class F, class Fn>
+void for_each_pooled(const CompressArgs& a, const std::vector<int64_t>& st, Fn&& fn) {
   const F* k = a.k.data<F>();
   const F* g = a.gate.data<F>();
   const F* ape = a.ape.data<F>();
-  F* o = out.data<F>();
-  const std::vector<int64_t> st = pool_starts(a);
-  const int64_t P = a.P, D = a.D;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < a.NP; ++p) {
-    std::vector<F> alpha(static_cast<size_t>(P));
-    const int64_t s = st[size_t(p)];
-    for (int64_t c = 0; c < D; ++c) {
-      pool_alpha(g, ape, s, c, P, D, alpha.data());
-      F acc = 0;
-      for (int64_t j = 0; j < P; ++j) acc += alpha[size_t(j)] * k[(s + j) * D + c];
-      o[p * D + c] = acc;
-    }
-  }
-}
-
-template <class F>
-void compress_bwd(const CompressArgs& a, const Tensor& dpool, KPoolCompressGrads& r) {
-  const F* k = a.k.data<F>();
-  const F* g = a.gate.data<F>();
-  const F* ape = a.ape.data<F>();
-  const F* dK = dpool.data<F>();
-  r.dk.zero_();
-  r.dgate.zero_();
-  r.dape.zero_();
-  F* dk = r.dk.data<F>();
-  F* dg = r.dgate.data<F>();
-  F* dA = r.dape.data<F>();
-  const std::vector<int64_t> st = pool_starts(a);
   const int64_t P = a.P, D = a.D;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < a.NP; ++p) {
@@ -94,13 +68,38 @@ void compress_bwd(const CompressArgs& a, const Tensor& dpool, KPoolCompressGrads
       pool_alpha(g, ape, s, c, P, D, alpha.data());
       F K = 0;
       for (int64_t j = 0; j < P; ++j) K += alpha[size_t(j)] * k[(s + j) * D + c];
-      const F d = dK[p * D + c];
-      for (int64_t j = 0; j < P; ++j) {
-        dk[(s + j) * D + c] = alpha[size_t(j)] * d;
-        dg[(s + j) * D + c] = alpha[size_t(j)] * (k[(s + j) * D + c] - K) * d;
-      }
+      fn(p, s, c, alpha.data(), K);
     }
   }
+}
+
+template <class F>
+void compress_fwd(const CompressArgs& a, Tensor& out) {
+  F* o = out.data<F>();
+  const int64_t D = a.D;
+  for_each_pooled<F>(a, pool_starts(a),
+                     [&](int64_t p, int64_t, int64_t c, const F*, F K) { o[p * D + c] = K; });
+}
+
+template <class F>
+void compress_bwd(const CompressArgs& a, const Tensor& dpool, KPoolCompressGrads& r) {
+  const F* k = a.k.data<F>();
+  const F* dK = dpool.data<F>();
+  r.dk.zero_();
+  r.dgate.zero_();
+  r.dape.zero_();
+  F* dk = r.dk.data<F>();
+  F* dg = r.dgate.data<F>();
+  F* dA = r.dape.data<F>();
+  const std::vector<int64_t> st = pool_starts(a);
+  const int64_t P = a.P, D = a.D;
+  for_each_pooled<F>(a, st, [&](int64_t p, int64_t s, int64_t c, const F* alpha, F K) {
+    const F d = dK[p * D + c];
+    for (int64_t j = 0; j < P; ++j) {
+      dk[(s + j) * D + c] = alpha[j] * d;
+      dg[(s + j) * D + c] = alpha[j] * (k[(s + j) * D + c] - K) * d;
+    }
+  });
   // dape: per (slot, channel), the pools in id order.
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < D; ++c)

@@ -45,22 +45,30 @@ struct GateData {
   }
 };
 
-template <class T>
-void gate_fwd(const KdaGateArgs& a, const GateDims& d, Tensor& g) {
-  GateData<T> in(a, d.dt);
-  T* out = g.data<T>();
-  const bool std_gate = a.kind == KdaGateKind::standard;
-  const T lb = T(a.lower_bound);
+// For every element i = (t, h, c), tokens in parallel: eA = exp(A_log[h]) (1 without A_log) and
+// the gate input x = z[i] + dt_bias[h, c], handed to fn(i, eA, x).
+template <class T, class Fn>
+void for_each_gate_input(const GateData<T>& in, const GateDims& d, Fn&& fn) {
 #pragma omp parallel for schedule(static) if (d.T * d.HV * d.K >= (1 << 16))
   for (int64_t t = 0; t < d.T; ++t)
     for (int64_t h = 0; h < d.HV; ++h) {
       const T eA = in.A ? std::exp(in.A[h]) : T(1);
       for (int64_t c = 0; c < d.K; ++c) {
         const int64_t i = (t * d.HV + h) * d.K + c;
-        const T x = in.z[i] + (in.b ? in.b[h * d.K + c] : T(0));
-        out[i] = std_gate ? -mul0(eA, softplus(x)) : lb * sigmoid_scalar(mul0(eA, x));
+        fn(i, eA, in.z[i] + (in.b ? in.b[h * d.K + c] : T(0)));
       }
     }
+}
+
+template <class T>
+void gate_fwd(const KdaGateArgs& a, const GateDims& d, Tensor& g) {
+  GateData<T> in(a, d.dt);
+  T* out = g.data<T>();
+  const bool std_gate = a.kind == KdaGateKind::standard;
+  const T lb = T(a.lower_bound);
+  for_each_gate_input(in, d, [&](int64_t i, T eA, T x) {
+    out[i] = std_gate ? -mul0(eA, softplus(x)) : lb * sigmoid_scalar(mul0(eA, x));
+  });
 }
 
 template <class T>
@@ -74,25 +82,18 @@ void gate_bwd(const KdaGateArgs& a, const GateDims& d, const Tensor& dg_in, KdaG
   // Per element: dz, and the dA_log summand (standard: dy * g; lower bound: dz * x).
   Tensor dAel = Tensor::empty({d.T, d.HV, d.K}, d.dt);
   T* dae = dAel.data<T>();
-#pragma omp parallel for schedule(static) if (d.T * d.HV * d.K >= (1 << 16))
-  for (int64_t t = 0; t < d.T; ++t)
-    for (int64_t h = 0; h < d.HV; ++h) {
-      const T eA = in.A ? std::exp(in.A[h]) : T(1);
-      for (int64_t c = 0; c < d.K; ++c) {
-        const int64_t i = (t * d.HV + h) * d.K + c;
-        const T x = in.z[i] + (in.b ? in.b[h * d.K + c] : T(0));
-        if (std_gate) {
-          const T g = -mul0(eA, softplus(x));
-          dz[i] = -mul0(mul0(eA, sigmoid_scalar(x)), dy[i]);
-          dae[i] = mul0(dy[i], g);
-        } else {
-          const T y = mul0(eA, x);
-          const T ds = sigmoid_scalar(y) * sigmoid_scalar(-y);  // s (1 - s) without cancellation
-          dz[i] = mul0(mul0(dy[i] * lb, ds), eA);
-          dae[i] = mul0(dz[i], x);
-        }
-      }
+  for_each_gate_input(in, d, [&](int64_t i, T eA, T x) {
+    if (std_gate) {
+      const T g = -mul0(eA, softplus(x));
+      dz[i] = -mul0(mul0(eA, sigmoid_scalar(x)), dy[i]);
+      dae[i] = mul0(dy[i], g);
+    } else {
+      const T y = mul0(eA, x);
+      const T ds = sigmoid_scalar(y) * sigmoid_scalar(-y);  // s (1 - s) without cancellation
+      dz[i] = mul0(mul0(dy[i] * lb, ds), eA);
+      dae[i] = mul0(dz[i], x);
     }
+  });
   if (in.A) {
     T* dA = r.dA_log.data<T>();
 #pragma omp parallel for schedule(static) if (d.T * d.HV * d.K >= (1 << 16))

@@ -341,6 +341,13 @@ void mhc_sinkhorn_backward(const Tensor& logits, const Tensor& dcomb, double hc_
 
 // ---- collapse / write-back ---------------------------------------------------------------------
 namespace {
+// sum_i a[i * sa] * b[i * sb] over i = 0 .. n-1, in that order.
+template <class T>
+T dot_strided(const T* a, int64_t sa, const T* b, int64_t sb, int64_t n) {
+  T s = 0;
+  for (int64_t i = 0; i < n; ++i) s += a[i * sa] * b[i * sb];
+  return s;
+}
 template <class T>
 void collapse_fwd(const Tensor& x_in, const Tensor& pre_in, const Dims& d, Tensor& u_out) {
   const DType dt = dtype_of<T>::value;
@@ -410,31 +417,19 @@ void write_back_bwd(const Tensor& x_in, const Tensor& y_in, const Tensor& post_i
   const int64_t n = d.n, D = d.D;
   T *dx = r.dx.data<T>(), *dy = r.dy.data<T>(), *dpost = r.dpost.data<T>(),
     *dcomb = r.dcomb.data<T>();
+  // Per token, g_t [n, D]: dy = post^T g_t; dx_j = sum_i comb[j, i] g_t[i]; dpost_i = <g_t[i], y>;
+  // dcomb[j, i] = <g_t[i], x_j>.
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < d.T; ++t) {
     const T* gt = g + t * n * D;
-    for (int64_t e = 0; e < D; ++e) {
-      T s = 0;
-      for (int64_t i = 0; i < n; ++i) s += post[t * n + i] * gt[i * D + e];
-      dy[t * D + e] = s;
-    }
+    for (int64_t e = 0; e < D; ++e) dy[t * D + e] = dot_strided(post + t * n, 1, gt + e, D, n);
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t e = 0; e < D; ++e) {
-        T s = 0;
-        for (int64_t i = 0; i < n; ++i) s += comb[(t * n + j) * n + i] * gt[i * D + e];
-        dx[(t * n + j) * D + e] = s;
-      }
-    for (int64_t i = 0; i < n; ++i) {
-      T s = 0;
-      for (int64_t e = 0; e < D; ++e) s += gt[i * D + e] * y[t * D + e];
-      dpost[t * n + i] = s;
-    }
+      for (int64_t e = 0; e < D; ++e)
+        dx[(t * n + j) * D + e] = dot_strided(comb + (t * n + j) * n, 1, gt + e, D, n);
+    for (int64_t i = 0; i < n; ++i) dpost[t * n + i] = dot_strided(gt + i * D, 1, y + t * D, 1, D);
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < n; ++i) {
-        T s = 0;
-        for (int64_t e = 0; e < D; ++e) s += gt[i * D + e] * x[(t * n + j) * D + e];
-        dcomb[(t * n + j) * n + i] = s;
-      }
+      for (int64_t i = 0; i < n; ++i)
+        dcomb[(t * n + j) * n + i] = dot_strided(gt + i * D, 1, x + (t * n + j) * D, 1, D);
   }
 }
 }  // namespace

@@ -321,6 +321,66 @@ void swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit, T
     swiglu_rows_bwd<float>(gu.data<float>(), dh.data<float>(), dgu.data<float>(), rows, I, limit);
 }
 
+// ---- combine ------------------------------------------------------------------------------------
+namespace {
+// out[t] = sum_k w[t, k] eo[t, k] (+ shared[t]), k ascending, then the shared expert; w ==
+// nullptr: the plain sum; shared == nullptr: none. eo [T, K, D], w [T, K], shared and out [T, D].
+template <class T>
+void combine_rows(const T* eo, const T* w, const T* shared, int64_t Tn, int64_t K, int64_t D,
+                  T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t c = 0; c < D; ++c) {
+      T acc = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const T v = eo[(t * K + k) * D + c];
+        acc += w ? w[t * K + k] * v : v;
+      }
+      if (shared) acc += shared[t * D + c];
+      out[t * D + c] = acc;
+    }
+}
+
+// dw[t, k] = <dout_t, eo[t, k]> (channels ascending), deo[t, k] = w[t, k] dout_t.
+template <class T>
+void combine_rows_backward(const T* dout, const T* eo, const T* w, int64_t Tn, int64_t K, int64_t D,
+                           T* dw, T* deo) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t a = t * K + k;
+      T acc = 0;
+      for (int64_t c = 0; c < D; ++c) {
+        acc += dout[t * D + c] * eo[a * D + c];
+        deo[a * D + c] = w[a] * dout[t * D + c];
+      }
+      dw[a] = acc;
+    }
+}
+
+template <class T>
+const T* data_or_null(const Tensor& t) {
+  return t.defined() ? t.data<T>() : nullptr;
+}
+}  // namespace
+
+void moe_combine(const Tensor& eo, const Tensor& w, const Tensor& shared, Tensor& out) {
+  detail::dispatch_float(out.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    combine_rows<T>(eo.data<T>(), data_or_null<T>(w), data_or_null<T>(shared), eo.size(0),
+                    eo.size(1), eo.size(2), out.data<T>());
+  });
+}
+
+void moe_combine_backward(const Tensor& dout, const Tensor& eo, const Tensor& w,
+                          MoeCombineGrads& r) {
+  detail::dispatch_float(eo.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    combine_rows_backward<T>(dout.data<T>(), eo.data<T>(), w.data<T>(), eo.size(0), eo.size(1),
+                             eo.size(2), r.dw.data<T>(), r.deo.data<T>());
+  });
+}
+
 // ---- experts ------------------------------------------------------------------------------------
 namespace {
 struct ExpertDims {
@@ -355,12 +415,19 @@ void scatter_rows(const Tensor& src, const std::vector<int64_t>& rows, int64_t C
     std::copy(s + int64_t(r) * C, s + int64_t(r) * C + C, o + rows[r] * C);
 }
 
-// Assignments a = t*K + k of each expert, ascending.
-std::vector<std::vector<int64_t>> assignments(const std::vector<int64_t>& idx, int64_t E) {
-  std::vector<std::vector<int64_t>> a(static_cast<size_t>(E));
-  for (size_t i = 0; i < idx.size(); ++i) a[size_t(idx[i])].push_back(int64_t(i));
-  return a;
+// For each expert e in order that has assignments: fn(e, rows, toks) with its assignments
+// a = t*K + k (rows, ascending) and their tokens t = a / K (toks).
+template <class Fn>
+void for_each_expert(const std::vector<int64_t>& idx, int64_t E, int64_t K, Fn&& fn) {
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E)), toks(static_cast<size_t>(E));
+  for (size_t i = 0; i < idx.size(); ++i) {
+    rows[size_t(idx[i])].push_back(int64_t(i));
+    toks[size_t(idx[i])].push_back(int64_t(i) / K);
+  }
+  for (int64_t e = 0; e < E; ++e)
+    if (!rows[size_t(e)].empty()) fn(e, rows[size_t(e)], toks[size_t(e)]);
 }
+using Rows = std::vector<int64_t>;  // the rows / toks of for_each_expert
 
 template <class T>
 void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int64_t>& idx,
@@ -377,12 +444,7 @@ void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int6
   s.gu = Tensor::empty({T_ * K, 2 * I}, dt);
   s.h = Tensor::empty({T_ * K, I}, dt);
   s.eo = Tensor::empty({T_ * K, D}, dt);
-  const auto asg = assignments(idx, d.E);
-  for (int64_t e = 0; e < d.E; ++e) {
-    const auto& rows = asg[size_t(e)];
-    if (rows.empty()) continue;
-    std::vector<int64_t> toks(rows.size());
-    for (size_t r = 0; r < rows.size(); ++r) toks[r] = rows[r] / K;
+  for_each_expert(idx, d.E, K, [&](int64_t e, const Rows& rows, const Rows& toks) {
     Tensor xe = gather_rows<T>(x, toks, D);
     Tensor gue = matmul(xe, false, gu_w.select(0, e), true);  // [n, 2I]
     Tensor he = ops::swiglu_clamped_forward(gue, limit);      // [n, I]
@@ -390,24 +452,14 @@ void experts_fwd(const Tensor& x_in, const MoeWeights& w, const std::vector<int6
     scatter_rows<T>(gue, rows, 2 * I, s.gu);
     scatter_rows<T>(he, rows, I, s.h);
     scatter_rows<T>(eoe, rows, D, s.eo);
-  }
+  });
   Tensor so;
   if (d.shared && T_ > 0) {
     s.sgu = matmul(x, false, as_dt(w.shared_gate_up, dt), true);
     s.sh = ops::swiglu_clamped_forward(s.sgu, limit);
     so = matmul(s.sh, false, as_dt(w.shared_down, dt), true);
   }
-  T* o = out.data<T>();
-  const T *eo = s.eo.data<T>(), *wt = tw.data<T>();
-  const T* sp = so.defined() ? so.data<T>() : nullptr;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t c = 0; c < D; ++c) {
-      T acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += wt[t * K + k] * eo[(t * K + k) * D + c];
-      if (sp) acc += sp[t * D + c];
-      o[t * D + c] = acc;
-    }
+  combine_rows<T>(s.eo.data<T>(), tw.data<T>(), data_or_null<T>(so), T_, K, D, out.data<T>());
   s.gu = s.gu.view({T_, K, 2 * I});
   s.h = s.h.view({T_, K, I});
   s.eo = s.eo.view({T_, K, D});
@@ -421,30 +473,13 @@ void experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in, 
   Tensor dout = as_dt(dout_in, dt);
   Tensor gu_w = as_dt(w.gate_up, dt), dn_w = as_dt(w.down, dt);
   const std::vector<int64_t> idx = detail::index_values(s.topk_idx);
-  const T *dop = dout.data<T>(), *wt = s.topk_weight.data<T>(), *eo = s.eo.data<T>();
-  T* dw = r.dtopk_weight.data<T>();
   // Weighted output gradient per assignment: dO[a] = w_a dout_t.
   Tensor dO = Tensor::empty({T_ * K, D}, dt);
-  T* dOp = dO.data<T>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t a = t * K + k;
-      T acc = 0;
-      for (int64_t c = 0; c < D; ++c) {
-        acc += dop[t * D + c] * eo[a * D + c];
-        dOp[a * D + c] = wt[a] * dop[t * D + c];
-      }
-      dw[a] = acc;
-    }
+  combine_rows_backward<T>(dout.data<T>(), s.eo.data<T>(), s.topk_weight.data<T>(), T_, K, D,
+                           r.dtopk_weight.data<T>(), dO.data<T>());
   Tensor gu_all = s.gu.view({T_ * K, 2 * I}), h_all = s.h.view({T_ * K, I});
   Tensor dxk = Tensor::zeros({T_ * K, D}, dt);
-  const auto asg = assignments(idx, d.E);
-  for (int64_t e = 0; e < d.E; ++e) {
-    const auto& rows = asg[size_t(e)];
-    if (rows.empty()) continue;
-    std::vector<int64_t> toks(rows.size());
-    for (size_t q = 0; q < rows.size(); ++q) toks[q] = rows[q] / K;
+  for_each_expert(idx, d.E, K, [&](int64_t e, const Rows& rows, const Rows& toks) {
     Tensor xe = gather_rows<T>(s.x, toks, D);
     Tensor dOe = gather_rows<T>(dO, rows, D);
     Tensor he = gather_rows<T>(h_all, rows, I);
@@ -457,7 +492,7 @@ void experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in, 
     accumulate_at<T>(g.ddown, e * D * I, ddn);
     accumulate_at<T>(g.dgate_up, e * 2 * I * D, dgu);
     scatter_rows<T>(dxe, rows, D, dxk);
-  }
+  });
   Tensor sdx;
   if (d.shared && T_ > 0) {
     Tensor sgu_w = as_dt(w.shared_gate_up, dt), sdn_w = as_dt(w.shared_down, dt);
@@ -467,17 +502,7 @@ void experts_bwd(const MoeSaved& s, const MoeWeights& w, const Tensor& dout_in, 
     accumulate_at<T>(g.dshared_gate_up, 0, matmul(dsgu, true, s.x, false));
     sdx = matmul(dsgu, false, sgu_w, false);
   }
-  T* dx = r.dx.data<T>();
-  const T* dk = dxk.data<T>();
-  const T* sp = sdx.defined() ? sdx.data<T>() : nullptr;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t c = 0; c < D; ++c) {
-      T acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += dk[(t * K + k) * D + c];
-      if (sp) acc += sp[t * D + c];
-      dx[t * D + c] = acc;
-    }
+  combine_rows<T>(dxk.data<T>(), nullptr, data_or_null<T>(sdx), T_, K, D, r.dx.data<T>());
 }
 }  // namespace
 

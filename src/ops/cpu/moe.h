@@ -26,6 +26,11 @@ double moe_seq_aux_loss(const Tensor& logits, const std::vector<int64_t>& idx, i
                         Tensor* dlogits);
 void swiglu_clamped_forward(const Tensor& gu, double limit, Tensor& h);
 void swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit, Tensor& dgu);
+// out [T, D] from eo [T, K, D], w [T, K] (undefined: plain sum), shared [T, D] (or undefined).
+void moe_combine(const Tensor& eo, const Tensor& w, const Tensor& shared, Tensor& out);
+// r.dw [T, K] and r.deo [T, K, D] written.
+void moe_combine_backward(const Tensor& dout, const Tensor& eo, const Tensor& w,
+                          MoeCombineGrads& r);
 // out [T, D]; saved: what the backward needs (its tensors made here).
 void moe_experts_forward(const Tensor& x, const MoeWeights& w, const std::vector<int64_t>& idx,
                          int64_t K, const Tensor& topk_weight, double swiglu_limit, Tensor& out,
