@@ -655,7 +655,7 @@ void ModelConfig::validate(const std::string& what) const {
               indexer.kpool);
     HLM_CHECK(indexer.kpool == 1 || indexer.kpool_compress,
               "{}: 'index_kpool' is {} but 'index_kpool_compress' is false; pooled keys are "
-              "always compressed (spec dsa.md 4.2)",
+              "always compressed (docs/dsa.md, \"KPool\")",
               what, indexer.kpool);
     non_negative(indexer.loss_coeff, "dsa_indexer_loss_coeff");
   }
