@@ -6,10 +6,10 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/mhc.h"
-#include "ops/seqlens.h"
 
 namespace hlm {
 
@@ -641,11 +641,11 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   const int64_t T = in.tokens.size(0), D = cfg_.hidden_size;
   const DType cdt = compute_dtype();
   Tensor tokens = in.tokens.to(DType::i64);
-  // check_cu_seqlens on the tensor as given: i64 / i32 only, then the values.
-  const Tensor cu_in = in.cu_seqlens.defined() ? in.cu_seqlens : ops::cu_seqlens_from_lengths({T});
-  const std::vector<int64_t> cu_vec =
-      ops::check_cu_seqlens(cu_in, T, "HybridModel::forward: cu_seqlens");
-  Tensor cu = cu_in.to(DType::i64);
+  // The batch's sequences, checked once (the tensor as given: i64 / i32 only, then the values).
+  const SeqLayout seqs =
+      SeqLayout::from_tensor(in.cu_seqlens, T, "HybridModel::forward: cu_seqlens");
+  const std::vector<int64_t>& cu_vec = seqs.offsets();
+  Tensor cu = seqs.cu_seqlens();
   const bool has_targets = in.targets.defined();
   if (has_targets)
     HLM_CHECK(in.targets.dim() == 1 && in.targets.size(0) == T,

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "layers/dsa/indexer.h"
 #include "ops/dsa_indexer_loss.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {

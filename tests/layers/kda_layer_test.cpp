@@ -12,8 +12,8 @@
 
 #include "core/rng.h"
 #include "core/safetensors.h"
+#include "core/seq_layout.h"
 #include "layers/kda/kda_layer.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {

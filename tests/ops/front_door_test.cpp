@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "ops/activations.h"
 #include "ops/cast.h"
 #include "ops/conv1d.h"
@@ -26,7 +27,6 @@
 #include "ops/mhc.h"
 #include "ops/moe.h"
 #include "ops/rmsnorm.h"
-#include "ops/seqlens.h"
 #include "ops/softmax.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
@@ -57,7 +57,7 @@ void expect_poison_invariant(const char* what, const std::function<Outs()>& run)
 }
 
 Tensor cu_of(const std::vector<int64_t>& lens) {
-  return cu_seqlens_from_lengths(lens);
+  return SeqLayout::from_lengths(lens);
 }
 
 TEST(FrontDoorPoison, TheHookPoisonsNewOutputs) {

@@ -18,7 +18,6 @@
 #include <cstring>
 
 #include "core/rng.h"
-#include "ops/seqlens.h"
 
 namespace hlm {
 
@@ -288,11 +287,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
   const int64_t Tn = x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
   const DType cdt = hlm::compute_dtype(x.dtype());
   const Tensor xc = as_dtype(x, cdt);
-  Tensor cu = cu_seqlens.defined() ? cu_seqlens : ops::cu_seqlens_from_lengths({Tn});
-  if (cu_seqlens.defined()) {
-    const std::vector<int64_t> v = ops::check_cu_seqlens(cu_seqlens, Tn, "MoeLayer cu_seqlens");
-    cu = Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
-  }
+  const SeqLayout seqs = SeqLayout::from_tensor(cu_seqlens, Tn, "MoeLayer cu_seqlens");
   const bool keep = saved && ctx.training;
   const Context fctx = keep ? ctx : Context{false, false};
   Saved local;
@@ -310,11 +305,11 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
   out.topk_weight = s.route.topk_weight;
   out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
   if (cfg_.aux_loss_coeff > 0)
-    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, cu, cfg_.aux_loss_coeff);
+    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, seqs, cfg_.aux_loss_coeff);
   if (keep) {
     s.x = xc;
     s.x_dtype = x.dtype();
-    s.cu_seqlens = cu;
+    s.seqs = seqs;
     if (ctx.recompute) {
       s.router = Linear::Saved{};
       s.logits = Tensor();
@@ -376,7 +371,7 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   const ops::MoeRouterConfig rc = cfg_.router_config();
   Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, dw);
   if (cfg_.aux_loss_coeff > 0 && d_aux != 0) {
-    const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.cu_seqlens,
+    const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.seqs,
                                                      cfg_.aux_loss_coeff, d_aux);
     if (cdt == DType::f64)
       add_in_place<double>(dl, da);

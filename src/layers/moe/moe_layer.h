@@ -120,7 +120,7 @@ class MoeLayer : public Module {
     // Always kept (also under ctx.recompute):
     Tensor x;  // [T, D] compute dtype
     DType x_dtype = DType::f32;
-    Tensor cu_seqlens;        // i64 [N+1] (a single sequence when none was given)
+    SeqLayout seqs;           // the batch's sequences (one when none was given)
     Tensor topk_idx;          // [T, K] i64, the selection
     DenseMlp::Saved shared;   // the shared expert (its own recompute rule)
     bool recomputed = false;  // true: the fields below are empty, backward recomputes them
