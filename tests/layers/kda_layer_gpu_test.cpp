@@ -48,7 +48,8 @@ using testing::cpu;
 using testing::gpu;
 
 struct Problem {
-  Tensor x, cu;
+  Tensor x;
+  SeqLayout cu;
   KdaState init;
   Tensor dy;
   KdaState dfin;
@@ -72,7 +73,7 @@ Problem make_problem(const KdaConfig& c, const std::vector<int64_t>& lens, DType
 Problem to_gpu(const Problem& p) {
   Problem g;
   g.x = gpu(p.x);
-  g.cu = p.cu;  // host cu_seqlens (read on the host either way)
+  g.cu = p.cu;  // the layout lives on the host either way
   g.init = {gpu(p.init.conv), gpu(p.init.recurrent)};
   g.dy = gpu(p.dy);
   g.dfin = {gpu(p.dfin.conv), gpu(p.dfin.recurrent)};

@@ -180,10 +180,10 @@ TEST(MoeLayer, MatchesTheOpsPipeline) {
 
 // Finite differences of loss = <y, G> + aux_loss with the selection fixed: every probe re-runs the
 // forward and records whether the selection moved (it must not).
-void fd_check(MoeConfig c, const Tensor& cu, Rng& rng) {
+void fd_check(MoeConfig c, const SeqLayout& cu, Rng& rng) {
   MoeLayer m(c, policy(GemmKind::native), "model.layers.4.mlp");
   rng.fill_normal(m.correction_bias().value, 0.0, 0.05);
-  const int64_t T = cu.to_f64_vector().back();
+  const int64_t T = cu.total_tokens();
   Tensor x = randn({T, c.hidden_size}, DType::f64, rng);
   const Tensor G = randn({T, c.hidden_size}, DType::f64, rng);
   MoeLayer::Saved s;
@@ -540,7 +540,7 @@ TEST(MoeLayer, BadConfigAndInputsThrow) {
       [&] {
         m.forward(Context{}, x, SeqLayout::from_lengths({2, 2}), nullptr);
       },
-      "cu_seqlens");
+      "the sequence layout covers 4 tokens, x has 10");
   std::vector<int64_t> dup(10, 0);
   expect_error(
       [&] {

@@ -66,7 +66,7 @@ Batch random_batch(const std::vector<int64_t>& lengths, int64_t vocab, Rng& rng)
   }
   b.tokens = Tensor::from_vector({T}, tok);
   b.targets = Tensor::from_vector({T}, tgt);
-  b.cu = SeqLayout::from_lengths(lengths);
+  b.cu = SeqLayout::from_lengths(lengths).cu_seqlens();
   return b;
 }
 

@@ -56,10 +56,6 @@ void expect_poison_invariant(const char* what, const std::function<Outs()>& run)
     EXPECT_TRUE(hlm::testing::bit_equal(poisoned[i], plain[i])) << what << ": output " << i;
 }
 
-Tensor cu_of(const std::vector<int64_t>& lens) {
-  return SeqLayout::from_lengths(lens);
-}
-
 TEST(FrontDoorPoison, TheHookPoisonsNewOutputs) {
   PoisonOn on;
   const Tensor t = detail::new_output({3}, DType::f32, Device::cpu);
@@ -97,7 +93,8 @@ TEST(FrontDoorPoison, ElementwiseNormsConvGateDecode) {
                   l2norm_backward(dy, x, l.rstd)};
     });
     // Three sequences, one shorter than the conv's W - 1 = 3, with an initial state.
-    const Tensor cu = cu_of({4, 2, 1}), cw = randn({5, 4}, dt, rng);
+    const SeqLayout cu = hlm::testing::seqs_of({4, 2, 1});
+    const Tensor cw = randn({5, 4}, dt, rng);
     const Tensor st = randn({3, 3, 5}, dt, rng), cdw0 = randn({5, 4}, dt, rng);
     const Tensor xu = randn({3, 5}, dt, rng);
     expect_poison_invariant("conv1d", [&] {
@@ -202,7 +199,7 @@ TEST(FrontDoorPoison, Fp8) {
 TEST(FrontDoorPoison, DsaIndexerAttentionKPool) {
   Rng rng(test_seed());
   const std::vector<int64_t> lens{7, 2, 5};
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = hlm::testing::seqs_of(lens);
   const int64_t T = 14, H = 2, D = 8, P = 2;
   for (DType dt : {DType::f32, DType::f64}) {
     const Tensor q = randn({T, H, D}, dt, rng), k = randn({T, D}, dt, rng),
@@ -257,7 +254,8 @@ TEST(FrontDoorPoison, MoeAndMhc) {
     const MoeWeights w{randn({E, 2 * I, D}, dt, rng), randn({E, D, I}, dt, rng),
                        randn({4, D}, dt, rng), randn({D, 2}, dt, rng)};
     const Tensor gu = randn({T, 2 * I}, dt, rng, 8.0), dh = randn({T, I}, dt, rng);
-    const Tensor cu = cu_of({4, 2}), dweight = randn({T, 2}, dt, rng);
+    const SeqLayout cu = hlm::testing::seqs_of({4, 2});
+    const Tensor dweight = randn({T, 2}, dt, rng);
     expect_poison_invariant("moe", [&] {
       const MoeRouterResult r = moe_router_forward(logits, bias, cfg);
       const Tensor dl = moe_router_backward(logits, r, cfg, dweight);

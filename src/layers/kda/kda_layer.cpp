@@ -378,8 +378,7 @@ ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, c
 
 }  // namespace
 
-Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
-                         const KdaState* initial, Saved* saved, KdaState* final_state) const {
+void KdaLayer::check_input(const Tensor& x) const {
   const std::string w = where();
   HLM_CHECK(x.defined() && x.device() == q_proj_.weight_value().device(),
             "{}: x must be a defined tensor on the device of the parameters ({}), got {}", w,
@@ -391,10 +390,24 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_s
             "{}: x must be f64, f32 or bf16, got {}", w, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
             "{}: x must be [T, hidden_size = {}], got {}", w, cfg_.hidden_size, x.describe());
+}
+
+Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                         const KdaState* initial, Saved* saved, KdaState* final_state) const {
+  check_input(x);
+  const std::string what = where() + ": cu_seqlens";
+  const SeqLayout seqs = SeqLayout::from_tensor(cu_seqlens, x.size(0), what.c_str());
+  HLM_CHECK(seqs.num_seqs() >= 1, "{}: cu_seqlens must hold N+1 >= 2 entries, got 1", where());
+  return forward(ctx, x, seqs, initial, saved, final_state);
+}
+
+Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
+                         const KdaState* initial, Saved* saved, KdaState* final_state) const {
+  check_input(x);
+  const std::string w = where();
   const int64_t T = x.size(0);
-  const std::string what = w + ": cu_seqlens";
-  const SeqLayout seqs = SeqLayout::from_tensor(cu_seqlens, T, what.c_str());
-  HLM_CHECK(seqs.num_seqs() >= 1, "{}: cu_seqlens must hold N+1 >= 2 entries, got 1", w);
+  seqs.check_tokens(T, w.c_str(), "x");
+  HLM_CHECK(seqs.num_seqs() >= 1, "{}: the sequence layout must hold N >= 1 sequences, got 0", w);
   const int64_t N = seqs.num_seqs();
   const DType cdt = hlm::compute_dtype(x.dtype());
   KdaState init;

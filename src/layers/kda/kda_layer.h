@@ -167,6 +167,9 @@ class KdaLayer : public Module {
   // token of every sequence (conv [N, W-1, 2HK + HV V] and recurrent [N, HV, K, V], compute dtype).
   Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
                  const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
+  // The same with a checked layout of N >= 1 sequences covering the T tokens.
+  Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
+                 const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
 
   // dy [T, D]; d_final: optional gradients of the final states (either part may be undefined).
   Grads backward(const Context& ctx, const Tensor& dy, const Saved& saved,
@@ -184,6 +187,7 @@ class KdaLayer : public Module {
   std::vector<Param*> conv_weights() { return conv_params_; }
 
  private:
+  void check_input(const Tensor& x) const;  // x [T, D] on the parameters' device
   struct Conv {
     Param* param = nullptr;  // holds these channels: rows [row0, row0 + channels) of its [C, 1, W]
     int64_t row0 = 0, channels = 0;

@@ -277,17 +277,29 @@ void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const
   alias_workers(-1, false);
 }
 
-MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
-                                   Saved* saved, const Tensor& replay_idx) const {
+void MoeLayer::check_input(const Tensor& x) const {
   HLM_CHECK(x.defined() && x.is_cpu(), "MoeLayer({}): x must be a defined CPU tensor", path_);
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "MoeLayer({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
             "MoeLayer({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
+}
+
+MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                                   Saved* saved, const Tensor& replay_idx) const {
+  check_input(x);
+  return forward(ctx, x, SeqLayout::from_tensor(cu_seqlens, x.size(0), "MoeLayer cu_seqlens"),
+                 saved, replay_idx);
+}
+
+MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
+                                   Saved* saved, const Tensor& replay_idx) const {
+  check_input(x);
   const int64_t Tn = x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
+  const std::string op = fmt::format("MoeLayer({})", path_);
+  seqs.check_tokens(Tn, op.c_str(), "x");
   const DType cdt = hlm::compute_dtype(x.dtype());
   const Tensor xc = as_dtype(x, cdt);
-  const SeqLayout seqs = SeqLayout::from_tensor(cu_seqlens, Tn, "MoeLayer cu_seqlens");
   const bool keep = saved && ctx.training;
   const Context fctx = keep ? ctx : Context{false, false};
   Saved local;
