@@ -540,7 +540,7 @@ TEST(MoeLayer, BadConfigAndInputsThrow) {
       [&] {
         m.forward(Context{}, x, SeqLayout::from_lengths({2, 2}), nullptr);
       },
-      "the sequence layout covers 4 tokens, x has 10");
+      "the sequence layout covers 4 tokens, x has 5");
   std::vector<int64_t> dup(10, 0);
   expect_error(
       [&] {

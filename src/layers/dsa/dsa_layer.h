@@ -105,12 +105,16 @@ class DsaLayer : public Mla {
   // one is given. The indexer still runs for its loss (over its own selection).
   Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
                  const Tensor& given_indices = {}) const;
-  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence).
+  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
+  // input is reported by the overload above).
   Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
                  const Tensor& given_indices = {}) const {
-    return forward(ctx, x,
-                   SeqLayout::from_tensor(cu_seqlens, x.size(0), "DsaLayer::forward: cu_seqlens"),
-                   saved, given_indices);
+    return forward(
+        ctx, x,
+        (x.defined() && x.dim() > 0
+             ? SeqLayout::from_tensor(cu_seqlens, x.size(0), "DsaLayer::forward: cu_seqlens")
+             : SeqLayout()),
+        saved, given_indices);
   }
   // dy [T, D] -> dx (dtype of the saved x). indexer_grad_scale multiplies the indexer loss's
   // gradient (the LM loss scale; 0 skips the indexer backward).

@@ -167,12 +167,16 @@ class DsaIndexer : public Module {
   // Fills *saved when saved != nullptr and ctx.training.
   Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const SeqLayout& seqs,
                  Saved* saved) const;
-  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence).
+  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
+  // input is reported by the overload above).
   Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const Tensor& cu_seqlens,
                  Saved* saved) const {
-    return forward(ctx, h, c_q,
-                   SeqLayout::from_tensor(cu_seqlens, h.size(0), "DsaIndexer::forward: cu_seqlens"),
-                   saved);
+    return forward(
+        ctx, h, c_q,
+        (h.defined() && h.dim() > 0
+             ? SeqLayout::from_tensor(cu_seqlens, h.size(0), "DsaIndexer::forward: cu_seqlens")
+             : SeqLayout()),
+        saved);
   }
 
   // The indexer loss and its backward. `target` is the detached TOKEN-level main-attention target

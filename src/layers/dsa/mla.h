@@ -156,11 +156,15 @@ class Mla : public Module {
 
   // x [T, D] (f64, f32 or bf16) -> y [T, D] in x's dtype.
   Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved) const;
-  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence).
+  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
+  // input is reported by the overload above).
   Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
                  Saved* saved) const {
-    return forward(
-        ctx, x, SeqLayout::from_tensor(cu_seqlens, x.size(0), "Mla::forward: cu_seqlens"), saved);
+    return forward(ctx, x,
+                   (x.defined() && x.dim() > 0
+                        ? SeqLayout::from_tensor(cu_seqlens, x.size(0), "Mla::forward: cu_seqlens")
+                        : SeqLayout()),
+                   saved);
   }
   // dy [T, D] -> dx [T, D] in the dtype of the saved x.
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved);
