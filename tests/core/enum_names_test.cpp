@@ -31,8 +31,9 @@ TEST(CoreEnumNames, NameFindParse) {
     kColorNames.parse("purple", "color");
     FAIL() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("unknown color 'purple': expected one of red, green, blue"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("unknown color 'purple': expected one of red, green, blue"),
+        std::string::npos)
         << e.what();
   }
 }

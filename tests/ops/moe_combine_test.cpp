@@ -46,13 +46,13 @@ TEST(OpsMoeCombine, MatchesLoopsBitExactAndFp64) {
         const Tensor sh = with_shared ? randn({Tn, D}, dt, rng) : Tensor();
         const Tensor out = moe_combine(eo, w, sh);
         ASSERT_EQ(out.shape(), Shape({Tn, D}));
-        const Tensor ref = dt == DType::f64 ? combine_ref<double>(eo, w, sh)
-                                            : combine_ref<float>(eo, w, sh);
-        EXPECT_TRUE(bit_equal(out, ref)) << dtype_name(dt) << " w " << with_w << " shared "
-                                         << with_shared;
-        const Tensor ref64 = combine_ref<double>(eo.to(DType::f64),
-                                                 w.defined() ? w.to(DType::f64) : Tensor(),
-                                                 sh.defined() ? sh.to(DType::f64) : Tensor());
+        const Tensor ref =
+            dt == DType::f64 ? combine_ref<double>(eo, w, sh) : combine_ref<float>(eo, w, sh);
+        EXPECT_TRUE(bit_equal(out, ref))
+            << dtype_name(dt) << " w " << with_w << " shared " << with_shared;
+        const Tensor ref64 =
+            combine_ref<double>(eo.to(DType::f64), w.defined() ? w.to(DType::f64) : Tensor(),
+                                sh.defined() ? sh.to(DType::f64) : Tensor());
         EXPECT_TRUE(close(out, ref64, testing::tolerance_for(dt)));
       }
 }
@@ -79,13 +79,22 @@ TEST(OpsMoeCombine, RejectsBadArguments) {
   expect_error([&] { moe_combine(eo.view({8, 3}), w); }, "eo must be [T, K, D]");
   expect_error([&] { moe_combine(eo, randn({4, 3}, DType::f32, rng)); }, "w must have shape");
   expect_error([&] { moe_combine(eo, w.to(DType::f64)); }, "w must have the dtype of eo");
-  expect_error([&] { moe_combine(eo, w, randn({4, 2}, DType::f32, rng)); },
-               "shared must have shape");
+  expect_error(
+      [&] {
+        moe_combine(eo, w, randn({4, 2}, DType::f32, rng));
+      },
+      "shared must have shape");
   expect_error([&] { moe_combine(eo.to(DType::bf16), Tensor()); }, "eo must be f32 or f64");
-  expect_error([&] { moe_combine_backward(randn({4, 3}, DType::f32, rng), eo, Tensor()); },
-               "w is undefined");
-  expect_error([&] { moe_combine_backward(randn({4, 2}, DType::f32, rng), eo, w); },
-               "dout must have shape");
+  expect_error(
+      [&] {
+        moe_combine_backward(randn({4, 3}, DType::f32, rng), eo, Tensor());
+      },
+      "w is undefined");
+  expect_error(
+      [&] {
+        moe_combine_backward(randn({4, 2}, DType::f32, rng), eo, w);
+      },
+      "dout must have shape");
 }
 
 }  // namespace
