@@ -74,10 +74,7 @@ void run_train(const TrainArgs& a) {
   // The typed options win over the config file and --set.
   const auto from_args = [&a](train::TrainConfig& c) {
     if (a.steps) c.steps = *a.steps;
-    if (a.seed) {
-      if (*a.seed < 0) throw Error(fmt::format("--seed must be >= 0, got {}", *a.seed));
-      c.seed = uint64_t(*a.seed);
-    }
+    if (a.seed) c.seed = uint64_t(*a.seed);  // >= 0: the option's range validator
     // The data path is relative to the current directory (not to the config file).
     if (!a.data.empty()) c.data_path = fs::absolute(a.data).string();
   };
