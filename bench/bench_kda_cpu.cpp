@@ -23,7 +23,7 @@ Inputs make(int64_t T, int64_t H, int64_t K, int64_t V) {
   in.a.v = randn({T, H, V}, DType::f32, rng);
   in.a.g = rand_uniform({T, H, K}, DType::f32, rng, -5, -0.01);
   in.a.beta = rand_uniform({T, H}, DType::f32, rng, 0.05, 0.95);
-  in.a.cu_seqlens = Tensor::from_vector<int64_t>({2}, {0, T});
+  in.a.seqs = SeqLayout::single(T);
   in.d_o = randn({T, H, V}, DType::f32, rng);
   in.dht = randn({1, H, K, V}, DType::f32, rng);
   return in;

@@ -124,9 +124,8 @@ void* hlm_kda_create(const HlmKdaProblem* p) {
     a.g = copy_in(p->g, {p->T, p->HV, p->K}, dt);
     a.beta = copy_in(p->beta, {p->T, p->HV}, dt);
     if (p->h0) a.initial_state = copy_in(p->h0, {p->N, p->HV, p->K, p->V}, DType::f32);
-    Tensor cu = Tensor::empty({p->N + 1}, DType::i64);
-    std::memcpy(cu.raw(), p->cu_seqlens_host, size_t(p->N + 1) * sizeof(int64_t));
-    a.cu_seqlens = cu;
+    a.seqs = hlm::SeqLayout::from_offsets(
+        std::vector<int64_t>(p->cu_seqlens_host, p->cu_seqlens_host + p->N + 1), p->T);
     a.scale = p->scale;
     a.use_qk_l2norm = p->use_qk_l2norm != 0;
     a.beta_logits = p->beta_logits != 0;

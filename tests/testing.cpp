@@ -204,6 +204,10 @@ Tensor cu_of(const std::vector<int64_t>& lengths) {
   return Tensor::from_vector<int64_t>({int64_t(cu.size())}, cu);
 }
 
+SeqLayout seqs_of(const std::vector<int64_t>& lengths) {
+  return SeqLayout::from_lengths(lengths);
+}
+
 int64_t total(const std::vector<int64_t>& lengths) {
   int64_t t = 0;
   for (int64_t l : lengths) t += l;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::testing {
@@ -60,6 +61,8 @@ void expect_error(const std::function<void()>& f, const std::string& needle);
 
 // cu_seqlens (i64 [N+1], CPU) of a packed batch of sequences of these lengths, and their sum.
 Tensor cu_of(const std::vector<int64_t>& lengths);
+// The checked layout of the same batch.
+SeqLayout seqs_of(const std::vector<int64_t>& lengths);
 int64_t total(const std::vector<int64_t>& lengths);
 
 // Copies of t on the GPU / the host (an undefined t stays undefined): for the GPU tests.

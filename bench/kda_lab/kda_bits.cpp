@@ -98,7 +98,7 @@ Inputs make_inputs(const Case& c, Rng& rng) {
   }
   a.v = hlm::randn({T, kHV, kV}, c.dt, rng);
   a.initial_state = hlm::randn({N, kHV, kK, kV}, DType::f32, rng, 0.5);
-  a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, cu);
+  a.seqs = hlm::SeqLayout::from_offsets(cu, T);
   a.exact_bf16_products = c.exact;
   in.d_o = hlm::randn({T, kHV, kV}, c.dt, rng);
   in.d_final = hlm::randn({N, kHV, kK, kV}, DType::f32, rng, 0.5);

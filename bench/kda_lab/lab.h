@@ -124,7 +124,7 @@ inline Inputs make_inputs(const Problem& p) {
   }
   a.v = randn({T, H, V}, f, rng);
   a.initial_state = randn({N, H, K, V}, f, rng, 0.5);
-  a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, cu);
+  a.seqs = hlm::SeqLayout::from_offsets(cu, T);
   a.exact_bf16_products = p.exact;
   in.d_o = randn({T, H, V}, f, rng);
   in.d_final = randn({N, H, K, V}, f, rng, 0.5);

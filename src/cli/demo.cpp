@@ -37,7 +37,7 @@ void run_demo() {
   a.A_log = Tensor::zeros({H}, DType::f32);
   a.dt_bias = rand_uniform({H * K}, DType::f32, rng, -1, 1);
   a.initial_state = randn({N, H, K, V}, DType::f32, rng, 0.1);
-  a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, {0, 317, 700, 1000});
+  a.seqs = SeqLayout::from_offsets({0, 317, 700, 1000}, T);
   Tensor d_o = randn({T, H, V}, DType::f32, rng), dht = randn({N, H, K, V}, DType::f32, rng);
 
   using clk = std::chrono::steady_clock;

@@ -57,7 +57,9 @@ void run_kda(const KdaCliArgs& c) {
   a.v = in.floating("v");
   a.g = in.floating("g");
   a.beta = in.floating("beta");
-  a.cu_seqlens = in.get("cu_seqlens");
+  const std::string cu_what = in.path() + ": cu_seqlens";
+  a.seqs = SeqLayout::from_tensor(in.get("cu_seqlens"), a.q.dim() >= 1 ? a.q.size(0) : 0,
+                                  cu_what.c_str());
   if (in.has("initial_state")) a.initial_state = in.floating("initial_state");
   if (in.has("scale")) {
     const Tensor& s = in.get("scale");

@@ -7,10 +7,10 @@
 
 #include "core/enum_names.h"
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/mhc.h"
-#include "ops/seqlens.h"
 
 namespace hlm {
 
@@ -242,7 +242,7 @@ class FeedForward : public Module {
 
   MoeLayer* moe() const { return moe_.get(); }
 
-  Tensor forward(const Context& c, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
+  Tensor forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
                  const Tensor& replay) const {
     if (!moe_) return mlp_->forward(c, x, s ? &s->mlp : nullptr);
     MoeLayer::Output o = moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay);
@@ -336,7 +336,7 @@ class DecoderLayer : public Module {
   bool shares_selection() const { return shared_; }
 
   // X [T, n, D] -> X' [T, n, D]. given: the DSA selection to attend (undefined: the layer's own).
-  Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
+  Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
                  const Tensor& replay, const Tensor& given) const {
     if (ctx.training && s && recompute_ == Recompute::full) {
       Saved local;
@@ -353,7 +353,7 @@ class DecoderLayer : public Module {
 
   // dX' -> dX; parameter grads +=. d_aux: weight of the MoE aux loss; indexer_scale: of the
   // indexer loss.
-  Tensor backward(const Context& ctx, const Tensor& dx_out, Saved& s, const Tensor& cu,
+  Tensor backward(const Context& ctx, const Tensor& dx_out, Saved& s, const SeqLayout& cu,
                   double d_aux, double indexer_scale, const Tensor& replay) {
     if (!s.full) {
       // Full recompute: re-run the layer (deterministic: the same selection and routing).
@@ -372,7 +372,7 @@ class DecoderLayer : public Module {
     return c;
   }
 
-  Tensor run(const Context& ctx, const Tensor& x, const Tensor& cu, Saved* s, Out* out,
+  Tensor run(const Context& ctx, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
              const Tensor& replay, const Tensor& given) const {
     const Context c = sub_ctx(ctx);
     const bool train = ctx.training;
@@ -496,8 +496,8 @@ class MtpBlock : public Module {
 
   // e [T, D] (embedding of the next token, zeros where there is none), h [T, D] (the main
   // stack's mean-contracted hidden) -> the normed output [T, D] for the shared head.
-  Tensor forward(const Context& ctx, const Tensor& e, const Tensor& h, const Tensor& cu, Saved* s,
-                 Out* out, const Tensor& replay) const {
+  Tensor forward(const Context& ctx, const Tensor& e, const Tensor& h, const SeqLayout& cu,
+                 Saved* s, Out* out, const Tensor& replay) const {
     Context c = ctx;
     c.recompute = ctx.training && recompute_ == Recompute::selective;
     const bool train = ctx.training && s;
@@ -546,7 +546,8 @@ class MtpBlock : public Module {
 // ---- the model ----------------------------------------------------------------------------------
 
 struct HybridModel::Saved {
-  Tensor tokens, cu, targets;
+  Tensor tokens, targets;
+  SeqLayout seqs;
   std::vector<int64_t> cu_vec;
   bool training = false;
   bool aux = true;
@@ -642,11 +643,10 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   const int64_t T = in.tokens.size(0), D = cfg_.hidden_size;
   const DType cdt = compute_dtype();
   Tensor tokens = in.tokens.to(DType::i64);
-  // check_cu_seqlens on the tensor as given: i64 / i32 only, then the values.
-  const Tensor cu_in = in.cu_seqlens.defined() ? in.cu_seqlens : ops::cu_seqlens_from_lengths({T});
-  const std::vector<int64_t> cu_vec =
-      ops::check_cu_seqlens(cu_in, T, "HybridModel::forward: cu_seqlens");
-  Tensor cu = cu_in.to(DType::i64);
+  // The batch's sequences, checked once (the tensor as given: i64 / i32 only, then the values).
+  const SeqLayout seqs =
+      SeqLayout::from_tensor(in.cu_seqlens, T, "HybridModel::forward: cu_seqlens");
+  const std::vector<int64_t>& cu_vec = seqs.offsets();
   const bool has_targets = in.targets.defined();
   if (has_targets)
     HLM_CHECK(in.targets.dim() == 1 && in.targets.size(0) == T,
@@ -660,7 +660,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   const bool train = ctx.training && saved != nullptr;
   std::unique_ptr<Saved> s(new Saved);
   s->tokens = tokens;
-  s->cu = cu;
+  s->seqs = seqs;
   s->cu_vec = cu_vec;
   s->training = ctx.training;
   s->aux = in.aux_losses;
@@ -692,7 +692,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
         given = prev_sel;
       }
     }
-    x = layers_[l]->forward(ctx, x, cu, train ? &s->layers[l] : nullptr, &lo, rp, given);
+    x = layers_[l]->forward(ctx, x, seqs, train ? &s->layers[l] : nullptr, &lo, rp, given);
     if (layers_[l]->is_dsa()) {
       ++dsa_i;
       prev_sel = lo.indices;
@@ -754,7 +754,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     for (int64_t i = 0; i < T; ++i)
       if (!valid[size_t(i)]) en.select(0, i).zero_();
     MtpBlock::Out mo;
-    Tensor o = mtp_->forward(ctx, en, h, cu, train ? &s->mtp : nullptr, &mo,
+    Tensor o = mtp_->forward(ctx, en, h, seqs, train ? &s->mtp : nullptr, &mo,
                              mtp_->is_moe() ? replay_of(moe_i) : Tensor());
     if (mtp_->is_moe()) {
       out.aux_loss += mo.aux_loss;
@@ -822,7 +822,7 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
       --moe_i;
       if (!s.replay.empty()) rp = s.replay[size_t(moe_i)];
     }
-    dx = layers_[l]->backward(ctx, dx, s.layers[l], s.cu, d_aux, d_aux, rp);
+    dx = layers_[l]->backward(ctx, dx, s.layers[l], s.seqs, d_aux, d_aux, rp);
   }
   Tensor de = cfg_.mhc.enabled ? ops::mhc_expand_backward(dx) : dx.reshape({T, D});
   ops::embedding_backward(de, s.tokens, embed_->grad);

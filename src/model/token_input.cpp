@@ -4,7 +4,7 @@
 #include <set>
 
 #include "core/error.h"
-#include "ops/seqlens.h"
+#include "core/seq_layout.h"
 
 namespace hlm {
 
@@ -48,20 +48,20 @@ TokenBatch read_token_batch(const safetensors::Contents& in, int64_t vocab_size,
     b.rows = true;
     b.batch = ids.size(0);
     b.length = ids.size(1);
-    b.cu_seqlens = ops::cu_seqlens_from_lengths(std::vector<int64_t>(size_t(b.batch), b.length));
+    b.cu_seqlens =
+        SeqLayout::from_lengths(std::vector<int64_t>(size_t(b.batch), b.length)).cu_seqlens();
     b.sequences = b.batch;
     b.max_seq_len = b.length;
     return b;
   }
   b.length = ids.size(0);
   if (cu == in.tensors.end()) {
-    b.cu_seqlens = ops::cu_seqlens_from_lengths({b.length});
+    b.cu_seqlens = SeqLayout::single(b.length).cu_seqlens();
   } else {
     const std::string w = what + ": cu_seqlens";
     HLM_CHECK(cu->second.dtype() == DType::i64 || cu->second.dtype() == DType::i32,
               "{} must be I64 or I32, got {}", w, dtype_name(cu->second.dtype()));
-    ops::check_cu_seqlens(cu->second, b.length, w.c_str());
-    b.cu_seqlens = cu->second.to(DType::i64).contiguous();
+    b.cu_seqlens = SeqLayout::from_tensor(cu->second, b.length, w.c_str()).cu_seqlens();
   }
   const auto v = b.cu_seqlens.to_f64_vector();
   b.sequences = int64_t(v.size()) - 1;

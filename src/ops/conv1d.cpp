@@ -7,7 +7,6 @@
 #include "ops/cuda/conv1d.cuh"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
-#include "ops/seqlens.h"
 
 namespace hlm::ops {
 
@@ -35,11 +34,12 @@ Tensor contiguous_or_none(const Tensor& t) {
 
 }  // namespace
 
-Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const Tensor& cu_seqlens,
+Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const SeqLayout& seqs,
                              const Tensor& initial_state, bool silu, Tensor* final_state) {
   constexpr const char* op = "causal_conv1d_forward";
   check_conv(op, x_, w_);
-  const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
+  seqs.check_tokens(x_.size(0), op, "x");
+  const std::vector<int64_t>& cu = seqs.offsets();
   const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
   if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");
   const Tensor x = x_.contiguous(), w = w_.contiguous(), st = contiguous_or_none(initial_state);
@@ -51,13 +51,14 @@ Tensor causal_conv1d_forward(const Tensor& x_, const Tensor& w_, const Tensor& c
 }
 
 CausalConv1dGrads causal_conv1d_backward(const Tensor& dy_, const Tensor& x_, const Tensor& w_,
-                                         const Tensor& cu_seqlens, const Tensor& initial_state,
+                                         const SeqLayout& seqs, const Tensor& initial_state,
                                          bool silu, Tensor& dw) {
   constexpr const char* op = "causal_conv1d_backward";
   check_conv(op, x_, w_);
   detail::require_like_x(dy_, x_, x_.shape(), op, "dy");
   detail::require_param_grad(dw, x_, w_.shape(), op, "dw");
-  const std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, x_.size(0));
+  seqs.check_tokens(x_.size(0), op, "x");
+  const std::vector<int64_t>& cu = seqs.offsets();
   const int64_t nseq = int64_t(cu.size()) - 1, c = x_.size(1), width = w_.size(1);
   if (initial_state.defined()) check_state(op, initial_state, x_, nseq, width, "initial_state");
   const Tensor x = x_.contiguous(), w = w_.contiguous(), dy = dy_.contiguous(),

@@ -3,20 +3,14 @@
 #include "ops/dsa_common.h"
 
 #include <algorithm>
-#include <string>
 
 #include "ops/op_checks.h"
-#include "ops/seqlens.h"
 
 namespace hlm::ops::dsa_detail {
 
-std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t T, const char* op) {
-  detail::require_int(cu_seqlens, op, "cu_seqlens");
-  const std::string what = std::string(op) + ": cu_seqlens";
-  std::vector<int64_t> cu = check_cu_seqlens(cu_seqlens, T, what.c_str());
-  HLM_CHECK(!cu.empty(), "{}: cu_seqlens must be [N+1] with N >= 1 sequences, got {}", op,
-            cu_seqlens.describe());
-  return cu;
+const std::vector<int64_t>& seq_offsets(const SeqLayout& seqs, int64_t T, const char* op) {
+  seqs.check_tokens(T, op, "its input");
+  return seqs.offsets();
 }
 
 std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool) {

@@ -1,7 +1,7 @@
-// Shared plumbing of the DSA ops (internal to src/ops/dsa_* and their tests): cu_seqlens
-// validation, KPool pool offsets, and the "pattern" every DSA op iterates over. Host code: the
-// front doors (ops/dsa_*.cpp) build the patterns while they check the arguments (index tensors on
-// any device are read on the host) and hand them to the implementations.
+// Shared plumbing of the DSA ops (internal to src/ops/dsa_* and their tests): the sequence
+// layout's offsets, KPool pool offsets, and the "pattern" every DSA op iterates over. Host code:
+// the front doors (ops/dsa_*.cpp) build the patterns while they check the arguments (index tensors
+// on any device are read on the host) and hand them to the implementations.
 //
 // A pattern lists, for each query t of a packed batch, the (slot, key row) pairs the op visits:
 // slot is the column in the op's [T, W] row layout, key row indexes the key tensor (a token for
@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::ops::dsa_detail {
@@ -26,11 +27,11 @@ inline F dot(const F* a, const F* b, int64_t n) {
   return s;
 }
 
-// Validates cu_seqlens ([N+1], i32 or i64, cu[0] == 0, non-decreasing, cu[N] == T) and returns it.
-std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t T, const char* op);
+// The offsets [N+1] of a layout, after checking that it covers the op's T tokens.
+const std::vector<int64_t>& seq_offsets(const SeqLayout& seqs, int64_t T, const char* op);
 
 // Start of each document's pools in the global pool numbering: doc i has floor(L_i / P) complete
-// pools, numbered cu_pools[i] .. cu_pools[i+1]-1. (P = 1 gives cu_seqlens itself.)
+// pools, numbered cu_pools[i] .. cu_pools[i+1]-1. (P = 1 gives the sequence offsets.)
 std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool);
 
 // Longest document (P = 1) or largest pool count of a document.

@@ -24,15 +24,14 @@ struct ScoreArgs {
 };
 
 ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& rows,
-                           const Tensor& cu_seqlens, const IndexerScoreOptions& opt,
-                           const char* op) {
+                           const SeqLayout& seqs, const IndexerScoreOptions& opt, const char* op) {
   detail::require_real(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H_I, d_I], got {}", op, q.describe());
   HLM_CHECK(opt.pool >= 1, "{}: pool must be >= 1, got {}", op, opt.pool);
   ScoreArgs a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
   a.dev = detail::one_device(op, {q, "q"}, {{rows, "rows"}});
-  a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
+  a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
   const int64_t nkeys = dsa_detail::pool_offsets(a.cu, opt.pool).back();
   detail::require_real_like(k, q, {nkeys, a.D}, op,
                             opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])",
@@ -70,10 +69,10 @@ IndexerScoreGrads run_bwd(const ScoreArgs& a, const IndexerScoreOptions& opt, co
 
 }  // namespace
 
-Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& cu_seqlens,
+Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
                       const IndexerScoreOptions& opt, int64_t W) {
   const char* op = "indexer_scores";
-  const ScoreArgs a = check_score_args(q, k, w, Tensor(), cu_seqlens, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op);
   const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the most keys of a document), got {}",
             op, need, W);
@@ -81,20 +80,19 @@ Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const T
   return run_fwd(a, opt, p, op);
 }
 
-Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w,
-                         const Tensor& cu_seqlens, const Tensor& rows,
-                         const IndexerScoreOptions& opt) {
+Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
+                         const Tensor& rows, const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_at";
-  const ScoreArgs a = check_score_args(q, k, w, rows, cu_seqlens, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
   const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
   return run_fwd(a, opt, p, op);
 }
 
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                          const Tensor& cu_seqlens, const Tensor& d_scores,
+                                          const SeqLayout& seqs, const Tensor& d_scores,
                                           const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_backward";
-  const ScoreArgs a = check_score_args(q, k, w, Tensor(), cu_seqlens, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op);
   HLM_CHECK(d_scores.defined() && d_scores.dim() == 2, "{}: d_scores must be [T, W], got {}", op,
             d_scores.describe());
   const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
@@ -105,23 +103,23 @@ IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, cons
 }
 
 IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                             const Tensor& cu_seqlens, const Tensor& rows,
+                                             const SeqLayout& seqs, const Tensor& rows,
                                              const Tensor& d_scores,
                                              const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_at_backward";
-  const ScoreArgs a = check_score_args(q, k, w, rows, cu_seqlens, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
   const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
   return run_bwd(a, opt, p, d_scores, op);
 }
 
-Tensor topk_select(const Tensor& scores_, const Tensor& cu_seqlens, int64_t k, int64_t pool) {
+Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int64_t pool) {
   const char* op = "topk_select";
   detail::require_real(scores_, op, "scores");
   HLM_CHECK(scores_.dim() == 2, "{}: scores must be [T, W], got {}", op, scores_.describe());
   HLM_CHECK(k >= 1, "{}: k must be >= 1, got {}", op, k);
   HLM_CHECK(pool >= 1, "{}: pool must be >= 1, got {}", op, pool);
   const int64_t T = scores_.size(0);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, op);
   const int64_t need = dsa_detail::max_keys_per_doc(cu, pool);
   HLM_CHECK(scores_.size(1) >= need,
             "{}: scores must have W >= {} columns (the most {} of a "

@@ -1,6 +1,6 @@
 // DSA lightning-indexer ops (docs/dsa.md, "Indexer scoring", "Top-k selection"), CPU reference:
 // scoring with its backward, and top-k selection. Packed THD layout: every op restarts at each
-// cu_seqlens boundary.
+// sequence boundary.
 //
 // Scoring (weights already scaled, i.e. w = weights_proj(h) * H_I^-1/2):
 //   I(t, s) = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s]),   scale = d_I^-1/2 by default,
@@ -23,6 +23,7 @@
 // tensors in the input dtype.
 #pragma once
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::ops {
@@ -48,13 +49,12 @@ struct IndexerScoreOptions {
 
 // q [T, H_I, d_I], k [T or NP, d_I], w [T, H_I], all f32 or all f64 -> scores [T, W] dense layout.
 // W = 0 picks the minimum width (max keys per document).
-Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& cu_seqlens,
+Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
                       const IndexerScoreOptions& opt = {}, int64_t W = 0);
 
 // Scores at explicit key rows [T, W] (each a visible key of the query's document, no duplicates).
-Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w,
-                         const Tensor& cu_seqlens, const Tensor& rows,
-                         const IndexerScoreOptions& opt = {});
+Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
+                         const Tensor& rows, const IndexerScoreOptions& opt = {});
 
 struct IndexerScoreGrads {
   Tensor dq;  // [T, H_I, d_I]
@@ -63,10 +63,10 @@ struct IndexerScoreGrads {
 };
 // d_scores in the dense layout [T, W] of indexer_scores.
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                          const Tensor& cu_seqlens, const Tensor& d_scores,
+                                          const SeqLayout& seqs, const Tensor& d_scores,
                                           const IndexerScoreOptions& opt = {});
 IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                             const Tensor& cu_seqlens, const Tensor& rows,
+                                             const SeqLayout& seqs, const Tensor& rows,
                                              const Tensor& d_scores,
                                              const IndexerScoreOptions& opt = {});
 
@@ -75,6 +75,6 @@ IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, c
 // min(k, n_t) best are selected by (higher score first, then lower index; NaN ranks below every
 // number), so when n_t <= k all candidates are selected whatever the scores. The row is written in
 // increasing index order followed by -1 padding: i32 [T, k] of global token (or pool) ids.
-Tensor topk_select(const Tensor& scores, const Tensor& cu_seqlens, int64_t k, int64_t pool = 1);
+Tensor topk_select(const Tensor& scores, const SeqLayout& seqs, int64_t k, int64_t pool = 1);
 
 }  // namespace hlm::ops

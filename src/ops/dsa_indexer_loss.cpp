@@ -15,7 +15,7 @@ namespace hlm::ops {
 namespace {
 
 std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tensor& indices,
-                                  const Tensor& cu_seqlens, double scale, const char* op) {
+                                  const SeqLayout& seqs, double scale, const char* op) {
   detail::require_real(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
   detail::require_real_like(kv, q, {q.size(0), q.size(2)}, op,
@@ -23,7 +23,7 @@ std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tenso
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
   detail::one_device(op, {q, "q"}, {{indices, "indices"}});
-  return dsa_detail::read_cu_seqlens(cu_seqlens, q.size(0), op);
+  return dsa_detail::seq_offsets(seqs, q.size(0), op);
 }
 
 Tensor run_target(const Tensor& q_, const Tensor& kv_, const dsa_detail::Pattern& p, double scale,
@@ -37,20 +37,20 @@ Tensor run_target(const Tensor& q_, const Tensor& kv_, const dsa_detail::Pattern
 
 }  // namespace
 
-Tensor attention_target(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens, double scale,
+Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
                         int64_t W) {
   const char* op = "attention_target";
-  const std::vector<int64_t> cu = check_target(q, kv, Tensor(), cu_seqlens, scale, op);
+  const std::vector<int64_t> cu = check_target(q, kv, Tensor(), seqs, scale, op);
   const int64_t need = dsa_detail::max_keys_per_doc(cu, 1);
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the longest document), got {}", op,
             need, W);
   return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale, op);
 }
 
-Tensor attention_target_at(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens,
+Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
                            const Tensor& indices, double scale) {
   const char* op = "attention_target_at";
-  const std::vector<int64_t> cu = check_target(q, kv, indices, cu_seqlens, scale, op);
+  const std::vector<int64_t> cu = check_target(q, kv, indices, seqs, scale, op);
   return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices"), scale, op);
 }
 

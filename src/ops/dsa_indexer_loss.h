@@ -21,6 +21,7 @@
 // summed in f64 in row order (deterministic).
 #pragma once
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::ops {
@@ -28,10 +29,10 @@ namespace hlm::ops {
 constexpr double kIndexerKlEps = 1e-10;
 
 // q [T, H, D_qk], kv [T, D_qk] -> p* [T, W] in the dense causal layout (0 outside the causal set).
-Tensor attention_target(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens, double scale,
+Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
                         int64_t W = 0);
 // p* over explicit selections: indices [T, W] (global tokens, -1 empty) -> [T, W] (0 at -1).
-Tensor attention_target_at(const Tensor& q, const Tensor& kv, const Tensor& cu_seqlens,
+Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
                            const Tensor& indices, double scale);
 
 enum class KlReduction { mean, sum };

@@ -18,7 +18,7 @@ struct CompressDims {
 };
 
 CompressDims check_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
-                            const Tensor& cu_seqlens, const char* op) {
+                            const SeqLayout& seqs, const char* op) {
   detail::require_real(k, op, "k");
   HLM_CHECK(k.dim() == 2, "{}: k must be [T, d_I], got {}", op, k.describe());
   detail::require_real_like(gate, k, k.shape(), op, "gate", "k");
@@ -31,7 +31,7 @@ CompressDims check_compress(const Tensor& k, const Tensor& gate, const Tensor& a
   CompressDims a;
   a.T = k.size(0), a.D = k.size(1), a.P = ape.size(0);
   a.dev = k.device();
-  a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
+  a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
   a.NP = dsa_detail::pool_offsets(a.cu, a.P).back();
   return a;
 }
@@ -45,16 +45,16 @@ void check_kp(int64_t K, int64_t P, const char* op) {
 
 }  // namespace
 
-Tensor kpool_pool_offsets(const Tensor& cu_seqlens, int64_t T, int64_t P) {
+Tensor kpool_pool_offsets(const SeqLayout& seqs, int64_t T, int64_t P) {
   HLM_CHECK(P >= 1, "kpool_pool_offsets: the pool size P must be >= 1, got {}", P);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, "kpool_pool_offsets");
+  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, "kpool_pool_offsets");
   return Tensor::from_vector<int64_t>({int64_t(cu.size())}, dsa_detail::pool_offsets(cu, P));
 }
 
 Tensor kpool_compress(const Tensor& k_, const Tensor& gate_, const Tensor& ape_,
-                      const Tensor& cu_seqlens) {
+                      const SeqLayout& seqs) {
   const char* op = "kpool_compress";
-  const CompressDims a = check_compress(k_, gate_, ape_, cu_seqlens, op);
+  const CompressDims a = check_compress(k_, gate_, ape_, seqs, op);
   const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous();
   Tensor out = detail::new_output({a.NP, a.D}, k.dtype(), a.dev);
   detail::cpu_only(op, k, "k");
@@ -63,10 +63,10 @@ Tensor kpool_compress(const Tensor& k_, const Tensor& gate_, const Tensor& ape_,
 }
 
 KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_,
-                                           const Tensor& ape_, const Tensor& cu_seqlens,
+                                           const Tensor& ape_, const SeqLayout& seqs,
                                            const Tensor& d_pooled_) {
   const char* op = "kpool_compress_backward";
-  const CompressDims a = check_compress(k_, gate_, ape_, cu_seqlens, op);
+  const CompressDims a = check_compress(k_, gate_, ape_, seqs, op);
   detail::require_real_like(d_pooled_, k_, {a.NP, a.D}, op, "d_pooled", "k");
   const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous(),
                d_pooled = d_pooled_.contiguous();
@@ -78,17 +78,17 @@ KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_
   return g;
 }
 
-KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens, int64_t K,
-                            int64_t P, bool always_select_tail) {
+KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, int64_t K, int64_t P,
+                            bool always_select_tail) {
   const char* op = "kpool_select";
   check_kp(K, P, op);
   detail::require_real(pool_scores, op, "pool_scores");
   HLM_CHECK(pool_scores.dim() == 2, "{}: pool_scores must be [T, W], got {}", op,
             pool_scores.describe());
   const int64_t T = pool_scores.size(0);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, op);
   KPoolSelection sel;
-  sel.pools = topk_select(pool_scores, cu_seqlens, K / P, P);
+  sel.pools = topk_select(pool_scores, seqs, K / P, P);
   sel.indices =
       detail::new_output({T, K + (always_select_tail ? P - 1 : 0)}, DType::i32, sel.pools.device());
   detail::cpu_only(op, pool_scores, "pool_scores");
@@ -96,7 +96,7 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens,
   return sel;
 }
 
-Tensor kpool_pool_target_dense(const Tensor& token_target, const Tensor& cu_seqlens, int64_t P,
+Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs, int64_t P,
                                int64_t Wp) {
   const char* op = "kpool_pool_target_dense";
   HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
@@ -104,7 +104,7 @@ Tensor kpool_pool_target_dense(const Tensor& token_target, const Tensor& cu_seql
   HLM_CHECK(token_target.dim() == 2, "{}: token_target must be [T, W], got {}", op,
             token_target.describe());
   const int64_t T = token_target.size(0);
-  const std::vector<int64_t> cu = dsa_detail::read_cu_seqlens(cu_seqlens, T, op);
+  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, op);
   const int64_t need_t = dsa_detail::max_keys_per_doc(cu, 1);
   const int64_t need_p = dsa_detail::max_keys_per_doc(cu, P);
   HLM_CHECK(token_target.size(1) >= need_t, "{}: token_target needs W >= {} columns, got {}", op,

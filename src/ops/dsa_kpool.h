@@ -21,16 +21,17 @@
 
 #include <vector>
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::ops {
 
-// pool_offsets as an i64 tensor [N+1] (validates cu_seqlens against T).
-Tensor kpool_pool_offsets(const Tensor& cu_seqlens, int64_t T, int64_t P);
+// pool_offsets as an i64 tensor [N+1] (checks that seqs covers T).
+Tensor kpool_pool_offsets(const SeqLayout& seqs, int64_t T, int64_t P);
 
 // k [T, d], gate [T, d], ape [P, d] (all f32 or all f64; P = ape.size(0) >= 1) -> pooled [NP, d].
 Tensor kpool_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
-                      const Tensor& cu_seqlens);
+                      const SeqLayout& seqs);
 
 struct KPoolCompressGrads {
   Tensor dk;     // [T, d]
@@ -38,7 +39,7 @@ struct KPoolCompressGrads {
   Tensor dape;   // [P, d]
 };
 KPoolCompressGrads kpool_compress_backward(const Tensor& k, const Tensor& gate, const Tensor& ape,
-                                           const Tensor& cu_seqlens, const Tensor& d_pooled);
+                                           const SeqLayout& seqs, const Tensor& d_pooled);
 
 struct KPoolSelection {
   // i32 [T, K + P - 1] (always_select_tail) or [T, K]: global token indices. Columns [0, K) hold
@@ -53,8 +54,8 @@ struct KPoolSelection {
 // min(K / P, candidate pools) per query by (higher score, then lower pool id; NaN last).
 // K % P != 0, P < 1 or K < 1 throw. With the tail, when the document prefix r + 1 <= K every causal
 // token is selected (dense attention).
-KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens, int64_t K,
-                            int64_t P, bool always_select_tail = true);
+KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, int64_t K, int64_t P,
+                            bool always_select_tail = true);
 
 // Pool-level indexer-loss targets (our own design, no public source trains KPool; docs/dsa.md,
 // "Pool-level KL for KPool: our design"). Input: the token-level
@@ -64,7 +65,7 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const Tensor& cu_seqlens,
 // pool are all zero.
 // Dense warm-up: token_target [T, Wt] in the dense token layout -> [T, Wp] dense pool layout
 // (Wp = 0: max pools per document).
-Tensor kpool_pool_target_dense(const Tensor& token_target, const Tensor& cu_seqlens, int64_t P,
+Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs, int64_t P,
                                int64_t Wp = 0);
 // Sparse stage: token_target [T, K + P - 1 or K] in the layout of KPoolSelection::indices
 // -> [T, K / P] aligned with KPoolSelection::pools (0 where the pool id is -1).

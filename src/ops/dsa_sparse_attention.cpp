@@ -19,8 +19,8 @@ struct AttnDims {
   Device dev = Device::cpu;
 };
 
-AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices,
-                    const Tensor& cu_seqlens, int64_t d_v, double scale, const char* op) {
+AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices, const SeqLayout& seqs,
+                    int64_t d_v, double scale, const char* op) {
   detail::require_real(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
   AttnDims a;
@@ -30,16 +30,16 @@ AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices,
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
   a.dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
-  a.cu = dsa_detail::read_cu_seqlens(cu_seqlens, a.T, op);
+  a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
   return a;
 }
 
 }  // namespace
 
 SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const Tensor& indices,
-                                    const Tensor& cu_seqlens, int64_t d_v, double scale) {
+                                    const SeqLayout& seqs, int64_t d_v, double scale) {
   const char* op = "sparse_attention";
-  const AttnDims a = check_attn(q_, kv_, indices, cu_seqlens, d_v, scale, op);
+  const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
   const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   SparseAttentionOut r{detail::new_output({a.T, a.H, d_v}, q.dtype(), a.dev),
@@ -50,11 +50,11 @@ SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const T
 }
 
 SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& kv_,
-                                               const Tensor& indices, const Tensor& cu_seqlens,
+                                               const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out_,
                                                const Tensor& lse_, const Tensor& d_out_) {
   const char* op = "sparse_attention_backward";
-  const AttnDims a = check_attn(q_, kv_, indices, cu_seqlens, d_v, scale, op);
+  const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
   const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
   detail::require_real_like(out_, q_, {a.T, a.H, d_v}, op, "out", "q");
   detail::require_real_like(lse_, q_, {a.T, a.H}, op, "lse", "q");

@@ -11,7 +11,7 @@
 // Computed in the input dtype (f32: f32 softmax and accumulation; f64: f64), the selected keys in
 // slot order. An empty row gives out = 0 and lse = -inf (and zero gradients).
 // Indices are global token positions (i32 or i64, -1 = empty); each must be a causal token of the
-// query's own document (cu_seqlens) and appear at most once per row, otherwise hlm::Error (FlashMLA
+// query's own document (seqs) and appear at most once per row, otherwise hlm::Error (FlashMLA
 // would count a duplicate twice; we refuse it).
 // Backward: D = dout . out;  dp_j = dout . v_j;  ds_j = p_j (dp_j - D);  dq = scale sum_j ds_j k_j;
 // dkv[s][:D_qk] = scale sum_{t,h,j: S_tj = s} ds q[t,h];  dkv[s][:d_v] += sum p dout[t,h].
@@ -19,6 +19,7 @@
 // atomics.
 #pragma once
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::ops {
@@ -30,14 +31,14 @@ struct SparseAttentionOut {
 
 // q [T, H, D_qk], kv [T, D_qk] (same dtype, f32 or f64), indices [T, W].
 SparseAttentionOut sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& indices,
-                                    const Tensor& cu_seqlens, int64_t d_v, double scale);
+                                    const SeqLayout& seqs, int64_t d_v, double scale);
 
 struct SparseAttentionGrads {
   Tensor dq;   // [T, H, D_qk]
   Tensor dkv;  // [T, D_qk]
 };
 SparseAttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& kv,
-                                               const Tensor& indices, const Tensor& cu_seqlens,
+                                               const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out,
                                                const Tensor& lse, const Tensor& d_out);
 

@@ -10,7 +10,6 @@
 #include "ops/cuda/kda_chunk/params.cuh"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
-#include "ops/seqlens.h"
 
 namespace hlm::ops {
 
@@ -73,13 +72,11 @@ KdaDims kda_check(const KdaArgs& a, const char* op) {
     HLM_CHECK(d.T < (int64_t(1) << 31) - kKdaChunk, "{}: T={} tokens exceed the int32 chunk table",
               op, d.T);
   }
-  if (a.cu_seqlens.defined()) {
-    HLM_CHECK(a.cu_seqlens.dim() == 1 && a.cu_seqlens.size(0) >= 2,
-              "{}: cu_seqlens must be [N+1] with N >= 1, got {}", op, a.cu_seqlens.describe());
-    d.cu = check_cu_seqlens(a.cu_seqlens, d.T, fmt::format("{}: cu_seqlens", op).c_str());
-  } else {
-    d.cu = {0, d.T};
-  }
+  d.seqs = a.seqs ? *a.seqs : SeqLayout::single(d.T);
+  d.seqs.check_tokens(d.T, op, "q");
+  HLM_CHECK(d.seqs.num_seqs() >= 1, "{}: the sequence layout must hold N >= 1 sequences, got 0",
+            op);
+  d.cu = d.seqs.offsets();
   d.N = int64_t(d.cu.size()) - 1;
   if (on_cuda)
     HLM_CHECK(d.N * d.HV * (d.V / 32) < (int64_t(1) << 31),

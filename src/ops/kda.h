@@ -27,6 +27,7 @@
 
 #include <optional>
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 #include "ops/kda_gate.h"
 
@@ -42,9 +43,9 @@ struct KdaArgs {
   Tensor g;              // [T, HV, K]  log decay (<= 0), or the raw gate input z when gate is set
   Tensor beta;           // [T, HV]     in (0, 1), or logits when beta_logits
   Tensor initial_state;  // optional [N, HV, K, V] f32 or f64, [K, V] layout (undefined: zeros)
-  Tensor cu_seqlens;     // optional [N+1] i64 or i32, 0 = c_0 <= c_1 <= ... <= c_N = T
-                         // (undefined: one sequence of T tokens)
-  double scale = 0;      // <= 0: K^-1/2
+  std::optional<SeqLayout> seqs;  // N >= 1 sequences covering the T tokens
+                                  // (unset: one sequence of T tokens)
+  double scale = 0;               // <= 0: K^-1/2
   bool use_qk_l2norm = false;
   bool beta_logits = false;
   std::optional<KdaGateKind> gate;      // set: g is z and the gate below is fused
@@ -96,7 +97,8 @@ KdaGrads kda_chunk_backward(const KdaArgs& a, const Tensor& d_o, const Tensor& d
 struct KdaDims {
   int64_t T, H, HV, K, V, N;
   double scale;
-  std::vector<int64_t> cu;  // [N+1]
+  SeqLayout seqs;           // a.seqs, or one sequence of T tokens
+  std::vector<int64_t> cu;  // seqs.offsets(), [N+1]
 };
 KdaDims kda_check(const KdaArgs& a, const char* op);
 // The backward's own arguments: d_o [T, HV, V] and the optional d_final_state [N, HV, K, V] on

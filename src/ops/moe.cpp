@@ -8,7 +8,6 @@
 #include "ops/cpu/moe.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
-#include "ops/seqlens.h"
 
 namespace hlm::ops {
 namespace {
@@ -196,7 +195,7 @@ struct AuxArgs {
   int64_t K = 0;
   Device dev = Device::cpu;
 };
-AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const SeqLayout& seqs,
                   const char* op) {
   detail::require_real(logits, op, "logits");
   HLM_CHECK(logits.dim() == 2, "{}: logits must be [T, E], got {}", op, logits.describe());
@@ -204,23 +203,24 @@ AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu
   a.dev = detail::one_device(op, {logits, "logits"}, {{topk_idx, "topk_idx"}});
   a.idx = check_topk_idx(topk_idx, logits.size(0), logits.size(1), op, "topk_idx", false);
   a.K = topk_idx.size(1);
-  a.cu = check_cu_seqlens(cu_seqlens, logits.size(0));
+  seqs.check_tokens(logits.size(0), op, "logits");
+  a.cu = seqs.offsets();
   return a;
 }
 }  // namespace
 
-double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const SeqLayout& seqs,
                         double coeff) {
   const char* op = "moe_seq_aux_loss";
-  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, op);
+  const AuxArgs a = check_aux(logits, topk_idx, seqs, op);
   detail::cpu_only(op, logits, "logits");
   return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
 }
 
 Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
-                                 const Tensor& cu_seqlens, double coeff, double dloss) {
+                                 const SeqLayout& seqs, double coeff, double dloss) {
   const char* op = "moe_seq_aux_loss_backward";
-  const AuxArgs a = check_aux(logits, topk_idx, cu_seqlens, op);
+  const AuxArgs a = check_aux(logits, topk_idx, seqs, op);
   Tensor dl = detail::new_output(logits.shape(), detail::compute_dtype(logits.dtype()), a.dev);
   detail::cpu_only(op, logits, "logits");
   cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);

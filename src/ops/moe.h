@@ -25,6 +25,7 @@
 
 #include <cstdint>
 
+#include "core/seq_layout.h"
 #include "core/tensor.h"
 
 namespace hlm::ops {
@@ -62,15 +63,15 @@ Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts);
 // `load` [E] holds the (globally all-reduced) token counts, any numeric dtype.
 void moe_bias_update(Tensor& bias, const Tensor& load, double rate);
 
-// Sequence-wise aux loss (DeepSeek-V3), averaged over the non-empty sequences of cu_seqlens:
+// Sequence-wise aux loss (DeepSeek-V3), averaged over the non-empty sequences of seqs:
 //   per sequence of T_s tokens: f_i = E / (K T_s) * #{t : i in idx_t}, P_i = (1/T_s) sum_t
 //   s'_{i,t}, s'_{i,t} = s_{i,t} / sum_j s_{j,t} (ALL experts), L_s = coeff * sum_i f_i P_i.
 // f is a count (no gradient); the gradient flows to the logits through P.
-double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const Tensor& cu_seqlens,
+double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const SeqLayout& seqs,
                         double coeff);
 // dlogits [T, E] of dloss * loss.
 Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
-                                 const Tensor& cu_seqlens, double coeff, double dloss = 1.0);
+                                 const SeqLayout& seqs, double coeff, double dloss = 1.0);
 
 // ---- clamped SwiGLU ---------------------------------------------------------------------------
 // gu [..., 2I] (gate | up) -> h [..., I]; limit <= 0 or infinite: no clamp (DeepSeek-V3).

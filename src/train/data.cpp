@@ -9,7 +9,7 @@
 #include <iterator>
 
 #include "core/file_io.h"
-#include "ops/seqlens.h"
+#include "core/seq_layout.h"
 
 namespace hlm::train {
 namespace {
@@ -86,7 +86,7 @@ void check_batch(const Batch& b, int64_t vocab_size) {
   const int64_t T = b.tokens.numel();
   check_shape(b.targets, {T}, "batch.targets");
   check_shape(b.loss_mask, {T}, "batch.loss_mask");
-  ops::check_cu_seqlens(b.cu_seqlens, T, "batch.cu_seqlens");
+  SeqLayout::from_tensor(b.cu_seqlens, T, "batch.cu_seqlens");
   const auto tok = b.tokens.to_f64_vector(), tgt = b.targets.to_f64_vector();
   const Tensor mask = b.loss_mask.contiguous();
   const uint8_t* m = mask.data<uint8_t>();

@@ -70,7 +70,8 @@ TEST_F(KdaCli, KdaMatchesLibrary) {
       auto r = safetensors::load(path("o.safetensors")).tensors;
       ops::KdaArgs a;
       a.q = m["q"], a.k = m["k"], a.v = m["v"], a.g = m["g"], a.beta = m["beta"];
-      a.cu_seqlens = m["cu_seqlens"], a.initial_state = m["initial_state"], a.scale = 0.5;
+      a.seqs = SeqLayout::from_tensor(m["cu_seqlens"], a.q.size(0));
+      a.initial_state = m["initial_state"], a.scale = 0.5;
       auto f = impl == "chunk" ? ops::kda_chunk(a) : ops::kda_recurrent(a);
       auto g = impl == "chunk" ? ops::kda_chunk_backward(a, m["do"], m["dht"])
                                : ops::kda_recurrent_backward(a, m["do"], m["dht"]);

@@ -75,6 +75,31 @@ TEST(SeqLayout, FromTensorChecks) {
   s.check_tokens(4, "conv1d");
 }
 
+// Layouts read from cu_seqlens tensors: i32 with empty sequences, N = 0 sequences, a strided view,
+// lengths with empty sequences; errors name the argument they were given.
+TEST(SeqLayout, FromTensorLayouts) {
+  const SeqLayout i32 = SeqLayout::from_tensor(Tensor::from_vector<int32_t>({3}, {0, 0, 5}), 5);
+  EXPECT_EQ(i32.offsets(), (std::vector<int64_t>{0, 0, 5}));
+  EXPECT_EQ(i32.num_seqs(), 2);
+  EXPECT_EQ(i32.length(0), 0);
+  const SeqLayout none = SeqLayout::from_tensor(Tensor::from_vector<int64_t>({1}, {0}), 0);
+  EXPECT_EQ(none.num_seqs(), 0);
+  EXPECT_EQ(none.total_tokens(), 0);
+  EXPECT_EQ(none.chunks(64).num_chunks, 0);
+  const Tensor big = Tensor::from_vector<int64_t>({6}, {0, 99, 2, 99, 5, 99});
+  const Tensor strided = big.view({3, 2}).select(1, 0);  // [0, 2, 5]
+  EXPECT_EQ(SeqLayout::from_tensor(strided, 5).offsets(), (std::vector<int64_t>{0, 2, 5}));
+  EXPECT_EQ(SeqLayout::from_lengths({3, 0, 2}).offsets(), (std::vector<int64_t>{0, 3, 3, 5}));
+  EXPECT_EQ(SeqLayout::from_offsets({0, 4, 4, 7}, 7).num_seqs(), 3);
+  expect_error(
+      [] {
+        SeqLayout::from_tensor(Tensor::from_vector<int64_t>({3}, {3, 4, 5}), 5);
+      },
+      "must start at 0, got 3");
+  expect_error([] { SeqLayout::from_offsets({0, 2, 4}, 5, "cu_pools"); }, "cu_pools");
+  expect_error([] { SeqLayout::from_offsets({}, 0); }, "N+1 >= 1 entries");
+}
+
 // The chunk table of random layouts against a walk over the tokens: a chunk starts at every
 // sequence start and every C tokens into a sequence.
 TEST(SeqLayout, ChunkTableMatchesTokenWalk) {

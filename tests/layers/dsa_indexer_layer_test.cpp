@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "layers/dsa/indexer.h"
 #include "ops/dsa_indexer_loss.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -448,9 +448,10 @@ struct LossSetup {
 
 Tensor make_target(const LossSetup& ls, const Tensor& cu, IndexerLossStage stage,
                    const Tensor& indices) {
+  const SeqLayout seqs = SeqLayout::from_tensor(cu, ls.qm.size(0));
   return stage == IndexerLossStage::dense
-             ? ops::attention_target(ls.qm, ls.kv, cu, ls.scale)
-             : ops::attention_target_at(ls.qm, ls.kv, cu, indices, ls.scale);
+             ? ops::attention_target(ls.qm, ls.kv, seqs, ls.scale)
+             : ops::attention_target_at(ls.qm, ls.kv, seqs, indices, ls.scale);
 }
 
 TEST(DsaIndexerLayer, LossGradientsMatchFiniteDifferences) {
@@ -692,7 +693,7 @@ TEST(DsaIndexerLayer, ParametersNamesInitAndApeStaysFp32) {
   for (auto& [n, p] : m.named_parameters())
     EXPECT_EQ(p->value.dtype(), n == "index_kpool_compress_ape" ? DType::f32 : DType::bf16) << n;
   const std::vector<int64_t> lens{11};
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = hlm::testing::seqs_of(lens);
   const Tensor h = randn({11, 6}, DType::f32, rng).to(DType::bf16);
   const Tensor cq = randn({11, 5}, DType::f32, rng).to(DType::bf16);
   DsaIndexer::Saved s;
@@ -813,7 +814,7 @@ TEST(DsaIndexerLayer, EdgeShapes) {
     for (const std::vector<int64_t>& lens :
          {std::vector<int64_t>{3, 0, 2}, std::vector<int64_t>{1}, std::vector<int64_t>{0, 0}}) {
       const int64_t T = total(lens);
-      const Tensor cu = cu_of(lens);
+      const SeqLayout cu = hlm::testing::seqs_of(lens);
       DsaIndexer::Saved s;
       const auto out = m.forward(Context{}, randn({T, 6}, DType::f64, rng),
                                  randn({T, 5}, DType::f64, rng), cu, &s);

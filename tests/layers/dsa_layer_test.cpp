@@ -148,7 +148,8 @@ struct Expanded {
 
 Expanded expanded_of(DsaLayer& l, const Tensor& x, const Tensor& cu) {
   const MlaConfig& c = l.config();
-  const Mla::Projected p = l.project(Context{false}, x, cu, nullptr);
+  const Mla::Projected p =
+      l.project(Context{false}, x, SeqLayout::from_tensor(cu, x.size(0)), nullptr);
   return Expanded{x.size(0),
                   c.num_heads,
                   c.qk_nope_head_dim,
@@ -207,7 +208,8 @@ double naive_indexer_loss(DsaLayer& l, const Tensor& x, const std::vector<int64_
   const Expanded e = expanded_of(l, x, cu);
   const IndexerConfig& ic = *l.layer_config().indexer;
   const int64_t P = ic.kpool;
-  const Mla::Projected p = l.project(Context{false}, x, cu, nullptr);
+  const Mla::Projected p =
+      l.project(Context{false}, x, SeqLayout::from_tensor(cu, x.size(0)), nullptr);
   const Tensor sc = l.indexer().forward(Context{false}, x, p.c_q, cu, nullptr).scores;
   const int64_t W = sc.size(1);
   const auto scores = sc.to_f64_vector();

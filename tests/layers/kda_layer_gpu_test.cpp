@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "layers/kda/kda_layer.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -48,7 +48,8 @@ using testing::cpu;
 using testing::gpu;
 
 struct Problem {
-  Tensor x, cu;
+  Tensor x;
+  SeqLayout cu;
   KdaState init;
   Tensor dy;
   KdaState dfin;
@@ -60,7 +61,7 @@ Problem make_problem(const KdaConfig& c, const std::vector<int64_t>& lens, DType
   const int64_t N = int64_t(lens.size());
   Problem p;
   p.x = randn({T, c.hidden_size}, DType::f32, rng).to(x_dt);
-  p.cu = ops::cu_seqlens_from_lengths(lens);
+  p.cu = SeqLayout::from_lengths(lens);
   p.init.conv = randn({N, c.conv_kernel - 1, c.conv_dim()}, DType::f32, rng, 0.5);
   p.init.recurrent = randn({N, c.num_v_heads, c.head_k_dim, c.head_v_dim}, DType::f32, rng, 0.5);
   p.dy = randn({T, c.hidden_size}, DType::f32, rng).to(x_dt);
@@ -72,7 +73,7 @@ Problem make_problem(const KdaConfig& c, const std::vector<int64_t>& lens, DType
 Problem to_gpu(const Problem& p) {
   Problem g;
   g.x = gpu(p.x);
-  g.cu = p.cu;  // host cu_seqlens (read on the host either way)
+  g.cu = p.cu;  // the layout lives on the host either way
   g.init = {gpu(p.init.conv), gpu(p.init.recurrent)};
   g.dy = gpu(p.dy);
   g.dfin = {gpu(p.dfin.conv), gpu(p.dfin.recurrent)};

@@ -12,8 +12,8 @@
 
 #include "core/rng.h"
 #include "core/safetensors.h"
+#include "core/seq_layout.h"
 #include "layers/kda/kda_layer.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -776,6 +776,23 @@ TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
       l.forward(Context{}, x, cu_of({0, 4, 9}), nullptr, nullptr);
     });
     EXPECT_NE(m.find("cu_seqlens must end at the token count T = 10"), std::string::npos) << m;
+  }
+  {  // a layout covering 9 of the 10 tokens, and one of no sequences
+    const std::string m = error_of([&] {
+      l.forward(Context{}, x, SeqLayout::from_lengths({4, 5}), nullptr, nullptr);
+    });
+    EXPECT_NE(m.find("the sequence layout covers 9 tokens, x has 10"), std::string::npos) << m;
+    EXPECT_NE(m.find(kPath), std::string::npos) << m;
+    const std::string m0 = error_of([&] {
+      l.forward(Context{}, Tensor::zeros({0, 16}, DType::f32), SeqLayout::from_lengths({}), nullptr,
+                nullptr);
+    });
+    EXPECT_NE(m0.find("must hold N >= 1 sequences"), std::string::npos) << m0;
+  }
+  {  // the layout and its cu_seqlens tensor give the same bits
+    const Tensor y_t = l.forward(Context{}, x, cu, nullptr, nullptr);
+    const Tensor y_s = l.forward(Context{}, x, SeqLayout::from_lengths({4, 6}), nullptr, nullptr);
+    EXPECT_TRUE(testing::bit_equal(y_t, y_s));
   }
   {  // cu_seqlens decreasing
     const std::string m = error_of([&] {

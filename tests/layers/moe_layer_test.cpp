@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "layers/moe/moe_layer.h"
 #include "ops/gemm.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -180,10 +180,10 @@ TEST(MoeLayer, MatchesTheOpsPipeline) {
 
 // Finite differences of loss = <y, G> + aux_loss with the selection fixed: every probe re-runs the
 // forward and records whether the selection moved (it must not).
-void fd_check(MoeConfig c, const Tensor& cu, Rng& rng) {
+void fd_check(MoeConfig c, const SeqLayout& cu, Rng& rng) {
   MoeLayer m(c, policy(GemmKind::native), "model.layers.4.mlp");
   rng.fill_normal(m.correction_bias().value, 0.0, 0.05);
-  const int64_t T = cu.to_f64_vector().back();
+  const int64_t T = cu.total_tokens();
   Tensor x = randn({T, c.hidden_size}, DType::f64, rng);
   const Tensor G = randn({T, c.hidden_size}, DType::f64, rng);
   MoeLayer::Saved s;
@@ -213,7 +213,7 @@ TEST(MoeLayer, GradientsMatchFiniteDifferencesWithAuxLoss) {
   MoeConfig c = moe_cfg(6, 6, 2, 3, 1, DType::f64, test_seed());
   c.swiglu_limit = 1.5;  // the clamp is active on some units
   c.aux_loss_coeff = 0.05;
-  fd_check(c, ops::cu_seqlens_from_lengths({3, 4}), rng);
+  fd_check(c, SeqLayout::from_lengths({3, 4}), rng);
   // group-limited routing, no renormalisation, two shared experts, no clamp
   MoeConfig g = moe_cfg(5, 8, 3, 2, 2, DType::f64, test_seed() + 1);
   g.n_group = 4;
@@ -221,7 +221,7 @@ TEST(MoeLayer, GradientsMatchFiniteDifferencesWithAuxLoss) {
   g.norm_topk_prob = false;
   g.swiglu_limit = 0;
   g.aux_loss_coeff = 0.1;
-  fd_check(g, ops::cu_seqlens_from_lengths({2, 0, 5}), rng);
+  fd_check(g, SeqLayout::from_lengths({2, 0, 5}), rng);
 }
 
 TEST(MoeLayer, AuxLossIsPerSequenceAndDAuxScalesIt) {
@@ -231,13 +231,13 @@ TEST(MoeLayer, AuxLossIsPerSequenceAndDAuxScalesIt) {
   MoeLayer m(c, policy(GemmKind::native), "mlp");
   const std::vector<int64_t> lens{4, 1, 6};
   const Tensor x = randn({11, 8}, DType::f64, rng);
-  const MoeLayer::Output out = m.forward(Context{}, x, ops::cu_seqlens_from_lengths(lens), nullptr);
+  const MoeLayer::Output out = m.forward(Context{}, x, SeqLayout::from_lengths(lens), nullptr);
   // the op on the router logits
   const Tensor logits = ops::matmul(x, false, m.router().weight().value, true);
-  EXPECT_NEAR(out.aux_loss,
-              ops::moe_seq_aux_loss(logits, out.topk_idx, ops::cu_seqlens_from_lengths(lens),
-                                    c.aux_loss_coeff),
-              1e-15);
+  EXPECT_NEAR(
+      out.aux_loss,
+      ops::moe_seq_aux_loss(logits, out.topk_idx, SeqLayout::from_lengths(lens), c.aux_loss_coeff),
+      1e-15);
   // packed value = mean of the sequences' values
   double mean = 0;
   int64_t t0 = 0;
@@ -247,16 +247,16 @@ TEST(MoeLayer, AuxLossIsPerSequenceAndDAuxScalesIt) {
   }
   EXPECT_NEAR(out.aux_loss, mean, 1e-15);
   // no cu_seqlens: one sequence
-  EXPECT_NEAR(m.forward(Context{}, x, Tensor(), nullptr).aux_loss,
-              ops::moe_seq_aux_loss(logits, out.topk_idx, ops::cu_seqlens_from_lengths({11}),
-                                    c.aux_loss_coeff),
-              1e-15);
+  EXPECT_NEAR(
+      m.forward(Context{}, x, Tensor(), nullptr).aux_loss,
+      ops::moe_seq_aux_loss(logits, out.topk_idx, SeqLayout::from_lengths({11}), c.aux_loss_coeff),
+      1e-15);
   // d_aux: the router gradient is linear in it; d_aux = 0 drops the aux term
   const Tensor G = randn({11, 8}, DType::f64, rng);
   Tensor gw[3];
   for (int i = 0; i < 3; ++i) {
     MoeLayer::Saved s;
-    m.forward(Context{}, x, ops::cu_seqlens_from_lengths(lens), &s);
+    m.forward(Context{}, x, SeqLayout::from_lengths(lens), &s);
     m.zero_grad();
     m.backward(Context{}, G, s, double(i));  // 0, 1, 2
     gw[i] = m.router().weight().grad.clone();
@@ -276,7 +276,7 @@ TEST(MoeLayer, ReplayOfItsOwnSelectionIsBitIdentical) {
   c.aux_loss_coeff = 1e-3;
   MoeLayer m(c, policy(GemmKind::bf16), "mlp");
   const Tensor x = randn({17, 12}, DType::f32, rng), G = randn({17, 12}, DType::f32, rng);
-  const Tensor cu = ops::cu_seqlens_from_lengths({9, 8});
+  const SeqLayout cu = SeqLayout::from_lengths({9, 8});
   MoeLayer::Saved s0;
   const MoeLayer::Output o0 = m.forward(Context{}, x, cu, &s0);
   m.zero_grad();
@@ -317,7 +317,7 @@ TEST(MoeLayer, PackedBatchEqualsSequencesBitwise) {
     const std::vector<int64_t> lens{6, 1, 10};
     const Tensor x = randn({17, 20}, DType::f32, rng), G = randn({17, 20}, DType::f32, rng);
     MoeLayer::Saved s;
-    const MoeLayer::Output o = m.forward(Context{}, x, ops::cu_seqlens_from_lengths(lens), &s);
+    const MoeLayer::Output o = m.forward(Context{}, x, SeqLayout::from_lengths(lens), &s);
     const Tensor dx = m.backward(Context{}, G, s);
     std::vector<double> counts(6, 0.0);
     int64_t t0 = 0;
@@ -345,7 +345,7 @@ TEST(MoeLayer, RecomputeAndRerunsAreBitIdentical) {
     c.init_std = 0.05;
     MoeLayer m(c, policy(k), "mlp");
     const Tensor x = randn({11, 100}, DType::f32, rng), G = randn({11, 100}, DType::f32, rng);
-    const Tensor cu = ops::cu_seqlens_from_lengths({5, 6});
+    const SeqLayout cu = SeqLayout::from_lengths({5, 6});
     Tensor y[3], dx[3];
     std::vector<Tensor> grads[3];
     for (int r = 0; r < 3; ++r) {
@@ -538,9 +538,9 @@ TEST(MoeLayer, BadConfigAndInputsThrow) {
       "[T, 8]");
   expect_error(
       [&] {
-        m.forward(Context{}, x, ops::cu_seqlens_from_lengths({2, 2}), nullptr);
+        m.forward(Context{}, x, SeqLayout::from_lengths({2, 2}), nullptr);
       },
-      "cu_seqlens");
+      "the sequence layout covers 4 tokens, x has 5");
   std::vector<int64_t> dup(10, 0);
   expect_error(
       [&] {

@@ -7,9 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/seq_layout.h"
 #include "model/checkpoint.h"
 #include "model/hybrid_model.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -66,7 +66,7 @@ Batch random_batch(const std::vector<int64_t>& lengths, int64_t vocab, Rng& rng)
   }
   b.tokens = Tensor::from_vector({T}, tok);
   b.targets = Tensor::from_vector({T}, tgt);
-  b.cu = ops::cu_seqlens_from_lengths(lengths);
+  b.cu = SeqLayout::from_lengths(lengths).cu_seqlens();
   return b;
 }
 

@@ -4,8 +4,8 @@
 // bit-identical, the decode step == the full conv bit-identical, final state, bad input.
 #include <cmath>
 
+#include "core/seq_layout.h"
 #include "ops/conv1d.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -69,7 +69,7 @@ TEST(OpsConv1d, ForwardMatchesFp64Reference) {
             const int64_t c = 9, n = int64_t(lens.size());
             Tensor x = randn({total(lens), c}, dt, rng), w = randn({c, width}, dt, rng);
             Tensor st = with_state ? randn({n, width - 1, c}, dt, rng) : Tensor();
-            Tensor cu = ops::cu_seqlens_from_lengths(lens);
+            const SeqLayout cu = SeqLayout::from_lengths(lens);
             Tensor y = ops::causal_conv1d_forward(x, w, cu, st, silu);
             EXPECT_TRUE(close(y, ref_conv(x, w, lens, st, silu), tolerance_for(dt)))
                 << dtype_name(dt) << " W=" << width << " state=" << with_state << " silu=" << silu;
@@ -84,7 +84,7 @@ TEST(OpsConv1d, GradientsMatchFiniteDifferences) {
       const int64_t c = 3, n = int64_t(lens.size());
       Tensor x = randn({total(lens), c}, DType::f64, rng), w = randn({c, width}, DType::f64, rng);
       Tensor st = randn({n, width - 1, c}, DType::f64, rng);
-      Tensor cu = ops::cu_seqlens_from_lengths(lens);
+      const SeqLayout cu = SeqLayout::from_lengths(lens);
       Tensor probe = randn({total(lens), c}, DType::f64, rng);
       auto loss = [&] { return dot(ops::causal_conv1d_forward(x, w, cu, st, silu), probe); };
       Tensor dw0 = randn({c, width}, DType::f64, rng);
@@ -112,7 +112,7 @@ TEST(OpsConv1d, PackedEqualsSequencesOneByOneBitIdentical) {
       const int64_t c = 11, width = 4, n = int64_t(lens.size()), nt = total(lens);
       Tensor x = randn({nt, c}, dt, rng), w = randn({c, width}, dt, rng);
       Tensor st = randn({n, width - 1, c}, dt, rng), dy = randn({nt, c}, dt, rng);
-      Tensor cu = ops::cu_seqlens_from_lengths(lens);
+      const SeqLayout cu = SeqLayout::from_lengths(lens);
       Tensor fin;
       Tensor y = ops::causal_conv1d_forward(x, w, cu, st, silu, &fin);
       Tensor dw = randn({c, width}, dt, rng), dw1 = dw.clone();
@@ -122,7 +122,7 @@ TEST(OpsConv1d, PackedEqualsSequencesOneByOneBitIdentical) {
         const int64_t len = lens[size_t(i)];
         Tensor xi = x.slice(0, bos, bos + len), dyi = dy.slice(0, bos, bos + len);
         Tensor sti = st.slice(0, i, i + 1);
-        Tensor cui = ops::cu_seqlens_from_lengths({len});
+        const SeqLayout cui = SeqLayout::from_lengths({len});
         Tensor fini;
         Tensor yi = ops::causal_conv1d_forward(xi, w, cui, sti, silu, &fini);
         auto gi = ops::causal_conv1d_backward(dyi, xi, w, cui, sti, silu, dw1);
@@ -162,10 +162,10 @@ TEST(OpsConv1d, FinalStateAndDecodeMatchFullConv) {
           bos += lp + steps;
           pbos += lp;
         }
-        Tensor yfull = ops::causal_conv1d_forward(xfull, w, ops::cu_seqlens_from_lengths(full_lens),
-                                                  st0, silu);
+        Tensor yfull =
+            ops::causal_conv1d_forward(xfull, w, SeqLayout::from_lengths(full_lens), st0, silu);
         Tensor state;
-        ops::causal_conv1d_forward(xpre, w, ops::cu_seqlens_from_lengths(pre), st0, silu, &state);
+        ops::causal_conv1d_forward(xpre, w, SeqLayout::from_lengths(pre), st0, silu, &state);
         for (int64_t s = 0; s < steps; ++s) {
           Tensor y = ops::causal_conv1d_update(xdec[size_t(s)], state, w, silu);
           bos = 0;
@@ -178,8 +178,7 @@ TEST(OpsConv1d, FinalStateAndDecodeMatchFullConv) {
         }
         // The rolled state equals the final state of the full conv.
         Tensor fin;
-        ops::causal_conv1d_forward(xfull, w, ops::cu_seqlens_from_lengths(full_lens), st0, silu,
-                                   &fin);
+        ops::causal_conv1d_forward(xfull, w, SeqLayout::from_lengths(full_lens), st0, silu, &fin);
         EXPECT_TRUE(bit_equal(state, fin));
       }
 }
@@ -187,12 +186,11 @@ TEST(OpsConv1d, FinalStateAndDecodeMatchFullConv) {
 TEST(OpsConv1d, BadInputs) {
   Rng rng(test_seed());
   Tensor x = randn({6, 4}, DType::f32, rng), w = randn({4, 3}, DType::f32, rng);
-  Tensor cu = ops::cu_seqlens_from_lengths({2, 4});
+  const SeqLayout cu = SeqLayout::from_lengths({2, 4});
   EXPECT_THROW(ops::causal_conv1d_forward(x, randn({5, 3}, DType::f32, rng), cu), Error);
   EXPECT_THROW(ops::causal_conv1d_forward(x, randn({4, 0}, DType::f32, rng), cu), Error);
-  EXPECT_THROW(ops::causal_conv1d_forward(x, w, ops::cu_seqlens_from_lengths({2, 3})), Error);
-  EXPECT_THROW(ops::causal_conv1d_forward(x, w, Tensor::from_vector<int64_t>({3}, {0, 4, 2})),
-               Error);
+  EXPECT_THROW(ops::causal_conv1d_forward(x, w, SeqLayout::from_lengths({2, 3})), Error);
+  EXPECT_THROW(ops::causal_conv1d_forward(x, w, SeqLayout::from_lengths({4, 4})), Error);
   EXPECT_THROW(ops::causal_conv1d_forward(x, w, cu, randn({2, 3, 4}, DType::f32, rng)), Error);
   EXPECT_THROW(ops::causal_conv1d_forward(x, w.to(DType::f64), cu), Error);
   Tensor dw = Tensor::zeros({4, 3}, DType::f32);

@@ -16,7 +16,8 @@
 namespace hlm::ops {
 namespace {
 
-using hlm::testing::cu_of;
+using hlm::testing::expect_error;
+using hlm::testing::seqs_of;
 
 using hlm::testing::bit_equal;
 using hlm::testing::close;
@@ -69,7 +70,8 @@ Tensor random_rows(const std::vector<int64_t>& lens, int64_t W, Rng& rng) {
 }
 
 struct IdxInputs {
-  Tensor q, k, w, cu;
+  Tensor q, k, w;
+  SeqLayout cu;
   int64_t T, H, D;
 };
 IdxInputs make_inputs(const std::vector<int64_t>& lens, int64_t H, int64_t D, DType dt, Rng& rng) {
@@ -80,7 +82,7 @@ IdxInputs make_inputs(const std::vector<int64_t>& lens, int64_t H, int64_t D, DT
   in.q = randn({in.T, H, D}, dt, rng);
   in.k = randn({in.T, D}, dt, rng);
   in.w = randn({in.T, H}, dt, rng, 0.5);
-  in.cu = cu_of(lens);
+  in.cu = seqs_of(lens);
   return in;
 }
 
@@ -176,7 +178,7 @@ TEST(DsaIndexer, PackedBatchEqualsSequencesBitwise) {
   const Tensor sel = topk_select(sc, in.cu, 3);
   int64_t s0 = 0;
   for (int64_t L : lens) {
-    const Tensor cu1 = cu_of({L});
+    const SeqLayout cu1 = seqs_of({L});
     auto part = [&](const Tensor& x) { return x.slice(0, s0, s0 + L).contiguous(); };
     const Tensor q = part(in.q), k = part(in.k), w = part(in.w);
     const Tensor sc1 = indexer_scores(q, k, w, cu1);
@@ -248,7 +250,7 @@ TEST(DsaTopk, MatchesBruteForceAsSets) {
       std::vector<double> v(size_t(T * W));
       for (auto& x : v) x = double(rng.below(4));  // ties everywhere
       const Tensor sc = Tensor::from_values({T, W}, v, dt);
-      const Tensor sel = topk_select(sc, cu_of(lens), K);
+      const Tensor sel = topk_select(sc, seqs_of(lens), K);
       ASSERT_EQ(sel.shape(), (Shape{T, K}));
       const auto o = sel.to_f64_vector();
       for (int64_t t = 0; t < T; ++t) {
@@ -288,22 +290,23 @@ TEST(DsaTopk, ShortPrefixSelectsAllCausalTokens) {
     }
   // NaN ranks below every number.
   const Tensor sc = Tensor::from_values({3, 3}, {0, 0, 0, NAN, -5, 0, 1, NAN, 2}, DType::f64);
-  const auto o2 = topk_select(sc, cu_of({3}), 1).to_f64_vector();
+  const auto o2 = topk_select(sc, seqs_of({3}), 1).to_f64_vector();
   EXPECT_EQ(o2, (std::vector<double>{0, 1, 2}));
 }
 
 TEST(DsaIndexer, BadInputThrows) {
   Rng rng(test_seed());
   IdxInputs in = make_inputs({3, 4}, 2, 8, DType::f64, rng);
-  auto cu = [](std::vector<int64_t> v) {
-    return Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
-  };
-  EXPECT_THROW(indexer_scores(in.q, in.k, in.w, cu({0, 3, 6})), Error);     // does not end at T
-  EXPECT_THROW(indexer_scores(in.q, in.k, in.w, cu({0, 5, 3, 7})), Error);  // not monotone
-  EXPECT_THROW(indexer_scores(in.q, in.k, in.w, cu({1, 7})), Error);        // does not start at 0
+  // Layouts that do not cover the T = 7 tokens (malformed offsets are rejected when the layout is
+  // built: tests/core/seq_layout_test.cpp).
+  expect_error(
+      [&] {
+        indexer_scores(in.q, in.k, in.w, seqs_of({3, 3}));
+      },
+      "the sequence layout covers 6 tokens");
+  EXPECT_THROW(indexer_scores(in.q, in.k, in.w, seqs_of({3, 5})), Error);
   EXPECT_THROW(indexer_scores(in.q, in.k.slice(0, 0, 6), in.w, in.cu), Error);
   EXPECT_THROW(indexer_scores(in.q, in.k.to(DType::f32), in.w, in.cu), Error);
-  EXPECT_THROW(indexer_scores(in.q, in.k, in.w, in.cu.to(DType::f64)), Error);
   EXPECT_THROW(indexer_scores(in.q, in.k, in.w, in.cu, {}, 3), Error);  // W too small
   // Rows: non-causal, other document, duplicate, out of range.
   auto rows = [&](int32_t t_row, int32_t a, int32_t b) {

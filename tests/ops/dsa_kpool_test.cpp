@@ -15,7 +15,7 @@
 namespace hlm::ops {
 namespace {
 
-using hlm::testing::cu_of;
+using hlm::testing::seqs_of;
 using hlm::testing::total;
 
 using hlm::testing::bit_equal;
@@ -61,7 +61,7 @@ TEST(DsaKPool, CompressMatchesFp64Reference) {
     for (DType dt : {DType::f64, DType::f32}) {
       const Tensor k = randn({T, D}, dt, rng), g = randn({T, D}, dt, rng, 2.0),
                    A = randn({P, D}, dt, rng);
-      const Tensor out = kpool_compress(k, g, A, cu_of(lens));
+      const Tensor out = kpool_compress(k, g, A, seqs_of(lens));
       const auto ref =
           ref_compress(lens, P, D, k.to_f64_vector(), g.to_f64_vector(), A.to_f64_vector());
       const int64_t NP = int64_t(ref.size()) / D;
@@ -71,7 +71,7 @@ TEST(DsaKPool, CompressMatchesFp64Reference) {
           << "P " << P << " " << dtype_name(dt);
       if (P == 1) EXPECT_TRUE(close(out, k, {0, 0}));  // a pool of one token is the token
     }
-  const auto off = kpool_pool_offsets(cu_of(lens), T, 3).to_f64_vector();
+  const auto off = kpool_pool_offsets(seqs_of(lens), T, 3).to_f64_vector();
   EXPECT_EQ(off, (std::vector<double>{0, 3, 4, 4, 6}));
 }
 
@@ -81,7 +81,7 @@ TEST(DsaKPool, CompressBackwardMatchesFiniteDifferences) {
   const int64_t T = 15, D = 6, P = 4;
   Tensor k = randn({T, D}, DType::f64, rng), g = randn({T, D}, DType::f64, rng),
          A = randn({P, D}, DType::f64, rng);
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = seqs_of(lens);
   const Tensor r = randn({3, D}, DType::f64, rng);
   const KPoolCompressGrads gr = kpool_compress_backward(k, g, A, cu, r);
   auto loss = [&] { return hlm::testing::dot(kpool_compress(k, g, A, cu), r); };
@@ -105,7 +105,7 @@ TEST(DsaKPool, SelectMatchesBruteForceWithTailAndRestarts) {
   for (int64_t P : {1, 2, 3, 4})
     for (int64_t K : {P, 2 * P, 3 * P})
       for (bool tail : {true, false}) {
-        const Tensor cu = cu_of(lens);
+        const SeqLayout cu = seqs_of(lens);
         int64_t Wp = 0;
         for (int64_t L : lens) Wp = std::max(Wp, L / P);
         std::vector<double> v(size_t(T * Wp));
@@ -155,7 +155,7 @@ TEST(DsaKPool, SelectLayoutExample) {
   // Scores favour pool 2, then pool 0.
   const Tensor ps = Tensor::from_values(
       {7, 3}, {0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0, 2, 1, 0, 2, 1, 0, 2}, DType::f64);
-  const KPoolSelection sel = kpool_select(ps, cu_of({7}), 4, 2, true);
+  const KPoolSelection sel = kpool_select(ps, seqs_of({7}), 4, 2, true);
   const std::vector<double> want{
       -1, -1, -1, -1, 0,   // t 0: no pool, tail {0}
       0,  1,  -1, -1, -1,  // t 1: pool 0, tail empty
@@ -176,7 +176,7 @@ TEST(DsaKPool, PackedBatchEqualsSequencesBitwise) {
   const Tensor q = randn({T, H, D}, DType::f32, rng), k = randn({T, D}, DType::f32, rng),
                g = randn({T, D}, DType::f32, rng), A = randn({P, D}, DType::f32, rng),
                w = randn({T, H}, DType::f32, rng);
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = seqs_of(lens);
   const Tensor pk = kpool_compress(k, g, A, cu);
   const Tensor ps = indexer_scores(q, pk, w, cu, pooled(P));
   const KPoolSelection sel = kpool_select(ps, cu, K, P);
@@ -185,7 +185,7 @@ TEST(DsaKPool, PackedBatchEqualsSequencesBitwise) {
   int64_t s0 = 0, p0 = 0;
   Tensor dape_sum = Tensor::zeros({P, D}, DType::f32);
   for (int64_t L : lens) {
-    const Tensor cu1 = cu_of({L});
+    const SeqLayout cu1 = seqs_of({L});
     auto part = [&](const Tensor& x) { return x.slice(0, s0, s0 + L).contiguous(); };
     const int64_t np = L / P;
     const Tensor pk1 = kpool_compress(part(k), part(g), A, cu1);
@@ -214,7 +214,7 @@ TEST(DsaKPool, PoolLevelKlGradientsMatchFiniteDifferences) {
          g = randn({T, DI}, DType::f64, rng), A = randn({P, DI}, DType::f64, rng),
          w = randn({T, HI}, DType::f64, rng);
   const Tensor qm = randn({T, H, Dqk}, DType::f64, rng), kv = randn({T, Dqk}, DType::f64, rng);
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = seqs_of(lens);
   // Dense warm-up.
   {
     const Tensor tok = attention_target(qm, kv, cu, scale);
@@ -276,12 +276,12 @@ TEST(DsaKPool, PoolLevelKlGradientsMatchFiniteDifferences) {
 TEST(DsaKPool, BadInputThrows) {
   Rng rng(test_seed());
   const Tensor ps = randn({8, 2}, DType::f32, rng);
-  const Tensor cu = cu_of({8});
+  const SeqLayout cu = seqs_of({8});
   EXPECT_THROW(kpool_select(ps, cu, 6, 4), Error);  // K % P != 0
   EXPECT_THROW(kpool_select(ps, cu, 4, 0), Error);  // P < 1
   EXPECT_THROW(kpool_select(ps, cu, 4, -2), Error);
-  EXPECT_THROW(kpool_select(ps, cu, 0, 4), Error);             // K < 1
-  EXPECT_THROW(kpool_select(ps, cu_of({4, 3}), 4, 4), Error);  // cu does not end at T
+  EXPECT_THROW(kpool_select(ps, cu, 0, 4), Error);               // K < 1
+  EXPECT_THROW(kpool_select(ps, seqs_of({4, 3}), 4, 4), Error);  // cu does not end at T
   EXPECT_THROW(kpool_select(ps.slice(1, 0, 1).contiguous(), cu, 4, 4), Error);  // W < 2 pools
   const Tensor k = randn({8, 4}, DType::f32, rng), g = randn({8, 4}, DType::f32, rng);
   EXPECT_THROW(kpool_compress(k, g, randn({4, 3}, DType::f32, rng), cu), Error);     // ape width
@@ -289,7 +289,7 @@ TEST(DsaKPool, BadInputThrows) {
   EXPECT_THROW(kpool_compress(k, g, randn({4, 4}, DType::f64, rng), cu), Error);     // dtype
   EXPECT_THROW(kpool_compress(k, g.slice(0, 0, 7), randn({4, 4}, DType::f32, rng), cu), Error);
   EXPECT_THROW(kpool_compress(k, g, randn({4, 4}, DType::f32, rng),
-                              Tensor::from_vector<int64_t>({3}, {0, 6, 5})),
+                              seqs_of({6, 3})),  // covers 9 of the 8 tokens
                Error);
   // Pooled scoring: k must have one row per pool.
   const Tensor q = randn({8, 2, 4}, DType::f32, rng), w = randn({8, 2}, DType::f32, rng);

@@ -13,7 +13,7 @@
 namespace hlm::ops {
 namespace {
 
-using hlm::testing::cu_of;
+using hlm::testing::seqs_of;
 
 using hlm::testing::bit_equal;
 using hlm::testing::close;
@@ -68,9 +68,9 @@ TEST(DsaSparseAttention, AllCausalSelectionEqualsDenseCausalAttention) {
   for (DType dt : {DType::f64, DType::f32}) {
     const Tensor q = randn({T, H, D}, dt, rng), kv = randn({T, D}, dt, rng);
     // The indices as the top-k op gives them when K >= the prefix (all causal tokens).
-    const Tensor sel = topk_select(randn({T, 12}, DType::f32, rng), cu_of(lens), 16);
+    const Tensor sel = topk_select(randn({T, 12}, DType::f32, rng), seqs_of(lens), 16);
     EXPECT_TRUE(bit_equal(sel, all_causal(lens, 16)));
-    const SparseAttentionOut r = sparse_attention(q, kv, sel, cu_of(lens), dv, scale);
+    const SparseAttentionOut r = sparse_attention(q, kv, sel, seqs_of(lens), dv, scale);
     const auto qv = q.to_f64_vector(), kvv = kv.to_f64_vector();
     std::vector<double> out(size_t(T * H * dv), 0.0), lse(size_t(T * H));
     for (int64_t t = 0; t < T; ++t)
@@ -104,7 +104,7 @@ TEST(DsaSparseAttention, BackwardMatchesFiniteDifferences) {
   const int64_t T = 15, H = 2, D = 10, dv = 6, W = 5;
   const double scale = 0.3;
   Tensor q = randn({T, H, D}, DType::f64, rng), kv = randn({T, D}, DType::f64, rng);
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = seqs_of(lens);
   const Tensor idx = random_rows(lens, W, rng);
   const Tensor r = randn({T, H, dv}, DType::f64, rng);
   const SparseAttentionOut f = sparse_attention(q, kv, idx, cu, dv, scale);
@@ -130,7 +130,7 @@ TEST(DsaSparseAttention, PackedEqualsSequencesAndThreadCountBitwise) {
   const int64_t T = 24, H = 4, D = 16, dv = 8, W = 6;
   const double scale = 0.25;
   const Tensor q = randn({T, H, D}, DType::f32, rng), kv = randn({T, D}, DType::f32, rng);
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = seqs_of(lens);
   const Tensor idx = random_rows(lens, W, rng);
   const Tensor dout = randn({T, H, dv}, DType::f32, rng);
   const SparseAttentionOut f = sparse_attention(q, kv, idx, cu, dv, scale);
@@ -142,7 +142,7 @@ TEST(DsaSparseAttention, PackedEqualsSequencesAndThreadCountBitwise) {
     std::vector<double> iv = part(idx).to_f64_vector();
     for (double& x : iv) x = x < 0 ? -1 : x - double(s0);
     const Tensor idx1 = Tensor::from_values({L, W}, iv, DType::i32);
-    const Tensor cu1 = cu_of({L});
+    const SeqLayout cu1 = seqs_of({L});
     const SparseAttentionOut f1 = sparse_attention(part(q), part(kv), idx1, cu1, dv, scale);
     EXPECT_TRUE(bit_equal(f1.out, part(f.out)));
     EXPECT_TRUE(bit_equal(f1.lse, part(f.lse)));
@@ -171,7 +171,7 @@ TEST(DsaSparseAttention, F32MatchesF64ForwardAndBackward) {
   Rng rng(test_seed());
   const std::vector<int64_t> lens{13, 6};
   const int64_t T = 19, H = 4, D = 32, dv = 16, W = 8;
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = seqs_of(lens);
   const Tensor q = randn({T, H, D}, DType::f64, rng), kv = randn({T, D}, DType::f64, rng);
   const Tensor idx = random_rows(lens, W, rng);
   const Tensor dout = randn({T, H, dv}, DType::f64, rng);
@@ -202,7 +202,7 @@ TEST(DsaSparseAttention, EmptyRowGivesZeroOutputAndNegInfLse) {
   Rng rng(test_seed());
   const Tensor q = randn({3, 2, 4}, DType::f64, rng), kv = randn({3, 4}, DType::f64, rng);
   const Tensor idx = Tensor::from_vector<int32_t>({3, 2}, {0, -1, -1, -1, 2, 0});
-  const SparseAttentionOut f = sparse_attention(q, kv, idx, cu_of({3}), 4, 0.5);
+  const SparseAttentionOut f = sparse_attention(q, kv, idx, seqs_of({3}), 4, 0.5);
   for (int64_t h = 0; h < 2; ++h) {
     EXPECT_EQ(f.lse.at({1, h}), -INFINITY);
     for (int64_t c = 0; c < 4; ++c) {
@@ -211,7 +211,7 @@ TEST(DsaSparseAttention, EmptyRowGivesZeroOutputAndNegInfLse) {
     }
   }
   const SparseAttentionGrads g = sparse_attention_backward(
-      q, kv, idx, cu_of({3}), 4, 0.5, f.out, f.lse, randn({3, 2, 4}, DType::f64, rng));
+      q, kv, idx, seqs_of({3}), 4, 0.5, f.out, f.lse, randn({3, 2, 4}, DType::f64, rng));
   for (int64_t c = 0; c < 4; ++c) {
     EXPECT_EQ(g.dq.at({1, 0, c}), 0.0);
     EXPECT_EQ(g.dkv.at({1, c}), 0.0);  // token 1 is read by nobody
@@ -221,7 +221,7 @@ TEST(DsaSparseAttention, EmptyRowGivesZeroOutputAndNegInfLse) {
 TEST(DsaSparseAttention, BadInputThrows) {
   Rng rng(test_seed());
   const Tensor q = randn({4, 2, 4}, DType::f32, rng), kv = randn({4, 4}, DType::f32, rng);
-  const Tensor cu = cu_of({2, 2});
+  const SeqLayout cu = seqs_of({2, 2});
   auto idx = [](std::vector<int32_t> v) { return Tensor::from_vector<int32_t>({4, 2}, v); };
   EXPECT_NO_THROW(sparse_attention(q, kv, idx({0, -1, 0, 1, 2, -1, -1, 3}), cu, 4, 0.5));
   EXPECT_THROW(sparse_attention(q, kv, idx({0, 0, 0, 1, 2, -1, 2, 3}), cu, 4, 0.5), Error);  // dup
@@ -237,7 +237,7 @@ TEST(DsaSparseAttention, BadInputThrows) {
   EXPECT_THROW(sparse_attention(q, kv, good, cu, 4, 0.0), Error);  // scale
   EXPECT_THROW(sparse_attention(q, kv.slice(1, 0, 3), good, cu, 3, 0.5), Error);
   EXPECT_THROW(sparse_attention(q, kv.to(DType::f64), good, cu, 4, 0.5), Error);
-  EXPECT_THROW(sparse_attention(q, kv, good, cu_of({2, 1}), 4, 0.5), Error);
+  EXPECT_THROW(sparse_attention(q, kv, good, seqs_of({2, 1}), 4, 0.5), Error);
   EXPECT_THROW(sparse_attention(q, kv, good.to(DType::f32), cu, 4, 0.5), Error);
 }
 

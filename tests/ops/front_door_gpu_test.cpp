@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "ops/cross_entropy.h"
 #include "ops/dsa_indexer.h"
 #include "ops/dsa_kpool.h"
@@ -16,7 +17,6 @@
 #include "ops/layernorm.h"
 #include "ops/mhc.h"
 #include "ops/moe.h"
-#include "ops/seqlens.h"
 #include "ops/softmax.h"
 #include "testing.h"
 
@@ -68,7 +68,7 @@ TEST(FrontDoorGpu, OpsWithoutCudaKernelsSayWhich) {
     ops::mhc_collapse(xs, gpu(randn({4, 2}, DType::f32, rng)));
   });
   // DSA: cu_seqlens may stay on the host; the checks run first, then the switch answers.
-  const Tensor cu = ops::cu_seqlens_from_lengths({3, 1});
+  const SeqLayout cu = SeqLayout::from_lengths({3, 1});
   const Tensor q = gpu(randn({4, 2, 8}, DType::f32, rng)), k = gpu(randn({4, 8}, DType::f32, rng));
   const Tensor wts = gpu(randn({4, 2}, DType::f32, rng));
   expect_no_cuda_yet("indexer_scores", "q", [&] { ops::indexer_scores(q, k, wts, cu); });

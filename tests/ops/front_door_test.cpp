@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "ops/activations.h"
 #include "ops/cast.h"
 #include "ops/conv1d.h"
@@ -26,7 +27,6 @@
 #include "ops/mhc.h"
 #include "ops/moe.h"
 #include "ops/rmsnorm.h"
-#include "ops/seqlens.h"
 #include "ops/softmax.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
@@ -54,10 +54,6 @@ void expect_poison_invariant(const char* what, const std::function<Outs()>& run)
   ASSERT_EQ(plain.size(), poisoned.size()) << what;
   for (size_t i = 0; i < plain.size(); ++i)
     EXPECT_TRUE(hlm::testing::bit_equal(poisoned[i], plain[i])) << what << ": output " << i;
-}
-
-Tensor cu_of(const std::vector<int64_t>& lens) {
-  return cu_seqlens_from_lengths(lens);
 }
 
 TEST(FrontDoorPoison, TheHookPoisonsNewOutputs) {
@@ -97,7 +93,8 @@ TEST(FrontDoorPoison, ElementwiseNormsConvGateDecode) {
                   l2norm_backward(dy, x, l.rstd)};
     });
     // Three sequences, one shorter than the conv's W - 1 = 3, with an initial state.
-    const Tensor cu = cu_of({4, 2, 1}), cw = randn({5, 4}, dt, rng);
+    const SeqLayout cu = hlm::testing::seqs_of({4, 2, 1});
+    const Tensor cw = randn({5, 4}, dt, rng);
     const Tensor st = randn({3, 3, 5}, dt, rng), cdw0 = randn({5, 4}, dt, rng);
     const Tensor xu = randn({3, 5}, dt, rng);
     expect_poison_invariant("conv1d", [&] {
@@ -202,7 +199,7 @@ TEST(FrontDoorPoison, Fp8) {
 TEST(FrontDoorPoison, DsaIndexerAttentionKPool) {
   Rng rng(test_seed());
   const std::vector<int64_t> lens{7, 2, 5};
-  const Tensor cu = cu_of(lens);
+  const SeqLayout cu = hlm::testing::seqs_of(lens);
   const int64_t T = 14, H = 2, D = 8, P = 2;
   for (DType dt : {DType::f32, DType::f64}) {
     const Tensor q = randn({T, H, D}, dt, rng), k = randn({T, D}, dt, rng),
@@ -257,7 +254,8 @@ TEST(FrontDoorPoison, MoeAndMhc) {
     const MoeWeights w{randn({E, 2 * I, D}, dt, rng), randn({E, D, I}, dt, rng),
                        randn({4, D}, dt, rng), randn({D, 2}, dt, rng)};
     const Tensor gu = randn({T, 2 * I}, dt, rng, 8.0), dh = randn({T, I}, dt, rng);
-    const Tensor cu = cu_of({4, 2}), dweight = randn({T, 2}, dt, rng);
+    const SeqLayout cu = hlm::testing::seqs_of({4, 2});
+    const Tensor dweight = randn({T, 2}, dt, rng);
     expect_poison_invariant("moe", [&] {
       const MoeRouterResult r = moe_router_forward(logits, bias, cfg);
       const Tensor dl = moe_router_backward(logits, r, cfg, dweight);

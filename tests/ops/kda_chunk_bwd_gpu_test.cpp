@@ -74,7 +74,7 @@ ops::KdaChunkBwdCudaBuffers poisoned(const KdaArgs& g) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const int64_t T = g.q.size(0), H = g.q.size(1), HV = g.v.size(1), K = g.q.size(2),
                 V = g.v.size(2);
-  const int64_t N = g.cu_seqlens.defined() ? g.cu_seqlens.size(0) - 1 : 1;
+  const int64_t N = g.seqs ? g.seqs->num_seqs() : 1;
   auto f = [&](Shape s) { return Tensor::full(s, nan, DType::f32, Device::cuda); };
   ops::KdaChunkBwdCudaBuffers b;
   b.workspace = f({ops::kda_chunk_bwd_cuda_workspace_floats(g)});
@@ -178,7 +178,7 @@ void run_case(const Case& c) {
   KdaArgs one = gpu;
   for (Tensor* t : {&one.q, &one.k, &one.v, &one.g, &one.beta}) *t = t->slice(0, b, e);
   if (one.initial_state.defined()) one.initial_state = one.initial_state.slice(0, n, n + 1);
-  one.cu_seqlens = Tensor();
+  one.seqs.reset();
   const KdaGrads alone = ops::kda_chunk_backward_cuda(
       one, d_o_g.slice(0, b, e), dht_g.defined() ? dht_g.slice(0, n, n + 1) : Tensor());
   bool alone_same = true;
@@ -323,13 +323,13 @@ TEST(KdaChunkBwdGpu, SmallOddHeadDims) {
             Gate::standard});
 }
 
-// One sequence, no cu_seqlens, T not a multiple of 64.
+// One sequence, no layout, T not a multiple of 64.
 TEST(KdaChunkBwdGpu, SingleSequenceNoCuSeqlens) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
   Case c{"single", {333}, 1, 1, 128, 128, DType::f32, true, true, Gate::lower_bound};
   KdaArgs cpu = make_inputs(c, rng);
-  cpu.cu_seqlens = Tensor();
+  cpu.seqs.reset();
   const Tensor d_o = randn({333, 1, 128}, DType::f32, rng);
   const Tensor dht = randn({1, 1, 128, 128}, DType::f32, rng, 0.5);
   const KdaGrads ref = ops::kda_chunk_backward(cpu, d_o, dht);
@@ -613,7 +613,7 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   }
   {
     KdaArgs b = a;
-    b.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 5, 74});
+    b.seqs = SeqLayout::from_lengths({5, 69});
     EXPECT_THROW(ops::kda_chunk_backward_cuda(b, d_o(64), {}), Error);
   }
   {
@@ -696,7 +696,7 @@ TEST(KdaChunkBwdGpu, Timing) {
     a.A_log = small.A_log.to(Device::cuda), a.dt_bias = small.dt_bias.to(Device::cuda);
     std::vector<int64_t> cu;
     for (int64_t n = 0; n <= sh.N; ++n) cu.push_back(n * sh.T / sh.N);
-    a.cu_seqlens = Tensor::from_vector<int64_t>({sh.N + 1}, cu);
+    a.seqs = SeqLayout::from_offsets(cu, sh.T);
     const Tensor d_o = tile(d_o_small);
     const Tensor dht = Tensor::zeros({sh.N, sh.H, K, V}, DType::f32, Device::cuda);
     ops::KdaChunkBwdCudaBuffers b;

@@ -65,7 +65,7 @@ std::string describe(const Case& c) {
 ops::KdaChunkCudaBuffers poisoned(const KdaArgs& g) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const int64_t T = g.q.size(0), HV = g.v.size(1), K = g.q.size(2), V = g.v.size(2);
-  const int64_t N = g.cu_seqlens.defined() ? g.cu_seqlens.size(0) - 1 : 1;
+  const int64_t N = g.seqs ? g.seqs->num_seqs() : 1;
   ops::KdaChunkCudaBuffers b;
   b.o = Tensor::full({T, HV, V}, nan, g.q.dtype(), Device::cuda);
   b.final_state = Tensor::full({N, HV, K, V}, nan, DType::f32, Device::cuda);
@@ -119,7 +119,7 @@ void run_case(const Case& c) {
   KdaArgs one = gpu;
   for (Tensor* t : {&one.q, &one.k, &one.v, &one.g, &one.beta}) *t = t->slice(0, b, e);
   if (one.initial_state.defined()) one.initial_state = one.initial_state.slice(0, n, n + 1);
-  one.cu_seqlens = Tensor();
+  one.seqs.reset();
   const ops::KdaOutput alone = ops::kda_chunk_forward_cuda(one);
   EXPECT_TRUE(testing::bit_equal(alone.o, out.o.slice(0, b, e)))
       << describe(c) << ": sequence " << n << " alone differs from the packed batch (o)";
@@ -218,13 +218,13 @@ TEST(KdaChunkGpu, SmallOddHeadDims) {
   run_case({"bf16 K32 V96", {1, 63, 65, 200}, 1, 3, 32, 96, DType::bf16, false, Gate::plain});
 }
 
-// One sequence, no cu_seqlens, T not a multiple of 64.
+// One sequence, no layout, T not a multiple of 64.
 TEST(KdaChunkGpu, SingleSequenceNoCuSeqlens) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
   Case c{"single", {333}, 1, 1, 128, 128, DType::f32, true, Gate::plain};
   KdaArgs cpu = make_inputs(c, rng);
-  cpu.cu_seqlens = Tensor();
+  cpu.seqs.reset();
   const ops::KdaOutput ref = ops::kda_chunk(cpu);
   const KdaArgs gpu = to_device(cpu, false);
   const ops::KdaOutput out = ops::kda_chunk_forward_cuda(gpu, poisoned(gpu));
@@ -256,7 +256,7 @@ TEST(KdaChunkGpu, RejectsBadArguments) {
   }
   {
     KdaArgs b = a;
-    b.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 5, 74});  // does not end at T = 75
+    b.seqs = SeqLayout::from_lengths({5, 69});  // does not end at T = 75
     EXPECT_THROW(ops::kda_chunk_forward_cuda(b), Error);
   }
   {
@@ -308,7 +308,7 @@ TEST(KdaChunkGpu, DISABLED_Timing) {
     a.beta = tile(small.beta);
     std::vector<int64_t> cu;
     for (int64_t n = 0; n <= sh.N; ++n) cu.push_back(n * sh.T / sh.N);
-    a.cu_seqlens = Tensor::from_vector<int64_t>({sh.N + 1}, cu);
+    a.seqs = SeqLayout::from_offsets(cu, sh.T);
     a.initial_state = Tensor::zeros({sh.N, sh.H, K, V}, DType::f32, Device::cuda);
     ops::KdaChunkCudaBuffers b;
     b.o = Tensor::empty({sh.T, sh.H, V}, DType::bf16, Device::cuda);

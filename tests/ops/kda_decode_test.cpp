@@ -74,7 +74,7 @@ void run_case(const Case& c) {
   r.use_qk_l2norm = c.l2norm;
   std::vector<int64_t> cu(size_t(c.N + 1));
   for (int64_t n = 0; n <= c.N; ++n) cu[size_t(n)] = n * c.steps;
-  r.cu_seqlens = Tensor::from_vector<int64_t>({c.N + 1}, cu);
+  r.seqs = SeqLayout::from_offsets(cu, c.N * c.steps);
   ops::KdaOutput ref = ops::kda_recurrent(r);
   for (int64_t t = 0; t < c.steps; ++t) {
     Tensor ref_t = ref.o.view({c.N, c.steps, c.HV, c.V}).select(1, t);

@@ -52,7 +52,7 @@ inline ops::KdaArgs make_inputs(const Case& c, Rng& rng) {
   }
   a.v = randn({T, c.HV, c.V}, c.dt, rng);
   if (c.h0) a.initial_state = randn({N, c.HV, c.K, c.V}, DType::f32, rng, 0.5);
-  a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, cu);
+  a.seqs = SeqLayout::from_offsets(cu, T);
   a.scale = c.scale;
   return a;
 }
@@ -61,7 +61,8 @@ inline ops::KdaArgs to_device(const ops::KdaArgs& c, bool cu_on_device) {
   ops::KdaArgs g = c;
   for (Tensor* t : {&g.q, &g.k, &g.v, &g.g, &g.beta, &g.initial_state, &g.A_log, &g.dt_bias})
     if (t->defined()) *t = t->to(Device::cuda);
-  if (cu_on_device) g.cu_seqlens = g.cu_seqlens.to(Device::cuda);
+  // The layout read back from a cu_seqlens tensor on the device (one small synchronous copy).
+  if (cu_on_device) g.seqs = SeqLayout::from_tensor(c.seqs->cu_seqlens(Device::cuda), c.v.size(0));
   return g;
 }
 

@@ -46,7 +46,7 @@ Problem make_problem(Rng& rng, const std::vector<int64_t>& cu, int64_t H, int64_
   }
   p.a.v = randn({T, HV, V}, dt, rng);
   if (h0) p.a.initial_state = randn({N, HV, K, V}, dt == DType::f64 ? dt : DType::f32, rng, 0.5);
-  p.a.cu_seqlens = Tensor::from_vector<int64_t>({N + 1}, cu);
+  p.a.seqs = SeqLayout::from_offsets(cu, T);
   p.d_o = randn({T, HV, V}, dt, rng);
   p.dht = randn({N, HV, K, V}, dt, rng);
   return p;
@@ -329,11 +329,11 @@ TEST(KdaOp, BadInputs) {
     EXPECT_THROW(ops::kda_chunk_backward(a, p.d_o, p.dht), Error);
     EXPECT_THROW(ops::kda_recurrent_backward(a, p.d_o, p.dht), Error);
   };
-  bad([](KdaArgs& a) { a.cu_seqlens = Tensor::from_vector<int64_t>({3}, {1, 5, 10}); });
-  bad([](KdaArgs& a) { a.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 6, 5}); });
-  bad([](KdaArgs& a) { a.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 5, 9}); });
-  bad([](KdaArgs& a) { a.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 5, 11}); });
-  bad([](KdaArgs& a) { a.cu_seqlens = Tensor::from_values({3}, {0, 5, 10}, DType::f32); });
+  // Layouts that do not cover the T = 10 tokens (malformed offsets are rejected when the layout
+  // is built: tests/core/seq_layout_test.cpp).
+  bad([](KdaArgs& a) { a.seqs = SeqLayout::from_lengths({5, 4}); });
+  bad([](KdaArgs& a) { a.seqs = SeqLayout::from_lengths({5, 6}); });
+  bad([](KdaArgs& a) { a.seqs = SeqLayout::single(0); });
   bad([](KdaArgs& a) { a.k = a.k.slice(2, 0, 3).contiguous(); });
   bad([](KdaArgs& a) { a.v = a.v.slice(0, 0, 9).contiguous(); });
   bad([](KdaArgs& a) { a.g = a.g.slice(1, 0, 1).contiguous(); });

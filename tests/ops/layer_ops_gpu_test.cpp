@@ -9,13 +9,13 @@
 #include <cstdio>
 
 #include "core/rng.h"
+#include "core/seq_layout.h"
 #include "ops/activations.h"
 #include "ops/conv1d.h"
 #include "ops/dispatch.h"
 #include "ops/kda_gate.h"
 #include "ops/l2norm.h"
 #include "ops/rmsnorm.h"
-#include "ops/seqlens.h"
 #include "testing.h"
 
 namespace hlm {
@@ -79,7 +79,7 @@ TEST(LayerOpsGpuConv1d, ForwardBackwardUpdate) {
     for (const auto& lens : cases)
       for (int64_t C : {37, 64})
         for (int64_t W : {4, 3}) {
-          const Tensor cu = ops::cu_seqlens_from_lengths(lens);
+          const SeqLayout cu = SeqLayout::from_lengths(lens);
           int64_t T = 0;
           for (int64_t l : lens) T += l;
           const int64_t N = int64_t(lens.size());
@@ -117,7 +117,7 @@ TEST(LayerOpsGpuConv1d, ForwardBackwardUpdate) {
             const Tensor yc = cpu(y_dev), dxc = cpu(g_dev.dx);
             for (size_t n = 0; n < lens.size(); ++n) {
               const int64_t L = lens[n];
-              const Tensor cu1 = ops::cu_seqlens_from_lengths({L});
+              const SeqLayout cu1 = SeqLayout::from_lengths({L});
               const Tensor xn = gpu(xc.slice(0, bos, bos + L).contiguous());
               const Tensor dyn = gpu(dyc.slice(0, bos, bos + L).contiguous());
               const Tensor sn = gpu(sc.slice(0, int64_t(n), int64_t(n) + 1).contiguous());

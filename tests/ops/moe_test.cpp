@@ -9,7 +9,7 @@
 #include <set>
 #include <vector>
 
-#include "ops/seqlens.h"
+#include "core/seq_layout.h"
 #include "testing.h"
 
 namespace hlm::ops {
@@ -260,7 +260,7 @@ TEST(MoeBalance, SeqAuxLossMatchesReferenceAndGradient) {
   c.n_experts = 8;
   c.top_k = 2;
   const std::vector<int64_t> lens{3, 0, 5, 1};
-  Tensor cu = cu_seqlens_from_lengths(lens);
+  const SeqLayout cu = SeqLayout::from_lengths(lens);
   Tensor logits = randn({9, 8}, DType::f64, rng, 1.5);
   MoeRouterResult r = moe_router_forward(logits, Tensor(), c);
   const double coeff = 1e-3;
@@ -271,13 +271,13 @@ TEST(MoeBalance, SeqAuxLossMatchesReferenceAndGradient) {
   std::vector<int64_t> bal;
   for (int t = 0; t < 8; ++t) bal.push_back(t), bal.push_back((t + 4) % 8);
   EXPECT_NEAR(moe_seq_aux_loss(z, Tensor::from_vector<int64_t>({8, 2}, bal),
-                               cu_seqlens_from_lengths({8}), coeff),
+                               SeqLayout::from_lengths({8}), coeff),
               coeff, 1e-16);
   const Tensor idx = r.topk_idx;  // f uses the fixed selection
   Tensor dl = moe_seq_aux_loss_backward(logits, idx, cu, coeff, 2.0);
   auto loss = [&] { return 2.0 * moe_seq_aux_loss(logits, idx, cu, coeff); };
   EXPECT_TRUE(grad_check(loss, logits, dl, 1e-5, 1e-9, 72));
-  EXPECT_THROW(moe_seq_aux_loss(logits, idx, cu_seqlens_from_lengths({3, 5}), coeff), Error);
+  EXPECT_THROW(moe_seq_aux_loss(logits, idx, SeqLayout::from_lengths({3, 5}), coeff), Error);
 }
 
 // Item 8 of the hardening list: with very negative router logits every sigmoid underflows (FP32:
@@ -287,7 +287,7 @@ TEST(MoeBalance, SeqAuxLossMatchesReferenceAndGradient) {
 TEST(MoeBalance, SeqAuxLossIsFiniteWhenEverySigmoidUnderflows) {
   Rng rng(test_seed());
   const std::vector<int64_t> lens{4, 3};
-  const Tensor cu = cu_seqlens_from_lengths(lens);
+  const SeqLayout cu = SeqLayout::from_lengths(lens);
   Tensor offsets = randn({7, 8}, DType::f64, rng, 2.0);
   Tensor l64 = offsets.clone();
   double* p = l64.data<double>();

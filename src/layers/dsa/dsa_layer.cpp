@@ -17,7 +17,6 @@
 
 #include "ops/dsa_indexer_loss.h"
 #include "ops/dsa_sparse_attention.h"
-#include "ops/seqlens.h"
 
 namespace hlm {
 
@@ -76,22 +75,22 @@ DsaIndexer& DsaLayer::indexer() {
   return *indexer_;
 }
 
-DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                                    Saved* saved, const Tensor& given_indices) const {
   HLM_CHECK(x.defined() && x.dim() == 2 && x.size(0) >= 1,
             "DsaLayer::forward: x must be [T >= 1, {}], got {}", config().hidden_size,
             x.defined() ? x.describe() : "undefined");
-  ops::check_cu_seqlens(cu_seqlens, x.size(0), "DsaLayer::forward: cu_seqlens");
+  seqs.check_tokens(x.size(0), "DsaLayer::forward", "x");
   const bool save = saved && ctx.training;
   Saved local;
   Saved* work = nullptr;
   if (ctx.training) work = (save && !ctx.recompute) ? saved : &local;
-  Output out = forward_full(x, cu_seqlens, ctx.training, work, lcfg_.stage, given_indices);
+  Output out = forward_full(x, seqs, ctx.training, work, lcfg_.stage, given_indices);
   if (save) {
     if (ctx.recompute) {
       *saved = Saved{};
       saved->x = x;
-      saved->cu_seqlens = cu_seqlens;
+      saved->seqs = seqs;
       saved->stage = lcfg_.stage;
       saved->has_loss = out.has_indexer_loss;
       saved->given = given_indices;
@@ -130,44 +129,42 @@ static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t
   return g.to(DType::i32);
 }
 
-DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const Tensor& cu_seqlens, bool training,
+DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, bool training,
                                         Saved* s, DsaStage stage, const Tensor& given) const {
   Context c;
   c.training = training && s != nullptr;
   const int64_t T = x.size(0), rkv = config().kv_lora_rank;
   const double scale = config().softmax_scale_value();
-  const std::vector<int64_t> cu = ops::check_cu_seqlens(cu_seqlens, T, "DsaLayer: cu_seqlens");
+  const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaLayer"), seqs.offsets());
   if (s) {
     *s = Saved{};
     s->x = x;
-    s->cu_seqlens = cu_seqlens;
+    s->seqs = seqs;
     s->stage = stage;
     s->full = true;
     s->given = given;
   }
-  Projected p = project(c, x, cu_seqlens, s ? &s->proj : nullptr);
+  Projected p = project(c, x, seqs, s ? &s->proj : nullptr);
   const Tensor q_abs = absorb_query(p.q);
 
   const bool want_loss = c.training && indexer_ && lcfg_.indexer_loss;
   const bool use_given = given.defined() && (stage == DsaStage::sparse || !indexer_);
   const bool run_indexer = indexer_ && ((stage == DsaStage::sparse && !use_given) || want_loss);
   DsaIndexer::Output sel;
-  if (run_indexer)
-    sel = indexer_->forward(c, x, p.c_q, cu_seqlens, want_loss ? &s->indexer : nullptr);
+  if (run_indexer) sel = indexer_->forward(c, x, p.c_q, seqs, want_loss ? &s->indexer : nullptr);
   const Tensor indices = use_given ? check_given_indices(given, cu, T)
                          : (indexer_ && stage == DsaStage::sparse) ? sel.indices
                                                                    : Mla::causal_indices(cu, T);
 
-  ops::SparseAttentionOut att = ops::sparse_attention(q_abs, p.kv, indices, cu_seqlens, rkv, scale);
+  ops::SparseAttentionOut att = ops::sparse_attention(q_abs, p.kv, indices, seqs, rkv, scale);
   Output out;
   out.y = as_dt(output(c, att.out, s ? &s->out : nullptr), x.dtype());
   out.indices = indices;
 
   if (want_loss) {
     const bool dense = stage == DsaStage::dense_warmup;
-    const Tensor target =
-        dense ? ops::attention_target(q_abs, p.kv, cu_seqlens, scale)
-              : ops::attention_target_at(q_abs, p.kv, cu_seqlens, sel.indices, scale);
+    const Tensor target = dense ? ops::attention_target(q_abs, p.kv, seqs, scale)
+                                : ops::attention_target_at(q_abs, p.kv, seqs, sel.indices, scale);
     IndexerLossOptions lo;
     lo.stage = dense ? IndexerLossStage::dense : IndexerLossStage::sparse;
     lo.coeff = lcfg_.indexer_loss_coeff;
@@ -207,7 +204,7 @@ Tensor DsaLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
     // Selective recompute: the same deterministic forward rebuilds every activation and the
     // selection.
     Saved full;
-    forward_full(saved.x, saved.cu_seqlens, true, &full, saved.stage, saved.given);
+    forward_full(saved.x, saved.seqs, true, &full, saved.stage, saved.given);
     dx = backward_full(dy, full, indexer_grad_scale);
   }
   return as_dt(dx, saved.x.dtype());
@@ -219,7 +216,7 @@ Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_
   const double scale = config().softmax_scale_value();
   const Tensor dol = output_backward(c, as_dt(dy, compute_dtype()).contiguous(), s.out);
   const ops::SparseAttentionGrads g = ops::sparse_attention_backward(
-      s.q_abs, s.p.kv, s.indices, s.cu_seqlens, rkv, scale, s.out.o_lat, s.lse, dol);
+      s.q_abs, s.p.kv, s.indices, s.seqs, rkv, scale, s.out.o_lat, s.lse, dol);
   const Tensor dq = absorb_query_backward(g.dq, s.p.q);
   Tensor dx = project_backward(c, dq, g.dkv, s.proj);
   if (s.has_loss && indexer_grad_scale != 0) {

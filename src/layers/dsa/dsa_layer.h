@@ -73,8 +73,9 @@ class DsaLayer : public Mla {
     int64_t indexer_loss_rows = 0;
   };
   struct Saved {
-    Tensor x, cu_seqlens;  // always kept
-    bool full = false;     // false under ctx.recompute
+    Tensor x;           // always kept
+    SeqLayout seqs;     // always kept
+    bool full = false;  // false under ctx.recompute
     DsaStage stage = DsaStage::sparse;
     Mla::ProjSaved proj;
     Mla::Projected p;
@@ -103,15 +104,26 @@ class DsaLayer : public Mla {
   // sharing between layers, selection replay); global token ids within the query's own sequence
   // and causal, -1 padded, no duplicates. A layer without an indexer attends the given set when
   // one is given. The indexer still runs for its loss (over its own selection).
-  Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
+  Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
                  const Tensor& given_indices = {}) const;
+  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
+  // input is reported by the overload above).
+  Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
+                 const Tensor& given_indices = {}) const {
+    return forward(
+        ctx, x,
+        (x.defined() && x.dim() > 0
+             ? SeqLayout::from_tensor(cu_seqlens, x.size(0), "DsaLayer::forward: cu_seqlens")
+             : SeqLayout()),
+        saved, given_indices);
+  }
   // dy [T, D] -> dx (dtype of the saved x). indexer_grad_scale multiplies the indexer loss's
   // gradient (the LM loss scale; 0 skips the indexer backward).
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved,
                   double indexer_grad_scale = 1.0);
 
  private:
-  Output forward_full(const Tensor& x, const Tensor& cu_seqlens, bool training, Saved* s,
+  Output forward_full(const Tensor& x, const SeqLayout& seqs, bool training, Saved* s,
                       DsaStage stage, const Tensor& given) const;
   Tensor backward_full(const Tensor& dy, const Saved& s, double indexer_grad_scale);
 

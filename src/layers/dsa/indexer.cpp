@@ -22,7 +22,6 @@
 #include "core/rng.h"
 #include "ops/dsa_kpool.h"
 #include "ops/layernorm.h"
-#include "ops/seqlens.h"
 
 namespace hlm {
 
@@ -269,14 +268,13 @@ ops::IndexerScoreOptions DsaIndexer::score_options() const {
   return o;
 }
 
-void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Tensor& cu_seqlens,
+void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const SeqLayout& seqs,
                                bool select, Saved& s) const {
   check_input(h_in, cfg_.hidden_size, "h", "hidden_size");
   check_input(cq_in, cfg_.q_lora_rank, "c_q", "q_lora_rank");
   const int64_t T = h_in.size(0);
   HLM_CHECK(cq_in.size(0) == T, "DsaIndexer::forward: c_q has {} rows, h has {}", cq_in.size(0), T);
-  const std::vector<int64_t> cu =
-      ops::check_cu_seqlens(cu_seqlens, T, "DsaIndexer::forward: cu_seqlens");
+  const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaIndexer::forward"), seqs.offsets());
   const std::vector<int64_t> pos = positions_of(cu);
   const DType cdt = compute_dtype();
   const int64_t H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool, dr = cfg_.rope_dim;
@@ -284,7 +282,7 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Te
 
   s.h = as_dt(h_in, cdt);
   s.c_q = as_dt(cq_in, cdt);
-  s.cu_seqlens = cu_seqlens;
+  s.seqs = seqs;
   s.recomputed = false;
 
   // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
@@ -309,7 +307,7 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Te
   } else {
     gate_lin_.weight().value = gate_->value;
     s.gate_out = gate_lin_.forward(lin_ctx, s.h, &s.gate).contiguous();
-    s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, cdt), cu_seqlens);
+    s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, cdt), seqs);
     if (cfg_.hadamard) hadamard_rows(s.pooled, d);
     keys = s.pooled;
   }
@@ -318,30 +316,30 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Te
   s.w = weights_proj_.forward(lin_ctx, s.h, &s.weights_proj).contiguous();
   scale_inplace(s.w, 1.0 / std::sqrt(double(H)));
 
-  s.scores = ops::indexer_scores(s.q, keys, s.w, cu_seqlens, score_options());
+  s.scores = ops::indexer_scores(s.q, keys, s.w, seqs, score_options());
   if (!select) return;
   if (P == 1) {
-    s.indices = ops::topk_select(s.scores, cu_seqlens, cfg_.topk, 1);
+    s.indices = ops::topk_select(s.scores, seqs, cfg_.topk, 1);
     s.pools = Tensor();
   } else {
     ops::KPoolSelection sel =
-        ops::kpool_select(s.scores, cu_seqlens, cfg_.topk, P, cfg_.kpool_always_select_tail);
+        ops::kpool_select(s.scores, seqs, cfg_.topk, P, cfg_.kpool_always_select_tail);
     s.indices = sel.indices;
     s.pools = sel.pools;
   }
 }
 
 DsaIndexer::Output DsaIndexer::forward(const Context& ctx, const Tensor& h, const Tensor& c_q,
-                                       const Tensor& cu_seqlens, Saved* saved) const {
+                                       const SeqLayout& seqs, Saved* saved) const {
   Saved s;
-  run_internals(h, c_q, cu_seqlens, true, s);
+  run_internals(h, c_q, seqs, true, s);
   Output out{s.indices, s.pools, s.scores, s.w};
   if (saved != nullptr && ctx.training) {
     if (ctx.recompute) {
       Saved r;
       r.h = s.h;
       r.c_q = s.c_q;
-      r.cu_seqlens = s.cu_seqlens;
+      r.seqs = s.seqs;
       r.indices = s.indices;
       r.pools = s.pools;
       r.recomputed = true;
@@ -364,7 +362,7 @@ const DsaIndexer::Saved& DsaIndexer::full_saved(const Saved& saved, Saved& local
               "DsaIndexer loss: Saved has no intermediates and is not marked recomputed");
     return saved;
   }
-  run_internals(saved.h, saved.c_q, saved.cu_seqlens, false, local);
+  run_internals(saved.h, saved.c_q, saved.seqs, false, local);
   local.indices = saved.indices;
   local.pools = saved.pools;
   return local;
@@ -398,7 +396,7 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
                 "DsaIndexer loss (dense): target must be [T = {}, W] in the dense causal token "
                 "layout, got {}",
                 T, target.describe());
-      ev.target = ops::kpool_pool_target_dense(tok, s.cu_seqlens, P, s.scores.size(1));
+      ev.target = ops::kpool_pool_target_dense(tok, s.seqs, P, s.scores.size(1));
     }
   } else {
     HLM_CHECK(tok.dim() == 2 && tok.size(0) == T && tok.size(1) == cfg_.index_width(),
@@ -407,10 +405,10 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
               T, cfg_.index_width(), target.describe());
     if (P == 1) {
       ev.target = tok;
-      ev.scores = ops::indexer_scores_at(s.q, s.k, s.w, s.cu_seqlens, s.indices, so);
+      ev.scores = ops::indexer_scores_at(s.q, s.k, s.w, s.seqs, s.indices, so);
     } else {
       ev.target = ops::kpool_pool_target_sparse(tok, s.pools, P);
-      ev.scores = ops::indexer_scores_at(s.q, s.pooled, s.w, s.cu_seqlens, s.pools, so);
+      ev.scores = ops::indexer_scores_at(s.q, s.pooled, s.w, s.seqs, s.pools, so);
     }
   }
   ev.kl = ops::indexer_kl_loss(ev.scores, ev.target, opt.coeff, opt.reduction);
@@ -432,7 +430,8 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
 
   const int64_t T = s.h.size(0), H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool;
   const DType cdt = compute_dtype();
-  const std::vector<int64_t> pos = positions_of(ops::check_cu_seqlens(s.cu_seqlens, T));
+  const std::vector<int64_t> pos =
+      positions_of((s.seqs.check_tokens(T, "DsaIndexer::backward"), s.seqs.offsets()));
   const Context lin_ctx{true, false};
   const ops::IndexerScoreOptions so = score_options();
   const bool dense = opt.stage == IndexerLossStage::dense;
@@ -445,10 +444,10 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   const Tensor& keys = P == 1 ? s.k : s.pooled;
   ops::IndexerScoreGrads g;
   if (dense)
-    g = ops::indexer_scores_backward(s.q, keys, s.w, s.cu_seqlens, ds, so);
+    g = ops::indexer_scores_backward(s.q, keys, s.w, s.seqs, ds, so);
   else
-    g = ops::indexer_scores_at_backward(s.q, keys, s.w, s.cu_seqlens, P == 1 ? s.indices : s.pools,
-                                        ds, so);
+    g = ops::indexer_scores_at_backward(s.q, keys, s.w, s.seqs, P == 1 ? s.indices : s.pools, ds,
+                                        so);
 
   // Head weights.
   Tensor dwp = copy_as(g.dw, cdt);
@@ -470,8 +469,8 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   } else {
     Tensor dpooled = copy_as(g.dk, cdt);
     if (cfg_.hadamard) hadamard_rows(dpooled, d);
-    const ops::KPoolCompressGrads cg = ops::kpool_compress_backward(
-        s.k, s.gate_out, as_dt(ape_->value, cdt), s.cu_seqlens, dpooled);
+    const ops::KPoolCompressGrads cg =
+        ops::kpool_compress_backward(s.k, s.gate_out, as_dt(ape_->value, cdt), s.seqs, dpooled);
     dk = copy_as(cg.dk, cdt);
     gate_lin_.weight().value = gate_->value;
     if (!gate_->grad.defined())

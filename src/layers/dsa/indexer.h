@@ -142,7 +142,7 @@ class DsaIndexer : public Module {
   struct Saved {
     // Always kept (also under ctx.recompute):
     Tensor h, c_q;            // inputs converted to the compute dtype
-    Tensor cu_seqlens;        // as given
+    SeqLayout seqs;           // as given
     Tensor indices;           // the selection (discrete; the sparse-stage loss runs over it)
     Tensor pools;             // KPool selection (pool ids)
     bool recomputed = false;  // true: the fields below are empty and the backward recomputes
@@ -167,8 +167,19 @@ class DsaIndexer : public Module {
 
   // h [T, hidden], c_q [T, q_lora_rank] (f64/f32/bf16), cu_seqlens [N+1] (i32/i64, validated).
   // Fills *saved when saved != nullptr and ctx.training.
-  Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const Tensor& cu_seqlens,
+  Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const SeqLayout& seqs,
                  Saved* saved) const;
+  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
+  // input is reported by the overload above).
+  Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const Tensor& cu_seqlens,
+                 Saved* saved) const {
+    return forward(
+        ctx, h, c_q,
+        (h.defined() && h.dim() > 0
+             ? SeqLayout::from_tensor(cu_seqlens, h.size(0), "DsaIndexer::forward: cu_seqlens")
+             : SeqLayout()),
+        saved);
+  }
 
   // The indexer loss and its backward. `target` is the detached TOKEN-level main-attention target
   // in the layout of the stage:
@@ -214,7 +225,7 @@ class DsaIndexer : public Module {
   DType compute_dtype() const;
   ops::IndexerScoreOptions score_options() const;
   // Validates the inputs and computes every intermediate of Saved (and the selection if select).
-  void run_internals(const Tensor& h, const Tensor& c_q, const Tensor& cu_seqlens, bool select,
+  void run_internals(const Tensor& h, const Tensor& c_q, const SeqLayout& seqs, bool select,
                      Saved& s) const;
   // saved itself, or (recompute) `local` filled from saved's inputs plus saved's selection.
   const Saved& full_saved(const Saved& saved, Saved& local) const;

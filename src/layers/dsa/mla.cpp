@@ -29,7 +29,6 @@
 #include "ops/dsa_sparse_attention.h"
 #include "ops/gemm.h"
 #include "ops/rmsnorm.h"
-#include "ops/seqlens.h"
 
 namespace hlm {
 
@@ -442,12 +441,12 @@ Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {
   return idx;
 }
 
-Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                             ProjSaved* s) const {
   check_x(x, cfg_.hidden_size, "Mla::project");
   const int64_t T = x.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dqk = dn + dr;
-  const std::vector<int64_t> cu = ops::check_cu_seqlens(cu_seqlens, T, "Mla: cu_seqlens");
+  const std::vector<int64_t> cu = (seqs.check_tokens(T, "Mla"), seqs.offsets());
   const bool save = s && ctx.training;
   const DType cdt = compute_dtype();
   const Tensor xc = as_dt(x, cdt).contiguous();
@@ -607,26 +606,25 @@ Tensor Mla::output_backward(const Context& ctx, const Tensor& dy, const OutSaved
   return dol;
 }
 
-Tensor Mla::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+Tensor Mla::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                     Saved* saved) const {
   check_x(x, cfg_.hidden_size, "Mla::forward");
-  const std::vector<int64_t> cu =
-      ops::check_cu_seqlens(cu_seqlens, x.size(0), "Mla::forward: cu_seqlens");
+  const std::vector<int64_t> cu = (seqs.check_tokens(x.size(0), "Mla::forward"), seqs.offsets());
   const bool save = saved && ctx.training;
   Saved* full = nullptr;
   if (save) {
     *saved = Saved{};
     saved->x = x;
-    saved->cu_seqlens = cu_seqlens;
+    saved->seqs = seqs;
     saved->form = cfg_.form;
     saved->full = !ctx.recompute;
     if (saved->full) full = saved;
   }
-  const Tensor y = forward_full(x, cu, cu_seqlens, full, cfg_.form);
+  const Tensor y = forward_full(x, cu, seqs, full, cfg_.form);
   return as_dt(y, x.dtype());
 }
 
-Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const Tensor& cu_t,
+Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const SeqLayout& seqs,
                          Saved* s, MlaForm form) const {
   Context c;
   c.training = s != nullptr;
@@ -635,7 +633,7 @@ Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const 
                 dqk = dn + dr;
   const DType cdt = compute_dtype();
   const double scale = cfg_.softmax_scale_value();
-  Projected p = project(c, x, cu_t, s ? &s->proj : nullptr);
+  Projected p = project(c, x, seqs, s ? &s->proj : nullptr);
   Tensor y;
   if (form == MlaForm::expanded) {
     const Tensor kvb =
@@ -658,7 +656,7 @@ Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const 
   } else {
     const Tensor qa = absorb_query(p.q);
     const Tensor idx = causal_indices(cu, T);
-    ops::SparseAttentionOut r = ops::sparse_attention(qa, p.kv, idx, cu_t, rkv, scale);
+    ops::SparseAttentionOut r = ops::sparse_attention(qa, p.kv, idx, seqs, rkv, scale);
     y = output(c, r.out, s ? &s->out : nullptr);
     if (s) s->q_abs = qa, s->indices = idx, s->lse = r.lse;
   }
@@ -679,12 +677,12 @@ Tensor Mla::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
     // Selective recompute: rebuild every activation from the saved input, then run backward.
     Saved full;
     full.x = saved.x;
-    full.cu_seqlens = saved.cu_seqlens;
+    full.seqs = saved.seqs;
     full.form = saved.form;
     full.full = true;
     const std::vector<int64_t> cu =
-        ops::check_cu_seqlens(saved.cu_seqlens, T, "Mla::backward: cu_seqlens");
-    forward_full(saved.x, cu, saved.cu_seqlens, &full, saved.form);
+        (saved.seqs.check_tokens(T, "Mla::backward"), saved.seqs.offsets());
+    forward_full(saved.x, cu, saved.seqs, &full, saved.form);
     dx = backward_full(dyc, full);
   }
   (void)ctx;
@@ -702,8 +700,7 @@ Tensor Mla::backward_full(const Tensor& dy, const Saved& s) {
     const Tensor dattn = o_proj_.backward(c, dy, s.o_proj).contiguous().view({T, H, dv});
     Tensor dq = Tensor::empty({T, H, dqk}, cdt), dk = Tensor::empty({T, H, dqk}, cdt),
            dvv = Tensor::empty({T, H, dv}, cdt);
-    const std::vector<int64_t> cu =
-        ops::check_cu_seqlens(s.cu_seqlens, T, "Mla::backward: cu_seqlens");
+    const std::vector<int64_t> cu = (s.seqs.check_tokens(T, "Mla::backward"), s.seqs.offsets());
     const Docs dc = docs_of(cu, T);
     if (cdt == DType::f64)
       mha_backward<double>(s.p.q, s.k, s.v, s.attn, s.lse, dattn, dc, scale, dq, dk, dvv);
@@ -727,7 +724,7 @@ Tensor Mla::backward_full(const Tensor& dy, const Saved& s) {
   }
   const Tensor dol = output_backward(c, dy, s.out);
   const ops::SparseAttentionGrads g = ops::sparse_attention_backward(
-      s.q_abs, s.p.kv, s.indices, s.cu_seqlens, rkv, scale, s.out.o_lat, s.lse, dol);
+      s.q_abs, s.p.kv, s.indices, s.seqs, rkv, scale, s.out.o_lat, s.lse, dol);
   const Tensor dq = absorb_query_backward(g.dq, s.p.q);
   return project_backward(c, dq, g.dkv, s.proj);
 }

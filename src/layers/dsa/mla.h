@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "core/seq_layout.h"
 #include "layers/linear.h"
 #include "layers/module.h"
 #include "layers/precision.h"
@@ -125,7 +126,7 @@ class Mla : public Module {
   };
   struct Saved {
     Tensor x;           // the layer input as given (always kept)
-    Tensor cu_seqlens;  // as given
+    SeqLayout seqs;     // as given
     bool full = false;  // false under ctx.recompute: backward re-runs the forward
     MlaForm form = MlaForm::expanded;
     ProjSaved proj;
@@ -156,12 +157,22 @@ class Mla : public Module {
   void init_weights(uint64_t seed);
 
   // x [T, D] (f64, f32 or bf16) -> y [T, D] in x's dtype.
-  Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved) const;
+  Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved) const;
+  // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
+  // input is reported by the overload above).
+  Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                 Saved* saved) const {
+    return forward(ctx, x,
+                   (x.defined() && x.dim() > 0
+                        ? SeqLayout::from_tensor(cu_seqlens, x.size(0), "Mla::forward: cu_seqlens")
+                        : SeqLayout()),
+                   saved);
+  }
   // dy [T, D] -> dx [T, D] in the dtype of the saved x.
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved);
 
   // ---- the stages, for the DSA layer (all tensors in the compute dtype) ----
-  Projected project(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+  Projected project(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                     ProjSaved* saved) const;
   // dq [T, H, dqk], dkv [T, r_kv + d_r] (gradients of Projected::q and ::kv) -> dx [T, D]. c_q
   // gets no gradient from outside (the indexer's input is detached).
@@ -188,8 +199,8 @@ class Mla : public Module {
 
  private:
   // The whole forward; fills *s (all fields) when s != nullptr.
-  Tensor forward_full(const Tensor& x, const std::vector<int64_t>& cu, const Tensor& cu_t, Saved* s,
-                      MlaForm form) const;
+  Tensor forward_full(const Tensor& x, const std::vector<int64_t>& cu, const SeqLayout& seqs,
+                      Saved* s, MlaForm form) const;
   Tensor backward_full(const Tensor& dy, const Saved& s);
 
   MlaConfig cfg_;

@@ -39,7 +39,6 @@
 #include "ops/conv1d.h"
 #include "ops/kda.h"
 #include "ops/rmsnorm.h"
-#include "ops/seqlens.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm {
@@ -356,7 +355,7 @@ ops::KdaSave core_save_kind(const KdaConfig& cfg) {
 
 // The core op's arguments (gate, l2norm and beta sigmoid fused).
 ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& z, const Tensor& b, const Tensor& s0, const Tensor& cu,
+                       const Tensor& z, const Tensor& b, const Tensor& s0, const SeqLayout& seqs,
                        const Tensor& A_log, const Tensor& dt_bias) {
   ops::KdaArgs a;
   a.q = q;
@@ -365,7 +364,7 @@ ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, c
   a.g = z;
   a.beta = b;
   a.initial_state = s0;
-  a.cu_seqlens = cu;
+  a.seqs = seqs;
   a.use_qk_l2norm = true;
   a.beta_logits = true;
   a.gate = cfg.gate;
@@ -377,8 +376,7 @@ ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, c
 
 }  // namespace
 
-Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
-                         const KdaState* initial, Saved* saved, KdaState* final_state) const {
+void KdaLayer::check_input(const Tensor& x) const {
   const std::string w = where();
   HLM_CHECK(x.defined() && x.device() == q_proj_.weight_value().device(),
             "{}: x must be a defined tensor on the device of the parameters ({}), got {}", w,
@@ -390,14 +388,25 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_s
             "{}: x must be f64, f32 or bf16, got {}", w, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
             "{}: x must be [T, hidden_size = {}], got {}", w, cfg_.hidden_size, x.describe());
+}
+
+Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                         const KdaState* initial, Saved* saved, KdaState* final_state) const {
+  check_input(x);
+  const std::string what = where() + ": cu_seqlens";
+  const SeqLayout seqs = SeqLayout::from_tensor(cu_seqlens, x.size(0), what.c_str());
+  HLM_CHECK(seqs.num_seqs() >= 1, "{}: cu_seqlens must hold N+1 >= 2 entries, got 1", where());
+  return forward(ctx, x, seqs, initial, saved, final_state);
+}
+
+Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
+                         const KdaState* initial, Saved* saved, KdaState* final_state) const {
+  check_input(x);
+  const std::string w = where();
   const int64_t T = x.size(0);
-  std::vector<int64_t> cu{0, T};
-  if (cu_seqlens.defined()) {
-    const std::string what = w + ": cu_seqlens";
-    cu = ops::check_cu_seqlens(cu_seqlens, T, what.c_str());
-  }
-  HLM_CHECK(cu.size() >= 2, "{}: cu_seqlens must hold N+1 >= 2 entries, got {}", w, cu.size());
-  const int64_t N = int64_t(cu.size()) - 1;
+  seqs.check_tokens(T, w.c_str(), "x");
+  HLM_CHECK(seqs.num_seqs() >= 1, "{}: the sequence layout must hold N >= 1 sequences, got 0", w);
+  const int64_t N = seqs.num_seqs();
   const DType cdt = hlm::compute_dtype(x.dtype());
   KdaState init;
   if (initial) {
@@ -410,14 +419,13 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_s
       init.recurrent = ops::contiguous(as_dtype(initial->recurrent, cdt));
   }
   const Tensor xc = ops::contiguous(as_dtype(x, cdt));
-  const Tensor cu_t = Tensor::from_vector<int64_t>({N + 1}, cu);
   const bool save = ctx.training && saved != nullptr;
   if (saved) *saved = Saved{};
   Saved* full = save && !ctx.recompute ? saved : nullptr;
-  const Tensor y = run_forward(ctx, xc, cu_t, init, full, final_state);
+  const Tensor y = run_forward(ctx, xc, seqs, init, full, final_state);
   if (save) {
     saved->x = xc;
-    saved->cu_seqlens = cu_t;
+    saved->seqs = seqs;
     saved->initial = init;
     saved->x_dtype = x.dtype();
     saved->recompute = ctx.recompute;
@@ -425,7 +433,7 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_s
   return as_dtype(y, x.dtype());
 }
 
-Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor& cu,
+Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const SeqLayout& seqs,
                              const KdaState& init, Saved* s, KdaState* final_state) const {
   const DType cdt = xc.dtype();
   const int64_t T = xc.size(0), H = cfg_.num_heads, HV = cfg_.num_v_heads, K = cfg_.head_k_dim,
@@ -442,7 +450,7 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
     const int64_t ch = conv_[i].channels;
     const Tensor st0 =
         init.conv.defined() ? ops::contiguous(init.conv.slice(2, off, off + ch)) : Tensor();
-    act[i] = ops::causal_conv1d_forward(pre[i], conv_weight(i, cdt), cu, st0, /*silu=*/true,
+    act[i] = ops::causal_conv1d_forward(pre[i], conv_weight(i, cdt), seqs, st0, /*silu=*/true,
                                         final_state ? &fin[i] : nullptr);
     off += ch;
   }
@@ -455,7 +463,7 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
   const Tensor q = act[0].view({T, H, K}), k = act[1].view({T, H, K}), v = act[2].view({T, HV, V}),
                z3 = z.view({T, HV, K});
   const ops::KdaArgs a =
-      core_args(cfg_, q, k, v, z3, b, init.recurrent, cu, A_log_->value, dt_bias_->value);
+      core_args(cfg_, q, k, v, z3, b, init.recurrent, seqs, A_log_->value, dt_bias_->value);
   Tensor core_saved;
   const ops::KdaOutput out = cfg_.core != KdaCoreImpl::chunk ? ops::kda_recurrent(a)
                              : s && cfg_.core_save != KdaCoreSave::none
@@ -497,7 +505,7 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const Tensor&
 KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const Saved& saved,
                                    const KdaState* d_final) {
   const std::string w = where();
-  HLM_CHECK(saved.x.defined() && saved.cu_seqlens.defined(),
+  HLM_CHECK(saved.x.defined(),
             "{}: backward needs the Saved of a training forward (Saved has no input)", w);
   const Tensor& xc = saved.x;
   const DType cdt = xc.dtype();
@@ -509,9 +517,9 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
             device_name(xc.device()), dy.defined() ? dy.describe() : "undefined");
   HLM_CHECK(dy.dim() == 2 && dy.size(0) == T && dy.size(1) == D,
             "{}: dy must be [T = {}, hidden_size = {}], got {}", w, T, D, dy.describe());
-  const std::string what = w + ": saved cu_seqlens";
-  const std::vector<int64_t> cu = ops::check_cu_seqlens(saved.cu_seqlens, T, what.c_str());
-  const int64_t N = int64_t(cu.size()) - 1;
+  saved.seqs.check_tokens(T, w.c_str(), "the saved input");
+  const std::vector<int64_t>& cu = saved.seqs.offsets();
+  const int64_t N = saved.seqs.num_seqs();
   Tensor dfin_conv, dfin_rec;
   if (d_final) {
     check_state(d_final->conv, {N, W - 1, cfg_.conv_dim()}, xc.device(), w,
@@ -527,7 +535,7 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
     Context c;
     c.training = true;
     c.recompute = false;
-    run_forward(c, xc, saved.cu_seqlens, saved.initial, &recomputed, nullptr);
+    run_forward(c, xc, saved.seqs, saved.initial, &recomputed, nullptr);
     s = &recomputed;
   }
   HLM_CHECK(s->o.defined(), "{}: Saved holds no activations (forward ran with saved = nullptr?)",
@@ -546,8 +554,8 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
 
   // The core.
   const ops::KdaArgs a =
-      core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent,
-                saved.cu_seqlens, A_log_->value, dt_bias_->value);
+      core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent, saved.seqs,
+                A_log_->value, dt_bias_->value);
   const ops::KdaGrads cg =
       cfg_.core == KdaCoreImpl::chunk
           ? ops::kda_chunk_backward(a, gn.dx, dfin_rec, s->core, core_save_kind(cfg_))
@@ -574,7 +582,7 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
     Tensor dw = Tensor::zeros({ch, W}, cdt, xc.device());
     ops::CausalConv1dGrads g =
         ops::causal_conv1d_backward(as_dtype(dact[i], cdt).contiguous().view({T, ch}), *pre[i],
-                                    conv_weight(i, cdt), saved.cu_seqlens, st0, true, dw);
+                                    conv_weight(i, cdt), saved.seqs, st0, true, dw);
     accumulate(*conv_[i].param, dw, conv_[i].row0 * W);
     if (dfin_conv.defined()) {
       const Tensor dfi = dfin_conv.slice(2, off, off + ch);

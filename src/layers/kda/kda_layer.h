@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/seq_layout.h"
 #include "layers/linear.h"
 #include "layers/module.h"
 #include "layers/precision.h"
@@ -119,9 +120,9 @@ class KdaLayer : public Module {
  public:
   struct Saved {
     // Always filled (also under ctx.recompute):
-    Tensor x;           // [T, D] the layer input, in the compute dtype
-    Tensor cu_seqlens;  // [N+1] i64
-    KdaState initial;   // the initial states as given, in the compute dtype (undefined: zeros)
+    Tensor x;          // [T, D] the layer input, in the compute dtype
+    SeqLayout seqs;    // the batch's sequences
+    KdaState initial;  // the initial states as given, in the compute dtype (undefined: zeros)
     DType x_dtype = DType::f32;
     bool recompute = false;  // true: nothing below is filled; backward re-runs the forward
     // The full save:
@@ -166,6 +167,9 @@ class KdaLayer : public Module {
   // token of every sequence (conv [N, W-1, 2HK + HV V] and recurrent [N, HV, K, V], compute dtype).
   Tensor forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
                  const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
+  // The same with a checked layout of N >= 1 sequences covering the T tokens.
+  Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
+                 const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
 
   // dy [T, D]; d_final: optional gradients of the final states (either part may be undefined).
   Grads backward(const Context& ctx, const Tensor& dy, const Saved& saved,
@@ -183,13 +187,14 @@ class KdaLayer : public Module {
   std::vector<Param*> conv_weights() { return conv_params_; }
 
  private:
+  void check_input(const Tensor& x) const;  // x [T, D] on the parameters' device
   struct Conv {
     Param* param = nullptr;  // holds these channels: rows [row0, row0 + channels) of its [C, 1, W]
     int64_t row0 = 0, channels = 0;
   };
   // The forward into a full Saved (s may be null when nothing is saved).
-  Tensor run_forward(const Context& ctx, const Tensor& xc, const Tensor& cu, const KdaState& init,
-                     Saved* s, KdaState* final_state) const;
+  Tensor run_forward(const Context& ctx, const Tensor& xc, const SeqLayout& seqs,
+                     const KdaState& init, Saved* s, KdaState* final_state) const;
   Tensor conv_weight(int which, DType dt) const;  // [channels, W] in dt
   std::string where() const;                      // "KdaLayer 'path'"
 

@@ -17,8 +17,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "ops/seqlens.h"
-
 namespace hlm {
 
 namespace {
@@ -209,21 +207,29 @@ void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const
   alias_workers(-1, false);
 }
 
-MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
-                                   Saved* saved, const Tensor& replay_idx) const {
+void MoeLayer::check_input(const Tensor& x) const {
   HLM_CHECK(x.defined() && x.is_cpu(), "MoeLayer({}): x must be a defined CPU tensor", path_);
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "MoeLayer({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
             "MoeLayer({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
+}
+
+MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
+                                   Saved* saved, const Tensor& replay_idx) const {
+  check_input(x);
+  return forward(ctx, x, SeqLayout::from_tensor(cu_seqlens, x.size(0), "MoeLayer cu_seqlens"),
+                 saved, replay_idx);
+}
+
+MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
+                                   Saved* saved, const Tensor& replay_idx) const {
+  check_input(x);
   const int64_t Tn = x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
+  const std::string op = fmt::format("MoeLayer({})", path_);
+  seqs.check_tokens(Tn, op.c_str(), "x");
   const DType cdt = hlm::compute_dtype(x.dtype());
   const Tensor xc = as_dtype(x, cdt);
-  Tensor cu = cu_seqlens.defined() ? cu_seqlens : ops::cu_seqlens_from_lengths({Tn});
-  if (cu_seqlens.defined()) {
-    const std::vector<int64_t> v = ops::check_cu_seqlens(cu_seqlens, Tn, "MoeLayer cu_seqlens");
-    cu = Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
-  }
   const bool keep = saved && ctx.training;
   const Context fctx = keep ? ctx : Context{false, false};
   Saved local;
@@ -240,11 +246,11 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
   out.topk_weight = s.route.topk_weight;
   out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
   if (cfg_.aux_loss_coeff > 0)
-    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, cu, cfg_.aux_loss_coeff);
+    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, seqs, cfg_.aux_loss_coeff);
   if (keep) {
     s.x = xc;
     s.x_dtype = x.dtype();
-    s.cu_seqlens = cu;
+    s.seqs = seqs;
     if (ctx.recompute) {
       s.router = Linear::Saved{};
       s.logits = Tensor();
@@ -304,7 +310,7 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   const ops::MoeRouterConfig rc = cfg_.router_config();
   Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, cg.dw);
   if (cfg_.aux_loss_coeff > 0 && d_aux != 0) {
-    const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.cu_seqlens,
+    const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.seqs,
                                                      cfg_.aux_loss_coeff, d_aux);
     if (cdt == DType::f64)
       add_in_place<double>(dl, da);

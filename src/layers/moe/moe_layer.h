@@ -120,7 +120,7 @@ class MoeLayer : public Module {
     // Always kept (also under ctx.recompute):
     Tensor x;  // [T, D] compute dtype
     DType x_dtype = DType::f32;
-    Tensor cu_seqlens;        // i64 [N+1] (a single sequence when none was given)
+    SeqLayout seqs;           // the batch's sequences (one when none was given)
     Tensor topk_idx;          // [T, K] i64, the selection
     DenseMlp::Saved shared;   // the shared expert (its own recompute rule)
     bool recomputed = false;  // true: the fields below are empty, backward recomputes them
@@ -135,9 +135,11 @@ class MoeLayer : public Module {
   // resolved from policy once here (see the top of this file).
   MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const std::string& path);
 
-  // x [T, D] f64/f32/bf16; cu_seqlens [N+1] i32/i64 (used by the aux loss only; undefined: one
-  // sequence); replay_idx [T, K] i64/i32 (undefined: select). Fills *saved when saved &&
-  // ctx.training.
+  // x [T, D] f64/f32/bf16; seqs: the layout of the T tokens (used by the aux loss only);
+  // replay_idx [T, K] i64/i32 (undefined: select). Fills *saved when saved && ctx.training.
+  Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
+                 const Tensor& replay_idx = Tensor()) const;
+  // The same with the layout read from cu_seqlens [N+1] i32/i64 (undefined: one sequence).
   Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
                  const Tensor& replay_idx = Tensor()) const;
   // dy [T, D] (any floating dtype) -> dx [T, D] in x's dtype; parameter grads +=. d_aux is the
@@ -161,6 +163,7 @@ class MoeLayer : public Module {
   DenseMlp* shared_experts() { return shared_.get(); }
 
  private:
+  void check_input(const Tensor& x) const;  // x [T, D] f64/f32/bf16 on the CPU
   DType compute_dtype(DType x_dt) const;
   // The router (logits, route, topk_idx; the router Linear's Saved when ctx.training) and the
   // routed experts (eo; per-expert Saved when ctx.training), into s.

@@ -1,6 +1,6 @@
 // The CUDA side of the causal depthwise conv1d (ops/conv1d.h): host interface of conv1d.cu,
 // includable from C++. The front door (ops/conv1d.cpp) checks the arguments (dtype rules in
-// ops/op_checks.h; contiguous), validates cu_seqlens on the host and allocates the outputs:
+// ops/op_checks.h; contiguous), checks the sequence layout and allocates the outputs:
 // y, dx, final_state, dstate (the last two when not nullptr); dw accumulates. state: undefined
 // when absent. Kernels run on the default stream.
 #pragma once

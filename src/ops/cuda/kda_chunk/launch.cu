@@ -28,18 +28,9 @@ Plan plan(const KdaDims& d) {
   p.T = d.T, p.H = d.H, p.K = d.K, p.HV = d.HV, p.V = d.V, p.N = d.N;
   p.scale = float(d.scale);
   // Chunk table: chunks never cross a sequence boundary; the last one of a sequence may be short.
-  std::vector<int32_t> bos, len, first{0};
-  for (int64_t n = 0; n < p.N; ++n) {
-    for (int64_t s = d.cu[size_t(n)]; s < d.cu[size_t(n) + 1]; s += kC) {
-      bos.push_back(int32_t(s));
-      len.push_back(int32_t(std::min<int64_t>(kC, d.cu[size_t(n) + 1] - s)));
-    }
-    first.push_back(int32_t(bos.size()));
-  }
-  p.NC = int64_t(bos.size());
-  p.meta = bos;
-  p.meta.insert(p.meta.end(), len.begin(), len.end());
-  p.meta.insert(p.meta.end(), first.begin(), first.end());
+  const SeqLayout::ChunkTable& table = d.seqs.chunks(kC);
+  p.NC = table.num_chunks;
+  p.meta = table.meta;
   return p;
 }
 

@@ -29,8 +29,8 @@
 //     between s and r, which needs G non-increasing within a chunk) or, with `gate`, the raw
 //     gate input z (A_log [HV] f32 and dt_bias [HV*K] f32 on CUDA, as kda_gate.h).
 //   initial_state: optional [N, HV, K, V] f32 CUDA ([K, V] layout).
-//   cu_seqlens: optional [N+1] i64 / i32, on the host or the device (read on the host: a device
-//     copy costs one synchronous device-to-host copy); N >= 1, empty sequences allowed.
+//   seqs: optional SeqLayout of N >= 1 sequences covering T (empty sequences allowed); the
+//     chunk table is its chunks(kC), made once per layout.
 // Supported shapes: K in {32, 64, 128}; V a multiple of 32 with 32 <= V <= 128; HV % H == 0;
 // T < 2^31. Anything else throws hlm::Error naming the argument.
 // Outputs: o [T, HV, V] in the input dtype, final_state [N, HV, K, V] f32 (always returned).
@@ -118,8 +118,8 @@ KdaGrads kda_chunk_backward_cuda(const KdaArgs& a, const Tensor& d_o, const Tens
 // (bench/kda_lab/); not a public interface.
 namespace cuda::kda {
 
-// The chunk table of a validated call (ops::kda_check): chunks never cross a sequence boundary;
-// the last one of a sequence may be short.
+// The chunk table of a validated call (ops::kda_check), SeqLayout::chunks(kC) of its layout:
+// chunks never cross a sequence boundary; the last one of a sequence may be short.
 struct Plan {
   int64_t T, H, HV, K, V, N, NC;
   float scale;
