@@ -2,17 +2,21 @@
 // logits, and with --grad-probe the gradient of every parameter), the parity tool of
 // docs/parity.md.
 //
-//   hybridlm forward --model DIR --tokens IN.safetensors --out OUT.safetensors
-//                    [--grad-probe P.safetensors] [--dtype f32|f64] [--dsa-indices S.safetensors]
+//   hybridlm forward --model DIR --tokens IN.safetensors --out OUT.safetensors [--logits]
+//                    [--grad-probe P.safetensors] [--grad-layout published|module_tree]
+//                    [--dtype f32|f64] [--dsa-indices S.safetensors]
+// The checkpoint may be in either layout (model/checkpoint_layout.h; detected from its names).
 // IN: input_ids I64 / I32 / U8 [B, T] (each row a sequence) or [T] with an optional cu_seqlens
 // (I64/I32 [N+1]); nothing else (model/token_input.h has every check).
-// OUT: last_hidden_state F32 ([B, T, D] or [T, D]); logits F32 when the checkpoint has lm_head
-// (or ties it); dsa_indices.layers.<i> I32 [B, T, W] (row-local positions; [T, W] global ids
-// for [T] input): the token sets the DSA layers attended; with --grad-probe (tensor `probe`, shaped
-// like last_hidden_state) the loss sum(last_hidden_state * probe) is backpropagated and OUT also
-// holds grad.NAME (F32) for every parameter under its HF name. MTP weights in the checkpoint are
-// ignored (the tool runs the main stack); the MoE aux and indexer losses are not part of the probe
-// loss.
+// OUT: last_hidden_state F32 ([B, T, D] or [T, D]); with --logits, logits F32 ([B, T, vocab] or
+// [T, vocab]; the checkpoint must have lm_head or tie it); dsa_indices.layers.<i> I32 [B, T, W]
+// (row-local positions; [T, W] global ids for [T] input): the token sets the DSA layers attended;
+// with --grad-probe (tensor `probe`, shaped like last_hidden_state) the loss sum(last_hidden_state
+// * probe) is backpropagated and OUT also holds grad.NAME (F32) for every parameter, NAME as the
+// checkpoint's layout names it (or as
+// --grad-layout asks: module_tree gives PyTorch's named_parameters() names). MTP weights in the
+// checkpoint are ignored (the tool runs the main stack); the MoE aux and indexer losses are not
+// part of the probe loss.
 // --dsa-indices: the token set each query of DSA layer i attends, tensor "layers.<i>" I32/I64
 // [B, T, W] with positions local to the row (or [T, W] global ids for [T] input), -1 padded: the
 // reference's selection replayed (top-k ties may be broken differently by another
@@ -31,7 +35,8 @@ namespace hlm::cli {
 namespace {
 
 struct ForwardArgs {
-  std::string model, tokens, out, probe, dtype = "f32", dsa_indices;
+  std::string model, tokens, out, probe, dtype = "f32", dsa_indices, grad_layout;
+  bool logits = false;
 };
 
 void run_forward(const ForwardArgs& a) {
@@ -63,12 +68,21 @@ void run_forward(const ForwardArgs& a) {
   for (const std::string& m : rep.missing)
     HLM_CHECK(m == "lm_head.weight", "forward: the checkpoint {} has no tensor {}", a.model, m);
   if (rep.missing.empty()) have_head = true;
+  HLM_CHECK(!a.logits || have_head,
+            "forward --logits: the checkpoint {} has no lm_head.weight and does not tie it to the "
+            "embedding (tie_word_embeddings)",
+            a.model);
+  const checkpoint::Layout grad_layout =
+      a.grad_layout.empty() ? rep.layout : checkpoint::parse_layout(a.grad_layout, "--grad-layout");
+  std::printf("forward: checkpoint %s in the %s layout; computing in %s; %s\n", a.model.c_str(),
+              checkpoint::layout_name(rep.layout), a.dtype.c_str(),
+              cfg.precision_summary().c_str());
 
   const int64_t B = tb.batch, T = tb.length;
   ModelInputs mi;
   mi.tokens = tb.tokens;
   mi.cu_seqlens = tb.cu_seqlens;
-  mi.logits = have_head;
+  mi.logits = a.logits;
   mi.aux_losses = false;
   if (!a.dsa_indices.empty())
     mi.dsa_indices = read_dsa_indices(safetensors::load(a.dsa_indices), cfg, tb, a.dsa_indices);
@@ -83,7 +97,7 @@ void run_forward(const ForwardArgs& a) {
   const Shape hshape = tb.rows ? Shape{B, T, D} : Shape{T, D};
   safetensors::TensorMap res;
   res["last_hidden_state"] = out.hidden.to(DType::f32).view(hshape);
-  if (out.logits.defined()) {
+  if (a.logits) {
     const int64_t V = cfg.vocab_size;
     res["logits"] = out.logits.to(DType::f32).view(tb.rows ? Shape{B, T, V} : Shape{T, V});
   }
@@ -113,9 +127,16 @@ void run_forward(const ForwardArgs& a) {
     HLM_CHECK(p->second.shape() == hshape, "forward: probe must have shape {}, got {}",
               shape_str(hshape), p->second.describe());
     model.backward(ctx, *saved, p->second.contiguous().view({B * T, D}));
+    std::vector<std::pair<std::string, Tensor>> grads;
     for (auto& [name, param] : model.named_parameters()) {
       if (!have_head && name == "lm_head.weight") continue;
-      res["grad." + name] = param->grad.to(DType::f32);
+      grads.emplace_back(name, param->grad);
+    }
+    for (const checkpoint::FileTensor& g : checkpoint::file_tensors(grads, grad_layout)) {
+      // In the checkpoint's own layout, the name as the file spells it (prefixes included).
+      auto f = rep.file_names.find(g.name);
+      const bool as_file = grad_layout == rep.layout && f != rep.file_names.end();
+      res["grad." + (as_file ? f->second : g.name)] = g.view.to(DType::f32);
     }
   }
   safetensors::save(a.out, res);
@@ -136,6 +157,10 @@ std::function<void()> setup_forward(CLI::App& app) {
                  "safetensors with probe [like last_hidden_state]: also write grad.NAME")
       ->check(input_file());
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
+  app.add_flag("--logits", a->logits, "also write logits F32 [.., vocab]");
+  app.add_option("--grad-layout", a->grad_layout,
+                 "names of grad.NAME: published or module_tree (default: the checkpoint's)")
+      ->check(CLI::IsMember({"published", "module_tree"}));
   app.add_option("--dsa-indices", a->dsa_indices,
                  "safetensors with layers.<i> [B, T, W]: replay these DSA selections")
       ->check(input_file());

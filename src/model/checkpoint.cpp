@@ -22,6 +22,7 @@
 #include "core/memory.h"
 #include "layers/module.h"
 #include "layers/precision.h"
+#include "model/checkpoint_layout.h"
 #include "model/config_limits.h"
 
 namespace hlm::checkpoint {
@@ -416,17 +417,34 @@ Tensor dequantize_fp8_blockwise(const Tensor& w, const Tensor& scale_inv, int64_
 LoadReport load_into(const std::string& path, const Targets& targets, const LoadOptions& o) {
   const Source src = open_source(path);
   LoadReport rep;
-  std::map<std::string, Tensor*> want;
-  for (auto& [name, t] : targets) {
-    HLM_CHECK(t != nullptr, "load_into: target '{}' is null", name);
-    HLM_CHECK(want.emplace(name, t).second, "load_into: target '{}' given twice", name);
+  std::vector<std::pair<std::string, Tensor>> model;  // the targets, by their module-tree names
+  {
+    std::set<std::string> seen;
+    for (auto& [name, t] : targets) {
+      HLM_CHECK(t != nullptr, "load_into: target '{}' is null", name);
+      HLM_CHECK(seen.insert(name).second, "load_into: target '{}' given twice", name);
+      model.emplace_back(name, *t);
+    }
   }
+  // The file-side targets: views of the targets' storage, named as the checkpoint's layout
+  // names them (filled once the checkpoint's names are known).
+  std::vector<FileTensor> files;
+  std::map<std::string, Tensor*> want;
 
   std::map<std::string, std::string> canon;  // canonical -> checkpoint name
   std::set<std::string> consumed_scales;     // canonical scale names used for dequantisation
   // Name-level checks once every name is known (upfront for shards, after reading a single
   // file).
   auto check_names = [&]() {
+    std::vector<std::string> names;
+    for (auto& [c, orig] : canon)
+      if (!ignored_name(c, o)) names.push_back(c);
+    rep.layout = o.layout ? *o.layout : detect_layout(names, src.where);
+    files = file_tensors(model, rep.layout);
+    for (FileTensor& f : files)
+      HLM_CHECK(want.emplace(f.name, &f.view).second,
+                "load_into: two targets are named '{}' in the {} layout", f.name,
+                layout_name(rep.layout));
     std::vector<std::string> missing, unexpected;
     for (auto& [name, t] : want)
       if (!canon.count(name)) missing.push_back(name);
@@ -477,6 +495,7 @@ LoadReport load_into(const std::string& path, const Targets& targets, const Load
                                           where + ": tensor '" + base + "'");
     assign(quoted(base), deq, *want.at(base), where, o);
     rep.loaded.push_back(base);
+    rep.file_names[base] = canon.at(base);
     rep.dequantized.push_back(base);
     pending_w.erase(w);
     pending_s.erase(s);
@@ -512,6 +531,7 @@ LoadReport load_into(const std::string& path, const Targets& targets, const Load
                 file, orig, dtype_name(t.dtype()));
       assign(display_name(orig, cn), t, *it->second, file, o);
       rep.loaded.push_back(cn);
+      rep.file_names[cn] = orig;
     }
   }
   HLM_CHECK(pending_w.empty() && pending_s.empty(),
@@ -607,9 +627,10 @@ void check_against_config(const std::string& path, const ModelConfig& config, bo
   int64_t want = parameter_count(config, mtp);
   if (o.allow_missing && !config.tie_word_embeddings && !shapes.count("lm_head.weight"))
     want -= config.vocab_size * config.hidden_size;
-  // Fewer values than the config's model needs: the model is not built (a config claiming a huge
-  // model would allocate it first). More: the load names the unexpected tensors.
-  HLM_CHECK(held >= want,
+  // Far fewer values than the config's model needs (more than twice the checkpoint's): the model
+  // is not built (a config claiming a huge model would allocate it first). A few missing, or
+  // more than needed: the load names the missing and unexpected tensors.
+  HLM_CHECK(want - held <= held,
             "checkpoint '{}' holds {} parameter values in {} tensors, but its config describes a "
             "model of {}: the checkpoint and the config do not match (tensors are missing, or the "
             "config is not this checkpoint's)",
@@ -699,7 +720,10 @@ NamedTensors module_tensors(Module& module) {
 
 void save_module(const std::string& dir, Module& module, const ModelConfig* config,
                  const SaveOptions& opts) {
-  save_checkpoint(dir, module_tensors(module), config, opts);
+  NamedTensors named;
+  for (FileTensor& f : file_tensors(module_tensors(module), opts.layout))
+    named.emplace_back(std::move(f.name), std::move(f.view));
+  save_checkpoint(dir, named, config, opts);
 }
 
 void save_config(const std::string& path, const ModelConfig& config) {

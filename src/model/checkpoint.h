@@ -36,6 +36,7 @@
 
 #include "core/safetensors.h"
 #include "core/tensor.h"
+#include "model/checkpoint_layout.h"
 #include "model/config.h"
 
 namespace hlm {
@@ -67,11 +68,16 @@ struct LoadOptions {
   int64_t ignore_layers_from = -1;
   bool check_finite = true;
   int64_t fp8_block_rows = 128, fp8_block_cols = 128;  // quantization_config weight_block_size
+  // The names the checkpoint's tensors are expected in (model/checkpoint_layout.h); unset: detected
+  // from the names present. Targets are always named as in the module tree.
+  std::optional<Layout> layout;
 };
 
 struct LoadReport {
+  Layout layout = Layout::module_tree;   // the checkpoint's layout, as given or detected
   std::vector<std::string> files;        // safetensors files read
-  std::vector<std::string> loaded;       // target names filled
+  std::vector<std::string> loaded;       // target names filled (canonical, in the layout)
+  std::map<std::string, std::string> file_names;  // canonical -> as the file spells it
   std::vector<std::string> dequantized;  // targets filled from block-FP8 weight + scale_inv
   std::vector<std::string> missing;      // with allow_missing
   std::vector<std::string> unexpected;   // with allow_unexpected
@@ -93,11 +99,12 @@ TensorMap read_checkpoint(const std::string& path, const LoadOptions& opts = {})
 // scale_inv companions of block-FP8 weights are left out.
 std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOptions& opts = {});
 // Before a model is built for `config`: the checkpoint at `path` must be able to fill it. Its
-// embed_tokens (and lm_head, when present) must be [vocab_size, hidden_size] and its tensors must
-// hold at least parameter_count(config, mtp) values (less lm_head's when it is missing and
-// opts.allow_missing; more is left to the load, which names unexpected tensors). hlm::Error
-// naming both numbers otherwise: a config that claims a huge model next to a small checkpoint is
-// refused before anything is allocated.
+// embed_tokens (and lm_head, when present) must be [vocab_size, hidden_size], and the model of the
+// config (parameter_count(config, mtp), less lm_head's when it is missing and opts.allow_missing)
+// may hold at most twice the checkpoint's values. hlm::Error naming both numbers otherwise: a
+// config that claims a huge model next to a small checkpoint is refused before anything is
+// allocated. Smaller differences are left to the load, which names the missing or unexpected
+// tensors.
 void check_against_config(const std::string& path, const ModelConfig& config, bool mtp,
                           const LoadOptions& opts = {});
 
@@ -109,6 +116,9 @@ struct SaveOptions {
   // Cast floating tensors to this dtype on save, except keep-in-FP32 names (is_keep_fp32_name).
   std::optional<DType> cast_floating_to;
   Metadata metadata;  // added to every file's __metadata__ (format = "pt" is always set)
+  // The names save_module writes (model/checkpoint_layout.h); save_checkpoint writes the names
+  // it is given.
+  Layout layout = Layout::module_tree;
   // Test hook: called with each temporary file's path after it is written and fsynced, before
   // anything is renamed. An exception from it aborts the save like a failed write.
   std::function<void(const std::string& tmp_path)> after_temp_written;
@@ -119,6 +129,7 @@ struct SaveOptions {
 // new count) are removed after the commit.
 void save_checkpoint(const std::string& dir, const NamedTensors& tensors, const ModelConfig* config,
                      const SaveOptions& opts = {});
+// The module's parameters in opts.layout.
 void save_module(const std::string& dir, Module& module, const ModelConfig* config,
                  const SaveOptions& opts = {});
 NamedTensors module_tensors(Module& module);  // (name, value) in named_parameters() order

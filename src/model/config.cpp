@@ -237,10 +237,11 @@ LayerKind layer_kind_from_string(const std::string& s, Family fam, const std::st
   if (s == "linear_attention" || s == "kda") return LayerKind::kda;
   if (s == "deepseek_sparse_attention" || s == "dsa") return LayerKind::dsa;
   if (s == "mla") return LayerKind::mla;
+  if (s == "indexed_attention") return LayerKind::dsa;  // transformers 5.25's name for DSA / MLA
   if (s == "full_attention") return fam == Family::kimi_linear ? LayerKind::mla : LayerKind::dsa;
   HLM_FAIL(
-      "{}: '{}' is '{}', expected linear_attention (or kda), deepseek_sparse_attention (or dsa), "
-      "mla, or full_attention",
+      "{}: '{}' is '{}', expected linear_attention (or kda), indexed_attention, "
+      "deepseek_sparse_attention (or dsa), mla, or full_attention",
       what, field, s);
 }
 
@@ -715,6 +716,58 @@ void ModelConfig::validate(const std::string& what) const {
   check_limits(*this, what);
 }
 
+// Without "gemm_precision" the GEMMs follow the checkpoint (ModelConfig::precision_source).
+static void resolve_default_precision(ModelConfig& c, const json& text, const json& top,
+                                      const std::string& what) {
+  if (text.contains("gemm_precision")) {
+    c.precision_source = "config.json: gemm_precision";
+    return;
+  }
+  if (c.quantization_config.is_object()) {  // the parser accepts quant_method fp8 only
+    c.precision.default_kind = GemmKind::fp8_block;
+    c.precision_source = "config.json: quantization_config fp8";
+    return;
+  }
+  for (const json* o : {&text, &top})
+    for (const char* key : {"dtype", "torch_dtype"}) {
+      auto it = o->find(key);
+      if (it == o->end() || it->is_null()) continue;
+      HLM_CHECK(it->is_string(), "{}: '{}' must be a string such as \"bfloat16\", got {}", what,
+                key, it->dump());
+      const std::string d = it->get<std::string>();
+      if (d == "float32" || d == "float64" || d == "float16")
+        c.precision.default_kind = GemmKind::native;
+      else if (d == "bfloat16")
+        c.precision.default_kind = GemmKind::bf16;
+      else
+        HLM_FAIL(
+            "{}: '{}' is '{}', expected float32, bfloat16, float16 or float64 (or name the GEMM "
+            "precision with gemm_precision)",
+            what, key, d);
+      c.precision_source = fmt::format("config.json: {} {}", key, d);
+      return;
+    }
+  c.precision_source = "default (config.json names neither gemm_precision nor dtype)";
+}
+
+std::string ModelConfig::precision_summary() const {
+  const PrecisionPolicy& p = precision;
+  std::string s = fmt::format("GEMMs {} ({})", gemm_kind_name(p.default_kind), precision_source);
+  if (p.default_kind == GemmKind::fp8_block) {
+    s += fmt::format("; FP8 grads {}{}", p.grad_format == Fp8Format::e5m2 ? "e5m2" : "e4m3",
+                     p.pow2_scales ? ", pow2 scales" : "");
+    s += fmt::format(
+        "; kda_disable_fp8 {}, mla_proj_disable_quantization {}, "
+        "dsa_indexer_qk_proj_disable_quantization {}, dsa_indexer_kpool_use_quantization {}",
+        p.kda_disable_fp8, p.mla_proj_disable_quantization,
+        p.dsa_indexer_qk_proj_disable_quantization, p.dsa_indexer_kpool_use_quantization);
+    if (!p.modules_to_not_convert.empty())
+      s += fmt::format("; {} module pattern(s) not converted", p.modules_to_not_convert.size());
+  }
+  s += "; routers and mHC maps native";
+  return s;
+}
+
 ModelConfig ModelConfig::from_json(const json& config, const std::string& what) {
   JsonReader top(config, what);
   const json* mt = top.find("model_type");
@@ -749,7 +802,9 @@ ModelConfig ModelConfig::from_json(const json& config, const std::string& what) 
   for (auto& [alias, canonical] : kAliases) move_alias(text, alias, canonical, what);
   const LinearAttnLists lists = expand_linear_attn_config(text, what);
   check_raw_limits(text, what);  // before the parser sizes lists by them (config_limits.h)
-  return parse_text(text, fam, lists, what);
+  ModelConfig c = parse_text(text, fam, lists, what);
+  resolve_default_precision(c, text, config, what);
+  return c;
 }
 
 ModelConfig ModelConfig::load(const std::string& path) {

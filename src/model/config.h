@@ -183,6 +183,13 @@ struct ModelConfig {
 
   PrecisionPolicy precision;                     // PrecisionPolicy::from_json keys
   nlohmann::json quantization_config = nullptr;  // as given (written back verbatim)
+  // Where precision.default_kind came from: "gemm_precision" when the config names it; else it
+  // follows the checkpoint: quantization_config with quant_method fp8 -> fp8_block, "dtype" /
+  // "torch_dtype" float32, float64 or float16 -> native, bfloat16 -> bf16; neither -> bf16. Not
+  // part of the config's identity (to_json writes gemm_precision, so a saved config pins it).
+  std::string precision_source = "default";
+  // One line: "GEMMs bf16 (from config.json: dtype bfloat16); KDA/MLA/indexer switches ...".
+  std::string precision_summary() const;
 
   std::optional<int64_t> bos_token_id;
   std::optional<int64_t> pad_token_id;

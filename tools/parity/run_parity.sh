@@ -17,7 +17,8 @@ python3 "$here/hf_parity.py" "$dir" --seq "$seq" --batch 2 --dtype float64 || ex
 run() {  # NAME DTYPE [extra args]
   local name=$1 dt=$2; shift 2
   "$bin" forward --model "$dir" --tokens "$dir/tokens.safetensors" \
-    --grad-probe "$dir/probe.safetensors" --out "$dir/ours_$name.safetensors" --dtype "$dt" "$@"
+    --grad-probe "$dir/probe.safetensors" --grad-layout module_tree \
+    --out "$dir/ours_$name.safetensors" --dtype "$dt" "$@"
 }
 if ! run own_f64 f64; then
   echo "== the config.json transformers wrote was refused; retrying with the one it was built from =="
