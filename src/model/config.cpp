@@ -132,6 +132,152 @@ void move_alias(json& text, const std::string& alias, const std::string& canonic
   text.erase(alias);
 }
 
+// Megatron-LM's option names (the GLM-5.3-Flash training configs) -> ours. Plain renames go
+// through move_alias; the rest are translated or must hold the value hybridlm implements.
+const std::pair<const char*, const char*> kMegatronAliases[] = {
+    {"kda_lower_bound", "linear_lower_bound"},
+    {"linear_num_key_heads", "linear_num_heads"},
+    {"linear_key_head_dim", "linear_head_dim"},
+    {"dsa_indexer_kpool", "index_kpool"},
+    {"dsa_indexer_kpool_always_select_tail", "index_kpool_always_select_tail"},
+    {"dsa_indexer_kpool_fp8", "dsa_indexer_kpool_use_quantization"},
+    {"dsa_indexer_topk_freq", "index_topk_freq"},
+    {"enable_mhc_connections", "mhc"},
+    {"mhc_num_residual_streams", "hc_mult"},
+    {"mhc_sinkhorn_iterations", "hc_sinkhorn_iters"},
+    {"fp8", "fp8_format"},
+};
+
+// Sets text[key] = v, or checks that the value already there means the same.
+void set_or_agree(json& text, const std::string& key, const json& v, const std::string& from,
+                  const std::string& what) {
+  auto it = text.find(key);
+  if (it == text.end() || it->is_null()) {
+    text[key] = v;
+    return;
+  }
+  HLM_CHECK(*it == v, "{}: '{}' ({}) disagrees with '{}' (which means {})", what, key, it->dump(),
+            from, v.dump());
+}
+
+// hybrid_layer_pattern: one symbol per Megatron layer, a decoder layer being an attention symbol
+// (K = KDA, D = DSA) followed by an MLP symbol (- = dense, E = MoE); '|' marks pipeline stages
+// (ignored); after '/', the MTP layers, each "DE". Becomes layer_pattern, mlp_layer_types,
+// num_hidden_layers and num_nextn_predict_layers (each must agree with a value already given).
+void expand_hybrid_layer_pattern(json& text, const std::string& what) {
+  auto it = text.find("hybrid_layer_pattern");
+  if (it == text.end()) return;
+  JsonReader r(text, what);
+  const std::string raw = r.to_string(*it, "hybrid_layer_pattern");
+  text.erase("hybrid_layer_pattern");
+  std::string main, mtp;
+  bool after_slash = false;
+  for (char ch : raw) {
+    if (ch == '|') continue;
+    if (ch == '/') {
+      HLM_CHECK(!after_slash, "{}: 'hybrid_layer_pattern' '{}' has more than one '/'", what, raw);
+      after_slash = true;
+      continue;
+    }
+    (after_slash ? mtp : main).push_back(ch);
+  }
+  HLM_CHECK(!main.empty() && main.size() % 2 == 0,
+            "{}: 'hybrid_layer_pattern' '{}': the main layers must be pairs of an attention symbol "
+            "(K or D) and an MLP symbol (- or E), got {} symbols",
+            what, raw, main.size());
+  std::string kinds;
+  json mlp = json::array();
+  for (size_t i = 0; i < main.size(); i += 2) {
+    const char a = main[i], m = main[i + 1];
+    HLM_CHECK(a == 'K' || a == 'D',
+              "{}: 'hybrid_layer_pattern' '{}': symbol '{}' at {} is not an attention symbol (K = "
+              "KDA, D = DSA)",
+              what, raw, a, i);
+    HLM_CHECK(m == '-' || m == 'E',
+              "{}: 'hybrid_layer_pattern' '{}': symbol '{}' at {} is not an MLP symbol (- = dense, "
+              "E = MoE)",
+              what, raw, m, i + 1);
+    kinds.push_back(a);
+    mlp.push_back(m == 'E' ? "sparse" : "dense");
+  }
+  HLM_CHECK(mtp.size() % 2 == 0, "{}: 'hybrid_layer_pattern' '{}': the MTP part '{}' is not pairs",
+            what, raw, mtp);
+  for (size_t i = 0; i < mtp.size(); i += 2)
+    HLM_CHECK(mtp.compare(i, 2, "DE") == 0,
+              "{}: 'hybrid_layer_pattern' '{}': MTP layer {} is '{}', expected DE (DSA + MoE)",
+              what, raw, i / 2, mtp.substr(i, 2));
+  const std::string from = "hybrid_layer_pattern";
+  set_or_agree(text, "num_hidden_layers", json(int64_t(kinds.size())), from, what);
+  set_or_agree(text, "layer_pattern", json(kinds), from, what);
+  if (auto m = text.find("mlp_layer_types"); m != text.end() && m->is_array())
+    for (auto& e : *m)
+      if (e == "moe") e = "sparse";  // the same meaning, spelled as here
+  set_or_agree(text, "mlp_layer_types", mlp, from, what);
+  if (after_slash || !text.contains("num_nextn_predict_layers"))
+    set_or_agree(text, "num_nextn_predict_layers", json(int64_t(mtp.size() / 2)), from, what);
+}
+
+void expand_megatron_options(json& text, const std::string& what) {
+  for (auto& [alias, canonical] : kMegatronAliases) move_alias(text, alias, canonical, what);
+  expand_hybrid_layer_pattern(text, what);
+  JsonReader r(text, what);
+  // Options whose only implemented value is the GLM-5.3-Flash one.
+  const std::tuple<const char*, json, const char*> fixed[] = {
+      {"mhc_learned_output_contract", false, "the output is the mean of the streams"},
+      {"mhc_norm_eps_inside_sqrt", true, "the mapping RMSNorm has eps inside the sqrt"},
+      {"mhc_keep_mappings_in_fp32", true, "the mappings are always FP32"},
+      {"dsa_indexer_rotate_activation", true,
+       "the indexer always rotates q and k (Hadamard) when index_head_dim is a power of two"},
+      {"dsa_indexer_k_norm_epsilon", 1e-6, "the indexer's key LayerNorm uses eps 1e-6"},
+      {"dsa_indexer_skip_topk_offset", 0, "give indexer_types for shared indexers"},
+  };
+  for (const auto& [key, want, why] : fixed) {
+    auto it = text.find(key);
+    if (it == text.end()) continue;
+    HLM_CHECK(*it == want, "{}: '{}' is {}; only {} is implemented ({})", what, key, it->dump(),
+              want.dump(), why);
+    text.erase(key);
+  }
+  // kda_two_stage_gates: low-rank f_b(f_a(x)) / g_b(g_a(x)) gates (ours by default); false is
+  // the full-rank f_proj / g_proj, rank 0 here.
+  if (auto it = text.find("kda_two_stage_gates"); it != text.end()) {
+    const bool two = r.to_bool(*it, "kda_two_stage_gates");
+    text.erase("kda_two_stage_gates");
+    for (const char* k : {"kda_f_lora_rank", "kda_gate_lora_rank"}) {
+      auto f = text.find(k);
+      const bool given = f != text.end() && !f->is_null();
+      if (!two) {
+        HLM_CHECK(!given || *f == 0, "{}: 'kda_two_stage_gates' is false but '{}' is {}", what, k,
+                  f->dump());
+        text[k] = 0;
+      } else {
+        HLM_CHECK(!given || *f != 0, "{}: 'kda_two_stage_gates' is true but '{}' is 0", what, k);
+      }
+    }
+  }
+  // kda_safe_gate: the lower-bound gate, bound kda_lower_bound (-5 when not given, FLA's default).
+  if (auto it = text.find("kda_safe_gate"); it != text.end()) {
+    const bool safe = r.to_bool(*it, "kda_safe_gate");
+    text.erase("kda_safe_gate");
+    auto b = text.find("linear_lower_bound");
+    const bool bound = b != text.end() && !b->is_null();
+    HLM_CHECK(safe || !bound,
+              "{}: 'kda_safe_gate' is false but a lower bound is given ('linear_lower_bound' / "
+              "'kda_lower_bound' {})",
+              what, bound ? b->dump() : "");
+    if (!bound) text["linear_lower_bound"] = safe ? json(-5.0) : json(nullptr);
+  }
+  // fp8_recipe: blockwise is the GEMM precision fp8_block.
+  if (auto it = text.find("fp8_recipe"); it != text.end()) {
+    const std::string recipe = r.to_string(*it, "fp8_recipe");
+    HLM_CHECK(recipe == "blockwise",
+              "{}: 'fp8_recipe' is '{}'; hybridlm implements the blockwise recipe only", what,
+              recipe);
+    text.erase("fp8_recipe");
+    set_or_agree(text, "gemm_precision", "fp8_block", "fp8_recipe blockwise", what);
+  }
+}
+
 // The layer lists of linear_attn_config, if given.
 struct LinearAttnLists {
   bool present = false;
@@ -800,6 +946,7 @@ ModelConfig ModelConfig::from_json(const json& config, const std::string& what) 
     text.erase("text_config");
   }
   for (auto& [alias, canonical] : kAliases) move_alias(text, alias, canonical, what);
+  expand_megatron_options(text, what);
   const LinearAttnLists lists = expand_linear_attn_config(text, what);
   check_raw_limits(text, what);  // before the parser sizes lists by them (config_limits.h)
   ModelConfig c = parse_text(text, fam, lists, what);

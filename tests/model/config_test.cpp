@@ -342,6 +342,87 @@ TEST(ModelConfig, LayerSourcesMustAgree) {
   EXPECT_EQ(ModelConfig::from_json(d).layer_pattern(), "KKKDKKKD");
 }
 
+// Megatron-LM's option names carry over: the same model as our own names.
+TEST(ModelConfig, MegatronOptionNamesAreAliases) {
+  json ours = tiny_json();
+  json m = tiny_json();
+  for (const char* k :
+       {"layer_pattern", "first_k_dense_replace", "num_hidden_layers", "num_nextn_predict_layers",
+        "linear_num_heads", "linear_head_dim", "linear_lower_bound", "index_kpool",
+        "index_kpool_always_select_tail", "mhc", "hc_mult", "hc_sinkhorn_iters", "gemm_precision"})
+    m.erase(k);
+  m["hybrid_layer_pattern"] = "K-KE|KEDE/DE";
+  m["linear_num_key_heads"] = 2;
+  m["linear_key_head_dim"] = 32;
+  m["kda_two_stage_gates"] = true;
+  m["kda_safe_gate"] = true;  // bound -5 by default
+  m["dsa_indexer_kpool"] = 4;
+  m["dsa_indexer_kpool_always_select_tail"] = true;
+  m["dsa_indexer_rotate_activation"] = true;
+  m["dsa_indexer_k_norm_epsilon"] = 1e-6;
+  m["dsa_indexer_skip_topk_offset"] = 0;
+  m["enable_mhc_connections"] = true;
+  m["mhc_num_residual_streams"] = 4;
+  m["mhc_sinkhorn_iterations"] = 20;
+  m["mhc_learned_output_contract"] = false;
+  m["mhc_norm_eps_inside_sqrt"] = true;
+  m["mhc_keep_mappings_in_fp32"] = true;
+  m["fp8_recipe"] = "blockwise";
+  m["fp8"] = "hybrid";
+  m["kda_disable_fp8"] = true;
+  ours["gemm_precision"] = "fp8_block";
+  ours["fp8_format"] = "hybrid";
+  ours["kda_disable_fp8"] = true;
+  const ModelConfig a = ModelConfig::from_json(ours, "ours"), b = ModelConfig::from_json(m, "m");
+  EXPECT_TRUE(a == b) << a.to_json().dump() << "\n" << b.to_json().dump();
+  EXPECT_EQ(b.layer_pattern(), "KKKD");
+  EXPECT_EQ(b.mtp.num_layers, 1);
+  EXPECT_EQ(b.precision.default_kind, GemmKind::fp8_block);
+  EXPECT_EQ(b.precision.grad_format, Fp8Format::e5m2);
+
+  // Full-rank gates and the standard gate.
+  json full = m;
+  full["kda_two_stage_gates"] = false;
+  full["kda_safe_gate"] = false;
+  const ModelConfig f = ModelConfig::from_json(full, "m");
+  EXPECT_EQ(f.kda.f_lora_rank, 0);
+  EXPECT_EQ(f.kda.g_lora_rank, 0);
+  EXPECT_FALSE(f.kda.lower_bound.has_value());
+
+  auto with = [&](const char* key, json v) {
+    json j = m;
+    j[key] = v;
+    return j;
+  };
+  EXPECT_TRUE(fails_naming(with("hybrid_layer_pattern", "K-KEKED"), {"pairs", "7 symbols"}));
+  EXPECT_TRUE(fails_naming(with("hybrid_layer_pattern", "K-MEKEDE"),
+                           {"symbol 'M' at 2 is not an attention symbol"}));
+  EXPECT_TRUE(fails_naming(with("hybrid_layer_pattern", "K*KEKEDE"),
+                           {"symbol '*' at 1 is not an MLP symbol"}));
+  EXPECT_TRUE(fails_naming(with("hybrid_layer_pattern", "K-KEKEDE/KE"),
+                           {"MTP layer 0 is 'KE', expected DE"}));
+  EXPECT_TRUE(fails_naming(with("num_hidden_layers", 8),
+                           {"'num_hidden_layers' (8) disagrees with 'hybrid_layer_pattern'"}));
+  EXPECT_TRUE(
+      fails_naming(with("layer_types", json::array({"linear_attention", "linear_attention",
+                                                    "linear_attention", "linear_attention"})),
+                   {"disagree"}));
+  EXPECT_TRUE(fails_naming(with("mhc_learned_output_contract", true),
+                           {"'mhc_learned_output_contract' is true; only false is implemented"}));
+  EXPECT_TRUE(fails_naming(with("fp8_recipe", "tensorwise"), {"'fp8_recipe' is 'tensorwise'"}));
+  json two_bounds = with("kda_lower_bound", -3.0);
+  two_bounds["linear_lower_bound"] = -5.0;
+  EXPECT_TRUE(fails_naming(two_bounds, {"'linear_lower_bound' (-5.0) and its alias "
+                                        "'kda_lower_bound' (-3.0) disagree"}));
+  json unsafe = with("kda_safe_gate", false);
+  unsafe["kda_lower_bound"] = -5.0;
+  EXPECT_TRUE(fails_naming(unsafe, {"'kda_safe_gate' is false but a lower bound is given"}));
+  json streams = with("mhc_num_residual_streams", 2);
+  streams["hc_mult"] = 4;
+  EXPECT_TRUE(
+      fails_naming(streams, {"'hc_mult' (4) and its alias 'mhc_num_residual_streams' (2)"}));
+}
+
 TEST(ModelConfig, ErrorsNameTheField) {
   auto with = [](const char* key, json v) {
     json j = tiny_json();
