@@ -31,18 +31,50 @@ struct MatchData {
 };
 }  // namespace
 
+std::string oniguruma_spaces(const std::string& pattern) {
+  // Oniguruma's \s (Ruby syntax, UTF-8) is the Unicode White_Space property, which includes
+  // U+0085; PCRE2's \s with UCP is the Z categories plus \t \n \v \f \r, which does not.
+  // Both \s and \S become the property, inside classes too. \Q...\E stays literal.
+  std::string out;
+  out.reserve(pattern.size() + 32);
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c != '\\' || i + 1 >= pattern.size()) {
+      out += c;
+      continue;
+    }
+    const char n = pattern[++i];
+    if (n == 's') {
+      out += "\\p{White_Space}";
+    } else if (n == 'S') {
+      out += "\\P{White_Space}";
+    } else if (n == 'Q') {
+      const size_t e = pattern.find("\\E", i + 1);
+      const size_t end = e == std::string::npos ? pattern.size() : e + 2;
+      out.append(pattern, i - 1, end - (i - 1));
+      i = end - 1;
+    } else {
+      out += c;
+      out += n;
+    }
+  }
+  return out;
+}
+
 Regex::Regex(const std::string& pattern, bool literal, const std::string& what)
     : code_(std::make_unique<Code>()), pattern_(pattern), what_(what), literal_(literal) {
   if (literal && pattern.empty()) return;  // matches nothing (see find_all)
   uint32_t opts = PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE;
   if (literal) opts = PCRE2_UTF | PCRE2_LITERAL;
+  const std::string compiled = literal ? pattern : oniguruma_spaces(pattern);
   int err = 0;
   PCRE2_SIZE off = 0;
-  code_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), opts,
+  code_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled.data()), compiled.size(), opts,
                               &err, &off, nullptr);
   if (!code_->code)
-    throw Error(fmt::format("{}: the pattern \"{}\" does not compile: {} (at offset {})", what,
-                            printable(pattern), pcre2_message(err), off));
+    throw Error(fmt::format("{}: the pattern \"{}\" does not compile: {} (at offset {} of \"{}\")",
+                            what, printable(pattern), pcre2_message(err), off,
+                            printable(compiled)));
   jit_ = pcre2_jit_compile(code_->code, PCRE2_JIT_COMPLETE) == 0;
 }
 

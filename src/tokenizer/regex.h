@@ -1,8 +1,9 @@
 // The pre-tokenizers' patterns, run by PCRE2 (Debian's libpcre2-8) in UTF mode with Unicode
-// properties for \d, \s, \w and the POSIX classes (PCRE2_UCP), JIT-compiled where PCRE2 has a JIT
+// properties for \d, \w and the POSIX classes (PCRE2_UCP), JIT-compiled where PCRE2 has a JIT
 // for the machine. Hugging Face `tokenizers` runs these patterns with Oniguruma (Ruby syntax); the
-// constructs of the byte-level BPE pre-tokenizers (\p{L}, \p{N}, \s, \S, classes, (?i:...),
-// {m,n}, look-ahead) mean the same in both, and ^ and $ match at line boundaries as in Ruby.
+// constructs of the byte-level BPE pre-tokenizers (\p{L}, \p{N}, classes, (?i:...), {m,n},
+// look-ahead) mean the same in both, \s and \S are rewritten to Oniguruma's meaning (the Unicode
+// White_Space property, see oniguruma_spaces), and ^ and $ match at line boundaries as in Ruby.
 // Ruby-only syntax (\h as a hex digit, (?m) as dot-all) is not translated. docs/tokenizer.md.
 #pragma once
 
@@ -14,6 +15,9 @@
 #include <vector>
 
 namespace hlm::tokenizer {
+
+// `pattern` with \s and \S written as \p{White_Space} and \P{White_Space} (outside \Q...\E).
+std::string oniguruma_spaces(const std::string& pattern);
 
 class Regex {
  public:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <filesystem>
 #include <unordered_map>
 
@@ -10,6 +11,7 @@
 #include "core/json.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/byte_level.h"
+#include "tokenizer/normalizer.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/utf8.h"
 
@@ -131,6 +133,7 @@ struct Tokenizer::Impl {
   std::unique_ptr<Regex> byte_level_regex;
   std::vector<std::vector<TemplateItem>> templates;  // the post-processors' single templates
   std::optional<uint32_t> bos, eos;
+  bool nfc = false;  // the normalizer
   std::string steps_desc;
 
   // Cuts the added tokens of `m` out of `text` (HF AddedVocabulary::find_matches).
@@ -366,17 +369,28 @@ void parse_pre_tokenizer(JsonReader& top, Tokenizer::Impl& t) {
               "has no ByteLevel step: only byte-level BPE tokenizers are supported");
 }
 
-void parse_normalizer(JsonReader& top) {
+// The normalizer: null, NFC, or a Sequence of those.
+void parse_normalizer(JsonReader& top, Tokenizer::Impl& t) {
   const json* v = top.find_non_null("normalizer");
   if (!v) return;
+  const std::string supported = "supported: null, NFC, a Sequence of NFC";
   if (!v->is_object()) top.fail("normalizer", "an object or null", *v);
   JsonReader r(*v, top.source(), "normalizer");
   const std::string type = r.req_string("type");
-  if (type == "Sequence") {
-    const json* seq = r.find("normalizers");
-    if (seq && seq->is_array() && seq->empty()) return;  // an empty sequence does nothing
+  if (type == "NFC") {
+    t.nfc = true;
+    return;
   }
-  refuse(r, "type", type, "supported: null, or an empty Sequence");
+  if (type != "Sequence") refuse(r, "type", type, supported);
+  const json* seq = r.find("normalizers");
+  if (!seq || !seq->is_array()) r.fail("normalizers", "an array", seq ? *seq : json());
+  for (size_t i = 0; i < seq->size(); ++i) {
+    const json& n = (*seq)[i];
+    const std::string name = fmt::format("normalizers[{}]", i);
+    if (!n.is_object() || !n.contains("type")) r.fail(name, "an object with a \"type\"", n);
+    if (n["type"] != "NFC") refuse(r, name + ".type", n["type"], supported);
+    t.nfc = true;  // NFC twice is NFC
+  }
 }
 
 void parse_decoder(JsonReader& top) {
@@ -603,7 +617,7 @@ std::shared_ptr<Tokenizer::Impl> parse(const json& j, const std::string& source)
   TokenMap vocab;
   parse_model(top, *t, vocab);
   parse_added_tokens(top, *t, vocab);
-  parse_normalizer(top);
+  parse_normalizer(top, *t);
   parse_pre_tokenizer(top, *t);
   parse_decoder(top);
   parse_post_processor(top, *t, int64_t(t->tokens.size()));
@@ -665,12 +679,16 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_
                     bad, uint8_t(text[size_t(bad)])));
   // 1. Added tokens: those matched on the raw text, then those matched on the normalized text.
   std::vector<Segment> raw, segs;
+  std::deque<std::string> normalized;  // the text of the segments after the normalizer
   t.split_added(t.raw_matcher, text, raw);
   for (const Segment& s : raw) {
-    if (s.token >= 0)
+    if (s.token >= 0) {
       segs.push_back(s);
-    else
-      t.split_added(t.normalized_matcher, s.text, segs);
+      continue;
+    }
+    std::string_view n = s.text;
+    if (t.nfc) n = normalized.emplace_back(nfc(s.text));
+    t.split_added(t.normalized_matcher, n, segs);
   }
   // 2-3. Pre-tokenize each stretch of text, BPE each word (repeated words from the cache).
   std::vector<uint32_t> ids;
@@ -719,6 +737,20 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special_
     }
   }
   return ids;
+}
+
+std::vector<std::string> Tokenizer::pre_tokenize(std::string_view text) const {
+  const int64_t bad = first_invalid_utf8(text);
+  if (bad >= 0)
+    throw Error(
+        fmt::format("tokenizer: the text to pre-tokenize is not valid UTF-8 (byte offset "
+                    "{})",
+                    bad));
+  std::vector<std::string> words;
+  if (text.empty()) return words;
+  words.emplace_back(text);
+  for (const Step& step : impl_->steps) impl_->apply_step(step, words);
+  return words;
 }
 
 std::string Tokenizer::decode(std::span<const uint32_t> ids, bool skip_special_tokens) const {
@@ -786,9 +818,9 @@ std::string Tokenizer::describe() const {
     if (s.regex && !s.regex->jit() && !s.literal) jit = false;
   return fmt::format(
       "{}: byte-level BPE, vocab {} ({} tokens, {} merges, {} added of which {} "
-      "special), pre-tokenizer {}{}",
+      "special), normalizer {}, pre-tokenizer {}{}",
       t.source, t.tokens.size(), t.bpe->vocab().size(), t.bpe->num_merges(), t.added.size(),
-      specials, t.steps_desc, jit ? "" : " (regex without JIT)");
+      specials, t.nfc ? "NFC" : "none", t.steps_desc, jit ? "" : " (regex without JIT)");
 }
 
 }  // namespace hlm::tokenizer

@@ -3,9 +3,9 @@
 //
 // encode(text):
 //   1. the added tokens (`added_tokens`) are cut out of the text, leftmost-longest first: those
-//      with normalized = false from the raw text, then those with normalized = true from what is
-//      left (the normalizer, null here, would run in between); lstrip / rstrip tokens take the
-//      whitespace beside them;
+//      with normalized = false from the raw text, then the normalizer (none or NFC) runs on what
+//      is left, and those with normalized = true are cut out of that; lstrip / rstrip tokens take
+//      the whitespace beside them;
 //   2. every other stretch goes through the pre-tokenizer steps (`Split` with a regex or a string,
 //      `ByteLevel`), which cut it into words and write their bytes in the byte-level alphabet;
 //   3. each word is encoded by the BPE model (tokenizer/bpe.h), repeated words from a cache;
@@ -48,6 +48,9 @@ class Tokenizer {
 
   // The ids of `text` (well-formed UTF-8, else an error naming the byte offset).
   std::vector<uint32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  // The words the pre-tokenizer cuts `text` into, in the byte-level alphabet (what
+  // `tokenizers`' pre_tokenizer.pre_tokenize_str gives: no added tokens, no normalizer).
+  std::vector<std::string> pre_tokenize(std::string_view text) const;
   // The text of `ids` (an id without a token is an error naming it and its position).
   std::string decode(std::span<const uint32_t> ids, bool skip_special_tokens = false) const;
 

@@ -22,6 +22,7 @@
 #include "testing.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/byte_level.h"
+#include "tokenizer/regex.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 
@@ -74,10 +75,14 @@ TEST(Tokenizer, EveryCaseGivesTheIdsOfHuggingFaceTokenizers) {
     const auto with = tok.encode(text, true);
     EXPECT_EQ(ids, ids_of(c["ids"])) << "text \"" << show(text) << "\"";
     EXPECT_EQ(with, ids_of(c["ids_with_specials"])) << "text \"" << show(text) << "\"";
-    matched += ids == ids_of(c["ids"]) && with == ids_of(c["ids_with_specials"]);
+    // The pre-tokenizer's pieces (PCRE2 here, Oniguruma there) are the same.
+    const auto pieces = c["pieces"].get<std::vector<std::string>>();
+    EXPECT_EQ(tok.pre_tokenize(text), pieces) << "text \"" << show(text) << "\"";
+    matched += ids == ids_of(c["ids"]) && with == ids_of(c["ids_with_specials"]) &&
+               tok.pre_tokenize(text) == pieces;
   }
-  std::printf("[ tokenizer ] %d of %d cases give the ids of tokenizers %s\n", matched, total,
-              cases()["tokenizers_version"].get<std::string>().c_str());
+  std::printf("[ tokenizer ] %d of %d cases give the ids and pieces of tokenizers %s\n", matched,
+              total, cases()["tokenizers_version"].get<std::string>().c_str());
   EXPECT_GE(total, 30);
 }
 
@@ -127,9 +132,10 @@ TEST(Tokenizer, VariantsGiveTheIdsOfHuggingFaceTokenizers) {
       ++n;
     }
   }
-  for (const char* want : {"gpt2_byte_level", "split_removed", "split_merged_with_previous",
-                           "split_merged_with_next", "split_contiguous", "split_isolated_inverted",
-                           "split_string_pattern", "ignore_merges", "no_post_processor"})
+  for (const char* want :
+       {"gpt2_byte_level", "split_removed", "split_merged_with_previous", "split_merged_with_next",
+        "split_contiguous", "split_isolated_inverted", "split_string_pattern", "ignore_merges",
+        "no_post_processor", "nfc", "nfc_sequence"})
     EXPECT_TRUE(names.count(want)) << want;
   std::printf("[ tokenizer ] %zu variants, %d cases\n", names.size(), n);
   // ignore_merges makes a difference: the word "zzzzqq" (in the vocabulary, built by no merge).
@@ -140,6 +146,18 @@ TEST(Tokenizer, VariantsGiveTheIdsOfHuggingFaceTokenizers) {
   const Tokenizer whole = Tokenizer::from_json(merge_patch(tokenizer_json(), im), "ignore_merges");
   EXPECT_EQ(whole.encode("zzzzqq"), std::vector<uint32_t>{900});
   EXPECT_GT(plain.encode("zzzzqq").size(), 1u);
+}
+
+// \s and \S mean Oniguruma's White_Space (U+0085 in, U+180E out), also inside classes; \Q...\E
+// and an escaped backslash stay as they are.
+TEST(Tokenizer, SpacesAreRewrittenToOnigurumasMeaning) {
+  EXPECT_EQ(
+      oniguruma_spaces(R"(\s+(?!\S)|[^\s\p{L}]|\\s|\Qa\sb\E\s)"),
+      R"(\p{White_Space}+(?!\P{White_Space})|[^\p{White_Space}\p{L}]|\\s|\Qa\sb\E\p{White_Space})");
+  const Regex re(R"(\s+)", false, "test");
+  std::vector<std::pair<size_t, size_t>> found;
+  re.find_all("a\u0085b\u180ec\u3000d", found);
+  EXPECT_EQ(found, (std::vector<std::pair<size_t, size_t>>{{1, 3}, {8, 11}}));
 }
 
 TEST(Tokenizer, MergesInTheStringFormGiveTheSameIds) {
@@ -317,6 +335,9 @@ TEST_F(TokenizerErrors, UnsupportedParts) {
                        {"'model.continuing_subword_prefix'"});
   expect_patch_refused({{"normalizer", {{"type", "NFKC"}}}},
                        {"'normalizer.type' is \"NFKC\"", "not supported"});
+  expect_patch_refused(
+      {{"normalizer", {{"type", "Sequence"}, {"normalizers", {{{"type", "Lowercase"}}}}}}},
+      {"'normalizer.normalizers[0].type' is \"Lowercase\"", "supported: null, NFC"});
   expect_patch_refused({{"pre_tokenizer", {{"type", "Whitespace"}}}},
                        {"'pre_tokenizer.type' is \"Whitespace\""});
   expect_patch_refused(
@@ -422,12 +443,31 @@ TEST(TokenizerSpeed, OneMegabyteEncodesInWellUnderASecond) {
   for (const std::string& p : parts)
     if (p.find("<mask>") == std::string::npos) plain += p + " ";
   EXPECT_EQ(tok.decode(tok.encode(plain)), plain);
-  // One 256 KB word: the merge loop is O(n log n), not quadratic.
-  const std::string word(size_t(1) << 18, 'a');
+  // ~1 MB of random words (few repeats: the word cache helps little).
+  const std::vector<std::string> letters = {"a",  "b",  "c",  "d",  "e",  "h", "i", "l", "n", "o",
+                                            "r",  "s",  "t",  "u",  "y",  "é", "ü", "ñ", "ß", "你",
+                                            "好", "世", "界", "の", "한", "ж", "A", "T", "1", "7"};
+  std::string words;
+  while (words.size() < (size_t(1) << 20)) {
+    const size_t n = 1 + rng.below(9);
+    for (size_t i = 0; i < n; ++i) words += letters[rng.below(letters.size())];
+    words += rng.below(8) ? " " : rng.below(2) ? ", " : ".\n";
+  }
+  const auto t3 = std::chrono::steady_clock::now();
+  const auto rids = tok.encode(words);
+  const double sr = std::chrono::duration<double>(std::chrono::steady_clock::now() - t3).count();
+  std::printf("[ tokenizer ] encode %.2f MB of random words -> %zu ids in %.3f s (%.1f MB/s)\n",
+              double(words.size()) / 1e6, rids.size(), sr, double(words.size()) / 1e6 / sr);
+  EXPECT_LT(sr, 2.0);
+  EXPECT_EQ(tok.decode(rids), words);
+  // One 256 KB word that merges ("thethe..."): the merge loop is O(n log n), not quadratic.
+  std::string word;
+  while (word.size() < (size_t(1) << 18)) word += "the";
   const auto t2 = std::chrono::steady_clock::now();
   const auto wids = tok.encode(word);
   const double sw = std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count();
   std::printf("[ tokenizer ] one 256 KB word -> %zu ids in %.3f s\n", wids.size(), sw);
+  EXPECT_LT(wids.size(), word.size() / 2);  // it merged
   EXPECT_LT(sw, 2.0);
   EXPECT_EQ(tok.decode(wids), word);
 }

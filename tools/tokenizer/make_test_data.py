@@ -11,8 +11,9 @@ Needs the PyPI package `tokenizers` (pip install tokenizers). The script
      <|endoftext|> and more added tokens, a TemplateProcessing post-processor "[gMASK] <sop> $A",
   3. writes OUT_DIR/tokenizer.json (the trained tokenizer), OUT_DIR/tokenizer_config.json (names
      the EOS token, as a Hugging Face model directory does) and OUT_DIR/cases.json: texts with the
-     ids `tokenizers` gives them (without and with the post-processor's special tokens), the text
-     it decodes them to (with and without special tokens), id lists to decode, and variants: a
+     ids `tokenizers` gives them (without and with the post-processor's special tokens), the
+     pieces its pre-tokenizer cuts them into, the text it decodes them to (with and without
+     special tokens, where that is not the text), id lists to decode, and variants: a
      JSON merge patch of tokenizer.json (another pre-tokenizer, ignore_merges, ...) with the ids the
      patched tokenizer gives.
 The output depends only on this script and the `tokenizers` version (recorded in cases.json).
@@ -143,6 +144,9 @@ texts = [
     "\\x80 \\xff is not a byte",
     "rare 𠀀𪚥 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
     "İstanbul ıi ǅ ß ẞ",
+    # Where Oniguruma's \s (White_Space) and PCRE2's differ: U+0085 is White_Space, U+180E is not.
+    "!\u0085 a\u0085\u0085 b x\u180e\u180e y !\u180e\u180e ?\u3000\u3000z !\u00a0 \u200b\u200b !",
+    "end with spaces \u2028\u2029\u0085 ",
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
     "!!!???... ,,, ---- ====",
     long_mixed,
@@ -155,7 +159,8 @@ def encode(t, text, specials=False):
 cases = []
 for text in texts:
     ids = encode(tok, text)
-    case = {"text": text, "ids": ids, "ids_with_specials": encode(tok, text, True)}
+    case = {"text": text, "ids": ids, "ids_with_specials": encode(tok, text, True),
+            "pieces": [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]}
     # What tokenizers decodes the ids to, when that is not the text itself.
     decoded = tok.decode(ids, skip_special_tokens=False)
     skip = tok.decode(ids, skip_special_tokens=True)
@@ -189,8 +194,8 @@ def split(pattern, behavior, invert=False, kind="Regex"):
     return {"type": "Split", "pattern": {kind: pattern}, "behavior": behavior, "invert": invert}
 
 
-variant_texts = ["Hello world, it's me!", "  leading and trailing  ", "a,b,,c. d!e? ", "x", "", "zzzzqq", "the zzzzqq",
-                 "你好，世界! 42 apples, 7 pears", "[gMASK]Hi<sop> there <mask> you",
+variant_texts = ["Hello world, it's me!", "  leading and trailing  ", "a,b,,c. d!e? ", "x", "",
+                 "zzzzqq", "the zzzzqq", "你好，世界! 42 apples, 7 pears", "[gMASK]Hi<sop> there <mask> you",
                  "line one\nline two\r\n\tindented, 12345", "..."]
 variant_patches = {
     "gpt2_byte_level": {"pre_tokenizer": byte_level(True, True)},
@@ -215,6 +220,8 @@ variant_patches = {
     # whole word is that token, without it the merges spell it out. (The vocabulary then has 801
     # entries: tokenizers gives the added tokens that are not in it the ids 801, 802, 803, not the
     # ids 800..802 the file names.)
+    "nfc": {"normalizer": {"type": "NFC"}},
+    "nfc_sequence": {"normalizer": {"type": "Sequence", "normalizers": [{"type": "NFC"}]}},
     "ignore_merges": {"model": {"ignore_merges": True, "vocab": {"zzzzqq": 900}}},
     "unreachable_token": {"model": {"ignore_merges": False, "vocab": {"zzzzqq": 900}}},
     "no_post_processor": {"post_processor": None},
@@ -232,12 +239,18 @@ def merge_patch(target, patch):
     return target
 
 
+# Texts NFC changes: decomposed accents, the Angstrom and Ohm signs, Hangul jamo, an accent after
+# an added token (normalized apart from it) and before one matched after normalization.
+nfc_texts = ["cafe\u0301 re\u0301sume\u0301 \u212b \u2126 \u1100\u1161\u11a8",
+             "<think>\u0301x</think>\u0301 a\u0308</think>", "\ufb01 \u00c5 A\u030a"]
+
 variants = []
 for name, patch in variant_patches.items():
     t = Tokenizer.from_str(json.dumps(merge_patch(tok_json, patch)))
+    texts_v = variant_texts + (nfc_texts if name.startswith("nfc") else [])
     variants.append({"name": name, "patch": patch, "cases": [
         {"text": text, "ids": encode(t, text), "ids_with_specials": encode(t, text, True)}
-        for text in variant_texts]})
+        for text in texts_v]})
 with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
     f.write(tok.to_str(pretty=False))
     f.write("\n")
@@ -245,13 +258,22 @@ with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8")
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
                "pad_token": "<|endoftext|>", "bos_token": None}, f, indent=2)
     f.write("\n")
+def dumps(v):
+    return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+
+# cases.json with one case per line (readable diffs when the data is made again).
 with open(os.path.join(out_dir, "cases.json"), "w", encoding="utf-8") as f:
-    json.dump({"generator": "tools/tokenizer/make_test_data.py",
-               "tokenizers_version": tokenizers.__version__,
-               "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-               "cases": cases, "decode_cases": decode_cases, "variants": variants},
-              f, ensure_ascii=False, indent=None, separators=(",", ":"))
-    f.write("\n")
+    f.write("{\n")
+    f.write(f'"generator":{dumps("tools/tokenizer/make_test_data.py")},\n')
+    f.write(f'"tokenizers_version":{dumps(tokenizers.__version__)},\n')
+    f.write(f'"vocab_size":{tok.get_vocab_size(with_added_tokens=True)},\n')
+    f.write('"cases":[\n' + ",\n".join(dumps(c) for c in cases) + "],\n")
+    f.write('"decode_cases":[\n' + ",\n".join(dumps(c) for c in decode_cases) + "],\n")
+    f.write('"variants":[\n' + ",\n".join(
+        f'{{"name":{dumps(v["name"])},"patch":{dumps(v["patch"])},"cases":[\n' +
+        ",\n".join(dumps(c) for c in v["cases"]) + "]}" for v in variants) + "]\n")
+    f.write("}\n")
 print(f"wrote {out_dir}: vocab {tok.get_vocab_size(with_added_tokens=True)}, {len(cases)} cases, "
       f"{len(decode_cases)} decode cases, {len(variants)} variants "
       f"({sum(len(v['cases']) for v in variants)} cases)")
