@@ -196,7 +196,7 @@ def split(pattern, behavior, invert=False, kind="Regex"):
 
 variant_texts = ["Hello world, it's me!", "  leading and trailing  ", "a,b,,c. d!e? ", "x", "",
                  "zzzzqq", "the zzzzqq", "你好，世界! 42 apples, 7 pears", "[gMASK]Hi<sop> there <mask> you",
-                 "line one\nline two\r\n\tindented, 12345", "..."]
+                 "line one\nline two\r\n\tindented, 12345", "...", "a  \n  b  \n\n c\r\n  d  "]
 variant_patches = {
     "gpt2_byte_level": {"pre_tokenizer": byte_level(True, True)},
     "byte_level_regex_only": {"pre_tokenizer": byte_level(False, True)},
@@ -214,6 +214,9 @@ variant_patches = {
         split(r"\p{L}+", "Isolated", invert=True), byte_level(False, False)]}},
     "split_removed_inverted": {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
         split(r"\p{L}+", "Removed", invert=True), byte_level(False, False)]}},
+    # ^ and $ (line anchors in Ruby syntax) and the dot (no newline).
+    "split_anchors": {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        split(r"^\s+|\s+$|^.", "Removed"), byte_level(False, False)]}},
     "split_string_pattern": {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
         split(", ", "Isolated", kind="String"), byte_level(False, False)]}},
     # "zzzzqq" is added to the vocabulary without a merge that builds it: with ignore_merges the
