@@ -134,8 +134,8 @@ TEST(Tokenizer, VariantsGiveTheIdsOfHuggingFaceTokenizers) {
   }
   for (const char* want :
        {"gpt2_byte_level", "split_removed", "split_merged_with_previous", "split_merged_with_next",
-        "split_contiguous", "split_isolated_inverted", "split_string_pattern", "ignore_merges",
-        "no_post_processor", "nfc", "nfc_sequence"})
+        "split_contiguous", "split_isolated_inverted", "split_string_pattern", "split_anchors",
+        "ignore_merges", "no_post_processor", "nfc", "nfc_sequence"})
     EXPECT_TRUE(names.count(want)) << want;
   std::printf("[ tokenizer ] %zu variants, %d cases\n", names.size(), n);
   // ignore_merges makes a difference: the word "zzzzqq" (in the vocabulary, built by no merge).
