@@ -285,7 +285,7 @@ namespace {
   r.error(name, fmt::format("is {}: not supported ({})", json_value_str(v), supported));
 }
 
-// A key that is absent, null, or one of the values given.
+// A key that is absent, null, or `ok`; any other value is refused.
 void expect_null_or(JsonReader& r, const std::string& key, const json& ok, const std::string& why) {
   const json* v = r.find_non_null(key);
   if (v && *v != ok) refuse(r, key, *v, why);
