@@ -188,8 +188,7 @@ TEST_F(TokenizeCli, TrainEncodesTheTextWithTheTokenizer) {
                 " --set model.vocab_size=803 --set model.bos_token_id=1 --steps 1"),
             0)
       << read("err.txt");
-  EXPECT_NE(read("out.txt").find("BOS 1 = \"<sop>\", EOS 2 = \"<|endoftext|>\""),
-            std::string::npos)
+  EXPECT_NE(read("out.txt").find("BOS 1 = \"<sop>\", EOS 2 = \"<|endoftext|>\""), std::string::npos)
       << read("out.txt");
   fs::create_directories(dir_ / "bare");
   fs::copy_file(kTok + "/tokenizer.json", dir_ / "bare" / "tokenizer.json");
