@@ -5,6 +5,7 @@ pkgs=(build-essential cmake ninja-build pkg-config git clang-format
       libopenblas-dev nlohmann-json3-dev libcli11-dev libfmt-dev
       libgtest-dev libgmock-dev libbenchmark-dev libomp-dev
       libopenmpi-dev openmpi-bin gnuplot-nox
+      libpcre2-dev libicu-dev  # the tokenizer: pre-tokenizer regexes (PCRE2), NFC (ICU)
       clang libclang-rt-14-dev)  # the fuzz targets (scripts/fuzz.sh): clang 14 and libFuzzer
 missing=()
 for p in "${pkgs[@]}"; do

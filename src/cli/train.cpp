@@ -22,7 +22,7 @@ constexpr const char* kDefaultConfig = "configs/train_mqar.json";
 constexpr const char* kDefaultOut = "runs/mqar";
 
 struct TrainArgs {
-  std::string config, data, out, resume, device = "cpu";
+  std::string config, data, tokenizer, out, resume, device = "cpu";
   std::optional<int64_t> steps, seed, stop_after;
   std::vector<std::string> sets;
   bool overwrite = false;
@@ -77,6 +77,7 @@ void run_train(const TrainArgs& a) {
     if (a.seed) c.seed = uint64_t(*a.seed);  // >= 0: the option's range validator
     // The data path is relative to the current directory (not to the config file).
     if (!a.data.empty()) c.data_path = fs::absolute(a.data).string();
+    if (!a.tokenizer.empty()) c.tokenizer_path = fs::absolute(a.tokenizer).string();
   };
   train::TrainConfig cfg;
   if (!a.resume.empty()) {
@@ -91,6 +92,8 @@ void run_train(const TrainArgs& a) {
                       a.out, a.resume));
     if (!a.data.empty())
       throw Error("--data and --resume exclude each other: a resumed run keeps its data");
+    if (!a.tokenizer.empty())
+      throw Error("--tokenizer and --resume exclude each other: a resumed run keeps its tokenizer");
     const train::TrainerCheckpoint ck = train::read_trainer_checkpoint(a.resume);
     const train::SplitOverrides ov = train::split_overrides(a.sets);
     if (!ov.model.empty())
@@ -135,6 +138,9 @@ std::function<void()> setup_train(CLI::App& app) {
                  "training data: a UTF-8 text file (byte tokens) or a .bin of uint32 ids; MQAR "
                  "when absent")
       ->check(input_file());
+  app.add_option("--tokenizer", a->tokenizer,
+                 "encode the --data text file with this Hugging Face tokenizer.json (or the "
+                 "directory holding it) instead of byte tokens");
   app.add_option("--steps", a->steps, "total optimizer steps (also the total when resuming)")
       ->check(count_range(1, train::limits::kMaxSteps));
   app.add_option("--out", a->out, "run directory (default runs/mqar, or runs/mqar-N when taken)");

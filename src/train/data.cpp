@@ -10,6 +10,7 @@
 
 #include "core/file_io.h"
 #include "core/seq_layout.h"
+#include "tokenizer/tokenizer.h"
 
 namespace hlm::train {
 namespace {
@@ -406,6 +407,31 @@ std::unique_ptr<TokenStream> open_text_file(const std::string& path, TokenStream
   cfg.eos_id = -1;
   return std::make_unique<TokenStream>(std::move(ids), kByteVocab, cfg,
                                        fmt::format("text data file '{}'", path));
+}
+
+std::unique_ptr<TokenStream> open_text_file(const std::string& path,
+                                            const tokenizer::Tokenizer& tok,
+                                            const TokenStreamConfig& cfg) {
+  const auto bytes = read_file_bytes(path, "text data file");
+  const int64_t bad = first_invalid_utf8(bytes);
+  HLM_CHECK(bad < 0, "text data file '{}': invalid UTF-8 at byte offset {} (byte 0x{:02x})", path,
+            bad, bad >= 0 ? bytes[size_t(bad)] : 0);
+  // BOS / EOS: ids with a token of the tokenizer.
+  const auto name = [&](int64_t id, const char* what) {
+    if (id < 0) return std::string("none");
+    HLM_CHECK(id < tok.vocab_size(),
+              "text data file '{}': the {} id {} is outside the vocabulary "
+              "of the tokenizer {} (ids 0..{})",
+              path, what, id, tok.source(), tok.vocab_size() - 1);
+    return fmt::format("{} = \"{}\"", id, printable(tok.id_to_token(uint32_t(id))));
+  };
+  const std::string bos = name(cfg.bos_id, "BOS"), eos = name(cfg.eos_id, "EOS");
+  std::vector<uint32_t> ids =
+      tok.encode(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  return std::make_unique<TokenStream>(
+      std::move(ids), tok.vocab_size(), cfg,
+      fmt::format("text data file '{}' (tokenizer {}, BOS {}, EOS {})", path, tok.source(), bos,
+                  eos));
 }
 
 std::unique_ptr<TokenStream> open_bin_file(const std::string& path, int64_t vocab_size,

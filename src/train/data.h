@@ -13,6 +13,10 @@
 #include "core/rng.h"
 #include "core/tensor.h"
 
+namespace hlm::tokenizer {
+class Tokenizer;
+}
+
 namespace hlm::train {
 
 constexpr int64_t kIgnoreIndex = -100;  // a target that takes no loss (ops::cross_entropy)
@@ -198,6 +202,13 @@ class TokenStream : public DataSource {
 // A UTF-8 text file as byte tokens (vocab kByteVocab, BOS kByteBos on every window; cfg.bos_id
 // and cfg.eos_id are overridden). Invalid UTF-8 is an error naming the byte offset.
 std::unique_ptr<TokenStream> open_text_file(const std::string& path, TokenStreamConfig cfg);
+// A UTF-8 text file encoded with `tok` (tokenizer/tokenizer.h): vocab tok.vocab_size(), BOS and EOS
+// as cfg gives them (the caller picks them; -1: none). Special-token strings in the text (such as
+// "<|endoftext|>") are encoded as those tokens, as Hugging Face tokenizers does. Invalid UTF-8 is
+// an error naming the byte offset.
+std::unique_ptr<TokenStream> open_text_file(const std::string& path,
+                                            const tokenizer::Tokenizer& tok,
+                                            const TokenStreamConfig& cfg);
 // Little-endian uint32 ids; the size must be a multiple of 4 and every id < vocab_size (else an
 // error naming the id, its position and byte offset).
 std::unique_ptr<TokenStream> open_bin_file(const std::string& path, int64_t vocab_size,

@@ -16,6 +16,7 @@
 #include "core/json.h"
 #include "model/checkpoint.h"
 #include "ops/cross_entropy.h"
+#include "tokenizer/tokenizer.h"
 #include "train/interrupt.h"
 #include "train/train_limits.h"
 
@@ -165,6 +166,7 @@ const std::vector<std::string>& train_config_keys() {
                                              "dsa_dense_warmup_steps",
                                              "nonfinite",
                                              "data",
+                                             "tokenizer",
                                              "seq_len",
                                              "shuffle",
                                              "mqar"};
@@ -246,6 +248,7 @@ TrainConfig parse_train_config(const json& j, const std::string& what, const std
   c.dsa_dense_warmup_steps = r.get_int("dsa_dense_warmup_steps", c.dsa_dense_warmup_steps);
   c.nonfinite = r.get_parsed("nonfinite", c.nonfinite, parse_nonfinite_policy);
   c.data_path = resolve_path(r.opt_string("data").value_or(""), base_dir);
+  c.tokenizer_path = resolve_path(r.opt_string("tokenizer").value_or(""), base_dir);
   c.seq_len = r.get_int("seq_len", c.seq_len);
   c.shuffle = r.get_bool("shuffle", c.shuffle);
   // mqar: vocab_size and num_keys default to 0 (resolved against the model in mqar_config()).
@@ -309,6 +312,7 @@ json TrainConfig::to_json() const {
   j["dsa_dense_warmup_steps"] = dsa_dense_warmup_steps;
   j["nonfinite"] = nonfinite_policy_name(nonfinite);
   j["data"] = data_path;
+  j["tokenizer"] = tokenizer_path;
   j["seq_len"] = seq_len;
   j["shuffle"] = shuffle;
   j["mqar"] = {
@@ -373,6 +377,11 @@ void TrainConfig::validate(const std::string& what) const {
   need(mqar.vocab_size >= 0 && mqar.num_keys >= 0,
        "'mqar.vocab_size' and 'mqar.num_keys' must be >= 0 (0: from the model)");
   model.validate("model config (" + model_source + ")");
+  need(tokenizer_path.empty() || !data_path.empty(),
+       "'tokenizer' encodes a text file given as 'data' (--data), and there is none");
+  need(tokenizer_path.empty() || fs::path(data_path).extension() != ".bin",
+       fmt::format("'tokenizer' encodes text, but 'data' {} is a .bin of token ids already",
+                   data_path));
   if (data_path.empty()) {
     const MqarConfig m = mqar_config();
     need(m.vocab_size <= model.vocab_size,
@@ -525,11 +534,16 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     tc.shuffle = cfg_.shuffle;
     tc.seed = cfg_.seed;
     const bool is_bin = fs::path(cfg_.data_path).extension() == ".bin";
-    HLM_CHECK(is_bin || cfg_.model.vocab_size >= kByteVocab,
-              "--data {} is byte-level text: it needs a model vocab_size of at least {} (256 bytes "
-              "+ BOS + EOS), the model has {} (add --set model.vocab_size={})",
-              cfg_.data_path, kByteVocab, cfg_.model.vocab_size, kByteVocab);
-    data_ = open_data_file(cfg_.data_path, cfg_.model.vocab_size, tc);
+    if (!cfg_.tokenizer_path.empty()) {
+      data_ = open_tokenized_text(tc);
+    } else {
+      HLM_CHECK(
+          is_bin || cfg_.model.vocab_size >= kByteVocab,
+          "--data {} is byte-level text: it needs a model vocab_size of at least {} (256 bytes "
+          "+ BOS + EOS), the model has {} (add --set model.vocab_size={})",
+          cfg_.data_path, kByteVocab, cfg_.model.vocab_size, kByteVocab);
+      data_ = open_data_file(cfg_.data_path, cfg_.model.vocab_size, tc);
+    }
     HLM_CHECK(data_->vocab_size() <= cfg_.model.vocab_size,
               "--data {}: the data needs a vocabulary of {} tokens, the model has vocab_size {} "
               "(set model.vocab_size={})",
@@ -550,6 +564,34 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
 }
 
 Trainer::~Trainer() = default;
+
+std::unique_ptr<DataSource> Trainer::open_tokenized_text(TokenStreamConfig tc) const {
+  const tokenizer::Tokenizer tok = tokenizer::Tokenizer::load(cfg_.tokenizer_path);
+  HLM_CHECK(tok.vocab_size() <= cfg_.model.vocab_size,
+            "--tokenizer {}: its vocabulary has {} ids, more than the model's vocab_size {} (set "
+            "model.vocab_size={} or more)",
+            tok.source(), tok.vocab_size(), cfg_.model.vocab_size, tok.vocab_size());
+  // BOS / EOS: those tokenizer_config.json names, else those of the model config (its first
+  // eos_token_id), else none; each must be a token of the tokenizer.
+  const auto pick = [&](std::optional<uint32_t> from_tok, std::optional<int64_t> from_model,
+                        const char* what) -> int64_t {
+    if (from_tok) return int64_t(*from_tok);
+    if (!from_model) return -1;
+    HLM_CHECK(*from_model < tok.vocab_size(),
+              "--tokenizer {}: the model config's {} {} is not a token of the tokenizer (ids "
+              "0..{})",
+              tok.source(), what, *from_model, tok.vocab_size() - 1);
+    tok.id_to_token(uint32_t(*from_model));  // an id without a token is an error
+    return *from_model;
+  };
+  const auto& m = cfg_.model;
+  tc.bos_id = pick(tok.bos_token(), m.bos_token_id, "bos_token_id");
+  tc.eos_id =
+      pick(tok.eos_token(),
+           m.eos_token_ids.empty() ? std::nullopt : std::optional<int64_t>(m.eos_token_ids[0]),
+           "eos_token_id");
+  return open_text_file(cfg_.data_path, tok, tc);
+}
 
 void Trainer::log(const std::string& line) const {
   if (!opts_.log) return;

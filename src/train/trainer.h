@@ -91,6 +91,9 @@ struct TrainConfig {
                           // tokens_per_step, eval_batches and seed fields are taken from above
   int64_t seq_len = 0;    // token streams: window length (0: tokens_per_step)
   bool shuffle = true;    // token streams
+  // "": a text file is byte tokens; else the Hugging Face tokenizer.json (or its directory) that
+  // encodes the text file (tokenizer/tokenizer.h)
+  std::string tokenizer_path;
 
   // Parses a training config. Relative model paths are resolved against `base_dir` (the directory
   // of the file the config came from; "" = the current directory). `what` names the source.
@@ -218,6 +221,8 @@ class Trainer {
   void log(const std::string& line) const;
   void resume_from_checkpoint();
   void write_param_list() const;
+  // The text file cfg_.data_path encoded with the tokenizer cfg_.tokenizer_path.
+  std::unique_ptr<DataSource> open_tokenized_text(TokenStreamConfig tc) const;
 
   TrainConfig cfg_;
   TrainerOptions opts_;
