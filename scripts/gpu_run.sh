@@ -3,7 +3,7 @@
 # (scripts/build.sh build-cuda) and carried with its shared libraries (scripts/gpu_pack.sh).
 # Usage: scripts/gpu_run.sh PACK_DIR [OUT_DIR] [BASE_KDA_BITS]
 # BASE_KDA_BITS: a kda_bits program built from an earlier revision (bench/kda_lab/README.md): its
-# output and this pack's must be byte-identical when the change was not meant to move any bit.
+# tensors and this pack's must be bit-identical when the change was not meant to move any bit.
 set -uo pipefail
 pack=$1; out=${2:-/tmp}; base_bits=${3:-}
 export LD_LIBRARY_PATH="$pack/lib:${LD_LIBRARY_PATH:-}"
@@ -15,7 +15,7 @@ if [ -x "$pack/kda_bits" ]; then
   "$pack/kda_bits" /tmp/kda_bits_new.safetensors >/dev/null && sha256sum /tmp/kda_bits_new.safetensors
   if [ -n "$base_bits" ]; then
     "$base_bits" /tmp/kda_bits_base.safetensors >/dev/null && sha256sum /tmp/kda_bits_base.safetensors
-    cmp /tmp/kda_bits_base.safetensors /tmp/kda_bits_new.safetensors && echo "kda_bits: identical to the base revision"
+    "$pack/kda_bits" --compare /tmp/kda_bits_base.safetensors /tmp/kda_bits_new.safetensors
   fi
 fi
 echo "== bench: KDA decode (ours) =="

@@ -1,8 +1,9 @@
 // kda_bits OUT.safetensors: runs the CUDA chunked KDA forward and backward (ops::kda_chunk,
 // ops::kda_chunk_backward on CUDA tensors) on a fixed set of seeded inputs and writes every
 // output, bit for bit, to one safetensors file. Two builds of the kernels that must give the same
-// bits (a refactoring, another compiler) are compared with `cmp` on their files; the CUDA
-// emulation build (HLM_CUDA_EMU) runs it without a GPU.
+// bits (a refactoring, another compiler) are compared with `kda_bits --compare A B`, tensor by
+// tensor (names, dtypes, shapes and data bytes; the files' headers may differ, e.g. in their
+// metadata); the CUDA emulation build (HLM_CUDA_EMU) runs it without a GPU.
 //
 // Cases: f32 and bf16 inputs (bf16 also with exact_bf16_products); packed sequences of 1, 63, 65
 // and 200 tokens; H = 2, HV = 4 (GVA), K = V = 64; plain log decay (mild, and strong enough to
@@ -14,6 +15,7 @@
 // the same source builds against any revision of the library.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -119,9 +121,51 @@ void put(hlm::safetensors::TensorMap& m, const std::string& name, const Tensor& 
 
 }  // namespace
 
+// 0 when A and B hold the same tensors bit for bit, 1 otherwise (each difference printed).
+int compare_files(const char* a_path, const char* b_path) {
+  const auto a = hlm::safetensors::load(a_path), b = hlm::safetensors::load(b_path);
+  int64_t differ = 0, bytes = 0;
+  for (const auto& [name, x] : a.tensors) {
+    auto it = b.tensors.find(name);
+    if (it == b.tensors.end()) {
+      std::printf("only in %s: %s\n", a_path, name.c_str());
+      ++differ;
+      continue;
+    }
+    const Tensor& y = it->second;
+    const bool same = x.dtype() == y.dtype() && x.shape() == y.shape() &&
+                      std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
+    if (!same)
+      std::printf("differs: %s (%s vs %s)\n", name.c_str(), x.describe().c_str(),
+                  y.describe().c_str());
+    differ += !same;
+    bytes += int64_t(x.nbytes());
+  }
+  for (const auto& [name, y] : b.tensors)
+    if (!a.tensors.count(name)) {
+      std::printf("only in %s: %s\n", b_path, name.c_str());
+      ++differ;
+    }
+  if (differ) {
+    std::printf("kda_bits: %lld tensor(s) differ\n", (long long)differ);
+    return 1;
+  }
+  std::printf("kda_bits: identical, %zu tensors, %lld data bytes\n", a.tensors.size(),
+              (long long)bytes);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "--compare") {
+    try {
+      return compare_files(argv[2], argv[3]);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kda_bits: %s\n", e.what());
+      return 2;
+    }
+  }
   if (argc != 2) {
-    std::fprintf(stderr, "usage: kda_bits OUT.safetensors\n");
+    std::fprintf(stderr, "usage: kda_bits OUT.safetensors | kda_bits --compare A B\n");
     return 2;
   }
   if (!hlm::cuda_available()) {
