@@ -116,6 +116,31 @@ std::vector<uint8_t> read_fd(int fd, const std::string& path, const std::string&
 
 }  // namespace
 
+RegularFile::RegularFile(const std::string& path, const std::string& what)
+    : path_(path), what_(what) {
+  uint64_t size = 0;
+  fd_ = open_regular(path, what, &size);
+  size_ = size;
+}
+
+RegularFile::~RegularFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void RegularFile::read_at(uint64_t offset, void* dst, uint64_t n) const {
+  auto* out = static_cast<uint8_t*>(dst);
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd_, out + done, size_t(n - done), off_t(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    HLM_CHECK(r >= 0, "{} '{}': read error at offset {}: {}", what_, path_, offset + done,
+              errno_text(errno));
+    HLM_CHECK(r > 0, "{} '{}': the file ends at {} bytes, {} were expected", what_, path_,
+              offset + done, offset + n);
+    done += uint64_t(r);
+  }
+}
+
 std::vector<uint8_t> read_regular_file(const std::string& path, const std::string& what,
                                        uint64_t max_bytes) {
   uint64_t size = 0;

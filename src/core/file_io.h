@@ -29,6 +29,26 @@ void check_regular_input(const std::string& path, const std::string& what);
 std::vector<uint8_t> read_regular_file(const std::string& path, const std::string& what,
                                        uint64_t max_bytes = 0);
 
+// A regular file open for reading (checked as above, never blocking on a FIFO): reads at given
+// offsets, so a large file is read piece by piece. Closed when destroyed.
+class RegularFile {
+ public:
+  RegularFile(const std::string& path, const std::string& what);
+  ~RegularFile();
+  RegularFile(const RegularFile&) = delete;
+  RegularFile& operator=(const RegularFile&) = delete;
+  uint64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+  // Exactly n bytes at `offset` into dst; hlm::Error naming the file on a read error or when the
+  // file ends first.
+  void read_at(uint64_t offset, void* dst, uint64_t n) const;
+
+ private:
+  std::string path_, what_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
 // The first min(size, n) bytes of the regular file `path` (checked as above); *file_size receives
 // its size.
 std::vector<uint8_t> read_regular_file_prefix(const std::string& path, const std::string& what,

@@ -194,14 +194,18 @@ std::string canonical_header(const nlohmann::json& h) {
   }
 }
 
-void verify_checksum(const Parsed& p, const uint8_t* data, const std::string& what) {
-  if (p.crc.empty() && p.h.metadata.count(kChecksumKey) == 0) return;
-  const uint64_t got =
-      crc64(p.canonical.data(), p.canonical.size(), crc64(data, size_t(p.h.data_size)));
+// `data_crc`: the CRC-64 of the whole data buffer.
+void check_crc(const Parsed& p, uint64_t data_crc, const std::string& what) {
+  const uint64_t got = crc64(p.canonical.data(), p.canonical.size(), data_crc);
   HLM_CHECK(p.crc == crc64_hex(got),
             "{}: checksum mismatch ({} '{}', the contents give '{}'): the file was damaged or "
             "modified after it was written",
             what, kChecksumKey, p.crc, crc64_hex(got));
+}
+
+void verify_checksum(const Parsed& p, const uint8_t* data, const std::string& what) {
+  if (p.crc.empty() && p.h.metadata.count(kChecksumKey) == 0) return;
+  check_crc(p, crc64(data, size_t(p.h.data_size)), what);
 }
 
 uint64_t header_length(const uint8_t* b, uint64_t file_size, const std::string& what) {
@@ -247,6 +251,45 @@ Header read_header(const std::string& path) {
   Parsed p = parse_header_text(bytes.data() + 8, n, size - 8 - n, path);
   p.h.data_begin = 8 + n;
   return std::move(p.h);
+}
+
+void stream(const std::string& path,
+            const std::function<bool(const std::string&, const TensorInfo&)>& want,
+            const std::function<void(const std::string&, Tensor)>& take, Metadata* metadata) {
+  const RegularFile f(path, "safetensors file");
+  uint8_t len[8] = {};
+  if (f.size() >= 8) f.read_at(0, len, 8);
+  const uint64_t n = header_length(len, f.size(), path);
+  std::vector<uint8_t> head(static_cast<size_t>(n));
+  f.read_at(8, head.data(), n);
+  Parsed p = parse_header_text(head.data(), n, f.size() - 8 - n, path);
+  const uint64_t data_begin = 8 + n;
+  if (metadata) *metadata = p.h.metadata;
+  std::vector<const std::pair<const std::string, TensorInfo>*> order;
+  for (const auto& e : p.h.tensors) order.push_back(&e);
+  std::sort(order.begin(), order.end(),
+            [](auto* a, auto* b) { return a->second.begin < b->second.begin; });
+  const bool checked = !p.crc.empty() || p.h.metadata.count(kChecksumKey) > 0;
+  uint64_t crc = 0;
+  std::vector<uint8_t> chunk;
+  for (const auto* e : order) {
+    const TensorInfo& info = e->second;
+    const uint64_t bytes = info.end - info.begin;
+    if (want(e->first, info)) {
+      Tensor t = Tensor::empty(info.shape, info.dtype);
+      f.read_at(data_begin + info.begin, t.raw(), bytes);
+      if (checked) crc = crc64(t.raw(), size_t(bytes), crc);
+      take(e->first, std::move(t));
+    } else if (checked) {
+      chunk.resize(size_t(std::min<uint64_t>(bytes, uint64_t(1) << 20)));
+      for (uint64_t at = 0; at < bytes; at += chunk.size()) {
+        const uint64_t k = std::min<uint64_t>(chunk.size(), bytes - at);
+        f.read_at(data_begin + info.begin + at, chunk.data(), k);
+        crc = crc64(chunk.data(), size_t(k), crc);
+      }
+    }
+  }
+  if (checked) check_crc(p, crc, path);
 }
 
 std::vector<uint8_t> serialize(const TensorMap& tensors, const Metadata& metadata) {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -59,6 +60,16 @@ Contents load(const std::string& path);
 // The validated header of a file, read without its data (the checksum, which covers the data, is
 // not verified): to check shapes before allocating anything.
 Header read_header(const std::string& path);
+// Reads a file tensor by tensor, in the order of their data, never holding more than one tensor:
+// the header is validated as load() does; each tensor that want(name, info) accepts is read into a
+// new CPU tensor and handed to take(name, tensor); the others are skipped. A file with the
+// "hlm_crc64" entry has its skipped bytes read through the checksum (1 MiB at a time), which is
+// verified at the end (after the tensors were handed over). *metadata, when given, receives the
+// metadata before the first tensor.
+void stream(const std::string& path,
+            const std::function<bool(const std::string&, const TensorInfo&)>& want,
+            const std::function<void(const std::string&, Tensor)>& take,
+            Metadata* metadata = nullptr);
 // Serialise (tensors in name order, data aligned to 8 bytes as the reference writer does), with
 // the checksum entry (a "hlm_crc64" in `metadata` is replaced).
 std::vector<uint8_t> serialize(const TensorMap& tensors, const Metadata& metadata = {});

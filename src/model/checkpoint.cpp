@@ -229,11 +229,13 @@ Source open_source(const std::string& path) {
   return s;
 }
 
-// Load one file of the source and check it against the index.
-safetensors::Contents load_file(const Source& src, const std::string& file) {
-  safetensors::Contents c = safetensors::load(file);
-  if (!src.sharded) return c;
-  for (auto& [name, t] : c.tensors) {
+// Checks one file of the source against the index: the tensors it holds (`names`) are the ones
+// the index places in it, and its save id is the index's.
+template <class Map>
+void check_shard(const Source& src, const std::string& file, const Map& names,
+                 const Metadata& metadata) {
+  if (!src.sharded) return;
+  for (auto& [name, t] : names) {
     auto it = src.weight_map.find(name);
     HLM_CHECK(it != src.weight_map.end() && it->second == file,
               "{}: shard '{}' holds tensor '{}', which the index {}", src.where, file, name,
@@ -241,15 +243,21 @@ safetensors::Contents load_file(const Source& src, const std::string& file) {
   }
   for (auto& [name, f] : src.weight_map)
     if (f == file)
-      HLM_CHECK(c.tensors.count(name), "{}: tensor '{}' is not in its shard '{}'", src.where, name,
+      HLM_CHECK(names.count(name), "{}: tensor '{}' is not in its shard '{}'", src.where, name,
                 file);
   if (!src.save_id.empty()) {
-    auto id = c.metadata.find("hlm_save_id");
-    HLM_CHECK(id != c.metadata.end() && id->second == src.save_id,
+    auto id = metadata.find("hlm_save_id");
+    HLM_CHECK(id != metadata.end() && id->second == src.save_id,
               "{}: shard '{}' belongs to another save (hlm_save_id '{}' vs the index's '{}'): the "
               "checkpoint was left inconsistent by an interrupted save",
-              src.where, file, id == c.metadata.end() ? "" : id->second, src.save_id);
+              src.where, file, id == metadata.end() ? "" : id->second, src.save_id);
   }
+}
+
+// Load one whole file of the source and check it against the index.
+safetensors::Contents load_file(const Source& src, const std::string& file) {
+  safetensors::Contents c = safetensors::load(file);
+  check_shard(src, file, c.tensors, c.metadata);
   return c;
 }
 
@@ -501,29 +509,35 @@ LoadReport load_into(const std::string& path, const Targets& targets, const Load
     pending_s.erase(s);
   };
 
+  // Each file is read tensor by tensor (safetensors::stream): only the tensors the model takes,
+  // one at a time, so a checkpoint far larger than memory loads into a model that fits.
   for (const std::string& file : src.files) {
-    safetensors::Contents c = load_file(src, file);
+    const safetensors::Header header = safetensors::read_header(file);
+    check_shard(src, file, header.tensors, header.metadata);
     rep.files.push_back(file);
     if (!src.sharded) {
       std::vector<std::string> names;
-      for (auto& [n, t] : c.tensors) names.push_back(n);
+      for (auto& [n, info] : header.tensors) names.push_back(n);
       canon = canonical_names(names, src.where);
       check_names();
     }
-    for (auto& [orig, t] : c.tensors) {
+    auto wanted = [&](const std::string& orig, const safetensors::TensorInfo&) {
+      const std::string cn = canonical_name(orig);
+      return consumed_scales.count(cn) > 0 || want.count(cn) > 0;
+    };
+    auto take = [&](const std::string& orig, Tensor t) {
       const std::string cn = canonical_name(orig);
       if (consumed_scales.count(cn)) {
         pending_s[cn] = t;
         finish_fp8(cn.substr(0, cn.size() - std::strlen("_scale_inv")), file);
-        continue;
+        return;
       }
       auto it = want.find(cn);
-      if (it == want.end()) continue;  // ignored / unexpected: reported by check_names
       const bool has_scale = consumed_scales.count(scale_name(cn)) > 0;
       if (has_scale && (t.dtype() == DType::e4m3 || t.dtype() == DType::e5m2)) {
         pending_w[cn] = t;
         finish_fp8(cn, file);
-        continue;
+        return;
       }
       HLM_CHECK(!has_scale,
                 "{}: tensor '{}' is {} but has a scale_inv companion (expected an e4m3/e5m2 "
@@ -532,7 +546,8 @@ LoadReport load_into(const std::string& path, const Targets& targets, const Load
       assign(display_name(orig, cn), t, *it->second, file, o);
       rep.loaded.push_back(cn);
       rep.file_names[cn] = orig;
-    }
+    };
+    safetensors::stream(file, wanted, take);
   }
   HLM_CHECK(pending_w.empty() && pending_s.empty(),
             "{}: {} block-FP8 weight/scale pair(s) incomplete", src.where,

@@ -218,5 +218,63 @@ TEST(CoreSafetensors, ReadHeaderGivesShapesWithoutTheData) {
   std::remove(path.c_str());
 }
 
+TEST(CoreSafetensors, StreamHandsOverOnlyTheWantedTensorsInDataOrder) {
+  Rng rng(testing::test_seed());
+  safetensors::TensorMap m;
+  m["a"] = randn({3, 4}, DType::bf16, rng);
+  m["big"] = randn({300, 1000}, DType::f32, rng);  // 1.2 MB: skipped in two 1 MiB chunks
+  m["c"] = Tensor::from_values({3}, {1, 2, 3}, DType::i64);
+  m["d"] = randn({7}, DType::f64, rng);
+  const std::string path = ::testing::TempDir() + "/stream_" + std::to_string(::getpid());
+  safetensors::save(path, m, {{"step", "3"}});
+  std::vector<std::string> asked, taken;
+  safetensors::Metadata meta;
+  safetensors::stream(
+      path,
+      [&](const std::string& name, const safetensors::TensorInfo&) {
+        asked.push_back(name);
+        return name != "big";
+      },
+      [&](const std::string& name, Tensor t) {
+        taken.push_back(name);
+        EXPECT_TRUE(testing::bit_equal(t, m.at(name))) << name;
+      },
+      &meta);
+  EXPECT_EQ(asked, (std::vector<std::string>{"a", "big", "c", "d"}));  // the writer's data order
+  EXPECT_EQ(taken, (std::vector<std::string>{"a", "c", "d"}));
+  EXPECT_EQ(meta.at("step"), "3");
+
+  // A bit flipped in a tensor nobody reads is still caught by the checksum, and one in the header
+  // before anything is handed over.
+  std::vector<uint8_t> bytes;
+  {
+    std::ifstream f(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  const safetensors::Header h = safetensors::read_header(path);
+  auto damaged = bytes;
+  damaged[size_t(h.data_begin + h.tensors.at("big").begin + 123457)] ^= 0x10;
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(damaged.data()), std::streamsize(damaged.size()));
+  testing::expect_error(
+      [&] {
+        safetensors::stream(
+            path, [](const std::string& n, const safetensors::TensorInfo&) { return n != "big"; },
+            [](const std::string&, Tensor) {});
+      },
+      "checksum mismatch");
+  // A file cut short: the read names the file and where it ends.
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size() - 10));
+  testing::expect_error(
+      [&] {
+        safetensors::stream(
+            path, [](const std::string&, const safetensors::TensorInfo&) { return true; },
+            [](const std::string&, Tensor) {});
+      },
+      "tensor 'd': data_offsets [1200048, 1200104) outside the data buffer of 1200094 bytes");
+  std::remove(path.c_str());
+}
+
 }  // namespace
 }  // namespace hlm
