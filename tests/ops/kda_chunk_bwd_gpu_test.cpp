@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -462,13 +463,17 @@ void saved_vs_recompute(const Case& c) {
   same_as_recomputed(ops::kda_chunk_backward_cuda(gpu, d_o, dht, bk), "kept");
   // ... and it reads them: NaN in either half of the kept buffer (A_qk, then M^-1) reaches the
   // gradients, where a backward that recomputed them would give the finite bits checked above.
+  // The NaN is the GPU's own (0x7fffffff: every mantissa bit set), the one a TF32 rounding by an
+  // integer add would carry into the sign bit and turn into -0.
   const int64_t half = ops::kda_chunk_cuda_kept_floats(gpu) / 2;
+  Tensor gpu_nan = Tensor::empty({half}, DType::f32);
+  for (int64_t i = 0; i < half; ++i) gpu_nan.data<float>()[i] = std::bit_cast<float>(0x7fffffffu);
+  gpu_nan = gpu_nan.to(Device::cuda);
   for (int part = 0; part < 2; ++part) {
     ops::KdaChunkBwdCudaBuffers bn = poisoned(gpu);
     bn.kept = Tensor::empty(fk.kept.shape(), DType::f32, Device::cuda);
     bn.kept.copy_(fk.kept);
-    bn.kept.slice(0, part * half, (part + 1) * half)
-        .copy_(Tensor::full({half}, nan, DType::f32, Device::cuda));
+    bn.kept.slice(0, part * half, (part + 1) * half).copy_(gpu_nan);
     const KdaGrads g = ops::kda_chunk_backward_cuda(gpu, d_o, dht, bn);
     int64_t nans = 0;
     for (const Named& f : kFields) {

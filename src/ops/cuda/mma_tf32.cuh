@@ -65,14 +65,17 @@ struct is_exact<Exact<V>> : std::true_type {};
 
 // TF32 operands as the tensor core reads them: mma.sync ignores the low 13 bits of a TF32 operand
 // register, so adding half a TF32 ulp (0x1000) to the bits of x rounds it to nearest, ties away
-// from zero: cvt.rna.tf32.f32's rounding, in one integer add instead of cvt's sequence (which also
-// handles Inf / NaN, never an operand here: every operand is a finite product of the kernels).
+// from zero: cvt.rna.tf32.f32's rounding in an integer add instead of cvt's sequence. Inf and NaN
+// pass unchanged: the add would turn Inf into NaN, and carry a NaN whose mantissa bits are all
+// set (0x7fffffff, the NaN the GPU's own arithmetic produces) into the sign bit, a -0 operand that
+// would hide the NaN from everything downstream (the non-finite checks of training included).
 __device__ __forceinline__ uint32_t tf32_operand(float x) {
-  return __float_as_uint(x) + 0x1000u;
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x7f800000u) == 0x7f800000u ? u : u + 0x1000u;
 }
 // The value of that rounding as an f32 (the low bits cleared): hi of the 3xTF32 split.
 __device__ __forceinline__ float tf32_value(float x) {
-  return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
+  return __uint_as_float(tf32_operand(x) & 0xffffe000u);
 }
 
 // hi (and, for tf32x3, lo) TF32 parts of x; an exact x is its own hi (lo unused). The same
