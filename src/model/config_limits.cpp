@@ -331,6 +331,45 @@ MemoryEstimate estimate_memory(const ModelConfig& c, const Workload& w) {
   return m;
 }
 
+int64_t active_parameter_count(const ModelConfig& c, bool mtp) {
+  int64_t n = parameter_count(c, mtp);
+  const int64_t unused = c.moe.n_routed_experts - c.moe.num_experts_per_tok;
+  const int64_t expert = mul(3, c.hidden_size, c.moe.moe_intermediate_size);
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.is_moe_layer(l) ? 1 : 0;
+  if (mtp && c.mtp.num_layers > 0 && c.mtp_mlp_kind() == MlpKind::moe) ++moe_layers;
+  if (unused > 0) n -= mul(moe_layers, unused, expert);
+  return n - mul(c.vocab_size - 1, c.hidden_size);
+}
+
+uint64_t CacheEstimate::at(uint64_t seq_len) const {
+  const uint64_t pools = seq_len / pool, tail = pool > 1 ? seq_len % pool : 0;
+  const uint64_t index = uadd(umul(pools, key_dim, eb), umul(tail, tail_dim, eb));
+  return uadd(uadd(kda_fixed, umul(latent_per_token, seq_len)), umul(index_layers, index));
+}
+
+CacheEstimate estimate_decode_cache(const ModelConfig& c, uint64_t eb) {
+  CacheEstimate e;
+  e.eb = eb;
+  const uint64_t H = u(c.kda.num_heads), HV = u(c.kda.num_v_heads), K = u(c.kda.head_dim),
+                 V = u(c.kda.v_head_dim), W = u(c.kda.conv_kernel);
+  const uint64_t kda_state = uadd(umul(HV, K, umul(V, 4)), umul(W - 1, u(2) * H * K + HV * V, eb));
+  const uint64_t latent = umul(u(c.mla.kv_lora_rank + c.mla.qk_rope_head_dim), eb);
+  e.pool = std::max<uint64_t>(1, u(c.indexer.kpool));
+  e.key_dim = u(c.indexer.head_dim);
+  e.tail_dim = e.key_dim + (c.indexer.kpool_compress ? u(c.hidden_size) : 0);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.layer_kind(l) == LayerKind::kda) {
+      e.kda_fixed = uadd(e.kda_fixed, kda_state);
+      continue;
+    }
+    e.latent_per_token = uadd(e.latent_per_token, latent);
+    const bool own = c.indexer_kinds.empty() || c.indexer_kinds[size_t(l)] == IndexerKind::full;
+    if (c.layer_kind(l) == LayerKind::dsa && own) ++e.index_layers;
+  }
+  return e;
+}
+
 void check_memory_for(const ModelConfig& c, const Workload& w, const std::string& what) {
   check_limits(c, what);
   const MemoryEstimate m = estimate_memory(c, w);

@@ -75,6 +75,27 @@ struct MemoryEstimate {
 };
 MemoryEstimate estimate_memory(const ModelConfig& c, const Workload& w);
 
+// Parameters one token runs through: parameter_count less the routed experts a token does not
+// use ((n_routed_experts - num_experts_per_tok) experts of every MoE layer) and the embedding rows
+// but its own (the vocab_size - 1 other rows of embed_tokens).
+int64_t active_parameter_count(const ModelConfig& c, bool mtp = true);
+
+// The decode cache of one sequence (docs/model_config.md, "Inspect"), `eb` bytes per cached
+// element (2 for bf16): per KDA layer a fixed part, the recurrent state f32 [HV, K, V] and the
+// conv state [W - 1, 2 H K + HV V]; per DSA layer the MLA latent of every token (kv_lora_rank +
+// qk_rope_head_dim) and, for a layer with its own indexer, one index_head_dim key per complete
+// pool of index_kpool tokens plus, for the incomplete pool, the raw keys and (KPool compress) the
+// hidden states its gate reads.
+struct CacheEstimate {
+  uint64_t eb = 2;
+  uint64_t kda_fixed = 0;                        // all KDA layers, bytes per sequence
+  uint64_t latent_per_token = 0;                 // all DSA layers' latents, bytes per token
+  uint64_t index_layers = 0;                     // DSA layers with their own indexer
+  uint64_t pool = 1, key_dim = 0, tail_dim = 0;  // index_kpool, index_head_dim, key + gate input
+  uint64_t at(uint64_t seq_len) const;           // the whole cache of a sequence of seq_len tokens
+};
+CacheEstimate estimate_decode_cache(const ModelConfig& c, uint64_t eb = 2);
+
 // check_limits, then the estimate against the memory limit: hlm::Error "<what> needs at least N
 // bytes (...): weights ..., more than the memory limit of M bytes ...".
 void check_memory_for(const ModelConfig& c, const Workload& w, const std::string& what);

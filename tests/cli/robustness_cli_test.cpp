@@ -374,6 +374,84 @@ TEST_F(RobustCli, ForwardRefusesTokenInputsItUsedToMisread) {
   EXPECT_FALSE(fs::exists(dir_ / "o.safetensors"));
 }
 
+// ---- a transformers checkpoint (tests/data/hf_glm5_next) through the commands ----------------
+
+TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
+  const std::string hf = std::string(HLM_SOURCE_DIR) + "/tests/data/hf_glm5_next";
+  Result r = run({"inspect", hf, "--seq-len", "1024"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* line :
+       {"pattern      KDK", "mlp          dEE", "GEMMs native (config.json: dtype float32)",
+        "published layout, 107 tensors, 41614 values (= the config's model without lm_head)",
+        "decode cache one sequence of 1024 tokens"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  EXPECT_TRUE(refused(run({"inspect", path("missing")}), {"cannot open the file"}));
+  EXPECT_TRUE(refused(run({"inspect", hf, "--seq-len", "0"}), {"--seq-len"}));
+
+  // forward with no config edit: the layout and precision in one line; gradients named as the
+  // file names the parameters, or as PyTorch's module tree.
+  const std::vector<std::string> fwd = {"forward",
+                                        "--model",
+                                        hf,
+                                        "--tokens",
+                                        hf + "/tokens.safetensors",
+                                        "--grad-probe",
+                                        hf + "/probe.safetensors"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = fwd;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run(a);
+  };
+  r = with({"--out", "g.safetensors"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("in the published layout; computing in f32; GEMMs native"),
+            std::string::npos)
+      << r.out;
+  const auto g = safetensors::load(path("g.safetensors")).tensors;
+  EXPECT_TRUE(g.count("grad.layers.1.mlp.experts.3.up_proj.weight"));
+  EXPECT_TRUE(g.count("grad.layers.0.self_attn.q_conv1d.weight"));
+  EXPECT_TRUE(g.count("grad.layers.0.hc_attn_fn"));
+  EXPECT_FALSE(g.count("logits"));
+  r = with({"--out", "t.safetensors", "--grad-layout", "module_tree"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto t = safetensors::load(path("t.safetensors")).tensors;
+  EXPECT_TRUE(t.count("grad.model.layers.1.mlp.experts.gate_up_proj"));
+  EXPECT_TRUE(t.count("grad.model.layers.0.attn_hc.fn"));
+  EXPECT_EQ(g.size(), t.size() + 4 * 2 * 3 - 2 * 2 + 2 * 2);  // experts split, convs split
+  // The same gradient, two names.
+  EXPECT_TRUE(testing::bit_equal(
+      g.at("grad.layers.1.mlp.experts.3.up_proj.weight"),
+      t.at("grad.model.layers.1.mlp.experts.gate_up_proj").select(0, 3).slice(0, 16, 32)));
+  EXPECT_TRUE(refused(with({"--out", "l.safetensors", "--logits"}),
+                      {"forward --logits", "has no lm_head.weight"}));
+  EXPECT_FALSE(fs::exists(dir_ / "l.safetensors"));
+
+  // A checkpoint with an expert missing: one line naming it, exit 2, nothing written.
+  fs::create_directories(dir_ / "bad");
+  fs::copy_file(hf + "/config.json", dir_ / "bad/config.json");
+  auto m = safetensors::load(hf + "/model.safetensors").tensors;
+  m.erase("layers.2.mlp.experts.1.down_proj.weight");
+  safetensors::save(path("bad/model.safetensors"), m);
+  EXPECT_TRUE(refused(run({"forward", "--model", path("bad"), "--tokens",
+                           hf + "/tokens.safetensors", "--out", "b.safetensors"}),
+                      {"model.layers.2.mlp.experts.1.down_proj.weight"}));
+  EXPECT_FALSE(fs::exists(dir_ / "b.safetensors"));
+}
+
+TEST_F(RobustCli, ForwardWritesLogitsWhenAsked) {
+  const std::string ckpt = make_checkpoint("ckpt");
+  write_tokens("ids.st", {{"input_ids", Tensor::from_vector<int64_t>({2, 3}, {1, 2, 3, 4, 5, 6})}});
+  Result r = run({"forward", "--model", ckpt, "--tokens", "ids.st", "--out", "o.st", "--logits"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto o = safetensors::load(path("o.st")).tensors;
+  ASSERT_TRUE(o.count("logits"));
+  EXPECT_EQ(o.at("logits").shape(), (Shape{2, 3, 24}));
+  EXPECT_EQ(o.at("logits").dtype(), DType::f32);
+  r = run({"forward", "--model", ckpt, "--tokens", "ids.st", "--out", "n.st"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(safetensors::load(path("n.st")).tensors.count("logits"));
+}
+
 TEST_F(RobustCli, NonUtf8HeaderBytesAreEscapedInTheErrorLine) {
   std::string h = "{\"x\xff\x1b[2J\":1}";
   std::vector<uint8_t> b(8 + h.size());
