@@ -594,8 +594,15 @@ TensorMap read_checkpoint(const std::string& path, const LoadOptions& o) {
 }
 
 std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOptions& o) {
+  std::map<std::string, Shape> out;
+  for (auto& [name, info] : read_infos(path, o)) out.emplace(name, info.shape);
+  return out;
+}
+
+std::map<std::string, safetensors::TensorInfo> read_infos(const std::string& path,
+                                                          const LoadOptions& o) {
   const Source src = open_source(path);
-  std::map<std::string, Shape> raw;
+  std::map<std::string, safetensors::TensorInfo> raw;
   std::map<std::string, std::string> origin;  // canonical -> checkpoint name
   for (const std::string& file : src.files) {
     const safetensors::Header h = safetensors::read_header(file);
@@ -610,16 +617,16 @@ std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOpti
       auto [it, fresh] = origin.emplace(cn, orig);
       HLM_CHECK(fresh, "{}: tensors '{}' and '{}' both map to '{}'", src.where, it->second, orig,
                 cn);
-      raw.emplace(cn, info.shape);
+      raw.emplace(cn, info);
     }
   }
-  std::map<std::string, Shape> out;
-  for (const auto& [name, shape] : raw) {
+  std::map<std::string, safetensors::TensorInfo> out;
+  for (const auto& [name, info] : raw) {
     if (ends_with(name, "_scale_inv") &&
         raw.count(name.substr(0, name.size() - std::strlen("_scale_inv"))))
       continue;
     if (ignored_name(name, o)) continue;
-    out.emplace(name, shape);
+    out.emplace(name, info);
   }
   return out;
 }
@@ -735,9 +742,16 @@ NamedTensors module_tensors(Module& module) {
 
 void save_module(const std::string& dir, Module& module, const ModelConfig* config,
                  const SaveOptions& opts) {
+  NamedTensors tree;
+  for (auto& [name, t] : module_tensors(module))
+    if (!opts.skip.count(name)) tree.emplace_back(name, t);
   NamedTensors named;
-  for (FileTensor& f : file_tensors(module_tensors(module), opts.layout))
+  for (FileTensor& f : file_tensors(tree, opts.layout)) {
+    auto d = opts.dtype_of.find(f.name);
+    if (d != opts.dtype_of.end() && d->second != f.view.dtype())
+      f.view = (f.view.is_cpu() ? f.view : f.view.to(Device::cpu)).to(d->second);
     named.emplace_back(std::move(f.name), std::move(f.view));
+  }
   save_checkpoint(dir, named, config, opts);
 }
 

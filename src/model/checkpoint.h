@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,9 +75,9 @@ struct LoadOptions {
 };
 
 struct LoadReport {
-  Layout layout = Layout::module_tree;   // the checkpoint's layout, as given or detected
-  std::vector<std::string> files;        // safetensors files read
-  std::vector<std::string> loaded;       // target names filled (canonical, in the layout)
+  Layout layout = Layout::module_tree;            // the checkpoint's layout, as given or detected
+  std::vector<std::string> files;                 // safetensors files read
+  std::vector<std::string> loaded;                // target names filled (canonical, in the layout)
   std::map<std::string, std::string> file_names;  // canonical -> as the file spells it
   std::vector<std::string> dequantized;  // targets filled from block-FP8 weight + scale_inv
   std::vector<std::string> missing;      // with allow_missing
@@ -98,6 +99,9 @@ TensorMap read_checkpoint(const std::string& path, const LoadOptions& opts = {})
 // names -> shapes): names `opts` would skip (ignore_prefixes, ignore_layers_from) and the
 // scale_inv companions of block-FP8 weights are left out.
 std::map<std::string, Shape> read_shapes(const std::string& path, const LoadOptions& opts = {});
+// The same with each tensor's stored dtype (and offsets within its file).
+std::map<std::string, safetensors::TensorInfo> read_infos(const std::string& path,
+                                                          const LoadOptions& opts = {});
 // Before a model is built for `config`: the checkpoint at `path` must be able to fill it. Its
 // embed_tokens (and lm_head, when present) must be [vocab_size, hidden_size], and the model of the
 // config (parameter_count(config, mtp), less lm_head's when it is missing and opts.allow_missing)
@@ -116,9 +120,12 @@ struct SaveOptions {
   // Cast floating tensors to this dtype on save, except keep-in-FP32 names (is_keep_fp32_name).
   std::optional<DType> cast_floating_to;
   Metadata metadata;  // added to every file's __metadata__ (format = "pt" is always set)
-  // The names save_module writes (model/checkpoint_layout.h); save_checkpoint writes the names
-  // it is given.
+  // save_module only: the names it writes (model/checkpoint_layout.h; save_checkpoint writes the
+  // names it is given), the module tree's parameters it leaves out, and the dtype a tensor is
+  // written in, by the name it is written under (cast_floating_to then applies on top).
   Layout layout = Layout::module_tree;
+  std::set<std::string> skip;
+  std::map<std::string, DType> dtype_of;
   // Test hook: called with each temporary file's path after it is written and fsynced, before
   // anything is renamed. An exception from it aborts the save like a failed write.
   std::function<void(const std::string& tmp_path)> after_temp_written;

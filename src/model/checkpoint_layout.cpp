@@ -110,7 +110,7 @@ std::vector<FileTensor> file_tensors(const std::vector<std::pair<std::string, Te
   std::vector<FileTensor> out;
   out.reserve(model.size());
   if (layout == Layout::module_tree) {
-    for (const auto& [name, t] : model) out.push_back({name, t});
+    for (const auto& [name, t] : model) out.push_back({name, t, name});
     return out;
   }
   std::map<std::string, const Tensor*> by_name;
@@ -124,7 +124,7 @@ std::vector<FileTensor> file_tensors(const std::vector<std::pair<std::string, Te
   };
   for (const auto& [name, t] : model) {
     if (auto r = renamed(name)) {
-      out.push_back({*r, t});
+      out.push_back({*r, t, name});
       continue;
     }
     const std::string experts = ".mlp.experts.";
@@ -135,8 +135,8 @@ std::vector<FileTensor> file_tensors(const std::vector<std::pair<std::string, Te
       const int64_t I = t.size(1) / 2;
       for (int64_t e = 0; e < t.size(0); ++e) {
         const Tensor ex = t.select(0, e);
-        out.push_back({fmt::format("{}{}.gate_proj.weight", pre, e), ex.slice(0, 0, I)});
-        out.push_back({fmt::format("{}{}.up_proj.weight", pre, e), ex.slice(0, I, 2 * I)});
+        out.push_back({fmt::format("{}{}.gate_proj.weight", pre, e), ex.slice(0, 0, I), name});
+        out.push_back({fmt::format("{}{}.up_proj.weight", pre, e), ex.slice(0, I, 2 * I), name});
       }
       continue;
     }
@@ -145,7 +145,7 @@ std::vector<FileTensor> file_tensors(const std::vector<std::pair<std::string, Te
       HLM_CHECK(t.dim() == 3, "published layout: '{}' must be [E, D, I], got {}", name,
                 t.describe());
       for (int64_t e = 0; e < t.size(0); ++e)
-        out.push_back({fmt::format("{}{}.down_proj.weight", pre, e), t.select(0, e)});
+        out.push_back({fmt::format("{}{}.down_proj.weight", pre, e), t.select(0, e), name});
       continue;
     }
     if (ends_with(name, ".self_attn.conv1d.weight")) {
@@ -155,12 +155,12 @@ std::vector<FileTensor> file_tensors(const std::vector<std::pair<std::string, Te
       HLM_CHECK(t.dim() >= 1 && t.size(0) > cq + ck,
                 "published layout: '{}' {} has no rows left for v_conv1d after q ({}) and k ({})",
                 name, t.describe(), cq, ck);
-      out.push_back({pre + "q_conv1d.weight", t.slice(0, 0, cq)});
-      out.push_back({pre + "k_conv1d.weight", t.slice(0, cq, cq + ck)});
-      out.push_back({pre + "v_conv1d.weight", t.slice(0, cq + ck, t.size(0))});
+      out.push_back({pre + "q_conv1d.weight", t.slice(0, 0, cq), name});
+      out.push_back({pre + "k_conv1d.weight", t.slice(0, cq, cq + ck), name});
+      out.push_back({pre + "v_conv1d.weight", t.slice(0, cq + ck, t.size(0)), name});
       continue;
     }
-    out.push_back({name, t});
+    out.push_back({name, t, name});
   }
   return out;
 }

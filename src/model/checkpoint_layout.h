@@ -52,6 +52,7 @@ Layout detect_layout(const std::vector<std::string>& names, const std::string& w
 struct FileTensor {
   std::string name;
   Tensor view;
+  std::string source;  // the model tensor it is (a part of)
 };
 
 // The file tensors of named model tensors (the module tree's names, as named_parameters() gives

@@ -438,6 +438,40 @@ TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
   EXPECT_FALSE(fs::exists(dir_ / "b.safetensors"));
 }
 
+TEST_F(RobustCli, ConvertRewritesLayoutsDtypesAndShardsKeepingEveryTensor) {
+  const std::string hf = std::string(HLM_SOURCE_DIR) + "/tests/data/hf_glm5_next";
+  auto tensors = [](const std::string& dir) { return checkpoint::read_checkpoint(dir); };
+  const auto original = tensors(hf);
+  ASSERT_EQ(run({"convert", "--model", hf, "--out", "tree", "--layout", "module_tree"}).code, 0);
+  const auto tree = tensors(path("tree"));
+  EXPECT_TRUE(tree.count("model.layers.1.mlp.experts.gate_up_proj"));
+  EXPECT_LT(tree.size(), original.size());
+  Result r = run({"convert", "--model", path("tree"), "--out", "back"});  // stays module_tree
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("(module_tree layout) -> "), std::string::npos) << r.out;
+  ASSERT_EQ(run({"convert", "--model", path("back"), "--out", "pub", "--layout", "published",
+                 "--shard-size", "40000"})
+                .code,
+            0);
+  EXPECT_TRUE(fs::exists(dir_ / "pub" / checkpoint::kIndexFile));
+  const auto pub = tensors(path("pub"));
+  ASSERT_EQ(pub.size(), original.size());
+  for (const auto& [name, t] : original) {  // every tensor back, bit for bit, dtype included
+    ASSERT_TRUE(pub.count(name)) << name;
+    EXPECT_EQ(pub.at(name).dtype(), t.dtype()) << name;
+    EXPECT_TRUE(testing::bit_equal(pub.at(name), t)) << name;
+  }
+  ASSERT_EQ(run({"convert", "--model", hf, "--out", "half", "--dtype", "bf16"}).code, 0);
+  const auto half = tensors(path("half"));
+  EXPECT_EQ(half.at("model.layers.0.self_attn.q_proj.weight").dtype(), DType::bf16);
+  EXPECT_EQ(half.at("model.layers.0.self_attn.A_log").dtype(), DType::f32);  // keep-in-FP32
+  EXPECT_TRUE(
+      refused(run({"convert", "--model", hf, "--out", hf}), {"is the checkpoint being read"}));
+  EXPECT_TRUE(
+      refused(run({"convert", "--model", hf, "--out", "x", "--layout", "hf"}), {"--layout"}));
+  EXPECT_FALSE(fs::exists(dir_ / "x"));
+}
+
 TEST_F(RobustCli, ForwardWritesLogitsWhenAsked) {
   const std::string ckpt = make_checkpoint("ckpt");
   write_tokens("ids.st", {{"input_ids", Tensor::from_vector<int64_t>({2, 3}, {1, 2, 3, 4, 5, 6})}});
