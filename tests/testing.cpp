@@ -214,4 +214,17 @@ int64_t total(const std::vector<int64_t>& lengths) {
   return t;
 }
 
+const char* const kSmallModelJson = R"({
+  "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
+  "num_hidden_layers": 2, "layer_pattern": "KD", "first_k_dense_replace": 1,
+  "intermediate_size": 24, "initializer_range": 0.2,
+  "linear_num_heads": 2, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
+  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
+  "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
+  "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
+  "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+  "moe_intermediate_size": 8, "mhc": true, "hc_mult": 4,
+  "num_nextn_predict_layers": 1, "gemm_precision": "native"
+})";
+
 }  // namespace hlm::testing

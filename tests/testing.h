@@ -65,6 +65,10 @@ Tensor cu_of(const std::vector<int64_t>& lengths);
 SeqLayout seqs_of(const std::vector<int64_t>& lengths);
 int64_t total(const std::vector<int64_t>& lengths);
 
+// A small model config (2 layers, KDA + DSA with KPool, MoE, mHC, MTP; vocab 24): the model.json of
+// the command-line tests.
+extern const char* const kSmallModelJson;
+
 // Copies of t on the GPU / the host (an undefined t stays undefined): for the GPU tests.
 Tensor gpu(const Tensor& t);
 Tensor cpu(const Tensor& t);

@@ -18,24 +18,14 @@
 
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
+#include "testing.h"
 
 namespace hlm {
 namespace {
 
 namespace fs = std::filesystem;
 
-const char* kModel = R"({
-  "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
-  "num_hidden_layers": 2, "layer_pattern": "KD", "first_k_dense_replace": 1,
-  "intermediate_size": 24, "initializer_range": 0.2,
-  "linear_num_heads": 2, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
-  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
-  "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
-  "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
-  "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-  "moe_intermediate_size": 8, "mhc": true, "hc_mult": 4,
-  "num_nextn_predict_layers": 1, "gemm_precision": "native"
-})";
+const char* const kModel = testing::kSmallModelJson;
 
 const char* kTrain = R"({
   "model": "small_model.json", "steps": 6, "tokens_per_step": 64, "lr": 0.01,

@@ -18,6 +18,7 @@ Then `hybridlm forward --model DIR --tokens DIR/tokens.safetensors --grad-probe 
 import argparse, json, os
 
 import torch
+from hf_random import randomize
 from safetensors.torch import save_file
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
@@ -54,18 +55,7 @@ config._experts_implementation = "eager"  # the reference loop (grouped_mm has n
 
 torch.manual_seed(args.seed)
 model = Glm5NextTextModel(config).to(dtype)
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.copy_(torch.empty_like(p).uniform_(-0.5, 0.5))
-        elif name.endswith("dt_bias"):
-            p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
-        elif p.dim() == 1 and ("norm" in name or name.endswith("scale")):
-            p.copy_(1.0 + 0.1 * torch.randn_like(p))
-        elif name.endswith("e_score_correction_bias"):
-            p.copy_(0.05 * torch.randn_like(p))
-        else:
-            p.copy_(0.02 * torch.randn_like(p) * (1.0 if p.dim() > 1 else 5.0))
+randomize(model, 0.02)
 # save_pretrained rewrites DIR/config.json with every field the model used (HF's full form).
 model.save_pretrained(args.dir, safe_serialization=True)
 
