@@ -866,12 +866,12 @@ void ModelConfig::validate(const std::string& what) const {
 static void resolve_default_precision(ModelConfig& c, const json& text, const json& top,
                                       const std::string& what) {
   if (text.contains("gemm_precision")) {
-    c.precision_source = "config.json: gemm_precision";
+    c.precision_source = "gemm_precision as given";
     return;
   }
   if (c.quantization_config.is_object()) {  // the parser accepts quant_method fp8 only
     c.precision.default_kind = GemmKind::fp8_block;
-    c.precision_source = "config.json: quantization_config fp8";
+    c.precision_source = "the checkpoint's quantization_config: fp8";
     return;
   }
   for (const json* o : {&text, &top})
@@ -890,10 +890,10 @@ static void resolve_default_precision(ModelConfig& c, const json& text, const js
             "{}: '{}' is '{}', expected float32, bfloat16, float16 or float64 (or name the GEMM "
             "precision with gemm_precision)",
             what, key, d);
-      c.precision_source = fmt::format("config.json: {} {}", key, d);
+      c.precision_source = fmt::format("the checkpoint's {} {}", key, d);
       return;
     }
-  c.precision_source = "default (config.json names neither gemm_precision nor dtype)";
+  c.precision_source = "the default: the config names neither gemm_precision nor dtype";
 }
 
 std::string ModelConfig::precision_summary() const {

@@ -188,7 +188,7 @@ struct ModelConfig {
   // "torch_dtype" float32, float64 or float16 -> native, bfloat16 -> bf16; neither -> bf16. Not
   // part of the config's identity (to_json writes gemm_precision, so a saved config pins it).
   std::string precision_source = "default";
-  // One line: "GEMMs bf16 (from config.json: dtype bfloat16); KDA/MLA/indexer switches ...".
+  // One line: "GEMMs bf16 (the checkpoint's dtype bfloat16); routers and mHC maps native".
   std::string precision_summary() const;
 
   std::optional<int64_t> bos_token_id;

@@ -820,6 +820,7 @@ TrainSummary Trainer::run() {
       cfg_.mtp && cfg_.model.mtp.num_layers > 0 ? "on" : "off", model_->parameter_count(),
       dtype_name(cfg_.dtype), recompute_name(cfg_.recompute)));
   log(fmt::format("model config: {}", cfg_.model_source));
+  log(fmt::format("precision: {}", cfg_.model.precision_summary()));
   log(fmt::format("data: {}", data_->describe()));
   if (mqar_)
     log(fmt::format("chance accuracy {:.4f} (1 / {} values)", mqar_->chance_accuracy(),

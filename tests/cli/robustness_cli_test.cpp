@@ -370,7 +370,7 @@ TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
   Result r = run({"inspect", hf, "--seq-len", "1024"});
   ASSERT_EQ(r.code, 0) << r.err;
   for (const char* line :
-       {"pattern      KDK", "mlp          dEE", "GEMMs native (config.json: dtype float32)",
+       {"pattern      KDK", "mlp          dEE", "GEMMs native (the checkpoint's dtype float32)",
         "published layout, 107 tensors, 41614 values (= the config's model without lm_head)",
         "decode cache one sequence of 1024 tokens"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;

@@ -65,8 +65,8 @@ TEST(HfCheckpoint, TheConfigLoadsUneditedAndThePrecisionFollowsItsDtype) {
   const ModelConfig c = ModelConfig::load(kFixture);
   EXPECT_EQ(c.layer_pattern(), "KDK");  // layer_types: indexed_attention is a DSA layer
   EXPECT_EQ(c.precision.default_kind, GemmKind::native);
-  EXPECT_EQ(c.precision_source, "config.json: dtype float32");
-  EXPECT_NE(c.precision_summary().find("GEMMs native (config.json: dtype float32)"),
+  EXPECT_EQ(c.precision_source, "the checkpoint's dtype float32");
+  EXPECT_NE(c.precision_summary().find("GEMMs native (the checkpoint's dtype float32)"),
             std::string::npos);
 
   json j = read_json_file(kFixture + "/config.json");
@@ -75,7 +75,7 @@ TEST(HfCheckpoint, TheConfigLoadsUneditedAndThePrecisionFollowsItsDtype) {
   j["gemm_precision"] = "native";  // named: it wins over the dtype
   const ModelConfig named = ModelConfig::from_json(j, "c");
   EXPECT_EQ(named.precision.default_kind, GemmKind::native);
-  EXPECT_EQ(named.precision_source, "config.json: gemm_precision");
+  EXPECT_EQ(named.precision_source, "gemm_precision as given");
   j.erase("gemm_precision");
   j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
   EXPECT_EQ(ModelConfig::from_json(j, "c").precision.default_kind, GemmKind::fp8_block);
@@ -91,7 +91,7 @@ TEST(HfCheckpoint, TheConfigLoadsUneditedAndThePrecisionFollowsItsDtype) {
   testing::expect_error([&] { ModelConfig::from_json(j, "c"); }, "'dtype' is 'int8'");
   // A saved config pins the precision it ran with.
   EXPECT_EQ(ModelConfig::from_json(ModelConfig::load(kFixture).to_json(), "c").precision_source,
-            "config.json: gemm_precision");
+            "gemm_precision as given");
 }
 
 // Forward with transformers' DSA selections replayed (exact score ties leave torch.topk's order
