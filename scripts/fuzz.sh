@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${HLM_FUZZ_SECONDS:-30}
 jobs=$(nproc)
-targets=(safetensors config data cli_args)
+targets=(safetensors config data cli_args tokenizer)
 
 CC=${HLM_FUZZ_CC:-clang} CXX=${HLM_FUZZ_CXX:-clang++} cmake -S . -B build-fuzz -G Ninja \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \

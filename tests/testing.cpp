@@ -214,6 +214,15 @@ int64_t total(const std::vector<int64_t>& lengths) {
   return t;
 }
 
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
 const char* const kSmallModelJson = R"({
   "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
   "num_hidden_layers": 2, "layer_pattern": "KD", "first_k_dense_replace": 1,

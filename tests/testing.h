@@ -56,6 +56,9 @@ double dot(const Tensor& a, const Tensor& b);
 // norm, then converted to `dt`: realistic q / k inputs for the KDA tests.
 Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng);
 
+// The message of the hlm::Error f() throws, or "(no error)".
+std::string error_of(const std::function<void()>& f);
+
 // f() must throw hlm::Error whose message contains `needle`.
 void expect_error(const std::function<void()>& f, const std::string& needle);
 

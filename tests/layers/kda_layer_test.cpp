@@ -713,16 +713,6 @@ TEST(KdaLayer, CheckpointNamesAndShapes) {
 
 // ---- errors -------------------------------------------------------------------------------------
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
 TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
   const KdaConfig c = small_config(KdaGateKind::lower_bound, 4);
   const PrecisionPolicy pol = policy_of(GemmKind::native);
@@ -731,7 +721,7 @@ TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
     KdaConfig cc = c;
     cc.lower_bound = lb;
     EXPECT_THROW(build(cc), Error);
-    const std::string m = error_of([&] { build(cc); });
+    const std::string m = testing::error_of([&] { build(cc); });
     EXPECT_NE(m.find("lower_bound"), std::string::npos) << m;
     EXPECT_NE(m.find("[-5, 0)"), std::string::npos) << m;
   }
@@ -755,7 +745,7 @@ TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
   for (const Bad& b : bad) {
     KdaConfig cc = c;
     b.set(cc);
-    const std::string m = error_of([&] { build(cc); });
+    const std::string m = testing::error_of([&] { build(cc); });
     EXPECT_NE(m.find(b.field), std::string::npos) << b.field << ": " << m;
   }
 
@@ -765,25 +755,25 @@ TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
   const Tensor x = randn({10, 16}, DType::f32, rng);
   const Tensor cu = cu_of({0, 4, 10});
   {  // wrong x width
-    const std::string m = error_of([&] {
+    const std::string m = testing::error_of([&] {
       l.forward(Context{}, randn({10, 15}, DType::f32, rng), cu, nullptr, nullptr);
     });
     EXPECT_NE(m.find("x must be [T, hidden_size = 16]"), std::string::npos) << m;
     EXPECT_NE(m.find(kPath), std::string::npos) << m;
   }
   {  // cu_seqlens not ending at T
-    const std::string m = error_of([&] {
+    const std::string m = testing::error_of([&] {
       l.forward(Context{}, x, cu_of({0, 4, 9}), nullptr, nullptr);
     });
     EXPECT_NE(m.find("cu_seqlens must end at the token count T = 10"), std::string::npos) << m;
   }
   {  // a layout covering 9 of the 10 tokens, and one of no sequences
-    const std::string m = error_of([&] {
+    const std::string m = testing::error_of([&] {
       l.forward(Context{}, x, SeqLayout::from_lengths({4, 5}), nullptr, nullptr);
     });
     EXPECT_NE(m.find("the sequence layout covers 9 tokens, x has 10"), std::string::npos) << m;
     EXPECT_NE(m.find(kPath), std::string::npos) << m;
-    const std::string m0 = error_of([&] {
+    const std::string m0 = testing::error_of([&] {
       l.forward(Context{}, Tensor::zeros({0, 16}, DType::f32), SeqLayout::from_lengths({}), nullptr,
                 nullptr);
     });
@@ -795,7 +785,7 @@ TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
     EXPECT_TRUE(testing::bit_equal(y_t, y_s));
   }
   {  // cu_seqlens decreasing
-    const std::string m = error_of([&] {
+    const std::string m = testing::error_of([&] {
       l.forward(Context{}, x, cu_of({0, 6, 4, 10}), nullptr, nullptr);
     });
     EXPECT_NE(m.find("non-decreasing"), std::string::npos) << m;
@@ -803,19 +793,19 @@ TEST(KdaLayer, BadConfigAndInputAreClearErrors) {
   {  // a state for the wrong number of sequences
     KdaState st;
     st.recurrent = Tensor::zeros({3, 4, 8, 8}, DType::f32);
-    const std::string m = error_of([&] { l.forward(Context{}, x, cu, &st, nullptr); });
+    const std::string m = testing::error_of([&] { l.forward(Context{}, x, cu, &st, nullptr); });
     EXPECT_NE(m.find("initial recurrent state"), std::string::npos) << m;
     st.recurrent = Tensor();
     st.conv = Tensor::zeros({2, 4, 40}, DType::f32);
-    const std::string m2 = error_of([&] { l.forward(Context{}, x, cu, &st, nullptr); });
+    const std::string m2 = testing::error_of([&] { l.forward(Context{}, x, cu, &st, nullptr); });
     EXPECT_NE(m2.find("initial conv state"), std::string::npos) << m2;
   }
   {  // backward: wrong dy, empty Saved
     KdaLayer::Saved s;
     l.forward(Context{}, x, cu, nullptr, &s);
-    const std::string m = error_of([&] { l.backward(Context{}, x.slice(0, 0, 9), s); });
+    const std::string m = testing::error_of([&] { l.backward(Context{}, x.slice(0, 0, 9), s); });
     EXPECT_NE(m.find("dy must be [T = 10, hidden_size = 16]"), std::string::npos) << m;
-    const std::string m2 = error_of([&] { l.backward(Context{}, x, KdaLayer::Saved{}); });
+    const std::string m2 = testing::error_of([&] { l.backward(Context{}, x, KdaLayer::Saved{}); });
     EXPECT_NE(m2.find("Saved"), std::string::npos) << m2;
   }
   EXPECT_THROW(KdaLayer(c, pol, kPath, DType::i32), Error);

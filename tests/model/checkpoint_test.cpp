@@ -61,15 +61,6 @@ std::vector<std::string> temp_files(const std::string& dir) {
   return out;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 ::testing::AssertionResult mentions(const std::string& msg,
                                     std::initializer_list<std::string> needles) {
   if (msg.empty()) return ::testing::AssertionFailure() << "no hlm::Error was thrown";
@@ -221,7 +212,7 @@ TEST(CheckpointIo, PrefixesAccepted) {
   // Two spellings of one tensor collide.
   m["model.language_model.norm.weight"] = randn({4}, DType::f32, rng);
   safetensors::save((fs::path(d) / "model.safetensors").string(), m);
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(d, h.targets(), o); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(d, h.targets(), o); }),
                        {"model.language_model.norm.weight", "'model.norm.weight'", "both map"}));
 }
 
@@ -239,7 +230,7 @@ TEST(CheckpointIo, DtypeConversionOnLoad) {
   }
   // Integer and floating tensors do not convert into each other.
   Tensor ia = Tensor::zeros({6, 10}, DType::i32), b = Tensor::zeros({4, 3}, DType::f32);
-  EXPECT_TRUE(mentions(error_of([&] {
+  EXPECT_TRUE(mentions(testing::error_of([&] {
                          checkpoint::load_into(d, {{"model.a", &ia}, {"model.b", &b}});
                        }),
                        {"'model.a'", "f32", "i32"}));
@@ -248,7 +239,7 @@ TEST(CheckpointIo, DtypeConversionOnLoad) {
   checkpoint::save_checkpoint(d2, {{"model.x", Tensor::from_values({2}, {1.0, 1e6}, DType::f32)}},
                               nullptr);
   Tensor x16 = Tensor::zeros({2}, DType::f16);
-  EXPECT_TRUE(mentions(error_of([&] {
+  EXPECT_TRUE(mentions(testing::error_of([&] {
                          checkpoint::load_into(d2, {{"model.x", &x16}});
                        }),
                        {"'model.x'", "after conversion", "flat index 1"}));
@@ -296,7 +287,7 @@ TEST(CheckpointIo, BlockFp8WeightsAreDequantised) {
   EXPECT_EQ(deq.at({1, 129, 2}), e8.at({1, 129, 2}) * 8);
   EXPECT_EQ(deq.at({0, 127, 0}), e8.at({0, 127, 0}) * 1);
   EXPECT_EQ(deq.at({0, 128, 1}), e8.at({0, 128, 1}) * 2);
-  EXPECT_TRUE(mentions(error_of([&] {
+  EXPECT_TRUE(mentions(testing::error_of([&] {
                          checkpoint::dequantize_fp8_blockwise(
                              e8, Tensor::zeros({2, 1, 1}, DType::f32), 128, 128, "experts");
                        }),
@@ -317,7 +308,7 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
       {"model.layers.0.a", &a}, {"model.layers.0.b", &b}, {"lm_head.weight", &head}};
 
   // unexpected (the MTP layer when MTP is off) ...
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(d, base); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(d, base); }),
                        {"unexpected", "'model.layers.45.eh_proj.weight'"}));
   LoadOptions allow;
   allow.allow_unexpected = true;
@@ -332,7 +323,7 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
   // ... missing ...
   Targets more = base;
   more.emplace_back("model.layers.1.missing", &extra);
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(d, more, allow); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(d, more, allow); }),
                        {"missing", "'model.layers.1.missing'"}));
   LoadOptions lax = allow;
   lax.allow_missing = true;
@@ -342,12 +333,12 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
   Tensor a_bad = Tensor::zeros({3, 2}, DType::f32);
   Targets shape = base;
   shape[0].second = &a_bad;
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(d, shape, allow); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(d, shape, allow); }),
                        {"'model.layers.0.a'", "[2, 3]", "[3, 2]"}));
   // ... duplicate targets
   Targets dup = base;
   dup.push_back(base[0]);
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(d, dup, allow); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(d, dup, allow); }),
                        {"model.layers.0.a", "twice"}));
 
   // NaN / Inf in a loaded tensor.
@@ -357,7 +348,7 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
   Tensor inf =
       Tensor::from_values({4}, {1, 2, 3, std::numeric_limits<double>::infinity()}, DType::bf16);
   checkpoint::save_checkpoint(dn, {{"model.layers.0.a", nan}}, nullptr);
-  EXPECT_TRUE(mentions(error_of([&] {
+  EXPECT_TRUE(mentions(testing::error_of([&] {
                          checkpoint::load_into(dn, {{"model.layers.0.a", &a}});
                        }),
                        {"'model.layers.0.a'", "non-finite", "index 4"}));
@@ -365,7 +356,7 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
   unchecked.check_finite = false;
   EXPECT_NO_THROW(checkpoint::load_into(dn, {{"model.layers.0.a", &a}}, unchecked));
   checkpoint::save_checkpoint(dn, {{"model.layers.0.b", inf}}, nullptr);
-  EXPECT_TRUE(mentions(error_of([&] {
+  EXPECT_TRUE(mentions(testing::error_of([&] {
                          checkpoint::load_into(dn, {{"model.layers.0.b", &b}});
                        }),
                        {"'model.layers.0.b'", "inf", "index 3"}));
@@ -375,8 +366,8 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
   checkpoint::save_checkpoint(dt, src, nullptr);
   const fs::path single = fs::path(dt) / "model.safetensors";
   fs::resize_file(single, fs::file_size(single) - 5);
-  EXPECT_TRUE(
-      mentions(error_of([&] { checkpoint::load_into(dt, base, allow); }), {single.string()}));
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(dt, base, allow); }),
+                       {single.string()}));
   const std::string ds = fresh_dir("trunc_shard");
   SaveOptions so;
   so.max_shard_bytes = 16;
@@ -384,27 +375,27 @@ TEST(CheckpointIo, ErrorsNameTheTensorOrFile) {
   const fs::path shard = fs::path(ds) / "model-00002-of-00004.safetensors";
   ASSERT_TRUE(fs::exists(shard));
   fs::resize_file(shard, 12);
-  EXPECT_TRUE(
-      mentions(error_of([&] { checkpoint::load_into(ds, base, allow); }), {shard.string()}));
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(ds, base, allow); }),
+                       {shard.string()}));
   // A shard the index names but that is gone; an index entry its shard does not hold.
   fs::remove(shard);
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(ds, base, allow); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(ds, base, allow); }),
                        {"model-00002-of-00004.safetensors", "does not exist"}));
   checkpoint::save_checkpoint(ds, src, nullptr, so);
   auto index = read_json_file((fs::path(ds) / "model.safetensors.index.json").string());
   index["weight_map"]["model.layers.0.a"] = "model-00004-of-00004.safetensors";
   std::ofstream((fs::path(ds) / "model.safetensors.index.json").string()) << index.dump();
-  EXPECT_TRUE(
-      mentions(error_of([&] { checkpoint::load_into(ds, base, allow); }), {"model.layers.0.a"}));
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(ds, base, allow); }),
+                       {"model.layers.0.a"}));
   // Both layouts present; nothing present.
   checkpoint::save_checkpoint(ds, src, nullptr, so);
   fs::copy_file(single.string() + "", (fs::path(ds) / "model.safetensors").string());
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_into(ds, base, allow); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(ds, base, allow); }),
                        {"both", "model.safetensors.index.json"}));
-  EXPECT_TRUE(
-      mentions(error_of([&] { checkpoint::load_into(fresh_dir("empty"), base); }), {"neither"}));
-  EXPECT_TRUE(
-      mentions(error_of([&] { checkpoint::load_into(d + "/nope", base); }), {"does not exist"}));
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(fresh_dir("empty"), base); }),
+                       {"neither"}));
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(d + "/nope", base); }),
+                       {"does not exist"}));
 }
 
 class TestLeaf : public Module {
@@ -498,7 +489,8 @@ TEST(CheckpointIo, AtomicSaveKeepsPreviousCheckpoint) {
     const std::string blocker = (fs::path(d) / "model.safetensors.blocker").string();
     std::ofstream(blocker) << "x";
     EXPECT_TRUE(mentions(
-        error_of([&] { checkpoint::save_checkpoint(blocker + "/sub", B, &cfg_b); }), {"sub"}));
+        testing::error_of([&] { checkpoint::save_checkpoint(blocker + "/sub", B, &cfg_b); }),
+        {"sub"}));
     expect_loads(d, A);
     fs::remove(blocker);
     // A successful save replaces A; stale files of other layouts / shard counts go away.
@@ -536,8 +528,8 @@ TEST(CheckpointIo, InterruptedOverwriteIsDetected) {
   const std::string shard = "model-00002-of-00003.safetensors";
   fs::copy_file(fs::path(db) / shard, fs::path(da) / shard, fs::copy_options::overwrite_existing);
   Holder h = holder_like(a);
-  EXPECT_TRUE(
-      mentions(error_of([&] { checkpoint::load_into(da, h.targets()); }), {shard, "another save"}));
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_into(da, h.targets()); }),
+                       {shard, "another save"}));
 }
 
 TEST(CheckpointTensorMap, SaveLoadAtomic) {
@@ -564,7 +556,7 @@ TEST(CheckpointTensorMap, SaveLoadAtomic) {
 
   m2["exp_avg.model.layers.0.w"].data<float>()[7] = std::numeric_limits<float>::infinity();
   checkpoint::save_tensor_map(path, m2);
-  EXPECT_TRUE(mentions(error_of([&] { checkpoint::load_tensor_map(path); }),
+  EXPECT_TRUE(mentions(testing::error_of([&] { checkpoint::load_tensor_map(path); }),
                        {"'exp_avg.model.layers.0.w'", "index 7"}));
   EXPECT_EQ(checkpoint::load_tensor_map(path, false).tensors.at("step").item(), 1235);
 }

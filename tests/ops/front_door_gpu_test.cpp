@@ -26,17 +26,8 @@ namespace {
 using testing::gpu;
 
 // The message of the hlm::Error that f throws ("" when it throws none).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 void expect_no_cuda_yet(const char* op, const char* arg, const std::function<void()>& f) {
-  const std::string e = error_of(f);
+  const std::string e = testing::error_of(f);
   const std::string want = std::string(op) + ": no CUDA implementation yet (" + arg + " is ";
   EXPECT_NE(e.find(want), std::string::npos) << "expected '" << want << "...', got '" << e << "'";
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
@@ -84,13 +75,13 @@ TEST(FrontDoorGpu, MixedDevicesAreRefusedByName) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
   const Tensor x = gpu(randn({4, 6}, DType::f32, rng)), w = randn({6}, DType::f32, rng);
-  const std::string e = error_of([&] { ops::layernorm_forward(x, w, w); });
+  const std::string e = testing::error_of([&] { ops::layernorm_forward(x, w, w); });
   EXPECT_NE(e.find("layernorm_forward: w must be on the device of x"), std::string::npos) << e;
-  const std::string e2 = error_of([&] {
+  const std::string e2 = testing::error_of([&] {
     ops::softmax_backward(randn({4, 6}, DType::f32, rng), x);
   });
   EXPECT_NE(e2.find("softmax_backward: dy must be on the device of y"), std::string::npos) << e2;
-  const std::string e3 = error_of([&] {
+  const std::string e3 = testing::error_of([&] {
     ops::embedding_forward(randn({5, 3}, DType::f32, rng),
                            gpu(Tensor::from_vector<int64_t>({1}, {2})));
   });

@@ -14,16 +14,6 @@
 namespace hlm::train {
 namespace {
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 Param make_param(const std::string& name, Tensor value, bool keep_fp32 = false,
                  bool no_wd = false) {
   Param p;
@@ -383,9 +373,9 @@ TEST(AdamW, LoadStateChecksTheParameterSet) {
     edit(s);
     Model other(1);
     AdamW o(other.list());
-    return error_of([&] { o.load_state_dict(s); });
+    return testing::error_of([&] { o.load_state_dict(s); });
   };
-  EXPECT_EQ(with([](auto&) {}), "");
+  EXPECT_EQ(with([](auto&) {}), "(no error)");
   EXPECT_NE(with([](auto& s) {
               s.erase("optimizer.exp_avg.layer.v");
             }).find("'optimizer.exp_avg.layer.v' is missing"),
@@ -414,7 +404,7 @@ TEST(AdamW, LoadStateChecksTheParameterSet) {
   EXPECT_NE(with([](auto& s) { s.erase("optimizer.step"); }).find("'optimizer.step' is missing"),
             std::string::npos);
   // Entries outside the prefix (model weights in the same checkpoint) are ignored.
-  EXPECT_EQ(with([](auto& s) { s["layer.w"] = Tensor::zeros({1}, DType::f32); }), "");
+  EXPECT_EQ(with([](auto& s) { s["layer.w"] = Tensor::zeros({1}, DType::f32); }), "(no error)");
   // A rejected state leaves the optimizer as it was.
   Model other(2);
   AdamW o(other.list());
@@ -428,28 +418,30 @@ TEST(AdamW, LoadStateChecksTheParameterSet) {
 
 TEST(AdamW, RejectsBadParametersAndGradients) {
   Param p = make_param("w", Tensor::zeros({2, 2}, DType::f32));
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(testing::error_of([&] {
               AdamW({{"w", &p}, {"w", &p}});
             }).find("appears twice"),
             std::string::npos);
   Param q = make_param("q", Tensor::zeros({2}, DType::e4m3));
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(testing::error_of([&] {
               AdamW({{"q", &q}});
             }).find("must be f64, f32, bf16 or f16"),
             std::string::npos);
   Param k = make_param("k", Tensor::zeros({2}, DType::bf16), true);
-  EXPECT_NE(error_of([&] { AdamW({{"k", &k}}); }).find("keep_fp32"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { AdamW({{"k", &k}}); }).find("keep_fp32"), std::string::npos);
   AdamW opt({{"w", &p}});
   p.grad = Tensor();
-  EXPECT_NE(error_of([&] { opt.step(1e-3); }).find("'w' has no gradient"), std::string::npos);
-  p.grad = Tensor::zeros({4}, DType::f32);
-  EXPECT_NE(error_of([&] { opt.step(1e-3); }).find("has shape [4], the parameter has [2, 2]"),
+  EXPECT_NE(testing::error_of([&] { opt.step(1e-3); }).find("'w' has no gradient"),
             std::string::npos);
+  p.grad = Tensor::zeros({4}, DType::f32);
+  EXPECT_NE(
+      testing::error_of([&] { opt.step(1e-3); }).find("has shape [4], the parameter has [2, 2]"),
+      std::string::npos);
   p.grad = Tensor::zeros({2, 2}, DType::f32);
-  EXPECT_NE(error_of([&] { opt.step(NAN); }).find("lr must be finite"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { opt.step(NAN); }).find("lr must be finite"), std::string::npos);
   AdamWConfig bad;
   bad.beta2 = 1.0;
-  EXPECT_NE(error_of([&] { AdamW({{"w", &p}}, bad); }).find("beta2"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { AdamW({{"w", &p}}, bad); }).find("beta2"), std::string::npos);
 }
 
 }  // namespace

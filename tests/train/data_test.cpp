@@ -13,16 +13,6 @@
 namespace hlm::train {
 namespace {
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 std::vector<int64_t> ints(const Tensor& t) {
   std::vector<int64_t> v;
   for (double x : t.to_f64_vector()) v.push_back(int64_t(x));
@@ -133,10 +123,12 @@ TEST(DataPacker, ContinuesACutDocumentAndValidates) {
   // check_batch names what is wrong.
   Batch broken = b2;
   broken.targets = Tensor::from_vector<int64_t>({5}, {10, 11, 300, 2, kIgnoreIndex});
-  EXPECT_NE(error_of([&] { check_batch(broken, 50); }).find("targets[2] = 300"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { check_batch(broken, 50); }).find("targets[2] = 300"),
+            std::string::npos);
   broken = b2;
   broken.cu_seqlens = Tensor::from_vector<int64_t>({3}, {0, 3, 4});
-  EXPECT_NE(error_of([&] { check_batch(broken, 50); }).find("cu_seqlens"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { check_batch(broken, 50); }).find("cu_seqlens"),
+            std::string::npos);
 }
 
 // ---- MQAR --------------------------------------------------------------------------------------
@@ -303,7 +295,7 @@ TEST(Mqar, RejectsBadConfig) {
   auto bad = [](auto edit, const char* msg) {
     MqarConfig c;
     edit(c);
-    EXPECT_NE(error_of([&] { MqarTask t(c); }).find(msg), std::string::npos) << msg;
+    EXPECT_NE(testing::error_of([&] { MqarTask t(c); }).find(msg), std::string::npos) << msg;
   };
   bad([](MqarConfig& c) { c.num_keys = 256; }, "vocab_size");
   bad([](MqarConfig& c) { c.min_pairs = 0; }, "min_pairs");
@@ -366,7 +358,7 @@ TEST(DataText, ByteLevelWindowsWithBos) {
   cfg.shuffle = false;
   auto ordered = open_text_file(path, cfg);
   for (int64_t k = 0; k < 2 * W; ++k) EXPECT_EQ(ordered->window_of_draw(k), k % W);
-  EXPECT_NE(error_of([&] { open_data_file(path, 100, cfg); }).find("at least 258"),
+  EXPECT_NE(testing::error_of([&] { open_data_file(path, 100, cfg); }).find("at least 258"),
             std::string::npos);
 }
 
@@ -375,14 +367,16 @@ TEST(DataText, InvalidUtf8AndShortFiles) {
   write_bytes(path, {'a', 'b', 'c', 0xc3, 0x28, 'd'});
   TokenStreamConfig cfg;
   cfg.tokens_per_step = 2;
-  EXPECT_NE(error_of([&] { open_text_file(path, cfg); }).find("invalid UTF-8 at byte offset 3"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { open_text_file(path, cfg); }).find("invalid UTF-8 at byte offset 3"),
+      std::string::npos);
   write_bytes(path, {'a', 0xe0, 0x80, 0x80});  // overlong
-  EXPECT_NE(error_of([&] { open_text_file(path, cfg); }).find("offset 1"), std::string::npos);
-  write_bytes(path, {'a'});
-  EXPECT_NE(error_of([&] { open_text_file(path, cfg); }).find("fewer than one window"),
+  EXPECT_NE(testing::error_of([&] { open_text_file(path, cfg); }).find("offset 1"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { open_text_file(path + ".missing", cfg); }).find("cannot open"),
+  write_bytes(path, {'a'});
+  EXPECT_NE(testing::error_of([&] { open_text_file(path, cfg); }).find("fewer than one window"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] { open_text_file(path + ".missing", cfg); }).find("cannot open"),
             std::string::npos);
 }
 
@@ -411,18 +405,19 @@ TEST(DataBin, ReadsLittleEndianIdsAndChecksTheVocab) {
   EXPECT_GT(*std::max_element(ids.begin(), ids.end()), 1u << 24);
   ids[37] = 40000000;
   write_u32(path, ids);
-  const std::string oov = error_of([&] { open_bin_file(path, 40000000, cfg); });
+  const std::string oov = testing::error_of([&] { open_bin_file(path, 40000000, cfg); });
   EXPECT_NE(
       oov.find("token id 40000000 at position 37 (byte offset 148) is >= vocab_size 40000000"),
       std::string::npos)
       << oov;
   write_bytes(path, {1, 0, 0, 0, 2, 0});
-  EXPECT_NE(error_of([&] { open_bin_file(path, 10, cfg); }).find("not a multiple of 4"),
+  EXPECT_NE(testing::error_of([&] { open_bin_file(path, 10, cfg); }).find("not a multiple of 4"),
             std::string::npos);
   EXPECT_THROW(open_bin_file(path, 0, cfg), Error);
   cfg.seq_len = 7;  // does not divide 20
   write_u32(path, {1, 2, 3});
-  EXPECT_NE(error_of([&] { open_bin_file(path, 10, cfg); }).find("divide"), std::string::npos);
+  EXPECT_NE(testing::error_of([&] { open_bin_file(path, 10, cfg); }).find("divide"),
+            std::string::npos);
 }
 
 TEST(DataBin, EosSeparatesDocuments) {
@@ -440,8 +435,9 @@ TEST(DataBin, EosSeparatesDocuments) {
   EXPECT_EQ(ints(b.targets), (std::vector<int64_t>{2, 9, kIgnoreIndex, 4, 5, 9, kIgnoreIndex, 9,
                                                    kIgnoreIndex, 8, 1, 2}));
   cfg.eos_id = -1;
-  EXPECT_NE(error_of([&] { TokenStream(ids, 9, cfg, "ids"); }).find("token id 9 at position 2"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { TokenStream(ids, 9, cfg, "ids"); }).find("token id 9 at position 2"),
+      std::string::npos);
 }
 
 }  // namespace

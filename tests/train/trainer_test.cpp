@@ -121,16 +121,6 @@ class TrainerTest : public ::testing::Test {
   return ::testing::AssertionSuccess();
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 // ---- the training config ------------------------------------------------------------------------
 
 TEST(TrainerConfig, RoundTripsAndResolvesDefaults) {
@@ -174,7 +164,7 @@ TEST(TrainerConfig, TypedSettingsWinAndAreValidated) {
   // is refused.
   json zero = small_train(0);
   EXPECT_EQ(make_train_config(zero, {}, "cfg", "", [](TrainConfig& t) { t.steps = 2; }).steps, 2);
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(testing::error_of([&] {
               make_train_config(small_train(3), {}, "cfg", "", [](TrainConfig& t) { t.steps = 0; });
             }).find("'steps' must be >= 1, got 0"),
             std::string::npos);
@@ -184,7 +174,7 @@ TEST(TrainerConfig, IntegersAreIntegers) {
   auto err = [](const char* key, json v) {
     json j = small_train(3);
     j[key] = v;
-    return error_of([&] { TrainConfig::from_json(j, "cfg.json"); });
+    return testing::error_of([&] { TrainConfig::from_json(j, "cfg.json"); });
   };
   EXPECT_NE(err("steps", 5.0).find("cfg.json: 'steps' must be an integer, got 5.0"),
             std::string::npos);
@@ -211,27 +201,29 @@ TEST(TrainerConfig, IntegersAreIntegers) {
 TEST(TrainerConfig, RefusesUnknownKeysAndWrongTypes) {
   json j = small_train(3);
   j["stepz"] = 4;
-  EXPECT_NE(error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("unknown key 'stepz'"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("unknown key 'stepz'"),
+      std::string::npos);
   j = small_train(3);
   j["mqar"]["pairs"] = 4;
-  EXPECT_NE(error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("'mqar.pairs'"),
+  EXPECT_NE(testing::error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("'mqar.pairs'"),
             std::string::npos);
   j = small_train(3);
   j["steps"] = "ten";
-  EXPECT_NE(
-      error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("'steps' must be an integer"),
-      std::string::npos);
+  EXPECT_NE(testing::error_of([&] {
+              TrainConfig::from_json(j, "cfg.json");
+            }).find("'steps' must be an integer"),
+            std::string::npos);
   j = small_train(3);
   j["nonfinite"] = "ignore";
-  EXPECT_NE(error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("nonfinite"),
+  EXPECT_NE(testing::error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("nonfinite"),
             std::string::npos);
   j = small_train(3);
   j["mqar"]["max_pairs"] = 40;  // 4 * 40 > 64 tokens per step
-  EXPECT_NE(error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("MQAR"),
+  EXPECT_NE(testing::error_of([&] { TrainConfig::from_json(j, "cfg.json"); }).find("MQAR"),
             std::string::npos);
   // An unknown --set key is neither a training key nor a model field.
-  EXPECT_NE(error_of([&] {
+  EXPECT_NE(testing::error_of([&] {
               make_train_config(small_train(3), {"bogus_key=1"}, "cfg", "");
             }).find("bogus_key"),
             std::string::npos);
@@ -250,7 +242,8 @@ TEST(TrainerConfig, OverridesGoToTheTrainerOrTheModel) {
   EXPECT_EQ(c.mqar.max_pairs, 3);
   EXPECT_EQ(c.model.hidden_size, 32);
   EXPECT_EQ(c.model.num_hidden_layers, 3);
-  EXPECT_NE(error_of([] { split_overrides({"novalue"}); }).find("key=value"), std::string::npos);
+  EXPECT_NE(testing::error_of([] { split_overrides({"novalue"}); }).find("key=value"),
+            std::string::npos);
   // The file's model_overrides apply to its model; --set model.X comes after them and wins.
   json j = small_train(3);
   j["model_overrides"] = {"hidden_size=32", "intermediate_size=40"};
@@ -259,8 +252,9 @@ TEST(TrainerConfig, OverridesGoToTheTrainerOrTheModel) {
   EXPECT_EQ(d.model.intermediate_size, 40);
   EXPECT_FALSE(d.to_json().contains("model_overrides"));
   j["model_overrides"] = "hidden_size=32";
-  EXPECT_NE(error_of([&] { make_train_config(j, {}, "cfg", ""); }).find("'model_overrides'"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { make_train_config(j, {}, "cfg", ""); }).find("'model_overrides'"),
+      std::string::npos);
 }
 
 // ---- training -----------------------------------------------------------------------------------
@@ -345,11 +339,12 @@ TEST_F(TrainerTest, ResumeRefusesAnotherModel) {
   json j = small_train(4);
   j["model"]["intermediate_size"] = 32;
   o.resume = true;
-  const std::string e = error_of([&] { Trainer(TrainConfig::from_json(j), o); });
+  const std::string e = testing::error_of([&] { Trainer(TrainConfig::from_json(j), o); });
   EXPECT_NE(e.find("model config differs"), std::string::npos) << e;
   EXPECT_NE(e.find("intermediate_size"), std::string::npos) << e;
   // --steps below the checkpoint's step.
-  const std::string e2 = error_of([&] { Trainer(TrainConfig::from_json(small_train(1)), o); });
+  const std::string e2 =
+      testing::error_of([&] { Trainer(TrainConfig::from_json(small_train(1)), o); });
   EXPECT_NE(e2.find("past the requested total"), std::string::npos) << e2;
 }
 
@@ -373,7 +368,7 @@ TEST_F(TrainerTest, DamagedCheckpointIsRefused) {
   TrainConfig more = cfg;
   more.steps = 4;
   o.resume = true;
-  auto resume_error = [&] { return error_of([&] { Trainer(more, o); }); };
+  auto resume_error = [&] { return testing::error_of([&] { Trainer(more, o); }); };
   EXPECT_EQ(resume_error(), "(no error)");  // the intact copy resumes
 
   truncate_file(run / kTrainerStateFile);
@@ -436,10 +431,10 @@ TEST_F(TrainerTest, DamagedCheckpointIsRefused) {
   EXPECT_NE(e.find("the optimizer made 2 updates"), std::string::npos) << e;
 
   // Not a run directory at all.
-  e = error_of([&] { read_trainer_checkpoint((dir_ / "nothing").string()); });
+  e = testing::error_of([&] { read_trainer_checkpoint((dir_ / "nothing").string()); });
   EXPECT_NE(e.find("not a directory"), std::string::npos) << e;
   fs::create_directories(dir_ / "empty");
-  e = error_of([&] { read_trainer_checkpoint((dir_ / "empty").string()); });
+  e = testing::error_of([&] { read_trainer_checkpoint((dir_ / "empty").string()); });
   EXPECT_NE(e.find("holds no training checkpoint"), std::string::npos) << e;
 }
 
@@ -453,7 +448,7 @@ TEST_F(TrainerTest, NonFiniteGradientStopsNamingTheStep) {
     if (step == 3) m.named_parameters()[0].second->grad.data<float>()[5] = NAN;
   };
   Trainer t(TrainConfig::from_json(j), o);
-  const std::string e = error_of([&] { t.run(); });
+  const std::string e = testing::error_of([&] { t.run(); });
   EXPECT_NE(e.find("step 3: the gradient norm is not finite"), std::string::npos) << e;
   EXPECT_NE(e.find("last checkpoint (step 2)"), std::string::npos) << e;
   EXPECT_EQ(read_trainer_checkpoint(dir_.string()).step, 2);
@@ -487,7 +482,7 @@ TEST_F(TrainerTest, HugeLearningRateStopsNamingTheStep) {
   // lr 1e30 through --set: the first update blows the weights up; a later step is not finite.
   const TrainConfig c = make_train_config(small_train(6), {"lr=1e30", "grad_clip=0"}, "cfg", "");
   Trainer t(c, quiet(dir_));
-  const std::string e = error_of([&] { t.run(); });
+  const std::string e = testing::error_of([&] { t.run(); });
   EXPECT_TRUE(e.rfind("step ", 0) == 0) << e;
   EXPECT_NE(e.find("is not finite"), std::string::npos) << e;
   EXPECT_NE(e.find("No checkpoint was written"), std::string::npos) << e;
@@ -645,13 +640,14 @@ TEST_F(TrainerTest, AStepTooLargeForMemoryIsRefusedBeforeTheDirectoryExists) {
   j["tokens_per_step"] = 10000000;
   j["mqar"]["max_pairs"] = 4;
   const TrainConfig c = TrainConfig::from_json(j);
-  const std::string e = error_of([&] { Trainer t(c, quiet(dir_ / "run")); });
+  const std::string e = testing::error_of([&] { Trainer t(c, quiet(dir_ / "run")); });
   EXPECT_NE(e.find("a training step of 10000000 tokens needs at least"), std::string::npos) << e;
   EXPECT_NE(e.find("memory limit of 4294967296 bytes"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(dir_ / "run"));
   j["tokens_per_step"] = 64;
   j["steps"] = int64_t(1) << 40;
-  const std::string e2 = error_of([&] { Trainer t(TrainConfig::from_json(j), quiet(dir_ / "r")); });
+  const std::string e2 =
+      testing::error_of([&] { Trainer t(TrainConfig::from_json(j), quiet(dir_ / "r")); });
   EXPECT_NE(e2.find("'steps' is 1099511627776, more than the limit of 1000000000"),
             std::string::npos)
       << e2;
@@ -678,7 +674,7 @@ TEST_F(TrainerTest, ABitFlipInTheTrainerStateIsCaughtAtResume) {
   }
   TrainerOptions o = quiet(dir_);
   o.resume = true;
-  const std::string e = error_of([&] { Trainer t(cfg, o); });
+  const std::string e = testing::error_of([&] { Trainer t(cfg, o); });
   EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
   EXPECT_NE(e.find(kTrainerStateFile), std::string::npos) << e;
 }
@@ -695,12 +691,12 @@ TEST_F(TrainerTest, ARunDirectoryInUseIsRefusedNamingTheHolder) {
     RunLock held(dir_.string());  // as another run would hold it
     EXPECT_EQ(RunLock::holder(dir_.string()), long(::getpid()));
     Trainer fresh(cfg, quiet(dir_));
-    const std::string e = error_of([&] { fresh.run(); });
+    const std::string e = testing::error_of([&] { fresh.run(); });
     EXPECT_NE(e.find("is in use by another training run"), std::string::npos) << e;
     EXPECT_NE(e.find(fmt::format("process {}", ::getpid())), std::string::npos) << e;
     TrainerOptions o = quiet(dir_);
     o.resume = true;
-    EXPECT_NE(error_of([&] { Trainer t(cfg, o); }).find("in use"), std::string::npos);
+    EXPECT_NE(testing::error_of([&] { Trainer t(cfg, o); }).find("in use"), std::string::npos);
     EXPECT_TRUE(fs::exists(dir_ / ".trainer_state.safetensors.tmp.1.0"));
     EXPECT_EQ(safetensors::load((dir_ / kTrainerStateFile).string())
                   .metadata.at(safetensors::kChecksumKey),
