@@ -42,7 +42,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const hlm::train::TrainConfig back =
         hlm::train::TrainConfig::from_json(t.to_json(), "round trip", "/nonexistent-base");
     if (back.to_json() != t.to_json()) std::abort();
-    hlm::train::check_train_limits(t, t.model_config(), "fuzz");
+    hlm::train::check_train_limits(t, t.model, "fuzz");
   } catch (const hlm::Error&) {
   }
   return 0;

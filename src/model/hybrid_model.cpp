@@ -285,7 +285,7 @@ class DecoderLayer : public Module {
   };
 
   DecoderLayer(const ModelConfig& c, int64_t index, const HybridModelOptions& o)
-      : index_(index), recompute_(o.recompute), mhc_(c.mhc.enabled) {
+      : recompute_(o.recompute), mhc_(c.mhc.enabled) {
     const std::string path = "model.layers." + std::to_string(index);
     const DType dt = o.dtype;
     const PrecisionPolicy& pol = c.precision;
@@ -433,7 +433,6 @@ class DecoderLayer : public Module {
                 : add(dx1, du.reshape({T, 1, D}));
   }
 
-  int64_t index_;
   Recompute recompute_;
   bool mhc_;
   bool shared_ = false;

@@ -62,7 +62,7 @@ std::string oniguruma_spaces(const std::string& pattern) {
 }
 
 Regex::Regex(const std::string& pattern, bool literal, const std::string& what)
-    : code_(std::make_unique<Code>()), pattern_(pattern), what_(what), literal_(literal) {
+    : code_(std::make_unique<Code>()), pattern_(pattern), what_(what) {
   if (literal && pattern.empty()) return;  // matches nothing (see find_all)
   uint32_t opts = PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE;
   if (literal) opts = PCRE2_UTF | PCRE2_LITERAL;

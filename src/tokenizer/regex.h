@@ -40,7 +40,7 @@ class Regex {
   struct Code;
   std::unique_ptr<Code> code_;
   std::string pattern_, what_;
-  bool literal_ = false, jit_ = false;
+  bool jit_ = false;
 };
 
 }  // namespace hlm::tokenizer
