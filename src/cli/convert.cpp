@@ -34,7 +34,8 @@ void run_convert(const ConvertArgs& a) {
             "convert: --out '{}' is the checkpoint being read; write to another directory", a.out);
   checkpoint::LoadOptions lo;
   lo.allow_missing = true;  // lm_head: a text model's checkpoint has none
-  lo.ignore_layers_from = cfg.num_hidden_layers + cfg.mtp.num_layers;
+  // Nothing is skipped: a tensor the model of the config has no place for (a layer beyond it, a
+  // vision tower) is an error naming it, rather than left out of the copy.
   // The MTP block is built when the checkpoint holds it. Parameters keep the checkpoint's values
   // exactly: f32 holds every bf16 / f16 / FP8 value; an f64 checkpoint is loaded in f64.
   const auto infos = checkpoint::read_infos(a.model, lo);
