@@ -851,6 +851,17 @@ TrainSummary Trainer::run() {
   double train_time = 0, interval_time = 0;
   int64_t interval_tokens = 0;
   double last_loss = NAN;
+  // What the summary reports of the run as it ends (normally or interrupted).
+  auto finish_summary = [&] {
+    sum.end_step = step_;
+    sum.skipped_steps = skipped_;
+    sum.final_loss = last_loss;
+    sum.tokens_per_s = train_time > 0 ? double(sum.tokens) / train_time : 0.0;
+    sum.out_dir = dir;
+    sum.weights = path_in(dir, checkpoint::kSingleFile);
+    sum.config = path_in(dir, checkpoint::kConfigFile);
+    sum.metrics = metrics_path;
+  };
   bool have_stage = false;
   DsaStage stage = DsaStage::sparse;
   const Context ctx{true, false};
@@ -971,14 +982,7 @@ TrainSummary Trainer::run() {
                     "continue with: hybridlm train --resume {}",
                     signal_name(interrupted), step_, cfg_.steps, step_, dir, dir));
     sum.interrupted_by = interrupted;
-    sum.end_step = step_;
-    sum.skipped_steps = skipped_;
-    sum.final_loss = last_loss;
-    sum.tokens_per_s = train_time > 0 ? double(sum.tokens) / train_time : 0.0;
-    sum.out_dir = dir;
-    sum.weights = path_in(dir, checkpoint::kSingleFile);
-    sum.config = path_in(dir, checkpoint::kConfigFile);
-    sum.metrics = metrics_path;
+    finish_summary();
     sum.wall_s = now_s() - t_start;
     return sum;
   }
@@ -996,14 +1000,7 @@ TrainSummary Trainer::run() {
   }
   metrics.reset();
 
-  sum.end_step = step_;
-  sum.skipped_steps = skipped_;
-  sum.final_loss = last_loss;
-  sum.tokens_per_s = train_time > 0 ? double(sum.tokens) / train_time : 0.0;
-  sum.out_dir = dir;
-  sum.weights = path_in(dir, checkpoint::kSingleFile);
-  sum.config = path_in(dir, checkpoint::kConfigFile);
-  sum.metrics = metrics_path;
+  finish_summary();
   if (opts_.plot) {
     try {
       sum.plot =
