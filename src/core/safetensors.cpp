@@ -255,7 +255,8 @@ Header read_header(const std::string& path) {
 
 void stream(const std::string& path,
             const std::function<bool(const std::string&, const TensorInfo&)>& want,
-            const std::function<void(const std::string&, Tensor)>& take, Metadata* metadata) {
+            const std::function<void(const std::string&, Tensor)>& take,
+            const std::function<void(const Header&)>& on_header) {
   const RegularFile f(path, "safetensors file");
   uint8_t len[8] = {};
   if (f.size() >= 8) f.read_at(0, len, 8);
@@ -264,7 +265,8 @@ void stream(const std::string& path,
   f.read_at(8, head.data(), n);
   Parsed p = parse_header_text(head.data(), n, f.size() - 8 - n, path);
   const uint64_t data_begin = 8 + n;
-  if (metadata) *metadata = p.h.metadata;
+  p.h.data_begin = data_begin;
+  if (on_header) on_header(p.h);
   std::vector<const std::pair<const std::string, TensorInfo>*> order;
   for (const auto& e : p.h.tensors) order.push_back(&e);
   std::sort(order.begin(), order.end(),

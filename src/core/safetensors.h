@@ -64,12 +64,12 @@ Header read_header(const std::string& path);
 // the header is validated as load() does; each tensor that want(name, info) accepts is read into a
 // new CPU tensor and handed to take(name, tensor); the others are skipped. A file with the
 // "hlm_crc64" entry has its skipped bytes read through the checksum (1 MiB at a time), which is
-// verified at the end (after the tensors were handed over). *metadata, when given, receives the
-// metadata before the first tensor.
+// verified at the end (after the tensors were handed over). on_header, when given, sees the
+// validated header (names, shapes, metadata) before the first tensor is asked about.
 void stream(const std::string& path,
             const std::function<bool(const std::string&, const TensorInfo&)>& want,
             const std::function<void(const std::string&, Tensor)>& take,
-            Metadata* metadata = nullptr);
+            const std::function<void(const Header&)>& on_header = {});
 // Serialise (tensors in name order, data aligned to 8 bytes as the reference writer does), with
 // the checksum entry (a "hlm_crc64" in `metadata` is replaced).
 std::vector<uint8_t> serialize(const TensorMap& tensors, const Metadata& metadata = {});

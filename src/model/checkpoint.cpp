@@ -512,15 +512,16 @@ LoadReport load_into(const std::string& path, const Targets& targets, const Load
   // Each file is read tensor by tensor (safetensors::stream): only the tensors the model takes,
   // one at a time, so a checkpoint far larger than memory loads into a model that fits.
   for (const std::string& file : src.files) {
-    const safetensors::Header header = safetensors::read_header(file);
-    check_shard(src, file, header.tensors, header.metadata);
-    rep.files.push_back(file);
-    if (!src.sharded) {
-      std::vector<std::string> names;
-      for (auto& [n, info] : header.tensors) names.push_back(n);
-      canon = canonical_names(names, src.where);
-      check_names();
-    }
+    auto on_header = [&](const safetensors::Header& header) {
+      check_shard(src, file, header.tensors, header.metadata);
+      rep.files.push_back(file);
+      if (!src.sharded) {
+        std::vector<std::string> names;
+        for (auto& [n, info] : header.tensors) names.push_back(n);
+        canon = canonical_names(names, src.where);
+        check_names();
+      }
+    };
     auto wanted = [&](const std::string& orig, const safetensors::TensorInfo&) {
       const std::string cn = canonical_name(orig);
       return consumed_scales.count(cn) > 0 || want.count(cn) > 0;
@@ -547,7 +548,7 @@ LoadReport load_into(const std::string& path, const Targets& targets, const Load
       rep.loaded.push_back(cn);
       rep.file_names[cn] = orig;
     };
-    safetensors::stream(file, wanted, take);
+    safetensors::stream(file, wanted, take, on_header);
   }
   HLM_CHECK(pending_w.empty() && pending_s.empty(),
             "{}: {} block-FP8 weight/scale pair(s) incomplete", src.where,
