@@ -80,30 +80,72 @@ Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t
   p.T = T;
   p.W = rows.size(1);
   p.nkeys = cp.back();
-  p.row_ptr.assign(size_t(T + 1), 0);
-  std::vector<int64_t> seen;
+  const int64_t W = p.W;
+  // Per row, in parallel: the visible keys [lo, hi), the count of entries, and the first problem
+  // (bad_j: the first out-of-range column; dup: a repeated key). Rows are independent, and the
+  // error thrown is that of the first bad row, as a sequential scan would find it.
+  const size_t nrows = static_cast<size_t>(T);
+  std::vector<int64_t> lo(nrows), hi(nrows), count(nrows, 0), bad_j(nrows, -1), dup(nrows, -1);
   for (size_t d = 0; d + 1 < cu.size(); ++d)
     for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
-      const int64_t lo = cp[d], hi = cp[d] + (t - cu[d] + 1) / pool;  // visible keys [lo, hi)
-      seen.clear();
-      for (int64_t j = 0; j < p.W; ++j) {
-        const int64_t r = v[size_t(t * p.W + j)];
-        if (r == -1) continue;
-        HLM_CHECK(r >= lo && r < hi,
-                  "{}: {}[{}, {}] = {} is not a causal {} of query {}'s document (expected -1 or "
-                  "a value in [{}, {}))",
-                  op, what, t, j, r, pool == 1 ? "token" : "pool", t, lo, hi);
-        p.slot.push_back(int32_t(j));
-        p.key.push_back(r);
-        p.query.push_back(t);
-        seen.push_back(r);
-      }
-      std::sort(seen.begin(), seen.end());
-      const auto dup = std::adjacent_find(seen.begin(), seen.end());
-      HLM_CHECK(dup == seen.end(), "{}: {} row {} holds index {} more than once", op, what, t,
-                dup == seen.end() ? 0 : *dup);
-      p.row_ptr[size_t(t + 1)] = int64_t(p.slot.size());
+      lo[size_t(t)] = cp[d];
+      hi[size_t(t)] = cp[d] + (t - cu[d] + 1) / pool;
     }
+#pragma omp parallel for schedule(dynamic, 64)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* row = v.data() + t * W;
+    int64_t n = 0, prev = -1;
+    bool ascending = true;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t r = row[j];
+      if (r == -1) continue;
+      if (r < lo[size_t(t)] || r >= hi[size_t(t)]) {
+        bad_j[size_t(t)] = j;
+        break;
+      }
+      ascending = ascending && r > prev;
+      prev = r;
+      ++n;
+    }
+    count[size_t(t)] = n;
+    if (bad_j[size_t(t)] >= 0 || ascending) continue;  // strictly ascending: no repeats
+    thread_local std::vector<int64_t> seen;
+    seen.clear();
+    for (int64_t j = 0; j < W; ++j)
+      if (row[j] != -1) seen.push_back(row[j]);
+    std::sort(seen.begin(), seen.end());
+    const auto it = std::adjacent_find(seen.begin(), seen.end());
+    if (it != seen.end()) dup[size_t(t)] = *it;
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t j = bad_j[size_t(t)];
+    HLM_CHECK(j < 0,
+              "{}: {}[{}, {}] = {} is not a causal {} of query {}'s document (expected -1 or "
+              "a value in [{}, {}))",
+              op, what, t, j, v[size_t(t * W + std::max<int64_t>(j, 0))],
+              pool == 1 ? "token" : "pool", t, lo[size_t(t)], hi[size_t(t)]);
+    HLM_CHECK(dup[size_t(t)] < 0, "{}: {} row {} holds index {} more than once", op, what, t,
+              dup[size_t(t)]);
+  }
+  p.row_ptr.assign(size_t(T + 1), 0);
+  for (int64_t t = 0; t < T; ++t)
+    p.row_ptr[size_t(t + 1)] = p.row_ptr[size_t(t)] + count[size_t(t)];
+  const int64_t E = p.row_ptr.back();
+  p.slot.resize(size_t(E));
+  p.key.resize(size_t(E));
+  p.query.resize(size_t(E));
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t e = p.row_ptr[size_t(t)];
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t r = v[size_t(t * W + j)];
+      if (r == -1) continue;
+      p.slot[size_t(e)] = int32_t(j);
+      p.key[size_t(e)] = r;
+      p.query[size_t(e)] = t;
+      ++e;
+    }
+  }
   build_inverse(p);
   return p;
 }
