@@ -1,11 +1,15 @@
 // The front door of the DSA indexer ops (ops/dsa_indexer.h): argument checks (the score layouts
 // become checked patterns, ops/dsa_common.h), output allocation, and the switch to the CPU
-// reference (ops/cpu/dsa_indexer.cpp). No CUDA implementation yet.
+// reference (ops/cpu/dsa_indexer.cpp) or the CUDA kernels (ops/cuda/dsa_indexer.cu; top-k
+// selection: ops/cuda/dsa_select.cu). The dense layout's pattern is built for the CPU only: the
+// CUDA kernels derive it on the device.
 #include "ops/dsa_indexer.h"
 
 #include <cmath>
 
 #include "ops/cpu/dsa_indexer.h"
+#include "ops/cuda/dsa_indexer.cuh"
+#include "ops/cuda/dsa_select.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
 #include "ops/op_checks.h"
@@ -25,7 +29,7 @@ struct ScoreArgs {
 
 ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& rows,
                            const SeqLayout& seqs, const IndexerScoreOptions& opt, const char* op) {
-  detail::require_real(q, op, "q");
+  detail::require_float_dev(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H_I, d_I], got {}", op, q.describe());
   HLM_CHECK(opt.pool >= 1, "{}: pool must be >= 1, got {}", op, opt.pool);
   ScoreArgs a;
@@ -33,10 +37,10 @@ ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, co
   a.dev = detail::one_device(op, {q, "q"}, {{rows, "rows"}});
   a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
   const int64_t nkeys = dsa_detail::pool_offsets(a.cu, opt.pool).back();
-  detail::require_real_like(k, q, {nkeys, a.D}, op,
-                            opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])",
-                            "q");
-  detail::require_real_like(w, q, {a.T, a.H}, op, "w", "q");
+  detail::require_like(k, q, {nkeys, a.D}, op,
+                       opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])",
+                       "q");
+  detail::require_like(w, q, {a.T, a.H}, op, "w", "q");
   if (opt.fp8)
     HLM_CHECK(opt.fp8_amax_floor > 0, "{}: fp8_amax_floor must be positive, got {}", op,
               opt.fp8_amax_floor);
@@ -47,24 +51,14 @@ ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, co
   return a;
 }
 
-Tensor run_fwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern& p,
-               const char* op) {
-  Tensor out = detail::new_output({a.T, p.W}, a.q.dtype(), a.dev);
-  detail::cpu_only(op, a.q, "q");
-  cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
-  return out;
+Tensor new_scores(const ScoreArgs& a, int64_t W) {
+  return detail::new_output({a.T, W}, detail::compute_dtype(a.q.dtype()), a.dev);
 }
 
-IndexerScoreGrads run_bwd(const ScoreArgs& a, const IndexerScoreOptions& opt, const Pattern& p,
-                          const Tensor& d_scores_, const char* op) {
-  detail::require_real_like(d_scores_, a.q, {a.T, p.W}, op, "d_scores", "q");
-  const Tensor d_scores = d_scores_.contiguous();
-  IndexerScoreGrads g{detail::new_output(a.q.shape(), a.q.dtype(), a.dev),
-                      detail::new_output(a.k.shape(), a.q.dtype(), a.dev),
-                      detail::new_output(a.w.shape(), a.q.dtype(), a.dev)};
-  detail::cpu_only(op, a.q, "q");
-  cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
-  return g;
+IndexerScoreGrads new_grads(const ScoreArgs& a) {
+  return {detail::new_output(a.q.shape(), a.q.dtype(), a.dev),
+          detail::new_output(a.k.shape(), a.q.dtype(), a.dev),
+          detail::new_output(a.w.shape(), a.q.dtype(), a.dev)};
 }
 
 }  // namespace
@@ -76,8 +70,14 @@ Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const S
   const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the most keys of a document), got {}",
             op, need, W);
-  const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, W == 0 ? need : W);
-  return run_fwd(a, opt, p, op);
+  Tensor out = new_scores(a, W == 0 ? need : W);
+  if (a.dev == Device::cpu) {
+    const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, out.size(1));
+    cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
+  } else {
+    HLM_CUDA_PATH(op, cuda::indexer_scores_dense(a.q, a.k, a.w, a.cu, opt, a.scale, out, op));
+  }
+  return out;
 }
 
 Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
@@ -85,31 +85,55 @@ Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, cons
   const char* op = "indexer_scores_at";
   const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
   const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
-  return run_fwd(a, opt, p, op);
+  Tensor out = new_scores(a, p.W);
+  if (a.dev == Device::cpu) {
+    cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
+  } else {
+    HLM_CUDA_PATH(op, cuda::indexer_scores_rows(a.q, a.k, a.w, p, opt, a.scale, out, op));
+  }
+  return out;
 }
 
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                          const SeqLayout& seqs, const Tensor& d_scores,
+                                          const SeqLayout& seqs, const Tensor& d_scores_,
                                           const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_backward";
   const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op);
-  HLM_CHECK(d_scores.defined() && d_scores.dim() == 2, "{}: d_scores must be [T, W], got {}", op,
-            d_scores.describe());
+  HLM_CHECK(d_scores_.defined() && d_scores_.dim() == 2, "{}: d_scores must be [T, W], got {}", op,
+            d_scores_.describe());
   const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
-  HLM_CHECK(d_scores.size(1) >= need, "{}: d_scores must have W >= {} columns, got {}", op, need,
-            d_scores.describe());
-  const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, d_scores.size(1));
-  return run_bwd(a, opt, p, d_scores, op);
+  HLM_CHECK(d_scores_.size(1) >= need, "{}: d_scores must have W >= {} columns, got {}", op, need,
+            d_scores_.describe());
+  detail::require_compute_like(d_scores_, a.q, {a.T, d_scores_.size(1)}, op, "d_scores", "q");
+  const Tensor d_scores = d_scores_.contiguous();
+  IndexerScoreGrads g = new_grads(a);
+  if (a.dev == Device::cpu) {
+    const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, d_scores.size(1));
+    cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
+  } else {
+    HLM_CUDA_PATH(op, cuda::indexer_scores_dense_backward(a.q, a.k, a.w, a.cu, opt, a.scale,
+                                                          d_scores, g, op));
+  }
+  return g;
 }
 
 IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                              const SeqLayout& seqs, const Tensor& rows,
-                                             const Tensor& d_scores,
+                                             const Tensor& d_scores_,
                                              const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_at_backward";
   const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
   const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
-  return run_bwd(a, opt, p, d_scores, op);
+  detail::require_compute_like(d_scores_, a.q, {a.T, p.W}, op, "d_scores", "q");
+  const Tensor d_scores = d_scores_.contiguous();
+  IndexerScoreGrads g = new_grads(a);
+  if (a.dev == Device::cpu) {
+    cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
+  } else {
+    HLM_CUDA_PATH(
+        op, cuda::indexer_scores_rows_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op));
+  }
+  return g;
 }
 
 Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int64_t pool) {
@@ -127,8 +151,7 @@ Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int6
             op, need, pool == 1 ? "tokens" : "pools", scores_.describe());
   const Tensor scores = scores_.contiguous();
   Tensor out = detail::new_output({T, k}, DType::i32, scores.device());
-  detail::cpu_only(op, scores, "scores");
-  cpu::topk_select(scores, cu, k, pool, out);
+  HLM_DISPATCH(op, scores.device(), topk_select, scores, cu, k, pool, out);
   return out;
 }
 

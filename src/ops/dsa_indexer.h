@@ -10,6 +10,11 @@
 // Computed in the input dtype (f64 for f64; f32 with f32 accumulation for f32): per entry the dot
 // product in channel order, then the head sum in head order. Deterministic (OpenMP over queries;
 // key gradients are gathered per key in increasing (t, slot) order).
+// Dtypes: on the CPU q, k, w (and d_scores) are all f32 or all f64. On CUDA q, k, w are one dtype
+// of f32, f64 or bf16, contiguous; scores and d_scores are in the computation dtype (f32 for bf16,
+// else the input dtype); dq, dk, dw in the input dtype; arithmetic in f32 (f64 for f64), each sum
+// in a fixed order (ops/cuda/dsa_indexer.cu), so results repeat bit for bit but differ from the
+// CPU's at rounding level.
 //
 // Row layouts of score tensors:
 //   dense ("causal"): [T, W], W >= max keys per document; column j of query t is the document's
@@ -42,12 +47,14 @@ struct IndexerScoreOptions {
   // fp8_scale_inv of ops/fp8_quant.h with the indexer's own amax floor (1e-4, DeepSeek-V3.2's;
   // the GEMM contract uses 1e-12). Backward is straight-through: the gradient is that of the
   // scores as a function of the dequantised values, passed to the unquantised q and k unchanged.
+  // The dequantised values are the same f32 numbers on the CPU and on CUDA (bf16 inputs: of their
+  // f32 values). A non-finite q or k is an error on both (found on the device on CUDA).
   bool fp8 = false;
   bool fp8_pow2 = true;
   double fp8_amax_floor = 1e-4;
 };
 
-// q [T, H_I, d_I], k [T or NP, d_I], w [T, H_I], all f32 or all f64 -> scores [T, W] dense layout.
+// q [T, H_I, d_I], k [T or NP, d_I], w [T, H_I] (dtypes above) -> scores [T, W] dense layout.
 // W = 0 picks the minimum width (max keys per document).
 Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
                       const IndexerScoreOptions& opt = {}, int64_t W = 0);

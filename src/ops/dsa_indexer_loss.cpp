@@ -1,12 +1,15 @@
 // The front door of the DSA indexer KL loss and its attention target (ops/dsa_indexer_loss.h):
-// argument checks (the target's layout becomes a checked pattern, ops/dsa_common.h), output
-// allocation, and the switch to the CPU reference (ops/cpu/dsa_indexer_loss.cpp). No CUDA
-// implementation yet.
+// argument checks (the target's layout becomes a checked pattern, ops/dsa_common.h; on CUDA the
+// dense causal target derives its sets on the device instead), output allocation, and the switch
+// to the CPU reference (ops/cpu/dsa_indexer_loss.cpp) or, for the attention target, the CUDA
+// kernels (ops/cuda/dsa_attention.cu; the KL loss: ops/cuda/dsa_select.cu).
 #include "ops/dsa_indexer_loss.h"
 
 #include <cmath>
 
 #include "ops/cpu/dsa_indexer_loss.h"
+#include "ops/cuda/dsa_attention.cuh"
+#include "ops/cuda/dsa_select.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
 #include "ops/op_checks.h"
@@ -14,12 +17,14 @@
 namespace hlm::ops {
 namespace {
 
+// q, kv: f32 / f64 (CUDA: also bf16, contiguous), one dtype; the target is in the computation
+// dtype (f32 for bf16).
 std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tensor& indices,
                                   const SeqLayout& seqs, double scale, const char* op) {
-  detail::require_real(q, op, "q");
+  detail::require_float_dev(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
-  detail::require_real_like(kv, q, {q.size(0), q.size(2)}, op,
-                            "kv (the latent cache rows [T, D_qk])", "q");
+  detail::require_like(kv, q, {q.size(0), q.size(2)}, op, "kv (the latent cache rows [T, D_qk])",
+                       "q");
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
   detail::one_device(op, {q, "q"}, {{indices, "indices"}});
@@ -29,9 +34,8 @@ std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tenso
 Tensor run_target(const Tensor& q_, const Tensor& kv_, const dsa_detail::Pattern& p, double scale,
                   const char* op) {
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
-  Tensor out = detail::new_output({p.T, p.W}, q.dtype(), q.device());
-  detail::cpu_only(op, q, "q");
-  cpu::attention_target(q, kv, p, scale, out);
+  Tensor out = detail::new_output({p.T, p.W}, detail::compute_dtype(q.dtype()), q.device());
+  HLM_DISPATCH(op, q.device(), attention_target, q, kv, p, scale, out);
   return out;
 }
 
@@ -44,7 +48,13 @@ Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs
   const int64_t need = dsa_detail::max_keys_per_doc(cu, 1);
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the longest document), got {}", op,
             need, W);
-  return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale, op);
+  if (q.is_cpu())
+    return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale, op);
+  // CUDA: no host pattern (O(T^2) at long documents); the kernels read the per-token layout.
+  Tensor out = detail::new_output({q.size(0), W == 0 ? need : W}, detail::compute_dtype(q.dtype()),
+                                  q.device());
+  HLM_CUDA_PATH(op, cuda::attention_target_dense(q, kv, cu, scale, out));
+  return out;
 }
 
 Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
@@ -65,8 +75,7 @@ IndexerKl indexer_kl_loss(const Tensor& scores_, const Tensor& target_, double c
   const Tensor scores = scores_.contiguous(), target = target_.contiguous();
   IndexerKl r;
   r.d_scores = detail::new_output(scores.shape(), scores.dtype(), dev);
-  detail::cpu_only(op, scores, "scores");
-  cpu::indexer_kl_loss(scores, target, coeff, reduction, r);
+  HLM_DISPATCH(op, dev, indexer_kl_loss, scores, target, coeff, reduction, r);
   return r;
 }
 

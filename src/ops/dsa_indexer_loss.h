@@ -1,5 +1,5 @@
 // DSA indexer KL loss (docs/dsa.md, "Indexer KL loss"; the pool level, our own design: "Pool-level
-// KL for KPool: our design"), CPU reference.
+// KL for KPool: our design"), CPU reference; the attention target also on CUDA.
 //
 // Target (detached; computed from the main attention's q and latent kv, absorbed form):
 //   p[t,s,h] = softmax_s(scale * q[t,h] . kv[s])  over the row's set
@@ -28,7 +28,8 @@ namespace hlm::ops {
 
 constexpr double kIndexerKlEps = 1e-10;
 
-// q [T, H, D_qk], kv [T, D_qk] -> p* [T, W] in the dense causal layout (0 outside the causal set).
+// q [T, H, D_qk], kv [T, D_qk] (one dtype: f32 or f64; on CUDA also bf16, contiguous) -> p* [T, W]
+// in the computation dtype (f32 for bf16) in the dense causal layout (0 outside the causal set).
 Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
                         int64_t W = 0);
 // p* over explicit selections: indices [T, W] (global tokens, -1 empty) -> [T, W] (0 at -1).

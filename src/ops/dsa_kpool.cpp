@@ -1,8 +1,11 @@
 // The front door of the KPool ops (ops/dsa_kpool.h): argument checks, output allocation, and the
-// switch to the CPU reference (ops/cpu/dsa_kpool.cpp). No CUDA implementation yet.
+// switch to the CPU reference (ops/cpu/dsa_kpool.cpp) or, for the compression, the CUDA kernels
+// (ops/cuda/dsa_kpool.cu).
 #include "ops/dsa_kpool.h"
 
 #include "ops/cpu/dsa_kpool.h"
+#include "ops/cuda/dsa_kpool.cuh"
+#include "ops/cuda/dsa_select.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
 #include "ops/dsa_indexer.h"
@@ -19,11 +22,14 @@ struct CompressDims {
 
 CompressDims check_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
                             const SeqLayout& seqs, const char* op) {
-  detail::require_real(k, op, "k");
+  detail::require_float_dev(k, op, "k");
   HLM_CHECK(k.dim() == 2, "{}: k must be [T, d_I], got {}", op, k.describe());
-  detail::require_real_like(gate, k, k.shape(), op, "gate", "k");
-  detail::require_real(ape, op, "ape");
-  detail::require_same_dtype(ape, k, op, "ape", "k");
+  detail::require_like(gate, k, k.shape(), op, "gate", "k");
+  // ape is a parameter: k's dtype, or f32 when k is bf16.
+  detail::require_float_dev(ape, op, "ape");
+  HLM_CHECK(ape.dtype() == k.dtype() || (k.dtype() == DType::bf16 && ape.dtype() == DType::f32),
+            "{}: ape must have the dtype of k ({}){}, got {}", op, dtype_name(k.dtype()),
+            k.dtype() == DType::bf16 ? " or f32" : "", ape.describe());
   detail::require_same_device(ape, k, op, "ape", "k");
   HLM_CHECK(ape.dim() == 2 && ape.size(0) >= 1 && ape.size(1) == k.size(1),
             "{}: ape must be [P, d_I] with P >= 1 and d_I = {}, got {}", op, k.size(1),
@@ -57,8 +63,7 @@ Tensor kpool_compress(const Tensor& k_, const Tensor& gate_, const Tensor& ape_,
   const CompressDims a = check_compress(k_, gate_, ape_, seqs, op);
   const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous();
   Tensor out = detail::new_output({a.NP, a.D}, k.dtype(), a.dev);
-  detail::cpu_only(op, k, "k");
-  cpu::kpool_compress(k, gate, ape, a.cu, out);
+  HLM_DISPATCH(op, a.dev, kpool_compress, k, gate, ape, a.cu, out);
   return out;
 }
 
@@ -67,14 +72,13 @@ KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_
                                            const Tensor& d_pooled_) {
   const char* op = "kpool_compress_backward";
   const CompressDims a = check_compress(k_, gate_, ape_, seqs, op);
-  detail::require_real_like(d_pooled_, k_, {a.NP, a.D}, op, "d_pooled", "k");
+  detail::require_like(d_pooled_, k_, {a.NP, a.D}, op, "d_pooled", "k");
   const Tensor k = k_.contiguous(), gate = gate_.contiguous(), ape = ape_.contiguous(),
                d_pooled = d_pooled_.contiguous();
   KPoolCompressGrads g{detail::new_output(k.shape(), k.dtype(), a.dev),
                        detail::new_output(k.shape(), k.dtype(), a.dev),
-                       detail::new_output(ape.shape(), k.dtype(), a.dev)};
-  detail::cpu_only(op, k, "k");
-  cpu::kpool_compress_backward(k, gate, ape, a.cu, d_pooled, g);
+                       detail::new_output(ape.shape(), ape.dtype(), a.dev)};
+  HLM_DISPATCH(op, a.dev, kpool_compress_backward, k, gate, ape, a.cu, d_pooled, g);
   return g;
 }
 
@@ -91,8 +95,8 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, in
   sel.pools = topk_select(pool_scores, seqs, K / P, P);
   sel.indices =
       detail::new_output({T, K + (always_select_tail ? P - 1 : 0)}, DType::i32, sel.pools.device());
-  detail::cpu_only(op, pool_scores, "pool_scores");
-  cpu::kpool_select_indices(sel.pools, cu, K, P, always_select_tail, sel.indices);
+  HLM_DISPATCH(op, sel.pools.device(), kpool_select_indices, sel.pools, cu, K, P,
+               always_select_tail, sel.indices);
   return sel;
 }
 
@@ -112,8 +116,7 @@ Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs
   HLM_CHECK(Wp == 0 || Wp >= need_p, "{}: Wp must be 0 or >= {}, got {}", op, need_p, Wp);
   const Tensor tt = token_target.contiguous();
   Tensor out = detail::new_output({T, Wp == 0 ? need_p : Wp}, tt.dtype(), tt.device());
-  detail::cpu_only(op, tt, "token_target");
-  cpu::kpool_pool_target_dense(tt, cu, P, out);
+  HLM_DISPATCH(op, tt.device(), kpool_pool_target_dense, tt, cu, P, out);
   return out;
 }
 
@@ -130,10 +133,11 @@ Tensor kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools,
             G * P + P - 1, token_target.describe());
   const Device dev = detail::one_device(op, {token_target, "token_target"}, {{pools, "pools"}});
   const Tensor tt = token_target.contiguous();
-  const std::vector<int64_t> pl = detail::index_values(pools);
   Tensor out = detail::new_output({T, G}, tt.dtype(), dev);
-  detail::cpu_only(op, tt, "token_target");
-  cpu::kpool_pool_target_sparse(tt, pl, P, out);
+  if (dev == Device::cpu)
+    cpu::kpool_pool_target_sparse(tt, detail::index_values(pools), P, out);
+  else
+    HLM_CUDA_PATH(op, cuda::kpool_pool_target_sparse(tt, pools.contiguous(), P, out));
   return out;
 }
 

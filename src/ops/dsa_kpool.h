@@ -9,6 +9,11 @@
 //   a[p,j,c] = softmax_j z[p,.,c]
 //   K[p,c]   = sum_j a[p,j,c] * k[s0 + pP + j, c]
 // computed in the input dtype (f32: f32 softmax and f32 accumulation, rounded once; f64: f64).
+// Dtypes: on the CPU k, gate, ape (and d_pooled) are all f32 or all f64. On CUDA k, gate, d_pooled
+// and the outputs pooled, dk, dgate are one dtype of f32, f64 or bf16 (contiguous); ape is a
+// parameter, in k's dtype or f32 when k is bf16, and dape is in ape's dtype; arithmetic in f32
+// (f64 for f64). dape sums the pools in fixed chunks of pool ids, then the chunks in order
+// (ops/cuda/dsa_kpool.cu): deterministic, rounding-level different from the CPU's single pass.
 // The bf16 rounding / Hadamard / FP8 steps of the serving path belong to the layer's precision
 // policy, not to this op.
 // Backward (4.5): dk[j,c] = a[j,c] dK[c];  dz[j,c] = a[j,c] (k[j,c] - K[c]) dK[c];  dgate = dz;
@@ -29,7 +34,7 @@ namespace hlm::ops {
 // pool_offsets as an i64 tensor [N+1] (checks that seqs covers T).
 Tensor kpool_pool_offsets(const SeqLayout& seqs, int64_t T, int64_t P);
 
-// k [T, d], gate [T, d], ape [P, d] (all f32 or all f64; P = ape.size(0) >= 1) -> pooled [NP, d].
+// k [T, d], gate [T, d], ape [P, d] (dtypes above; P = ape.size(0) >= 1) -> pooled [NP, d].
 Tensor kpool_compress(const Tensor& k, const Tensor& gate, const Tensor& ape,
                       const SeqLayout& seqs);
 

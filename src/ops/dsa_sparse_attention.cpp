@@ -1,11 +1,14 @@
-// The front door of the sparse MLA attention (ops/dsa_sparse_attention.h): argument checks (the
-// selection becomes a checked pattern, ops/dsa_common.h), output allocation, and the switch to the
-// CPU reference (ops/cpu/dsa_sparse_attention.cpp). No CUDA implementation yet.
+// The front doors of the sparse and the dense causal MLA attention (ops/dsa_sparse_attention.h):
+// argument checks (the selection becomes a checked pattern, ops/dsa_common.h; the causal set is
+// implicit), output allocation, and the switch to the CPU reference
+// (ops/cpu/dsa_sparse_attention.cpp; the causal set as dsa_detail::causal_pattern) or the CUDA
+// kernels (ops/cuda/dsa_attention.cu; the causal set derived on the device).
 #include "ops/dsa_sparse_attention.h"
 
 #include <cmath>
 
 #include "ops/cpu/dsa_sparse_attention.h"
+#include "ops/cuda/dsa_attention.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
 #include "ops/op_checks.h"
@@ -19,19 +22,43 @@ struct AttnDims {
   Device dev = Device::cpu;
 };
 
+// The arguments both attentions share (indices: undefined for causal_attention).
 AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices, const SeqLayout& seqs,
                     int64_t d_v, double scale, const char* op) {
-  detail::require_real(q, op, "q");
+  detail::require_float_dev(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
   AttnDims a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
-  detail::require_real_like(kv, q, {a.T, a.D}, op, "kv (the latent cache rows [T, D_qk])", "q");
+  detail::require_like(kv, q, {a.T, a.D}, op, "kv (the latent cache rows [T, D_qk])", "q");
   HLM_CHECK(d_v >= 1 && d_v <= a.D, "{}: d_v must be in [1, D_qk = {}], got {}", op, a.D, d_v);
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
   a.dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
   a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
   return a;
+}
+
+// The backward's further arguments: out and d_out go with q, lse is in q's computation dtype.
+void check_backward(const AttnDims& a, const Tensor& q, int64_t d_v, const Tensor& out,
+                    const Tensor& lse, const Tensor& d_out, const char* op) {
+  detail::require_like(out, q, {a.T, a.H, d_v}, op, "out", "q");
+  detail::require_compute_like(lse, q, {a.T, a.H}, op, "lse", "q");
+  detail::require_like(d_out, q, {a.T, a.H, d_v}, op, "d_out", "q");
+}
+
+SparseAttentionOut new_forward_outputs(const AttnDims& a, const Tensor& q, int64_t d_v) {
+  return {detail::new_output({a.T, a.H, d_v}, q.dtype(), a.dev),
+          detail::new_output({a.T, a.H}, detail::compute_dtype(q.dtype()), a.dev)};
+}
+
+SparseAttentionGrads new_grads(const AttnDims& a, const Tensor& q, const Tensor& kv) {
+  return {detail::new_output(q.shape(), q.dtype(), a.dev),
+          detail::new_output(kv.shape(), q.dtype(), a.dev)};
+}
+
+// The CPU's dense causal set: every causal token of the query's document, ascending.
+dsa_detail::Pattern causal_of(const AttnDims& a) {
+  return dsa_detail::causal_pattern(a.cu, 1, dsa_detail::max_keys_per_doc(a.cu, 1));
 }
 
 }  // namespace
@@ -42,10 +69,8 @@ SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const T
   const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
   const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
-  SparseAttentionOut r{detail::new_output({a.T, a.H, d_v}, q.dtype(), a.dev),
-                       detail::new_output({a.T, a.H}, q.dtype(), a.dev)};
-  detail::cpu_only(op, q, "q");
-  cpu::sparse_attention(q, kv, p, d_v, scale, r.out, r.lse);
+  SparseAttentionOut r = new_forward_outputs(a, q, d_v);
+  HLM_DISPATCH(op, a.dev, sparse_attention, q, kv, p, d_v, scale, r.out, r.lse);
   return r;
 }
 
@@ -56,15 +81,45 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& k
   const char* op = "sparse_attention_backward";
   const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
   const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
-  detail::require_real_like(out_, q_, {a.T, a.H, d_v}, op, "out", "q");
-  detail::require_real_like(lse_, q_, {a.T, a.H}, op, "lse", "q");
-  detail::require_real_like(d_out_, q_, {a.T, a.H, d_v}, op, "d_out", "q");
+  check_backward(a, q_, d_v, out_, lse_, d_out_, op);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous(), out = out_.contiguous(),
                lse = lse_.contiguous(), d_out = d_out_.contiguous();
-  SparseAttentionGrads g{detail::new_output(q.shape(), q.dtype(), a.dev),
-                         detail::new_output(kv.shape(), q.dtype(), a.dev)};
-  detail::cpu_only(op, q, "q");
-  cpu::sparse_attention_backward(q, kv, p, d_v, scale, out, lse, d_out, g.dq, g.dkv);
+  SparseAttentionGrads g = new_grads(a, q, kv);
+  HLM_DISPATCH(op, a.dev, sparse_attention_backward, q, kv, p, d_v, scale, out, lse, d_out, g.dq,
+               g.dkv);
+  return g;
+}
+
+SparseAttentionOut causal_attention(const Tensor& q_, const Tensor& kv_, const SeqLayout& seqs,
+                                    int64_t d_v, double scale) {
+  const char* op = "causal_attention";
+  const AttnDims a = check_attn(q_, kv_, Tensor(), seqs, d_v, scale, op);
+  const Tensor q = q_.contiguous(), kv = kv_.contiguous();
+  SparseAttentionOut r = new_forward_outputs(a, q, d_v);
+  if (a.dev == Device::cpu) {
+    cpu::sparse_attention(q, kv, causal_of(a), d_v, scale, r.out, r.lse);
+  } else {
+    HLM_CUDA_PATH(op, cuda::causal_attention(q, kv, a.cu, d_v, scale, r.out, r.lse));
+  }
+  return r;
+}
+
+SparseAttentionGrads causal_attention_backward(const Tensor& q_, const Tensor& kv_,
+                                               const SeqLayout& seqs, int64_t d_v, double scale,
+                                               const Tensor& out_, const Tensor& lse_,
+                                               const Tensor& d_out_) {
+  const char* op = "causal_attention_backward";
+  const AttnDims a = check_attn(q_, kv_, Tensor(), seqs, d_v, scale, op);
+  check_backward(a, q_, d_v, out_, lse_, d_out_, op);
+  const Tensor q = q_.contiguous(), kv = kv_.contiguous(), out = out_.contiguous(),
+               lse = lse_.contiguous(), d_out = d_out_.contiguous();
+  SparseAttentionGrads g = new_grads(a, q, kv);
+  if (a.dev == Device::cpu) {
+    cpu::sparse_attention_backward(q, kv, causal_of(a), d_v, scale, out, lse, d_out, g.dq, g.dkv);
+  } else {
+    HLM_CUDA_PATH(
+        op, cuda::causal_attention_backward(q, kv, a.cu, d_v, scale, out, lse, d_out, g.dq, g.dkv));
+  }
   return g;
 }
 

@@ -1,5 +1,5 @@
 // Sparse MLA attention over selected indices (docs/dsa.md, "Sparse attention"; the absorbed MQA
-// form of "MLA"), CPU reference, forward and backward.
+// form of "MLA"), forward and backward: CPU reference and CUDA kernels.
 //
 // One KV head: the cache row kv[s] in R^{D_qk} ([c_kv ; k_pe], or just c_kv for NoPE) is the key of
 // every head, and its first d_v channels are the value. For query t with selected set
@@ -10,6 +10,10 @@
 //   out   = sum_j exp(l_j - lse) * kv[S_tj][:d_v]
 // Computed in the input dtype (f32: f32 softmax and accumulation; f64: f64), the selected keys in
 // slot order. An empty row gives out = 0 and lse = -inf (and zero gradients).
+// Dtypes: q, kv, out, d_out, dq, dkv share one dtype: f32 or f64 on the CPU; f32, f64 or bf16 on
+// CUDA (contiguous; bf16 computes in f32). lse is in the computation dtype (f32 for bf16). The CUDA
+// kernels (ops/cuda/dsa_attention.cu) use an online softmax over key tiles: the same math, not the
+// CPU's bits.
 // Indices are global token positions (i32 or i64, -1 = empty); each must be a causal token of the
 // query's own document (seqs) and appear at most once per row, otherwise hlm::Error (FlashMLA
 // would count a duplicate twice; we refuse it).
@@ -29,7 +33,7 @@ struct SparseAttentionOut {
   Tensor lse;  // [T, H], natural log
 };
 
-// q [T, H, D_qk], kv [T, D_qk] (same dtype, f32 or f64), indices [T, W].
+// q [T, H, D_qk], kv [T, D_qk] (same dtype, see above), indices [T, W].
 SparseAttentionOut sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& indices,
                                     const SeqLayout& seqs, int64_t d_v, double scale);
 
@@ -41,5 +45,19 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& kv
                                                const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out,
                                                const Tensor& lse, const Tensor& d_out);
+
+// Dense causal attention: the same math over the causal set of each query's own document (keys
+// doc_start .. t in increasing order, i.e. sparse_attention with every causal token ascending),
+// without an index tensor. Same argument checks and dtype rules as sparse_attention. The CPU runs
+// the reference over dsa_detail::causal_pattern (O(T^2) host work, bit-identical to
+// sparse_attention with the full causal index tensor); CUDA derives each query's keys and each
+// key's readers (the queries s .. doc_end - 1, in increasing t) from the per-token layout on the
+// device: O(T) host work and memory, and the bits of the CUDA sparse_attention with that tensor.
+SparseAttentionOut causal_attention(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
+                                    int64_t d_v, double scale);
+SparseAttentionGrads causal_attention_backward(const Tensor& q, const Tensor& kv,
+                                               const SeqLayout& seqs, int64_t d_v, double scale,
+                                               const Tensor& out, const Tensor& lse,
+                                               const Tensor& d_out);
 
 }  // namespace hlm::ops

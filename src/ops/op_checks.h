@@ -193,13 +193,29 @@ inline void require_param_dtype(const Tensor& t, const Tensor& x, const char* op
             x.dtype() == DType::bf16 ? " or f32" : "", t.describe());
 }
 
-// A tensor that goes with x (dy, gate, conv state): floating as above, on x's device, of x's
-// dtype and of shape s.
+// A tensor that goes with an op's main input `ref` (dy, gate, conv state; the DSA ops' k, kv, w,
+// out, d_out): floating as above, on ref's device, of ref's dtype and of shape s.
+inline void require_like(const Tensor& t, const Tensor& ref, const Shape& s, const char* op,
+                         const char* what, const char* ref_name) {
+  require_float_dev(t, op, what);
+  require_same_device(t, ref, op, what, ref_name);
+  require_same_dtype(t, ref, op, what, ref_name);
+  require_shape(t, s, op, what);
+}
 inline void require_like_x(const Tensor& t, const Tensor& x, const Shape& s, const char* op,
                            const char* what) {
+  require_like(t, x, s, op, what, "x");
+}
+
+// A tensor in the computation dtype of `ref` (compute_dtype below: the DSA ops' scores, d_scores,
+// lse), on ref's device, of shape s.
+inline void require_compute_like(const Tensor& t, const Tensor& ref, const Shape& s, const char* op,
+                                 const char* what, const char* ref_name) {
   require_float_dev(t, op, what);
-  require_same_device(t, x, op, what, "x");
-  require_same_dtype(t, x, op, what, "x");
+  const DType cdt = hlm::compute_dtype(ref.dtype());
+  HLM_CHECK(t.dtype() == cdt, "{}: {} must be {} (the computation dtype of {}, {}), got {}", op,
+            what, dtype_name(cdt), ref_name, dtype_name(ref.dtype()), t.describe());
+  require_same_device(t, ref, op, what, ref_name);
   require_shape(t, s, op, what);
 }
 

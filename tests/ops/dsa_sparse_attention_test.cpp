@@ -241,5 +241,60 @@ TEST(DsaSparseAttention, BadInputThrows) {
   EXPECT_THROW(sparse_attention(q, kv, good.to(DType::f32), cu, 4, 0.5), Error);
 }
 
+// causal_attention (no index tensor) is sparse_attention over every causal token ascending, bit
+// for bit, forward and backward, on packed documents (with a 1-token one), whatever padding the
+// index tensor has; its argument checks are sparse_attention's.
+TEST(DsaSparseAttention, CausalAttentionEqualsAllCausalSelectionBitwise) {
+  Rng rng(test_seed());
+  const std::vector<int64_t> lens{9, 1, 14, 5};
+  const int64_t T = 29, H = 3, D = 20, dv = 12;
+  const SeqLayout cu = seqs_of(lens);
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (DType dt : {DType::f64, DType::f32}) {
+    const Tensor q = randn({T, H, D}, dt, rng), kv = randn({T, D}, dt, rng);
+    const Tensor dout = randn({T, H, dv}, dt, rng);
+    const SparseAttentionOut c = causal_attention(q, kv, cu, dv, scale);
+    const SparseAttentionGrads gc =
+        causal_attention_backward(q, kv, cu, dv, scale, c.out, c.lse, dout);
+    for (int64_t W : {14, 17}) {
+      const Tensor idx = all_causal(lens, W);
+      const SparseAttentionOut s = sparse_attention(q, kv, idx, cu, dv, scale);
+      EXPECT_TRUE(bit_equal(c.out, s.out)) << dtype_name(dt) << " W " << W;
+      EXPECT_TRUE(bit_equal(c.lse, s.lse)) << dtype_name(dt) << " W " << W;
+      const SparseAttentionGrads gs =
+          sparse_attention_backward(q, kv, idx, cu, dv, scale, s.out, s.lse, dout);
+      EXPECT_TRUE(bit_equal(gc.dq, gs.dq)) << dtype_name(dt) << " W " << W;
+      EXPECT_TRUE(bit_equal(gc.dkv, gs.dkv)) << dtype_name(dt) << " W " << W;
+    }
+    // A strided q goes through .contiguous(): the same bits.
+    const Tensor qw = randn({T, H, 2 * D}, dt, rng);
+    qw.slice(2, 0, D).copy_(q);
+    const SparseAttentionOut cs = causal_attention(qw.slice(2, 0, D), kv, cu, dv, scale);
+    EXPECT_TRUE(bit_equal(cs.out, c.out));
+  }
+  const Tensor q = randn({4, 2, 4}, DType::f32, rng), kv = randn({4, 4}, DType::f32, rng);
+  const SeqLayout cu2 = seqs_of({2, 2});
+  const SparseAttentionOut f = causal_attention(q, kv, cu2, 4, 0.5);
+  const Tensor dout = randn({4, 2, 4}, DType::f32, rng);
+  EXPECT_NO_THROW(causal_attention_backward(q, kv, cu2, 4, 0.5, f.out, f.lse, dout));
+  hlm::testing::expect_error([&] { causal_attention(q, kv, cu2, 5, 0.5); },
+                             "causal_attention: d_v must be in [1, D_qk = 4]");
+  hlm::testing::expect_error([&] { causal_attention(q, kv, cu2, 4, 0.0); },
+                             "causal_attention: scale");
+  hlm::testing::expect_error([&] { causal_attention(q, kv.to(DType::f64), cu2, 4, 0.5); },
+                             "causal_attention: kv");
+  EXPECT_THROW(causal_attention(q, kv, seqs_of({2, 1}), 4, 0.5), Error);
+  EXPECT_THROW(causal_attention(q.to(DType::bf16), kv.to(DType::bf16), cu2, 4, 0.5), Error);
+  hlm::testing::expect_error(
+      [&] { causal_attention_backward(q, kv, cu2, 4, 0.5, f.out, f.lse.to(DType::f64), dout); },
+      "causal_attention_backward: lse");
+  hlm::testing::expect_error(
+      [&] {
+        causal_attention_backward(q, kv, cu2, 4, 0.5, f.out, f.lse,
+                                  randn({4, 2, 3}, DType::f32, rng));
+      },
+      "causal_attention_backward: d_out must have shape");
+}
+
 }  // namespace
 }  // namespace hlm::ops

@@ -7,11 +7,7 @@
 #include <string>
 
 #include "core/rng.h"
-#include "core/seq_layout.h"
 #include "ops/cross_entropy.h"
-#include "ops/dsa_indexer.h"
-#include "ops/dsa_kpool.h"
-#include "ops/dsa_sparse_attention.h"
 #include "ops/embedding.h"
 #include "ops/fp8_quant.h"
 #include "ops/layernorm.h"
@@ -57,17 +53,6 @@ TEST(FrontDoorGpu, OpsWithoutCudaKernelsSayWhich) {
   const Tensor xs = gpu(randn({4, 2, 3}, DType::f32, rng));
   expect_no_cuda_yet("mhc_collapse", "x", [&] {
     ops::mhc_collapse(xs, gpu(randn({4, 2}, DType::f32, rng)));
-  });
-  // DSA: cu_seqlens may stay on the host; the checks run first, then the switch answers.
-  const SeqLayout cu = SeqLayout::from_lengths({3, 1});
-  const Tensor q = gpu(randn({4, 2, 8}, DType::f32, rng)), k = gpu(randn({4, 8}, DType::f32, rng));
-  const Tensor wts = gpu(randn({4, 2}, DType::f32, rng));
-  expect_no_cuda_yet("indexer_scores", "q", [&] { ops::indexer_scores(q, k, wts, cu); });
-  const Tensor sel = gpu(Tensor::from_vector<int32_t>({4, 1}, {0, 1, 2, 3}));
-  expect_no_cuda_yet("sparse_attention", "q",
-                     [&] { ops::sparse_attention(q, k, sel, cu, 4, 0.5); });
-  expect_no_cuda_yet("kpool_compress", "k", [&] {
-    ops::kpool_compress(k, k, gpu(randn({2, 8}, DType::f32, rng)), cu);
   });
 }
 

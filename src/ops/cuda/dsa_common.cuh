@@ -1,0 +1,50 @@
+// The CUDA side's view of the DSA ops' shared plumbing (ops/dsa_common.h). Host interface,
+// includable from C++.
+//
+// The front doors check an op's index tensors on the host and build its pattern there
+// (dsa_detail::Pattern); the CUDA ops take that pattern as device arrays. A dense causal op needs
+// no pattern: its kernels derive each query's keys from the per-token geometry below.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "ops/dsa_common.h"
+
+namespace hlm::ops::cuda {
+
+// A host vector as a new 1-D CUDA tensor.
+template <class V>
+Tensor to_device(const std::vector<V>& v) {
+  return Tensor::from_vector<V>({int64_t(v.size())}, v).to(Device::cuda);
+}
+
+// A pattern on the device: i64 arrays except slot (i32). key_ptr / key_entry (the inverse map) are
+// uploaded only when asked for (backward passes); otherwise undefined.
+struct DsaPatternDev {
+  int64_t T = 0, W = 0, nkeys = 0, entries = 0;
+  Tensor row_ptr;    // [T+1]
+  Tensor slot;       // [E] i32
+  Tensor key;        // [E]
+  Tensor query;      // [E]
+  Tensor key_ptr;    // [nkeys+1]
+  Tensor key_entry;  // [E]
+};
+DsaPatternDev upload_pattern(const dsa_detail::Pattern& p, bool with_inverse);
+
+// Per-token geometry of a packed batch for keys grouped in pools of P tokens (P = 1: tokens):
+//   doc_start[t] = the first token of t's document,
+//   doc_end[t]   = one past the last token of t's document,
+//   key_base[t]  = the global id of the document's first key (its first token for P = 1, its first
+//                  pool, pool_offsets, for P > 1).
+// Query t (document-relative r = t - doc_start[t]) sees keys key_base[t] + [0, (r + 1) / P).
+struct DsaLayoutDev {
+  int64_t T = 0, P = 1, nkeys = 0;
+  Tensor doc_start;  // [T] i64
+  Tensor doc_end;    // [T] i64
+  Tensor key_base;   // [T] i64
+};
+DsaLayoutDev upload_layout(const std::vector<int64_t>& cu, int64_t P);
+
+}  // namespace hlm::ops::cuda

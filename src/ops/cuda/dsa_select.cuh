@@ -1,0 +1,32 @@
+// The CUDA side of the DSA selection ops and the indexer loss (dsa_select.cu): top-k selection
+// (ops/dsa_indexer.h), KPool's expansion of selected pools to token indices and its pool-level
+// targets (ops/dsa_kpool.h), and the indexer KL loss (ops/dsa_indexer_loss.h). Host interface,
+// includable from C++. The front doors check the arguments and allocate the outputs; scores and
+// targets are f32 or f64 (the computation dtype of the DSA ops), index tensors i32 or i64.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "ops/dsa_indexer_loss.h"
+
+namespace hlm::ops::cuda {
+
+// out i32 [T, k]: the rule of ops::topk_select (higher score, then lower index; NaN last), rows
+// in increasing index order, -1 padded.
+void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
+                 Tensor& out);
+// indices i32 [T, K (+ P - 1)] from the selected pools i32 [T, K / P] (KPoolSelection).
+void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
+                          bool always_select_tail, Tensor& indices);
+void kpool_pool_target_dense(const Tensor& token_target, const std::vector<int64_t>& cu, int64_t P,
+                             Tensor& out);
+// pools: i32 or i64 [T, G] on the device.
+void kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools, int64_t P,
+                              Tensor& out);
+// r.d_scores allocated by the front door; r.loss and r.rows are filled here.
+void indexer_kl_loss(const Tensor& scores, const Tensor& target, double coeff,
+                     KlReduction reduction, IndexerKl& r);
+
+}  // namespace hlm::ops::cuda
