@@ -5,8 +5,8 @@
 //   x -> kv_a_proj_with_mqa -> [lat ; kp]; c_kv = RMSNorm(lat); kp = RoPE(kp); kv = [c_kv ; kp]
 //   c_kv -> kv_b_proj -> per head [k_nope_h ; v_h];  k_h = [k_nope_h ; kp]
 //   o = causal softmax attention(q, k, v) per sequence;  y = o_proj(o)
-// Forward (absorbed): q_abs_h = [qn_h W_UK_h ; qp_h];  o_lat = sparse_attention(q_abs, kv, every
-//   causal token, d_v = r_kv);  o_h = o_lat_h W_UV_h^T;  y = o_proj(concat o_h).
+// Forward (absorbed): q_abs_h = [qn_h W_UK_h ; qp_h];  o_lat = causal_attention(q_abs, kv,
+//   d_v = r_kv) (every causal token);  o_h = o_lat_h W_UV_h^T;  y = o_proj(concat o_h).
 // Attention (per sequence, head h, query t, keys s <= t of t's sequence):
 //   l_s = scale q_t . k_s;  lse = log sum_s exp(l_s);  p_s = exp(l_s - lse);  o_t = sum_s p_s v_s
 // Backward:
@@ -655,10 +655,9 @@ Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const 
     if (s) s->k = k, s->v = v, s->attn = attn, s->lse = lse;
   } else {
     const Tensor qa = absorb_query(p.q);
-    const Tensor idx = causal_indices(cu, T);
-    ops::SparseAttentionOut r = ops::sparse_attention(qa, p.kv, idx, seqs, rkv, scale);
+    ops::SparseAttentionOut r = ops::causal_attention(qa, p.kv, seqs, rkv, scale);
     y = output(c, r.out, s ? &s->out : nullptr);
-    if (s) s->q_abs = qa, s->indices = idx, s->lse = r.lse;
+    if (s) s->q_abs = qa, s->lse = r.lse;
   }
   if (s) s->p = p;
   return y;
@@ -723,8 +722,8 @@ Tensor Mla::backward_full(const Tensor& dy, const Saved& s) {
     return project_backward(c, dq, dkv, s.proj);
   }
   const Tensor dol = output_backward(c, dy, s.out);
-  const ops::SparseAttentionGrads g = ops::sparse_attention_backward(
-      s.q_abs, s.p.kv, s.indices, s.seqs, rkv, scale, s.out.o_lat, s.lse, dol);
+  const ops::SparseAttentionGrads g =
+      ops::causal_attention_backward(s.q_abs, s.p.kv, s.seqs, rkv, scale, s.out.o_lat, s.lse, dol);
   const Tensor dq = absorb_query_backward(g.dq, s.p.q);
   return project_backward(c, dq, g.dkv, s.proj);
 }

@@ -137,8 +137,7 @@ class Mla : public Module {
     Tensor attn;  // [T, H, d_v] attention output (input of o_proj)
     Linear::Saved o_proj;
     // absorbed
-    Tensor q_abs;    // [T, H, r_kv + d_r]
-    Tensor indices;  // i32 [T, max len]: every causal token
+    Tensor q_abs;  // [T, H, r_kv + d_r]
     OutSaved out;
     Tensor lse;  // [T, H] natural-log softmax normaliser
   };
