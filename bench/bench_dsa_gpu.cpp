@@ -1,0 +1,179 @@
+// DSA layer ops on the GPU at GLM-5.3-Flash's shapes: indexer (H_I = 32, d_I = 128, bf16),
+// KPool (P = 4) and top-k (2048 tokens: 512 pools + the 3-token tail), then the sparse MLA
+// attention in the absorbed NoPE form (H = 64, D_qk = d_v = 512, bf16) forward and backward over
+// that selection, for T = 8192 and 32768 tokens packed as two documents (3/4 and 1/4 of T).
+//
+// Prints, per T: the time of each op (median of the timed calls, CUDA events around the front
+// door, so host-side checks and the index pattern the front door builds are included), the host
+// part alone (building the selection's pattern, dsa_detail::rows_pattern), and the sparse
+// attention's TFLOP/s counting only the selected keys:
+//   forward  2 H n (D_qk + d_v)        (logits and the weighted sum of values)
+//   backward 2 H n (3 D_qk + 2 d_v)    (logits again, dP, dV, dQ, dK: FlashAttention's count)
+// with n the number of selected (query, key) pairs, and the fraction of 790 TFLOP/s, the BF16
+// tensor-core rate the project's targets count against (NVIDIA lists 989 TFLOP/s dense BF16 for
+// the H100 SXM at its boost clock). The baseline is cuBLAS: the same two products as the sparse
+// forward, for every query against 2048 shared keys (cublasGemmStridedBatchedEx, bf16 in, f32
+// accumulate), the rate dense attention reaches at these shapes.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include "core/rng.h"
+#include "core/seq_layout.h"
+#include "ops/dsa_common.h"
+#include "ops/dsa_indexer.h"
+#include "ops/dsa_kpool.h"
+#include "ops/dsa_sparse_attention.h"
+
+#ifdef HLM_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+constexpr double kPeakTflops = 790.0;
+
+#ifdef HLM_HAVE_CUDA
+// Median milliseconds of `reps` calls of f after one warm-up call.
+double time_ms(const std::function<void()>& f, int reps) {
+  f();
+  cudaDeviceSynchronize();
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(e0);
+    f();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// cuBLAS: for each of `batch` queries, S = Q_t K^T ([H, n] from [H, D] x [n, D]^T) and
+// O = S V ([H, d_v]); K and V shared by every query (stride 0). bf16 in and out, f32 accumulate.
+double dense_baseline_ms(int64_t batch, int64_t H, int64_t D, int64_t dv, int64_t n, int reps) {
+  cublasHandle_t h;
+  cublasCreate(&h);
+  void *q, *k, *v, *s, *o;
+  cudaMalloc(&q, size_t(batch * H * D * 2));
+  cudaMalloc(&k, size_t(n * D * 2));
+  cudaMalloc(&v, size_t(n * dv * 2));
+  cudaMalloc(&s, size_t(batch * H * n * 2));
+  cudaMalloc(&o, size_t(batch * H * dv * 2));
+  cudaMemset(q, 0, size_t(batch * H * D * 2));
+  cudaMemset(k, 0, size_t(n * D * 2));
+  cudaMemset(v, 0, size_t(n * dv * 2));
+  const float one = 1.f, zero = 0.f;
+  auto run = [&] {
+    // Column-major: S^T [n, H] = K [n, D] (as D x n transposed) x Q^T [D, H].
+    cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(H), int(D), &one, k,
+                               CUDA_R_16BF, int(D), 0, q, CUDA_R_16BF, int(D), H * D, &zero, s,
+                               CUDA_R_16BF, int(n), H * n, int(batch), CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT);
+    // O^T [dv, H] = V^T [dv, n] x S^T [n, H].
+    cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(dv), int(H), int(n), &one, v,
+                               CUDA_R_16BF, int(dv), 0, s, CUDA_R_16BF, int(n), H * n, &zero, o,
+                               CUDA_R_16BF, int(dv), H * dv, int(batch), CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT);
+  };
+  const double ms = time_ms(run, reps);
+  for (void* p : {q, k, v, s, o}) cudaFree(p);
+  cublasDestroy(h);
+  return ms;
+}
+#endif
+
+}  // namespace
+
+int main() {
+#ifndef HLM_HAVE_CUDA
+  std::puts("bench_dsa_gpu: built without CUDA");
+  return 0;
+#else
+  using namespace hlm;
+  if (!cuda_available()) {
+    std::puts("bench_dsa_gpu: no CUDA device present");
+    return 0;
+  }
+  const int64_t HI = 32, DI = 128, P = 4, K = 2048, H = 64, D = 512, dv = 512;
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (int64_t T : {8192, 32768}) {
+    const std::vector<int64_t> lens{T / 4 * 3, T / 4};
+    const SeqLayout seqs = SeqLayout::from_lengths(lens);
+    Rng rng(4242 + uint64_t(T));
+    const Tensor qi = randn({T, HI, DI}, DType::bf16, rng).to(Device::cuda);
+    const Tensor ki = randn({T, DI}, DType::bf16, rng).to(Device::cuda);
+    const Tensor gate = randn({T, DI}, DType::bf16, rng).to(Device::cuda);
+    const Tensor ape = randn({P, DI}, DType::f32, rng, 0.1).to(Device::cuda);
+    const Tensor w = randn({T, HI}, DType::bf16, rng, 1.0 / std::sqrt(double(HI))).to(Device::cuda);
+    ops::IndexerScoreOptions so;
+    so.pool = P;
+    Tensor pooled, scores;
+    ops::KPoolSelection sel;
+    const int reps = T > 8192 ? 3 : 5;
+    const double t_pool = time_ms([&] { pooled = ops::kpool_compress(ki, gate, ape, seqs); }, reps);
+    const double t_score =
+        time_ms([&] { scores = ops::indexer_scores(qi, pooled, w, seqs, so); }, reps);
+    const double t_sel = time_ms([&] { sel = ops::kpool_select(scores, seqs, K, P); }, reps);
+
+    const Tensor q = randn({T, H, D}, DType::bf16, rng).to(Device::cuda);
+    const Tensor kv = randn({T, D}, DType::bf16, rng).to(Device::cuda);
+    const Tensor dout = randn({T, H, dv}, DType::bf16, rng).to(Device::cuda);
+    const Tensor idx_host = sel.indices.to(Device::cpu);
+    int64_t n = 0;
+    for (int64_t i = 0; i < idx_host.numel(); ++i) n += idx_host.data<int32_t>()[i] >= 0;
+    const auto h0 = std::chrono::steady_clock::now();
+    const ops::dsa_detail::Pattern pat =
+        ops::dsa_detail::rows_pattern(idx_host, seqs.offsets(), 1, "bench", "indices");
+    const double t_pattern =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+    ops::SparseAttentionOut fwd;
+    const double t_fwd =
+        time_ms([&] { fwd = ops::sparse_attention(q, kv, sel.indices, seqs, dv, scale); }, reps);
+    const double t_bwd = time_ms(
+        [&] {
+          ops::sparse_attention_backward(q, kv, sel.indices, seqs, dv, scale, fwd.out, fwd.lse,
+                                         dout);
+        },
+        reps);
+    const double f_fwd = 2.0 * double(H) * double(n) * double(D + dv);
+    const double f_bwd = 2.0 * double(H) * double(n) * double(3 * D + 2 * dv);
+    const double tf_fwd = f_fwd / (t_fwd * 1e-3) / 1e12, tf_bwd = f_bwd / (t_bwd * 1e-3) / 1e12;
+    // Dense baseline: the forward's two products for 2048 queries at a time, scaled to T.
+    const int64_t chunk = 2048;
+    const double t_dense = dense_baseline_ms(chunk, H, D, dv, K, reps) * double(T) / double(chunk);
+    const double tf_dense =
+        2.0 * double(H) * double(T) * double(K) * double(D + dv) / (t_dense * 1e-3) / 1e12;
+    std::printf("T = %ld (documents %ld + %ld), selected pairs n = %ld (%.1f per query)\n", long(T),
+                long(lens[0]), long(lens[1]), long(n), double(n) / double(T));
+    std::printf("  kpool_compress        %10.3f ms\n", t_pool);
+    std::printf("  indexer_scores (pool) %10.3f ms\n", t_score);
+    std::printf("  kpool_select (top-k) %11.3f ms\n", t_sel);
+    std::printf("  indexer + selection   %10.3f ms  (%.2fx the sparse forward's time)\n",
+                t_pool + t_score + t_sel, (t_pool + t_score + t_sel) / t_fwd);
+    std::printf("  host pattern of the selection %8.3f ms (inside each attention call below)\n",
+                t_pattern);
+    std::printf("  sparse forward        %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g\n", t_fwd, tf_fwd,
+                100.0 * tf_fwd / kPeakTflops, kPeakTflops);
+    std::printf("  sparse backward       %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g\n", t_bwd, tf_bwd,
+                100.0 * tf_bwd / kPeakTflops, kPeakTflops);
+    std::printf(
+        "  cuBLAS dense products %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g (2048 keys each)\n",
+        t_dense, tf_dense, 100.0 * tf_dense / kPeakTflops, kPeakTflops);
+    (void)pat;
+  }
+  return 0;
+#endif
+}
