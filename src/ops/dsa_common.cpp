@@ -2,6 +2,8 @@
 // front doors and by the CPU references.
 #include "ops/dsa_common.h"
 
+#include <omp.h>
+
 #include <algorithm>
 
 #include "ops/op_checks.h"
@@ -26,15 +28,35 @@ int64_t max_keys_per_doc(const std::vector<int64_t>& cu, int64_t pool) {
 }
 
 void build_inverse(Pattern& p) {
-  const int64_t E = p.entries();
-  p.key_ptr.assign(size_t(p.nkeys + 1), 0);
-  for (int64_t e = 0; e < E; ++e) ++p.key_ptr[size_t(p.key[size_t(e)] + 1)];
-  for (int64_t r = 0; r < p.nkeys; ++r) p.key_ptr[size_t(r + 1)] += p.key_ptr[size_t(r)];
-  std::vector<int64_t> fill(p.key_ptr.begin(), p.key_ptr.end() - 1);
+  const int64_t E = p.entries(), NK = p.nkeys;
+  // A stable counting sort of the entries by key. Entries are stored query by query, each row in
+  // slot order, so a stable sort keeps each key's list in increasing (t, slot) order. In parallel:
+  // the entries are cut into C chunks in order, chunk c counts its keys, and the offsets are laid
+  // out key by key and, within a key, chunk by chunk; each chunk then fills its entries in order,
+  // which gives exactly the result of one sequential pass.
+  const int64_t C = E < (int64_t(1) << 16) ? 1 : std::clamp<int64_t>(omp_get_max_threads(), 1, 64);
+  const int64_t per = (E + C - 1) / std::max<int64_t>(C, 1);
+  std::vector<int64_t> at(size_t(C * NK), 0);  // [C, NK]: counts, then each chunk's next slot
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t e = c * per; e < std::min(E, (c + 1) * per); ++e)
+      ++at[size_t(c * NK + p.key[size_t(e)])];
+  p.key_ptr.assign(size_t(NK + 1), 0);
+  int64_t run = 0;
+  for (int64_t k = 0; k < NK; ++k) {
+    p.key_ptr[size_t(k)] = run;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t n = at[size_t(c * NK + k)];
+      at[size_t(c * NK + k)] = run;
+      run += n;
+    }
+  }
+  p.key_ptr[size_t(NK)] = run;
   p.key_entry.assign(size_t(E), 0);
-  // Entries are stored query by query, each row in slot order, so a forward scan keeps each key's
-  // list in increasing (t, slot) order.
-  for (int64_t e = 0; e < E; ++e) p.key_entry[size_t(fill[size_t(p.key[size_t(e)])]++)] = e;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t e = c * per; e < std::min(E, (c + 1) * per); ++e)
+      p.key_entry[size_t(at[size_t(c * NK + p.key[size_t(e)])]++)] = e;
 }
 
 Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) {
@@ -69,7 +91,7 @@ Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) 
 }
 
 Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
-                     const char* op, const char* what) {
+                     const char* op, const char* what, bool with_inverse) {
   detail::require_int(rows, op, what);
   const int64_t T = cu.back();
   HLM_CHECK(rows.dim() == 2 && rows.size(0) == T, "{}: {} must be [T = {}, W], got {}", op, what, T,
@@ -146,7 +168,7 @@ Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t
       ++e;
     }
   }
-  build_inverse(p);
+  if (with_inverse) build_inverse(p);
   return p;
 }
 

@@ -56,9 +56,10 @@ Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W);
 
 // Pattern of explicit key rows [T, W] (i32 or i64; -1 = empty slot, skipped). Every other entry
 // must be a causal key of the query's own document (as in causal_pattern) and appear at most once
-// in its row; anything else throws, naming `what`.
+// in its row; anything else throws, naming `what`. The inverse map is built only with_inverse
+// (backward passes); forward passes leave key_ptr / key_entry empty.
 Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
-                     const char* op, const char* what);
+                     const char* op, const char* what, bool with_inverse = true);
 
 // Builds the inverse map of a pattern whose forward part is filled.
 void build_inverse(Pattern& p);

@@ -84,7 +84,7 @@ Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, cons
                          const Tensor& rows, const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_at";
   const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
-  const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
+  const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows", false);
   Tensor out = new_scores(a, p.W);
   if (a.dev == Device::cpu) {
     cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);

@@ -61,7 +61,8 @@ Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& s
                            const Tensor& indices, double scale) {
   const char* op = "attention_target_at";
   const std::vector<int64_t> cu = check_target(q, kv, indices, seqs, scale, op);
-  return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices"), scale, op);
+  return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices", false), scale,
+                    op);
 }
 
 IndexerKl indexer_kl_loss(const Tensor& scores_, const Tensor& target_, double coeff,

@@ -67,7 +67,7 @@ SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const T
                                     const SeqLayout& seqs, int64_t d_v, double scale) {
   const char* op = "sparse_attention";
   const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
-  const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
+  const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices", false);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   SparseAttentionOut r = new_forward_outputs(a, q, d_v);
   HLM_DISPATCH(op, a.dev, sparse_attention, q, kv, p, d_v, scale, r.out, r.lse);
