@@ -7,7 +7,7 @@
 set -euo pipefail
 build=$1; pack=$2; tarball=${3:-}
 rm -rf "$pack"; mkdir -p "$pack/lib"
-bins=(tests/hlm_gpu_tests bench/bench_kda_decode_gpu bench/kda_lab/kda_bits bench/kda_lab/kda_stage_timer
+bins=(tests/hlm_gpu_tests bench/bench_kda_decode_gpu bench/bench_dsa_gpu bench/kda_lab/kda_bits bench/kda_lab/kda_stage_timer
       bench/kda_lab/kda_tf32_study)
 for b in "${bins[@]}"; do [ -f "$build/$b" ] && cp "$build/$b" "$pack/"; done
 # Libraries from Debian packages that a CUDA image may lack (the CUDA ones are on the machine).
