@@ -18,6 +18,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -61,6 +63,24 @@ double time_ms(const std::function<void()>& f, int reps) {
   return ms[ms.size() / 2];
 }
 
+// A bf16 CUDA tensor [T, row...] of normal draws: 1024 random rows repeated (drawing 2^30 normals
+// on one host core would take longer than every op timed here; the timings do not depend on the
+// values beyond their scale).
+hlm::Tensor tiled_randn(int64_t T, const hlm::Shape& row, hlm::Rng& rng) {
+  using namespace hlm;
+  const int64_t R = std::min<int64_t>(T, 1024);
+  Shape shape{R};
+  shape.insert(shape.end(), row.begin(), row.end());
+  const Tensor block = randn(shape, DType::bf16, rng);
+  shape[0] = T;
+  Tensor out = Tensor::empty(shape, DType::bf16);
+  const size_t bytes = size_t(block.numel()) * 2;
+  for (int64_t r0 = 0; r0 < T; r0 += R)
+    std::memcpy(static_cast<char*>(out.raw()) + size_t(r0 / R) * bytes, block.raw(),
+                size_t(std::min(R, T - r0)) * bytes / size_t(R));
+  return out.to(Device::cuda);
+}
+
 // cuBLAS: for each of `batch` queries, S = Q_t K^T ([H, n] from [H, D] x [n, D]^T) and
 // O = S V ([H, d_v]); K and V shared by every query (stride 0). bf16 in and out, f32 accumulate.
 double dense_baseline_ms(int64_t batch, int64_t H, int64_t D, int64_t dv, int64_t n, int reps) {
@@ -97,8 +117,9 @@ double dense_baseline_ms(int64_t batch, int64_t H, int64_t D, int64_t dv, int64_
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
 #ifndef HLM_HAVE_CUDA
+  (void)argc, (void)argv;
   std::puts("bench_dsa_gpu: built without CUDA");
   return 0;
 #else
@@ -109,7 +130,12 @@ int main() {
   }
   const int64_t HI = 32, DI = 128, P = 4, K = 2048, H = 64, D = 512, dv = 512;
   const double scale = 1.0 / std::sqrt(double(D));
-  for (int64_t T : {8192, 32768}) {
+  // Token counts from the command line (default 8192 32768), each a multiple of 4.
+  std::vector<int64_t> Ts;
+  for (int i = 1; i < argc; ++i) Ts.push_back(std::max<int64_t>(4, std::atoll(argv[i]) / 4 * 4));
+  if (Ts.empty()) Ts = {8192, 32768};
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as soon as it is known
+  for (int64_t T : Ts) {
     const std::vector<int64_t> lens{T / 4 * 3, T / 4};
     const SeqLayout seqs = SeqLayout::from_lengths(lens);
     Rng rng(4242 + uint64_t(T));
@@ -122,57 +148,56 @@ int main() {
     so.pool = P;
     Tensor pooled, scores;
     ops::KPoolSelection sel;
-    const int reps = T > 8192 ? 3 : 5;
+    const int reps = T > 8192 ? 1 : 3;
+    std::printf("T = %ld (documents %ld + %ld)\n", long(T), long(lens[0]), long(lens[1]));
     const double t_pool = time_ms([&] { pooled = ops::kpool_compress(ki, gate, ape, seqs); }, reps);
+    std::printf("  kpool_compress        %10.3f ms\n", t_pool);
     const double t_score =
         time_ms([&] { scores = ops::indexer_scores(qi, pooled, w, seqs, so); }, reps);
+    std::printf("  indexer_scores (pool) %10.3f ms\n", t_score);
     const double t_sel = time_ms([&] { sel = ops::kpool_select(scores, seqs, K, P); }, reps);
+    std::printf("  kpool_select (top-k) %11.3f ms\n", t_sel);
 
-    const Tensor q = randn({T, H, D}, DType::bf16, rng).to(Device::cuda);
+    const Tensor q = tiled_randn(T, {H, D}, rng);
     const Tensor kv = randn({T, D}, DType::bf16, rng).to(Device::cuda);
-    const Tensor dout = randn({T, H, dv}, DType::bf16, rng).to(Device::cuda);
+    const Tensor dout = tiled_randn(T, {H, dv}, rng);
     const Tensor idx_host = sel.indices.to(Device::cpu);
     int64_t n = 0;
     for (int64_t i = 0; i < idx_host.numel(); ++i) n += idx_host.data<int32_t>()[i] >= 0;
+    std::printf("  selected pairs n = %ld (%.1f per query)\n", long(n), double(n) / double(T));
     const auto h0 = std::chrono::steady_clock::now();
-    const ops::dsa_detail::Pattern pat =
-        ops::dsa_detail::rows_pattern(idx_host, seqs.offsets(), 1, "bench", "indices");
+    ops::dsa_detail::rows_pattern(idx_host, seqs.offsets(), 1, "bench", "indices");
     const double t_pattern =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+    std::printf("  host pattern of the selection %8.3f ms (inside each attention call below)\n",
+                t_pattern);
     ops::SparseAttentionOut fwd;
     const double t_fwd =
         time_ms([&] { fwd = ops::sparse_attention(q, kv, sel.indices, seqs, dv, scale); }, reps);
+    const double f_fwd = 2.0 * double(H) * double(n) * double(D + dv);
+    const double tf_fwd = f_fwd / (t_fwd * 1e-3) / 1e12;
+    std::printf("  sparse forward        %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g\n", t_fwd, tf_fwd,
+                100.0 * tf_fwd / kPeakTflops, kPeakTflops);
+    std::printf("  indexer + selection   %10.3f ms  (%.3fx the sparse forward's time)\n",
+                t_pool + t_score + t_sel, (t_pool + t_score + t_sel) / t_fwd);
     const double t_bwd = time_ms(
         [&] {
           ops::sparse_attention_backward(q, kv, sel.indices, seqs, dv, scale, fwd.out, fwd.lse,
                                          dout);
         },
         reps);
-    const double f_fwd = 2.0 * double(H) * double(n) * double(D + dv);
     const double f_bwd = 2.0 * double(H) * double(n) * double(3 * D + 2 * dv);
-    const double tf_fwd = f_fwd / (t_fwd * 1e-3) / 1e12, tf_bwd = f_bwd / (t_bwd * 1e-3) / 1e12;
+    const double tf_bwd = f_bwd / (t_bwd * 1e-3) / 1e12;
+    std::printf("  sparse backward       %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g\n", t_bwd, tf_bwd,
+                100.0 * tf_bwd / kPeakTflops, kPeakTflops);
     // Dense baseline: the forward's two products for 2048 queries at a time, scaled to T.
     const int64_t chunk = 2048;
     const double t_dense = dense_baseline_ms(chunk, H, D, dv, K, reps) * double(T) / double(chunk);
     const double tf_dense =
         2.0 * double(H) * double(T) * double(K) * double(D + dv) / (t_dense * 1e-3) / 1e12;
-    std::printf("T = %ld (documents %ld + %ld), selected pairs n = %ld (%.1f per query)\n", long(T),
-                long(lens[0]), long(lens[1]), long(n), double(n) / double(T));
-    std::printf("  kpool_compress        %10.3f ms\n", t_pool);
-    std::printf("  indexer_scores (pool) %10.3f ms\n", t_score);
-    std::printf("  kpool_select (top-k) %11.3f ms\n", t_sel);
-    std::printf("  indexer + selection   %10.3f ms  (%.2fx the sparse forward's time)\n",
-                t_pool + t_score + t_sel, (t_pool + t_score + t_sel) / t_fwd);
-    std::printf("  host pattern of the selection %8.3f ms (inside each attention call below)\n",
-                t_pattern);
-    std::printf("  sparse forward        %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g\n", t_fwd, tf_fwd,
-                100.0 * tf_fwd / kPeakTflops, kPeakTflops);
-    std::printf("  sparse backward       %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g\n", t_bwd, tf_bwd,
-                100.0 * tf_bwd / kPeakTflops, kPeakTflops);
     std::printf(
         "  cuBLAS dense products %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g (2048 keys each)\n",
         t_dense, tf_dense, 100.0 * tf_dense / kPeakTflops, kPeakTflops);
-    (void)pat;
   }
   return 0;
 #endif
