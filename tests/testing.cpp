@@ -4,6 +4,8 @@
 #include <cstring>
 #include <limits>
 
+#include "ops/dispatch.h"
+
 namespace hlm::testing {
 
 uint64_t test_seed() {
@@ -175,6 +177,17 @@ Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng) {
     for (int64_t c = 0; c < D; ++c) d[i * D + c] /= std::sqrt(n);
   }
   return x.to(dt);
+}
+
+PoisonOutputs::PoisonOutputs() {
+  ops::set_poison_outputs(true);
+}
+PoisonOutputs::~PoisonOutputs() {
+  ops::set_poison_outputs(false);
+}
+
+Tensor round_bf16(const Tensor& t) {
+  return t.to(DType::bf16).to(DType::f32);
 }
 
 Tensor gpu(const Tensor& t) {

@@ -72,6 +72,18 @@ int64_t total(const std::vector<int64_t>& lengths);
 // the command-line tests.
 extern const char* const kSmallModelJson;
 
+// While alive, every output an op allocates is NaN-poisoned (ops::set_poison_outputs): an element
+// an implementation forgets to write shows up.
+struct PoisonOutputs {
+  PoisonOutputs();
+  ~PoisonOutputs();
+  PoisonOutputs(const PoisonOutputs&) = delete;
+  PoisonOutputs& operator=(const PoisonOutputs&) = delete;
+};
+
+// t rounded to bf16 and back to f32 (CPU): what a CPU reference sees of a GPU op's bf16 input.
+Tensor round_bf16(const Tensor& t);
+
 // Copies of t on the GPU / the host (an undefined t stays undefined): for the GPU tests.
 Tensor gpu(const Tensor& t);
 Tensor cpu(const Tensor& t);

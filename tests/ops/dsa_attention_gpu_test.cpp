@@ -32,15 +32,8 @@ namespace {
 using testing::cpu;
 using testing::gpu;
 
-struct Poison {
-  Poison() { ops::set_poison_outputs(true); }
-  ~Poison() { ops::set_poison_outputs(false); }
-};
-
-Tensor round_bf16(const Tensor& t) {
-  return t.to(DType::bf16).to(DType::f32);
-}
-
+using Poison = testing::PoisonOutputs;
+using testing::round_bf16;
 // A GPU output against the CPU reference; `dt` is the output's storage dtype. f32 / f64: max
 // error / max |ref| <= 2e-5 / 1e-12. bf16 (computed in f32 from the same bf16 values as the CPU
 // f32 op, then rounded): rounding to bf16 alone moves a value by up to 2^-8 of itself and gives a

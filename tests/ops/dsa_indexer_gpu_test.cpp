@@ -32,15 +32,8 @@ namespace {
 using testing::cpu;
 using testing::gpu;
 
-struct Poison {
-  Poison() { ops::set_poison_outputs(true); }
-  ~Poison() { ops::set_poison_outputs(false); }
-};
-
-Tensor round_bf16(const Tensor& t) {
-  return t.to(DType::bf16).to(DType::f32);
-}
-
+using Poison = testing::PoisonOutputs;
+using testing::round_bf16;
 // A GPU output against the CPU reference, at the bound of the GPU output's dtype; non-finite
 // values (the -inf outside the set) must sit at the same places with the same values.
 void check(const std::string& what, const Tensor& out_gpu, const Tensor& ref) {

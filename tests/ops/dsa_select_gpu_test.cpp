@@ -24,11 +24,7 @@ using testing::gpu;
 using testing::seqs_of;
 using testing::test_seed;
 
-struct Poison {
-  Poison() { ops::set_poison_outputs(true); }
-  ~Poison() { ops::set_poison_outputs(false); }
-};
-
+using Poison = testing::PoisonOutputs;
 // Max |out - ref| / max |ref| of a GPU output against its CPU reference, checked against the
 // dtype's bound and printed.
 void expect_close(const char* what, const Tensor& out_gpu, const Tensor& ref) {
@@ -196,8 +192,8 @@ TEST(DsaSelectGpu, BadArgumentsAreRefused) {
   testing::expect_error([&] { ops::topk_select(gpu(sc.to(DType::bf16)), seqs, 2); }, "f32 or f64");
   testing::expect_error([&] { ops::indexer_kl_loss(gpu(sc), sc); }, "device");
   const ops::KPoolSelection sel = ops::kpool_select(gpu(sc), seqs, 4, 4);
-  testing::expect_error([&] { ops::kpool_pool_target_sparse(gpu(sc), sel.pools.to(Device::cpu), 4); },
-                        "device");
+  testing::expect_error(
+      [&] { ops::kpool_pool_target_sparse(gpu(sc), sel.pools.to(Device::cpu), 4); }, "device");
 }
 
 }  // namespace

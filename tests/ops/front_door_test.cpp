@@ -37,10 +37,7 @@ namespace {
 using hlm::testing::test_seed;
 using Outs = std::vector<Tensor>;
 
-struct PoisonOn {
-  PoisonOn() { set_poison_outputs(true); }
-  ~PoisonOn() { set_poison_outputs(false); }
-};
+using PoisonOn = hlm::testing::PoisonOutputs;
 
 // Runs `run` with the hook off, then on; every output must have the same bits.
 void expect_poison_invariant(const char* what, const std::function<Outs()>& run) {

@@ -21,22 +21,14 @@
 namespace hlm {
 namespace {
 
-struct Poison {
-  Poison() { ops::set_poison_outputs(true); }
-  ~Poison() { ops::set_poison_outputs(false); }
-};
-
+using Poison = testing::PoisonOutputs;
 Tensor gpu(const Tensor& t) {
   return t.defined() ? t.to(Device::cuda) : Tensor();
 }
 Tensor cpu(const Tensor& t) {
   return t.to(Device::cpu);
 }
-// bf16-rounded copy as f32 on the CPU.
-Tensor round_bf16(const Tensor& t) {
-  return t.to(DType::bf16).to(DType::f32);
-}
-
+using testing::round_bf16;
 // Checks a GPU output (any dtype) against a CPU reference; prints the errors.
 void check(const char* what, const Tensor& out_gpu, const Tensor& ref, DType dt) {
   const Tensor o = cpu(out_gpu).to(ref.dtype());

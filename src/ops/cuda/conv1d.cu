@@ -29,18 +29,9 @@ struct ConvDims {
   const int64_t* cu;  // [N+1] device
 };
 
-// The sequence of token t: the largest n with cu[n] <= t (t < T, N >= 1).
+// The sequence of token t: the largest n < N with cu[n] <= t (t < T, N >= 1).
 __device__ __forceinline__ int64_t seq_of(const int64_t* cu, int64_t N, int64_t t) {
-  int64_t lo = 0, hi = N - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (cu[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return last_le(cu, N, t);
 }
 
 template <class A, class TX>

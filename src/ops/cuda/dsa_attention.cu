@@ -91,15 +91,25 @@ __device__ __forceinline__ A max_of(A a, A b) {
   return b > a ? b : a;
 }
 
-// Max over the 32 lanes (exact in any order), the same value in every lane.
-template <class A>
-__device__ __forceinline__ A warp_max(A x) {
+// acc[h][k] += w[h kTile + j] * row_j[c + 256 k] over the tile's keys j in order (row j at
+// ks + j kstride; channels at or past lim read as 0): the value (p v) and dq (ds k) products.
+template <int HG, int CPT, class A>
+__device__ __forceinline__ void tile_accumulate(A (&acc)[HG][CPT], const A* w, const A* ks,
+                                                int kstride, int nj, int c, int lim) {
+  for (int j = 0; j < nj; ++j) {
+    A v[CPT];
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const A y = __shfl_xor_sync(0xffffffffu, x, off);
-    x = y > x ? y : x;
+    for (int k = 0; k < CPT; ++k) {
+      const int ck = c + kThreads * k;
+      v[k] = ck < lim ? ks[j * kstride + ck] : A(0);
+    }
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+      const A p = w[h * kTile + j];
+#pragma unroll
+      for (int k = 0; k < CPT; ++k) acc[h][k] = dfma(p, v[k], acc[h][k]);
+    }
   }
-  return x;
 }
 
 // The key source of the kernels: an explicit pattern or the dense causal set of each document.
@@ -273,20 +283,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < CPT; ++k) acc[h][k] *= a;
       }
-      for (int j = 0; j < nj; ++j) {
-        A v[CPT];
-#pragma unroll
-        for (int k = 0; k < CPT; ++k) {
-          const int c = c0 + tid + kThreads * k;
-          v[k] = c < dv ? ks[j * kstride + c] : A(0);
-        }
-#pragma unroll
-        for (int h = 0; h < HG; ++h) {
-          const A p = ps[h * kTile + j];
-#pragma unroll
-          for (int k = 0; k < CPT; ++k) acc[h][k] = dfma(p, v[k], acc[h][k]);
-        }
-      }
+      tile_accumulate<HG, CPT>(acc, ps, ks, kstride, nj, c0 + tid, dv);
     }
   }
   if (warp < HG && lane == 0)
@@ -401,20 +398,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
-    for (int j = 0; j < nj; ++j) {
-      A kc[CPT];
-#pragma unroll
-      for (int k = 0; k < CPT; ++k) {
-        const int c = c0 + tid + kThreads * k;
-        kc[k] = c < D ? ks[j * kstride + c] : A(0);
-      }
-#pragma unroll
-      for (int h = 0; h < HG; ++h) {
-        const A d = ps[h * kTile + j];
-#pragma unroll
-        for (int k = 0; k < CPT; ++k) acc[h][k] = dfma(d, kc[k], acc[h][k]);
-      }
-    }
+    tile_accumulate<HG, CPT>(acc, ps, ks, kstride, nj, c0 + tid, D);
   }
 #pragma unroll
   for (int h = 0; h < HG; ++h) {

@@ -99,19 +99,6 @@ __device__ __forceinline__ A neg_inf() {
   return -std::numeric_limits<A>::infinity();
 }
 
-// The largest i in [0, n) with a[i] <= v (a non-decreasing, a[0] <= v).
-__device__ __forceinline__ int64_t last_le(const int64_t* a, int64_t n, int64_t v) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (a[mid] <= v)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // Sum over the 16 threads of a row group (threads 16g .. 16g + 15 of a warp): fixed butterfly.
 template <class A>
 __device__ __forceinline__ A group16_sum(A v) {

@@ -29,20 +29,6 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int64_t kChunk = 64;  // pools per dape partial
 
-// The largest i in [0, n) with a[i] <= v (a non-decreasing, a[0] <= v): the document of a token
-// (a = cu) or of a pool (a = cp), skipping empty documents.
-__device__ __forceinline__ int64_t last_le(const int64_t* a, int64_t n, int64_t v) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (a[mid] <= v)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // The softmax of pool slots at (s, c): max m, normaliser sum, and the pooled value K, as the CPU
 // computes them (z_j - m, exp, sum over j in order, a_j = e_j / sum, K += a_j k_j).
 template <class A>

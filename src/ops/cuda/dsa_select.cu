@@ -45,16 +45,6 @@ __device__ __forceinline__ double dlog(double x) {
 
 // ---- block-wide reductions and scans (kThreads threads, fixed order) ----
 
-template <class A>
-__device__ __forceinline__ A warp_max(A x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const A y = __shfl_xor_sync(0xffffffffu, x, off);
-    x = y > x ? y : x;
-  }
-  return x;
-}
-
 // Sum over the block; every thread gets the result. sh: kWarps slots.
 template <class A>
 __device__ __forceinline__ A block_sum(A v, A* sh) {

@@ -97,6 +97,31 @@ __device__ __forceinline__ A warp_sum(A x) {
   return x;
 }
 
+// Max over the 32 lanes by an xor butterfly (exact in any order), the same value in every lane.
+template <class A>
+__device__ __forceinline__ A warp_max(A x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const A y = __shfl_xor_sync(0xffffffffu, x, off);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+// The largest i in [0, n) with a[i] <= v (a non-decreasing, a[0] <= v): the document of a token
+// in cu_seqlens (or of a pool in the pool offsets), skipping empty documents.
+__device__ __forceinline__ int64_t last_le(const int64_t* a, int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (a[mid] <= v)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // ---- host side ----
 
 void check_launch(const char* what);
