@@ -53,7 +53,9 @@
 // Measured on an H100 (bf16, H_I = 32, d_I = 128, one document of T = 8192): dense_fwd 13.7 ms
 // (20 TFLOP/s of f32 FMA), dense_dq 31 ms, dense_dk 35 ms; with P = 4: 3.7, 7.8, 9.4 ms. Explicit
 // rows, 2048 keys per query: rows_fwd 6.4 ms, rows_dq 15.5 ms, rows_dk 46 ms, all well below the
-// host's work of building and uploading the pattern (~1 s at this size, ops/dsa_common.h).
+// host's work of checking the rows and building and uploading the pattern (ops/dsa_common.h:
+// about 1 s single-threaded; 287 ms on 16 cores for the 12.6 M entries of a top-2048 KPool
+// selection at T = 8192, bench/RESULTS.md).
 // Faster paths not taken here: 3xTF32 mma.sync for the two tile products (TF32 alone misses the f32
 // tolerance), 8 x 8 register blocks, keeping a key tile resident across heads, a dz workspace (or
 // bf16 q copies) for rows_dk, which re-reads q[t] for every (key, reader) pair and is memory bound.
