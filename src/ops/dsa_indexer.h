@@ -1,6 +1,6 @@
-// DSA lightning-indexer ops (docs/dsa.md, "Indexer scoring", "Top-k selection"), CPU reference:
-// scoring with its backward, and top-k selection. Packed THD layout: every op restarts at each
-// sequence boundary.
+// DSA lightning-indexer ops (docs/dsa.md, "Indexer scoring", "Top-k selection"), CPU reference and
+// CUDA kernels: scoring with its backward, and top-k selection. Packed THD layout: every op
+// restarts at each sequence boundary.
 //
 // Scoring (weights already scaled, i.e. w = weights_proj(h) * H_I^-1/2):
 //   I(t, s) = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s]),   scale = d_I^-1/2 by default,

@@ -1,5 +1,6 @@
 // DSA indexer KL loss (docs/dsa.md, "Indexer KL loss"; the pool level, our own design: "Pool-level
-// KL for KPool: our design"), CPU reference; the attention target also on CUDA.
+// KL for KPool: our design"): the CPU reference and the CUDA kernels (ops/cuda/dsa_attention.cu
+// for the targets, ops/cuda/dsa_select.cu for the loss).
 //
 // Target (detached; computed from the main attention's q and latent kv, absorbed form):
 //   p[t,s,h] = softmax_s(scale * q[t,h] . kv[s])  over the row's set

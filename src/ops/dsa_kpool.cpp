@@ -1,6 +1,6 @@
 // The front door of the KPool ops (ops/dsa_kpool.h): argument checks, output allocation, and the
-// switch to the CPU reference (ops/cpu/dsa_kpool.cpp) or, for the compression, the CUDA kernels
-// (ops/cuda/dsa_kpool.cu).
+// switch to the CPU reference (ops/cpu/dsa_kpool.cpp) or the CUDA kernels (ops/cuda/dsa_kpool.cu
+// for the compression, ops/cuda/dsa_select.cu for the selection and the pool targets).
 #include "ops/dsa_kpool.h"
 
 #include "ops/cpu/dsa_kpool.h"

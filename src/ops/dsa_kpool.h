@@ -1,4 +1,4 @@
-// KPool pooled-key indexer ops (docs/dsa.md, "KPool"), CPU reference.
+// KPool pooled-key indexer ops (docs/dsa.md, "KPool"): CPU reference and CUDA kernels.
 //
 // Pools: each document [cu[i], cu[i+1]) holds floor(L_i / P) complete pools of P consecutive
 // tokens starting at the document start; the partial last pool is never compressed. Pools are
