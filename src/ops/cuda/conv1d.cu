@@ -198,17 +198,13 @@ __global__ void conv_update_kernel(const TX* __restrict__ x, TX* __restrict__ st
   if (W > 1) sn[(W - 2) * C + c] = x[i];
 }
 
-Tensor upload(const std::vector<int64_t>& v) {
-  return Tensor::from_vector<int64_t>({int64_t(v.size())}, v).to(Device::cuda);
-}
-
 }  // namespace
 
 void causal_conv1d_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& cu,
                            const Tensor& state, bool silu, Tensor& y, Tensor* final_state) {
   const int64_t T = x.size(0), C = x.size(1), W = w.size(1), N = int64_t(cu.size()) - 1;
   if (N == 0) return;
-  const Tensor dcu = upload(cu);
+  const Tensor dcu = to_device(cu);
   const ConvDims d{T, C, W, N, dcu.data<int64_t>()};
   dispatch_storage(x.dtype(), [&](auto tx) {
     using TX = decltype(tx);
@@ -244,7 +240,7 @@ void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
   table.insert(table.end(), first.begin(), first.end());
   table.insert(table.end(), cseq.begin(), cseq.end());
   table.insert(table.end(), ct0.begin(), ct0.end());
-  const Tensor dt = upload(table);
+  const Tensor dt = to_device(table);
   const int64_t* base = dt.data<int64_t>();
   const ConvDims d{T, C, W, N, base};
   const ChunkTable ct{base + 2 * (N + 1), base + 2 * (N + 1) + nk, base + (N + 1), nk};

@@ -1,5 +1,6 @@
 // Device copies of the DSA ops' host-built patterns and layouts (ops/cuda/dsa_common.cuh).
 #include "ops/cuda/dsa_common.cuh"
+#include "ops/cuda/layer_ops_common.cuh"
 
 namespace hlm::ops::cuda {
 

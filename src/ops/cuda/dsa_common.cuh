@@ -14,12 +14,6 @@
 
 namespace hlm::ops::cuda {
 
-// A host vector as a new 1-D CUDA tensor.
-template <class V>
-Tensor to_device(const std::vector<V>& v) {
-  return Tensor::from_vector<V>({int64_t(v.size())}, v).to(Device::cuda);
-}
-
 // A pattern on the device: i64 arrays except slot (i32). key_ptr / key_entry (the inverse map) are
 // uploaded only when asked for (backward passes); otherwise undefined.
 struct DsaPatternDev {

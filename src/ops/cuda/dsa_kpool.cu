@@ -18,7 +18,6 @@
 // No atomics; every sum has a fixed order, so results repeat bit for bit.
 #include <algorithm>
 
-#include "ops/cuda/dsa_common.cuh"
 #include "ops/cuda/dsa_kpool.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
 #include "ops/dsa_common.h"

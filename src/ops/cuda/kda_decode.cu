@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 
 #include "ops/cuda/kda_decode.cuh"
+#include "ops/cuda/layer_ops_common.cuh"
 
 namespace hlm::ops::cuda {
 namespace {
@@ -128,7 +129,7 @@ void launch(const KdaDecodeArgs& a, const int64_t* slots, float scale, Tensor& o
 
 void kda_decode_step(const KdaDecodeArgs& a, const std::vector<int64_t>& slots, double scale,
                      Tensor& o) {
-  Tensor s = Tensor::from_vector<int64_t>({int64_t(slots.size())}, slots).to(Device::cuda);
+  Tensor s = to_device(slots);
   if (a.q.dtype() == DType::bf16) {
     launch<__nv_bfloat16>(a, s.data<int64_t>(), float(scale), o);
   } else {

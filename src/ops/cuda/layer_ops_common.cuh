@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -129,6 +130,12 @@ void check_launch(const char* what);
 // A new contiguous CUDA tensor for an output or a workspace (NaN-poisoned while the test hook of
 // ops/dispatch.h is on).
 Tensor alloc(const Shape& shape, DType dt);
+
+// A host vector (cu_seqlens, offsets, index lists) as a new 1-D CUDA tensor.
+template <class V>
+Tensor to_device(const std::vector<V>& v) {
+  return Tensor::from_vector<V>({int64_t(v.size())}, v).to(Device::cuda);
+}
 
 inline unsigned blocks_for(int64_t n, int threads) {
   return unsigned((n + threads - 1) / threads);

@@ -202,7 +202,7 @@ void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<
   const int64_t nseq = int64_t(cu.size()) - 1, wm = width - 1, c = dx.size(1);
   const int64_t total = nseq * wm * c;
   if (total == 0) return;
-  Tensor cu_dev = Tensor::from_vector<int64_t>({int64_t(cu.size())}, cu).to(Device::cuda);
+  Tensor cu_dev = to_device(cu);
   dispatch_acc(dx.dtype(), [&](auto tag) {
     using T = decltype(tag);
     final_state_bwd_kernel<T>
