@@ -5,6 +5,7 @@
 #include <cstring>
 #include <new>
 
+#include "core/cuda_cache.h"
 #include "core/error.h"
 #include "core/memory.h"
 
@@ -47,6 +48,66 @@ bool cuda_emulated() {
 #endif
 }
 
+namespace {
+
+// The memory under the CUDA caching allocator: null when the device is out of memory.
+void* cuda_block_alloc(size_t bytes) {
+#ifdef HLM_HAVE_CUDA
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // not left for the next launch's check to find
+    return nullptr;
+  }
+  HLM_CUDA_CHECK(err);
+  return p;
+#else
+  HLM_FAIL("a CUDA tensor of {} bytes was requested but this build has no CUDA support", bytes);
+#endif
+}
+
+void cuda_block_free([[maybe_unused]] void* p) {
+#ifdef HLM_HAVE_CUDA
+  cudaFree(p);
+#endif
+}
+
+}  // namespace
+
+CachingAllocator& cuda_caching_allocator() {
+  // Never destroyed: the cached blocks are left to the process's exit, after which the CUDA
+  // runtime may be gone.
+  static CachingAllocator* const allocator = [] {
+    const bool on = cuda_caching_from_env();
+    const bool emu = cuda_emulated();
+    auto* a = new CachingAllocator({&cuda_block_alloc, &cuda_block_free}, emu,
+                                   emu ? CachingAllocator::kEmulatedCacheBytes : SIZE_MAX);
+    a->set_enabled(on);
+    return a;
+  }();
+  return *allocator;
+}
+
+CudaMemoryStats cuda_memory_stats() {
+  return cuda_caching_allocator().stats();
+}
+
+void cuda_reset_peak_memory() {
+  cuda_caching_allocator().reset_peak();
+}
+
+void cuda_empty_cache() {
+  cuda_caching_allocator().empty_cache();
+}
+
+void cuda_set_caching(bool on) {
+  cuda_caching_allocator().set_enabled(on);
+}
+
+bool cuda_caching() {
+  return cuda_caching_allocator().enabled();
+}
+
 void* device_alloc(Device d, size_t nbytes) {
   if (nbytes == 0) nbytes = 1;
   if (d == Device::cpu) {
@@ -61,9 +122,7 @@ void* device_alloc(Device d, size_t nbytes) {
   }
 #ifdef HLM_HAVE_CUDA
   HLM_CHECK(cuda_available(), "a CUDA tensor was requested but no CUDA device is available");
-  void* p = nullptr;
-  HLM_CUDA_CHECK(cudaMalloc(&p, nbytes));
-  return p;
+  return cuda_caching_allocator().allocate(nbytes);
 #else
   HLM_FAIL("a CUDA tensor was requested but this build has no CUDA support");
 #endif
@@ -75,9 +134,7 @@ void device_free(Device d, void* p) {
     std::free(p);
     return;
   }
-#ifdef HLM_HAVE_CUDA
-  cudaFree(p);
-#endif
+  cuda_caching_allocator().free(p);
 }
 
 void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes) {

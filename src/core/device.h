@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/dtype.h"
 
@@ -15,8 +16,36 @@ bool cuda_available();
 // kernels compute what they compute on a GPU, but their timings mean nothing.
 bool cuda_emulated();
 
-void* device_alloc(Device d, size_t nbytes);  // 64-byte aligned on the CPU; never returns null
+// 64-byte aligned on the CPU, 256-byte aligned on CUDA; never returns null. CUDA memory comes from
+// a caching allocator (core/cuda_cache.h): a freed block is kept and handed to a later allocation
+// of its size class, without cudaMalloc / cudaFree.
+void* device_alloc(Device d, size_t nbytes);
 void device_free(Device d, void* p);
+
+// The CUDA allocator's counts (all zero in a build without CUDA). "In use" counts the blocks held
+// by live allocations, "reserved" what has been obtained from cudaMalloc and not yet freed: the
+// blocks in use and those cached. reserved_bytes - in_use_bytes is the cache.
+struct CudaMemoryStats {
+  uint64_t requested_bytes = 0;      // the live allocations, as requested
+  uint64_t in_use_bytes = 0;         // the blocks that hold them (rounded to size classes)
+  uint64_t peak_in_use_bytes = 0;    // the most in_use_bytes since start or the last reset
+  uint64_t reserved_bytes = 0;       // in use + cached
+  uint64_t peak_reserved_bytes = 0;  // the most reserved_bytes since start or the last reset
+  uint64_t cuda_malloc_count = 0;    // successful cudaMalloc calls
+  uint64_t cuda_free_count = 0;      // cudaFree calls
+  uint64_t cache_hits = 0;           // allocations served from the cache
+};
+CudaMemoryStats cuda_memory_stats();
+// The peaks set to the current values.
+void cuda_reset_peak_memory();
+// Every cached block freed (cudaFree): reserved_bytes drops to in_use_bytes.
+void cuda_empty_cache();
+// Caching on or off. HLM_CUDA_CACHE=0 in the environment turns it off (read when the allocator is
+// first used); this overrides it. Off: the cache is emptied, and from then on every allocation is a
+// cudaMalloc of the requested size and every free a cudaFree (for compute-sanitizer runs).
+void cuda_set_caching(bool on);
+bool cuda_caching();
+
 // Copy nbytes between any two devices (synchronous).
 void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
 void device_memset_zero(Device d, void* p, size_t nbytes);
