@@ -269,6 +269,15 @@ void Tensor::copy_(const Tensor& src) {
   // Across devices: stage through contiguous buffers of the same dtype.
   HLM_CHECK(dtype_ == src.dtype_ || sd == Device::cpu,
             "copy_ from a {} tensor to {}: convert on the CPU first", src.describe(), describe());
+  if (sd != Device::cpu && !src.is_contiguous()) {
+    // A strided view on the device: its storage to the host, the same view there, then a copy from
+    // that CPU view.
+    Tensor host = src;
+    host.storage_ = std::make_shared<Storage>(Device::cpu, src.storage_->nbytes);
+    device_copy(host.storage_->ptr, Device::cpu, src.storage_->ptr, sd, src.storage_->nbytes);
+    copy_(host);
+    return;
+  }
   Tensor s = src.contiguous();
   if (s.dtype_ != dtype_) s = s.to(dtype_);  // CPU conversion
   if (is_contiguous()) {

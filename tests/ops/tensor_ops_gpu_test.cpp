@@ -56,6 +56,22 @@ TEST(TensorOpsGpu, ConvertCopyAddSumScale) {
   }
 }
 
+// A strided view of a CUDA tensor (a transpose, a column slice) made contiguous, and copied to the
+// host, holds the view's elements: the values the same view of the host tensor holds.
+TEST(TensorOpsGpu, StridedViewsOfCudaTensorsCopy) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const Tensor x = randn({5, 7}, DType::f32, rng);
+  const Tensor xg = gpu(x);
+  const Tensor t = xg.transpose(0, 1);
+  ASSERT_FALSE(t.is_contiguous());
+  const Tensor tc = t.contiguous();
+  EXPECT_TRUE(tc.is_contiguous());
+  EXPECT_EQ(tc.device(), Device::cuda);
+  EXPECT_TRUE(testing::bit_equal(cpu(tc), x.transpose(0, 1).contiguous()));
+  EXPECT_TRUE(testing::bit_equal(t.to(Device::cpu), x.transpose(0, 1).contiguous()));
+}
+
 TEST(TensorOpsGpu, FinalConvStateBackward) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
