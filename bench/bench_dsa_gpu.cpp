@@ -4,18 +4,18 @@
 // that selection, for T = 8192 and 32768 tokens packed as two documents (3/4 and 1/4 of T).
 //
 // Prints, per T: the time of each op (median of the timed calls, CUDA events around the front
-// door, so host-side checks and the index pattern the front door builds are included), the host
-// part alone (building the selection's pattern, dsa_detail::rows_pattern), and the sparse
-// attention's TFLOP/s counting only the selected keys:
+// door, so host-side checks and the index pattern the front door builds are included), that
+// pattern alone (checking the selection and building its pattern and inverse map on the device,
+// cuda::device_rows_pattern), and the sparse attention's TFLOP/s counting only the selected keys:
 //   forward  2 H n (D_qk + d_v)        (logits and the weighted sum of values)
 //   backward 2 H n (3 D_qk + 2 d_v)    (logits again, dP, dV, dQ, dK: FlashAttention's count)
 // with n the number of selected (query, key) pairs, and the fraction of 790 TFLOP/s, the BF16
 // tensor-core rate the project's targets count against (NVIDIA lists 989 TFLOP/s dense BF16 for
-// the H100 SXM at its boost clock). The baseline is cuBLAS: the same two products as the sparse
-// forward, for every query against 2048 shared keys (cublasGemmStridedBatchedEx, bf16 in, f32
-// accumulate), the rate dense attention reaches at these shapes.
+// the H100 SXM at its boost clock), and the peak device memory of each T (core/device.h). The
+// baseline is cuBLAS: the same two products as the sparse forward, for every query against 2048
+// shared keys (cublasGemmStridedBatchedEx, bf16 in, f32 accumulate), the rate dense attention
+// reaches at these shapes.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -23,8 +23,10 @@
 #include <functional>
 #include <vector>
 
+#include "core/device.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "ops/cuda/dsa_common.cuh"
 #include "ops/dsa_common.h"
 #include "ops/dsa_indexer.h"
 #include "ops/dsa_kpool.h"
@@ -155,6 +157,8 @@ int main(int argc, char** argv) {
     ops::KPoolSelection sel;
     const int reps = T > 8192 ? 1 : 3;
     std::printf("T = %ld (documents %ld + %ld)\n", long(T), long(lens[0]), long(lens[1]));
+    cuda_reset_peak_memory();
+    const CudaMemoryStats m0 = cuda_memory_stats();
     const double t_pool = time_ms([&] { pooled = ops::kpool_compress(ki, gate, ape, seqs); }, reps);
     std::printf("  kpool_compress        %10.3f ms\n", t_pool);
     const double t_score =
@@ -170,12 +174,16 @@ int main(int argc, char** argv) {
     int64_t n = 0;
     for (int64_t i = 0; i < idx_host.numel(); ++i) n += idx_host.data<int32_t>()[i] >= 0;
     std::printf("  selected pairs n = %ld (%.1f per query)\n", long(n), double(n) / double(T));
-    const auto h0 = std::chrono::steady_clock::now();
-    ops::dsa_detail::rows_pattern(idx_host, seqs.offsets(), 1, "bench", "indices");
-    const double t_pattern =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
-    std::printf("  host pattern of the selection %8.3f ms (inside each attention call below)\n",
-                t_pattern);
+    const double t_pat = time_ms(
+        [&] { ops::cuda::device_rows_pattern(sel.indices, seqs.offsets(), 1, "bench", "", false); },
+        reps);
+    const double t_pat_inv = time_ms(
+        [&] { ops::cuda::device_rows_pattern(sel.indices, seqs.offsets(), 1, "bench", "", true); },
+        reps);
+    std::printf(
+        "  selection pattern     %10.3f ms  (with the inverse map %.3f ms; on the device, inside "
+        "each attention call below)\n",
+        t_pat, t_pat_inv);
     ops::SparseAttentionOut fwd;
     const double t_fwd =
         time_ms([&] { fwd = ops::sparse_attention(q, kv, sel.indices, seqs, dv, scale); }, reps);
@@ -203,6 +211,13 @@ int main(int argc, char** argv) {
     std::printf(
         "  cuBLAS dense products %10.3f ms  %8.2f TFLOP/s  %5.1f%% of %g (2048 keys each)\n",
         t_dense, tf_dense, 100.0 * tf_dense / kPeakTflops, kPeakTflops);
+    const CudaMemoryStats m1 = cuda_memory_stats();
+    std::printf(
+        "  device memory: peak in use %.2f GiB, peak reserved %.2f GiB; %llu cudaMalloc calls, "
+        "%llu allocations from the cache\n",
+        double(m1.peak_in_use_bytes) / 1073741824.0, double(m1.peak_reserved_bytes) / 1073741824.0,
+        (unsigned long long)(m1.cuda_malloc_count - m0.cuda_malloc_count),
+        (unsigned long long)(m1.cache_hits - m0.cache_hits));
   }
   return 0;
 #endif

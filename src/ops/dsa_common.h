@@ -1,7 +1,8 @@
 // Shared plumbing of the DSA ops (internal to src/ops/dsa_* and their tests): the sequence
 // layout's offsets, KPool pool offsets, and the "pattern" every DSA op iterates over. Host code:
-// the front doors (ops/dsa_*.cpp) build the patterns while they check the arguments (index tensors
-// on any device are read on the host) and hand them to the implementations.
+// the front doors (ops/dsa_*.cpp) build the patterns of CPU ops while they check the arguments and
+// hand them to the implementations; for CUDA tensors the same pattern is built and checked on the
+// device (ops/cuda/dsa_common.cuh, device_rows_pattern).
 //
 // A pattern lists, for each query t of a packed batch, the (slot, key row) pairs the op visits:
 // slot is the column in the op's [T, W] row layout, key row indexes the key tensor (a token for

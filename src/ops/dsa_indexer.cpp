@@ -2,12 +2,14 @@
 // become checked patterns, ops/dsa_common.h), output allocation, and the switch to the CPU
 // reference (ops/cpu/dsa_indexer.cpp) or the CUDA kernels (ops/cuda/dsa_indexer.cu; top-k
 // selection: ops/cuda/dsa_select.cu). The dense layout's pattern is built for the CPU only: the
-// CUDA kernels derive it on the device.
+// CUDA kernels derive it on the device. The explicit rows' pattern is built where the op runs (on
+// the device for CUDA: ops/cuda/dsa_common.cuh).
 #include "ops/dsa_indexer.h"
 
 #include <cmath>
 
 #include "ops/cpu/dsa_indexer.h"
+#include "ops/cuda/dsa_common.cuh"
 #include "ops/cuda/dsa_indexer.cuh"
 #include "ops/cuda/dsa_select.cuh"
 #include "ops/dispatch.h"
@@ -55,6 +57,26 @@ Tensor new_scores(const ScoreArgs& a, int64_t W) {
   return detail::new_output({a.T, W}, detail::compute_dtype(a.q.dtype()), a.dev);
 }
 
+// The checked pattern of explicit rows, where the op runs: on the host for the CPU reference, on
+// the device for the CUDA kernels (the rows are not copied to the host).
+struct RowsPattern {
+  Pattern host;
+  cuda::DsaPatternDev dev;
+  int64_t W = 0;
+};
+RowsPattern rows_pattern_of(const ScoreArgs& a, const Tensor& rows, int64_t pool, const char* op,
+                            bool with_inverse) {
+  RowsPattern p;
+  if (a.dev == Device::cpu) {
+    p.host = dsa_detail::rows_pattern(rows, a.cu, pool, op, "rows", with_inverse);
+  } else {
+    HLM_CUDA_PATH(op,
+                  p.dev = cuda::device_rows_pattern(rows, a.cu, pool, op, "rows", with_inverse));
+  }
+  p.W = rows.size(1);  // checked: rows is [T, W]
+  return p;
+}
+
 IndexerScoreGrads new_grads(const ScoreArgs& a) {
   return {detail::new_output(a.q.shape(), a.q.dtype(), a.dev),
           detail::new_output(a.k.shape(), a.q.dtype(), a.dev),
@@ -84,12 +106,12 @@ Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, cons
                          const Tensor& rows, const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_at";
   const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
-  const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows", false);
+  const RowsPattern p = rows_pattern_of(a, rows, opt.pool, op, false);
   Tensor out = new_scores(a, p.W);
   if (a.dev == Device::cpu) {
-    cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
+    cpu::indexer_scores(a.q, a.k, a.w, p.host, opt, a.scale, out, op);
   } else {
-    HLM_CUDA_PATH(op, cuda::indexer_scores_rows(a.q, a.k, a.w, p, opt, a.scale, out, op));
+    HLM_CUDA_PATH(op, cuda::indexer_scores_rows(a.q, a.k, a.w, p.dev, opt, a.scale, out, op));
   }
   return out;
 }
@@ -123,15 +145,15 @@ IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, c
                                              const IndexerScoreOptions& opt) {
   const char* op = "indexer_scores_at_backward";
   const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
-  const Pattern p = dsa_detail::rows_pattern(rows, a.cu, opt.pool, op, "rows");
+  const RowsPattern p = rows_pattern_of(a, rows, opt.pool, op, true);
   detail::require_compute_like(d_scores_, a.q, {a.T, p.W}, op, "d_scores", "q");
   const Tensor d_scores = d_scores_.contiguous();
   IndexerScoreGrads g = new_grads(a);
   if (a.dev == Device::cpu) {
-    cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
+    cpu::indexer_scores_backward(a.q, a.k, a.w, p.host, opt, a.scale, d_scores, g, op);
   } else {
-    HLM_CUDA_PATH(
-        op, cuda::indexer_scores_rows_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op));
+    HLM_CUDA_PATH(op, cuda::indexer_scores_rows_backward(a.q, a.k, a.w, p.dev, opt, a.scale,
+                                                         d_scores, g, op));
   }
   return g;
 }

@@ -1,14 +1,16 @@
 // The front door of the DSA indexer KL loss and its attention target (ops/dsa_indexer_loss.h):
 // argument checks (the target's layout becomes a checked pattern, ops/dsa_common.h; on CUDA the
-// dense causal target derives its sets on the device instead), output allocation, and the switch
-// to the CPU reference (ops/cpu/dsa_indexer_loss.cpp) or, for the attention target, the CUDA
-// kernels (ops/cuda/dsa_attention.cu; the KL loss: ops/cuda/dsa_select.cu).
+// explicit selection's pattern is built on the device, ops/cuda/dsa_common.cuh, and the dense
+// causal target derives its sets on the device instead), output allocation, and the switch to the
+// CPU reference (ops/cpu/dsa_indexer_loss.cpp) or, for the attention target, the CUDA kernels
+// (ops/cuda/dsa_attention.cu; the KL loss: ops/cuda/dsa_select.cu).
 #include "ops/dsa_indexer_loss.h"
 
 #include <cmath>
 
 #include "ops/cpu/dsa_indexer_loss.h"
 #include "ops/cuda/dsa_attention.cuh"
+#include "ops/cuda/dsa_common.cuh"
 #include "ops/cuda/dsa_select.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
@@ -31,11 +33,10 @@ std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tenso
   return dsa_detail::seq_offsets(seqs, q.size(0), op);
 }
 
-Tensor run_target(const Tensor& q_, const Tensor& kv_, const dsa_detail::Pattern& p, double scale,
-                  const char* op) {
-  const Tensor q = q_.contiguous(), kv = kv_.contiguous();
+// The CPU target over a host pattern.
+Tensor run_target(const Tensor& q, const Tensor& kv, const dsa_detail::Pattern& p, double scale) {
   Tensor out = detail::new_output({p.T, p.W}, detail::compute_dtype(q.dtype()), q.device());
-  HLM_DISPATCH(op, q.device(), attention_target, q, kv, p, scale, out);
+  cpu::attention_target(q.contiguous(), kv.contiguous(), p, scale, out);
   return out;
 }
 
@@ -49,7 +50,7 @@ Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the longest document), got {}", op,
             need, W);
   if (q.is_cpu())
-    return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale, op);
+    return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale);
   // CUDA: no host pattern (O(T^2) at long documents); the kernels read the per-token layout.
   Tensor out = detail::new_output({q.size(0), W == 0 ? need : W}, detail::compute_dtype(q.dtype()),
                                   q.device());
@@ -61,8 +62,16 @@ Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& s
                            const Tensor& indices, double scale) {
   const char* op = "attention_target_at";
   const std::vector<int64_t> cu = check_target(q, kv, indices, seqs, scale, op);
-  return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices", false), scale,
-                    op);
+  if (q.is_cpu())
+    return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices", false), scale);
+  // CUDA: the selection's pattern built and checked on the device.
+  Tensor out;
+  HLM_CUDA_PATH(op, {
+    const cuda::DsaPatternDev p = cuda::device_rows_pattern(indices, cu, 1, op, "indices", false);
+    out = detail::new_output({p.T, p.W}, detail::compute_dtype(q.dtype()), q.device());
+    cuda::attention_target(q.contiguous(), kv.contiguous(), p, scale, out);
+  });
+  return out;
 }
 
 IndexerKl indexer_kl_loss(const Tensor& scores_, const Tensor& target_, double coeff,

@@ -1,14 +1,16 @@
 // The front doors of the sparse and the dense causal MLA attention (ops/dsa_sparse_attention.h):
-// argument checks (the selection becomes a checked pattern, ops/dsa_common.h; the causal set is
-// implicit), output allocation, and the switch to the CPU reference
-// (ops/cpu/dsa_sparse_attention.cpp; the causal set as dsa_detail::causal_pattern) or the CUDA
-// kernels (ops/cuda/dsa_attention.cu; the causal set derived on the device).
+// argument checks (the selection becomes a checked pattern, ops/dsa_common.h, built on the host for
+// the CPU and on the device for CUDA, ops/cuda/dsa_common.cuh; the causal set is implicit), output
+// allocation, and the switch to the CPU reference (ops/cpu/dsa_sparse_attention.cpp; the causal set
+// as dsa_detail::causal_pattern) or the CUDA kernels (ops/cuda/dsa_attention.cu; the causal set
+// derived on the device).
 #include "ops/dsa_sparse_attention.h"
 
 #include <cmath>
 
 #include "ops/cpu/dsa_sparse_attention.h"
 #include "ops/cuda/dsa_attention.cuh"
+#include "ops/cuda/dsa_common.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
 #include "ops/op_checks.h"
@@ -56,6 +58,24 @@ SparseAttentionGrads new_grads(const AttnDims& a, const Tensor& q, const Tensor&
           detail::new_output(kv.shape(), q.dtype(), a.dev)};
 }
 
+// The checked pattern of the selection, where the op runs: on the host for the CPU reference, on
+// the device for the CUDA kernels (the indices are not copied to the host).
+struct Selection {
+  dsa_detail::Pattern host;
+  cuda::DsaPatternDev dev;
+};
+Selection selection_of(const AttnDims& a, const Tensor& indices, const char* op,
+                       bool with_inverse) {
+  Selection s;
+  if (a.dev == Device::cpu) {
+    s.host = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices", with_inverse);
+  } else {
+    HLM_CUDA_PATH(op,
+                  s.dev = cuda::device_rows_pattern(indices, a.cu, 1, op, "indices", with_inverse));
+  }
+  return s;
+}
+
 // The CPU's dense causal set: every causal token of the query's document, ascending.
 dsa_detail::Pattern causal_of(const AttnDims& a) {
   return dsa_detail::causal_pattern(a.cu, 1, dsa_detail::max_keys_per_doc(a.cu, 1));
@@ -67,10 +87,14 @@ SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const T
                                     const SeqLayout& seqs, int64_t d_v, double scale) {
   const char* op = "sparse_attention";
   const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
-  const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices", false);
+  const Selection p = selection_of(a, indices, op, false);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   SparseAttentionOut r = new_forward_outputs(a, q, d_v);
-  HLM_DISPATCH(op, a.dev, sparse_attention, q, kv, p, d_v, scale, r.out, r.lse);
+  if (a.dev == Device::cpu) {
+    cpu::sparse_attention(q, kv, p.host, d_v, scale, r.out, r.lse);
+  } else {
+    HLM_CUDA_PATH(op, cuda::sparse_attention(q, kv, p.dev, d_v, scale, r.out, r.lse));
+  }
   return r;
 }
 
@@ -80,13 +104,17 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& k
                                                const Tensor& lse_, const Tensor& d_out_) {
   const char* op = "sparse_attention_backward";
   const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
-  const dsa_detail::Pattern p = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices");
+  const Selection p = selection_of(a, indices, op, true);
   check_backward(a, q_, d_v, out_, lse_, d_out_, op);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous(), out = out_.contiguous(),
                lse = lse_.contiguous(), d_out = d_out_.contiguous();
   SparseAttentionGrads g = new_grads(a, q, kv);
-  HLM_DISPATCH(op, a.dev, sparse_attention_backward, q, kv, p, d_v, scale, out, lse, d_out, g.dq,
-               g.dkv);
+  if (a.dev == Device::cpu) {
+    cpu::sparse_attention_backward(q, kv, p.host, d_v, scale, out, lse, d_out, g.dq, g.dkv);
+  } else {
+    HLM_CUDA_PATH(op, cuda::sparse_attention_backward(q, kv, p.dev, d_v, scale, out, lse, d_out,
+                                                      g.dq, g.dkv));
+  }
   return g;
 }
 

@@ -1,9 +1,10 @@
 // The CPU emulation of CUDA (tools/cuda_emu), in the HLM_CUDA_EMU build only: the tensor-core
-// product against the fragment layout of the PTX ISA (mma.m16n8k8 .tf32) and a 64 x 64 x 32
-// product through mma_tf32.cuh against FP64, shuffles in every mode, ballot / any / all (also on
-// two disjoint half-warp masks at once), barrier counts, cp.async copies that land only at the
-// wait, and the checks that abort a faulty kernel: a deadlocked barrier, a race
-// (HLM_EMU_RACECHECK), an access past an allocation, a bad launch configuration.
+// products against the fragment layouts of the PTX ISA (mma.m16n8k8 .tf32, mma.m16n8k16 .bf16 and
+// ldmatrix.x4, plain and transposed) and a 64 x 64 x 32 product through mma_tf32.cuh against FP64,
+// shuffles in every mode, ballot / any / all (also on two disjoint half-warp masks at once),
+// barrier counts, cp.async copies that land only at the wait, and the checks that abort a faulty
+// kernel: a deadlocked barrier, a race (HLM_EMU_RACECHECK), an access past an allocation (also one
+// reused from the CUDA allocator's cache), a bad launch configuration.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/rng.h"
 #include "cuda_emu.h"
 #include "ops/cuda/mma_tf32.cuh"
@@ -67,6 +69,80 @@ TEST(CudaEmu, MmaFragmentsFollowThePtxLayout) {
       EXPECT_NEAR(D[i * 8 + j], ref, 1e-6 * (1 + std::fabs(ref))) << "element " << i << ", " << j;
     }
   cudaFree(D);
+}
+
+// bf16 of x's top 16 bits (x rounded by truncation: exact for the values below).
+uint16_t bf16_bits(float x) {
+  return uint16_t(__float_as_uint(x) >> 16);
+}
+float bf16_value(uint16_t b) {
+  return __uint_as_float(uint32_t(b) << 16);
+}
+
+// mma.m16n8k16 .bf16 with the fragments of the PTX ISA (lane = 4 g + t, two values per register,
+// the lower index in the low half): A a0 (g, 2t..2t+1), a1 (g + 8, 2t..), a2 (g, 2t + 8..),
+// a3 (g + 8, 2t + 8..); B b0 (2t..2t+1, g), b1 (2t + 8..2t + 9, g); C / D as for m16n8k8.
+// The A and B fragments come from ldmatrix.x4 of row-major A [16][16] and of X = B^T [8][16] (the
+// rows the attention kernels load that way), and the transposed load of B itself [16][8] padded
+// to 16 columns must give the same B fragment: D = A B + C against FP64.
+TEST(CudaEmu, Bf16MmaAndLdmatrixFollowThePtxLayout) {
+  Rng rng(testing::test_seed());
+  alignas(16) uint16_t A[16][16], X[8][16], B[16][16];
+  float C[16][8];
+  for (auto& r : A)
+    for (uint16_t& x : r) x = bf16_bits(rand_float(rng));
+  for (int n = 0; n < 8; ++n)
+    for (int k = 0; k < 16; ++k) X[n][k] = bf16_bits(rand_float(rng));
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < 16; ++n) B[k][n] = n < 8 ? X[n][k] : uint16_t(0);
+  for (auto& r : C)
+    for (float& x : r) x = rand_float(rng);
+  float* D = device_array<float>(2 * 16 * 8);
+  uint32_t* frag = device_array<uint32_t>(32 * 8);
+  emu::launch(emu::LaunchConfig(1, 32), [&]() {
+    const int l = int(threadIdx.x), g = l >> 2, t = l & 3;
+    uint32_t a[4], x[4], bt[4];
+    // A: lane l addresses row l % 16, column 8 (l / 16); X rows: row l % 8, column 8 (l / 8);
+    // B (k x n) transposed: row l % 8 + 8 ((l / 8) % 2), column 8 (l / 16).
+    emu::ldmatrix_x4(a, &A[l & 15][8 * (l >> 4)], false);
+    emu::ldmatrix_x4(x, &X[l & 7][8 * (l >> 3) % 16], false);
+    emu::ldmatrix_x4(bt, &B[(l & 7) + 8 * ((l >> 3) & 1)][8 * (l >> 4)], true);
+    for (int r = 0; r < 4; ++r) frag[l * 8 + r] = a[r];
+    frag[l * 8 + 4] = x[0], frag[l * 8 + 5] = x[1], frag[l * 8 + 6] = bt[0],
+                 frag[l * 8 + 7] = bt[1];
+    const uint32_t b1[2] = {x[0], x[1]}, b2[2] = {bt[0], bt[1]};
+    float d1[4] = {C[g][2 * t], C[g][2 * t + 1], C[g + 8][2 * t], C[g + 8][2 * t + 1]};
+    float d2[4] = {d1[0], d1[1], d1[2], d1[3]};
+    emu::mma_m16n8k16_bf16(d1, a, b1);
+    emu::mma_m16n8k16_bf16(d2, a, b2);
+    for (int e = 0; e < 4; ++e) {
+      const int i = g + 8 * (e >> 1), j = 2 * t + (e & 1);
+      D[i * 8 + j] = d1[e];
+      D[128 + i * 8 + j] = d2[e];
+    }
+  });
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const auto pair = [](uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); };
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    EXPECT_EQ(frag[l * 8 + 0], pair(A[g][2 * t], A[g][2 * t + 1])) << "lane " << l;
+    EXPECT_EQ(frag[l * 8 + 1], pair(A[g + 8][2 * t], A[g + 8][2 * t + 1])) << "lane " << l;
+    EXPECT_EQ(frag[l * 8 + 2], pair(A[g][2 * t + 8], A[g][2 * t + 9])) << "lane " << l;
+    EXPECT_EQ(frag[l * 8 + 3], pair(A[g + 8][2 * t + 8], A[g + 8][2 * t + 9])) << "lane " << l;
+    EXPECT_EQ(frag[l * 8 + 4], pair(X[g][2 * t], X[g][2 * t + 1])) << "lane " << l;
+    EXPECT_EQ(frag[l * 8 + 5], pair(X[g][2 * t + 8], X[g][2 * t + 9])) << "lane " << l;
+    EXPECT_EQ(frag[l * 8 + 6], frag[l * 8 + 4]) << "lane " << l << ": transposed load";
+    EXPECT_EQ(frag[l * 8 + 7], frag[l * 8 + 5]) << "lane " << l << ": transposed load";
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 8; ++j) {
+      double ref = C[i][j];
+      for (int k = 0; k < 16; ++k) ref += double(bf16_value(A[i][k])) * bf16_value(X[j][k]);
+      EXPECT_NEAR(D[i * 8 + j], ref, 1e-6 * (1 + std::fabs(ref))) << "element " << i << ", " << j;
+      EXPECT_EQ(D[128 + i * 8 + j], D[i * 8 + j]) << "element " << i << ", " << j;
+    }
+  cudaFree(D);
+  cudaFree(frag);
 }
 
 // The project's warp products (mma_tf32.cuh) on the emulated tensor cores: a 64 x 64 product over
@@ -253,6 +329,27 @@ TEST(CudaEmuDeathTest, AccessPastAnAllocationFaults) {
   emu::launch(emu::LaunchConfig(1, 64), [=]() { p[threadIdx.x] = 1.f; });
   EXPECT_EQ(p[63], 1.f);
   cudaFree(p);
+}
+
+// The caching allocator (core/cuda_cache.h) reuses a block only for a request of its 256-byte
+// class, so a tensor from the cache still ends at the guard page: an access past it faults.
+TEST(CudaEmuDeathTest, AccessPastABlockFromTheCacheFaults) {
+  const bool was_on = cuda_caching();
+  cuda_set_caching(true);
+  cuda_empty_cache();
+  void* small = device_alloc(Device::cuda, 256);
+  void* large = device_alloc(Device::cuda, 512);
+  device_free(Device::cuda, small);
+  device_free(Device::cuda, large);
+  float* p = static_cast<float*>(device_alloc(Device::cuda, 200));  // the cached 256-byte block
+  EXPECT_EQ(p, small);
+  EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 65), [=]() { p[threadIdx.x] = 1.f; }), "");
+  float* q = static_cast<float*>(device_alloc(Device::cuda, 256));  // not the 512-byte block
+  EXPECT_NE(q, large);
+  EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 65), [=]() { q[threadIdx.x] = 1.f; }), "");
+  device_free(Device::cuda, p);
+  device_free(Device::cuda, q);
+  cuda_set_caching(was_on);
 }
 
 }  // namespace

@@ -8,8 +8,8 @@
 // What is emulated, and how:
 //   - A launch runs its blocks one after another. The threads of a block are fibers (each its own
 //     stack) on one OS thread; a thread runs until it reaches a barrier (__syncthreads*), a warp
-//     collective (__shfl*_sync, __syncwarp, __ballot_sync, mma.sync) or its end, then the next
-//     runnable thread runs. A barrier releases when every thread of the block that has not
+//     collective (__shfl*_sync, __syncwarp, __ballot_sync, mma.sync, ldmatrix) or its end, then the
+//     next runnable thread runs. A barrier releases when every thread of the block that has not
 //     exited waits at it; a warp collective when every lane of its mask waits at the same kind.
 //     A barrier that can never release (divergent __syncthreads, a collective missing a lane)
 //     aborts with the waiting threads listed.
@@ -21,7 +21,8 @@
 //     not when issued: reading the destination before the wait reads the stale contents, as a
 //     GPU may.
 //   - mma.sync.m16n8k8 (TF32): the operands' low 13 bits are ignored as the tensor core ignores
-//     them; the products and their sum with the accumulator are formed in FP64 and rounded once
+//     them; m16n8k16 (BF16) and ldmatrix.x4 (.trans) for the BF16 kernels. The products and their
+//     sum with the accumulator are formed in FP64 and rounded once
 //     (the hardware's internal rounding is not documented: results agree to FP32 rounding, not
 //     to the bit). ex2.approx / rcp.approx: exp2f and IEEE division with subnormals flushed.
 //   - HLM_EMU_REVERSE=1 runs the threads of each block and the blocks of each grid in reverse
@@ -100,6 +101,11 @@ unsigned ballot(unsigned mask, int pred);
 // d += a b for one m16n8k8 tile, TF32 operands, FP32 accumulators: the fragments of
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32.
 void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+// d += a b for one m16n8k16 tile, BF16 operands (two per register), FP32 accumulators:
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32.
+void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: `row` is this lane's row address.
+void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
 
 // cp.async: the copy is recorded, and performed by cp_async_wait (or at the thread's end).
 void cp_async(void* dst, const void* src, int bytes);

@@ -195,7 +195,7 @@ char* stack_for(size_t i) {
 // ------------------------------------------------------------------ the block scheduler
 
 enum class State : uint8_t { runnable, barrier, collective, done };
-enum class Kind : uint8_t { sync, shfl, ballot, mma };
+enum class Kind : uint8_t { sync, shfl, ballot, mma, mma_bf16, ldmatrix };
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::sync:
@@ -205,7 +205,11 @@ const char* kind_name(Kind k) {
     case Kind::ballot:
       return "__ballot_sync / __any_sync / __all_sync";
     case Kind::mma:
-      return "mma.sync";
+      return "mma.sync (tf32)";
+    case Kind::mma_bf16:
+      return "mma.sync (bf16)";
+    case Kind::ldmatrix:
+      return "ldmatrix";
   }
   return "?";
 }
@@ -230,6 +234,10 @@ struct Lane {
   const uint32_t* a = nullptr;
   const uint32_t* b = nullptr;
   float* d = nullptr;
+  // ldmatrix: this lane's row address, whether transposed, and its four result registers
+  const void* row = nullptr;
+  bool trans = false;
+  uint32_t* frag = nullptr;
   // cp.async: copies not yet performed, and the end (in `copies`) of each committed group
   std::vector<Copy> copies;
   std::vector<size_t> group_end;
@@ -315,6 +323,32 @@ float tf32(uint32_t bits) {
   return __uint_as_float(bits & 0xffffe000u);
 }
 
+// The accumulators C [16][8] of an m16n8 mma from the lanes' d registers (c0 (g, 2t),
+// c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1)); D = A B + C with A [16][K], B [K][8]
+// summed in FP64 (C first, k in order) and rounded once, back into the d registers.
+template <int K>
+void mma_finish(Lane* L, const float (&A)[16][K], const float (&B)[K][8]) {
+  double S[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    S[g][2 * t] = L[l].d[0];
+    S[g][2 * t + 1] = L[l].d[1];
+    S[g + 8][2 * t] = L[l].d[2];
+    S[g + 8][2 * t + 1] = L[l].d[3];
+  }
+  // The loop over j inside, so that it vectorises.
+  for (int i = 0; i < 16; ++i)
+    for (int k = 0; k < K; ++k)
+      for (int j = 0; j < 8; ++j) S[i][j] += double(A[i][k]) * double(B[k][j]);
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    L[l].d[0] = float(S[g][2 * t]);
+    L[l].d[1] = float(S[g][2 * t + 1]);
+    L[l].d[2] = float(S[g + 8][2 * t]);
+    L[l].d[3] = float(S[g + 8][2 * t + 1]);
+  }
+}
+
 // Completes the collective of the lanes `mask` of warp w (each of them waits at it).
 void complete_collective(Block& b, int w, unsigned mask) {
   Lane* L = &b.lanes[size_t(w) * 32];
@@ -374,7 +408,7 @@ void complete_collective(Block& b, int w, unsigned mask) {
       //   A (16 x 8): a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
       //   B (8 x 8):  b0 (t, g), b1 (t + 4, g)
       //   C, D (16 x 8): c0 (g, 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1)
-      float A[16][8], B[8][8], C[16][8];
+      float A[16][8], B[8][8];
       for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
         A[g][t] = tf32(L[l].a[0]);
@@ -383,27 +417,55 @@ void complete_collective(Block& b, int w, unsigned mask) {
         A[g + 8][t + 4] = tf32(L[l].a[3]);
         B[t][g] = tf32(L[l].b[0]);
         B[t + 4][g] = tf32(L[l].b[1]);
-        C[g][2 * t] = L[l].d[0];
-        C[g][2 * t + 1] = L[l].d[1];
-        C[g + 8][2 * t] = L[l].d[2];
-        C[g + 8][2 * t + 1] = L[l].d[3];
       }
-      // Each sum in k order, C first; the loop over j inside, so that it vectorises.
-      double S[16][8];
-      for (int i = 0; i < 16; ++i) {
-        for (int j = 0; j < 8; ++j) S[i][j] = C[i][j];
-        for (int k = 0; k < 8; ++k)
-          for (int j = 0; j < 8; ++j) S[i][j] += double(A[i][k]) * double(B[k][j]);
-      }
-      float D[16][8];
-      for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 8; ++j) D[i][j] = float(S[i][j]);
+      mma_finish(L, A, B);
+      break;
+    }
+    case Kind::mma_bf16: {
+      if (mask != 0xffffffffu || n != 32) die("warp %d: mma.sync needs all 32 lanes", w);
+      // Fragments (PTX ISA, mma.m16n8k16 .bf16): lane = 4 g + t, two bf16 per register, the
+      // lower column (A) or row (B) in the low half;
+      //   A (16 x 16): a0 (g, 2t..2t+1), a1 (g + 8, 2t..), a2 (g, 2t+8..), a3 (g + 8, 2t+8..)
+      //   B (16 x 8):  b0 (2t..2t+1, g), b1 (2t+8..2t+9, g)
+      //   C, D (16 x 8) as for m16n8k8.
+      float A[16][16], B[16][8];
+      const auto lo = [](uint32_t r) { return __uint_as_float(r << 16); };
+      const auto hi = [](uint32_t r) { return __uint_as_float(r & 0xffff0000u); };
       for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
-        L[l].d[0] = D[g][2 * t];
-        L[l].d[1] = D[g][2 * t + 1];
-        L[l].d[2] = D[g + 8][2 * t];
-        L[l].d[3] = D[g + 8][2 * t + 1];
+        for (int r = 0; r < 4; ++r) {
+          const int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+          A[row][col] = lo(L[l].a[r]);
+          A[row][col + 1] = hi(L[l].a[r]);
+        }
+        for (int r = 0; r < 2; ++r) {
+          B[2 * t + 8 * r][g] = lo(L[l].b[r]);
+          B[2 * t + 8 * r + 1][g] = hi(L[l].b[r]);
+        }
+      }
+      mma_finish(L, A, B);
+      break;
+    }
+    case Kind::ldmatrix: {
+      if (mask != 0xffffffffu || n != 32) die("warp %d: ldmatrix needs all 32 lanes", w);
+      // .m8n8.x4.b16: lanes 8 i .. 8 i + 7 give the rows (16 bytes each) of matrix i; register
+      // i of lane 4 g + t receives row g, elements 2t and 2t + 1 of matrix i (.trans: its
+      // transpose, elements (2t, g) and (2t + 1, g)).
+      uint16_t M[4][8][8];
+      for (int l = 0; l < 32; ++l) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(L[l].row);
+        if (a % 16 != 0)
+          die("warp %d: ldmatrix row address %p of lane %d is not 16-byte aligned", w, L[l].row, l);
+        std::memcpy(M[l >> 3][l & 7], L[l].row, 16);
+      }
+      const bool tr = L[0].trans;
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t e0 = tr ? M[i][2 * t][g] : M[i][g][2 * t];
+          const uint16_t e1 = tr ? M[i][2 * t + 1][g] : M[i][g][2 * t + 1];
+          L[l].frag[i] = uint32_t(e0) | (uint32_t(e1) << 16);
+        }
       }
       break;
     }
@@ -596,6 +658,26 @@ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)
   me.a = a;
   me.b = b;
   me.d = d;
+  collective();
+}
+
+void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  Lane& me = *t_lane;
+  me.kind = Kind::mma_bf16;
+  me.mask = 0xffffffffu;
+  me.a = a;
+  me.b = b;
+  me.d = d;
+  collective();
+}
+
+void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  Lane& me = *t_lane;
+  me.kind = Kind::ldmatrix;
+  me.mask = 0xffffffffu;
+  me.row = row;
+  me.trans = trans;
+  me.frag = r;
   collective();
 }
 

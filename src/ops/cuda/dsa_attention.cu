@@ -3,10 +3,11 @@
 // of ops/cpu/dsa_sparse_attention.cpp and ops/cpu/dsa_indexer_loss.cpp (target_rows). MQA /
 // absorbed MLA: one latent row kv[s] in R^D (D = D_qk) is the key of every head, its first d_v
 // channels the value. Query t visits its keys S_t in slot order; l_j = scale q[t,h] . kv[S_tj] (a
-// chain of FMAs in channel order). Every kernel is templated on its key source (PatternKeys: an
-// explicit host-built pattern and its inverse map; DenseKeys: the causal set doc_start[t] .. t of
-// t's document, whose readers of key s are the queries s .. doc_end[s]-1, from upload_layout, so
-// causal_attention needs no O(T^2) host pattern). Both visit keys and readers in the same order,
+// chain of FMAs in channel order). Every kernel is templated on its key source (dsa_keys.cuh;
+// PatternKeys: an explicit pattern and its inverse map, built on the device by
+// device_rows_pattern; DenseKeys: the causal set doc_start[t] .. t of t's document, whose readers
+// of key s are the queries s .. doc_end[s]-1, from upload_layout, so causal_attention needs no
+// O(T^2) pattern). Both visit keys and readers in the same order,
 // so causal_attention gives the bits of sparse_attention with every causal token ascending.
 // Storage f32 / f64 / bf16; arithmetic in f32 (f64 for f64); lse, Delta and targets in that
 // computation dtype. Every sum below runs in an order fixed by the shapes alone (never by the
@@ -37,7 +38,7 @@
 //            block owns), then the row total (thread partials, butterfly, the 8 warp sums in
 //            order) divides the row. The row is zeroed first (0 outside the set). The dense
 //            variant derives S_t = doc_start[t] .. t (slot = key - doc_start) on the device
-//            from upload_layout; the explicit one reads the host-checked pattern.
+//            from upload_layout; the explicit one reads the checked pattern.
 // dkv (key side): one block per key s (channel chunks in grid y) gathers over its readers (the
 // inverse map's entries in increasing (t, slot) order, or the dense causal readers
 // s .. doc_end[s]-1), flattened to (reader, head) pairs in (reader, head) order. Per step of 32
@@ -59,12 +60,15 @@
 // contributions sum_h (scale ds q[t,h] ; p dout[t,h]) [entries of a chunk of queries, D_qk],
 // computed on the query side (one q row load per query instead of one per (key, reader)) and
 // gathered per key, chunk after chunk, in order.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
 
 #include "ops/cuda/dsa_attention.cuh"
+#include "ops/cuda/dsa_attention_mma.cuh"
 #include "ops/cuda/dsa_common.cuh"
+#include "ops/cuda/dsa_keys.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
 
 namespace hlm::ops::cuda {
@@ -111,44 +115,6 @@ __device__ __forceinline__ void tile_accumulate(A (&acc)[HG][CPT], const A* w, c
     }
   }
 }
-
-// The key source of the kernels: an explicit pattern or the dense causal set of each document.
-// Query side: the keys of query t, key_at(first(t), j) for j < count(t), in slot order (slot_at).
-// Key side: the readers of key s, reader_at(readers_first(s), i) for i < readers_count(s), in
-// increasing t (each reader reads s once: the patterns here are token-level, no duplicates).
-//   PatternKeys: entries row_ptr[t] .. row_ptr[t+1]-1; the readers come from the inverse map
-//                (key_ptr, key_entry, query; null unless uploaded for a backward pass).
-//   DenseKeys:   keys doc_start[t] .. t (slot = key - doc_start[t]); readers s .. doc_end[s]-1.
-struct PatternKeys {
-  const int64_t* row_ptr;
-  const int64_t* key;
-  const int32_t* slot;
-  const int64_t* key_ptr;
-  const int64_t* key_entry;
-  const int64_t* query;
-  __device__ __forceinline__ int64_t first(int64_t t) const { return row_ptr[t]; }
-  __device__ __forceinline__ int64_t count(int64_t t) const { return row_ptr[t + 1] - row_ptr[t]; }
-  __device__ __forceinline__ int64_t key_at(int64_t f, int64_t j) const { return key[f + j]; }
-  __device__ __forceinline__ int64_t slot_at(int64_t f, int64_t j) const { return slot[f + j]; }
-  __device__ __forceinline__ int64_t readers_first(int64_t s) const { return key_ptr[s]; }
-  __device__ __forceinline__ int64_t readers_count(int64_t s) const {
-    return key_ptr[s + 1] - key_ptr[s];
-  }
-  __device__ __forceinline__ int64_t reader_at(int64_t r0, int64_t i) const {
-    return query[key_entry[r0 + i]];
-  }
-};
-struct DenseKeys {
-  const int64_t* doc_start;
-  const int64_t* doc_end;
-  __device__ __forceinline__ int64_t first(int64_t t) const { return doc_start[t]; }
-  __device__ __forceinline__ int64_t count(int64_t t) const { return t - doc_start[t] + 1; }
-  __device__ __forceinline__ int64_t key_at(int64_t f, int64_t j) const { return f + j; }
-  __device__ __forceinline__ int64_t slot_at(int64_t, int64_t j) const { return j; }
-  __device__ __forceinline__ int64_t readers_first(int64_t s) const { return s; }
-  __device__ __forceinline__ int64_t readers_count(int64_t s) const { return doc_end[s] - s; }
-  __device__ __forceinline__ int64_t reader_at(int64_t r0, int64_t i) const { return r0 + i; }
-};
 
 // Heads per warp in the score phase (HG < 8: warps w >= HG idle there).
 template <int HG>
@@ -557,13 +523,6 @@ struct Geom {
   size_t smem = 0;
 };
 
-int smem_optin() {
-  int dev = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  return optin;
-}
-
 // The head group (4 for H <= 4, else 16, then 4) and the largest key tile (32, 16, ..., 1) whose
 // shared memory bytes(hg, kt, D, dv) fits the device.
 template <class F>
@@ -574,12 +533,6 @@ Geom pick_geom(int H, int D, int dv, F&& bytes, const char* what) {
       if (bytes(hg, kt, D, dv) <= optin) return {hg, kt, bytes(hg, kt, D, dv)};
   HLM_FAIL("{}: D_qk = {} (d_v = {}) needs more shared memory than the device's {} bytes", what, D,
            dv, optin);
-}
-
-void set_smem(const void* kernel, size_t bytes, const char* what) {
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  HLM_CHECK(err == cudaSuccess, "{}: cudaFuncSetAttribute: {}", what, cudaGetErrorString(err));
 }
 
 // Channels per thread (1, 2 or 4) for n channels; n > 1024 is split into blocks of 1024.
@@ -622,8 +575,13 @@ int as_int(int64_t v, const char* what, const char* name) {
 }
 
 PatternKeys pattern_keys(const DsaPatternDev& d) {
-  return {cptr<int64_t>(d.row_ptr), cptr<int64_t>(d.key),       cptr<int32_t>(d.slot),
-          cptr<int64_t>(d.key_ptr), cptr<int64_t>(d.key_entry), cptr<int64_t>(d.query)};
+  return {cptr<int64_t>(d.row_ptr),
+          cptr<int64_t>(d.key),
+          cptr<int32_t>(d.slot),
+          cptr<int64_t>(d.key_ptr),
+          cptr<int64_t>(d.key_entry),
+          cptr<int64_t>(d.query),
+          d.W};
 }
 DenseKeys dense_keys(const DsaLayoutDev& d) {
   return {cptr<int64_t>(d.doc_start), cptr<int64_t>(d.doc_end)};
@@ -635,6 +593,10 @@ void launch_fwd(const T* q, const T* kv, Keys keys, T* out, acc_t<T>* lse, int64
                 int dv, double scale, const char* what) {
   using A = acc_t<T>;
   if (T_ == 0 || H == 0) return;
+  if constexpr (std::is_same_v<T, nv_bf16>) {
+    // BF16 on tensor cores (dsa_attention_mma.cu) where the shapes fit.
+    if (attention_fwd_mma(q, kv, keys, out, lse, T_, H, D, dv, scale, what)) return;
+  }
   const Geom g = pick_geom(H, D, dv, fwd_smem<A>, what);
   const int cpt = cpt_for(dv);
   const dim3 grid(query_blocks(T_, H, g.hg, what), chunks_for(dv, cpt));
@@ -687,6 +649,13 @@ void launch_bwd(const Tensor& q, const Tensor& kv, Keys keys, int64_t nkeys, int
     attn_delta_kernel<T_><<<blocks_for(T * H, kWarps), kThreads>>>(cptr<T_>(d_out), cptr<T_>(out),
                                                                    mptr<A>(delta), T * H, dv);
     check_launch((std::string(what) + " (Delta)").c_str());
+    if constexpr (std::is_same_v<T_, nv_bf16>) {
+      // BF16 on tensor cores (dsa_attention_mma.cu) where the shapes fit.
+      if (attention_bwd_mma(cptr<T_>(q), cptr<T_>(kv), cptr<T_>(d_out), cptr<float>(lse),
+                            cptr<float>(delta), keys, nkeys, keys.width, mptr<T_>(dq),
+                            mptr<T_>(dkv), T, H, D, dv, scale, what))
+        return;
+    }
     // dq: per query, as the forward.
     const Geom g = pick_geom(H, D, dv, dq_smem<A>, what);
     const int cpt = cpt_for(D);
@@ -721,14 +690,13 @@ void launch_bwd(const Tensor& q, const Tensor& kv, Keys keys, int64_t nkeys, int
 
 }  // namespace
 
-void sparse_attention(const Tensor& q, const Tensor& kv, const dsa_detail::Pattern& p, int64_t d_v,
+void sparse_attention(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd, int64_t d_v,
                       double scale, Tensor& out, Tensor& lse) {
   const char* what = "sparse_attention";
   const int64_t T = q.size(0);
   const int H = as_int(q.size(1), what, "H"), D = as_int(q.size(2), what, "D_qk");
   const int dv = as_int(d_v, what, "d_v");
   if (T == 0 || H == 0) return;
-  const DsaPatternDev pd = upload_pattern(p, false);
   dispatch_storage(q.dtype(), [&](auto tx) {
     using T_ = decltype(tx);
     using A = acc_t<T_>;
@@ -737,13 +705,12 @@ void sparse_attention(const Tensor& q, const Tensor& kv, const dsa_detail::Patte
   });
 }
 
-void sparse_attention_backward(const Tensor& q, const Tensor& kv, const dsa_detail::Pattern& p,
+void sparse_attention_backward(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd,
                                int64_t d_v, double scale, const Tensor& out, const Tensor& lse,
                                const Tensor& d_out, Tensor& dq, Tensor& dkv) {
   const char* what = "sparse_attention_backward";
   if (q.size(0) == 0 || q.size(2) == 0) return;
   if (q.size(1) == 0) return dkv.zero_();
-  const DsaPatternDev pd = upload_pattern(p, true);
   launch_bwd(q, kv, pattern_keys(pd), pd.nkeys, d_v, scale, out, lse, d_out, dq, dkv, what);
 }
 
@@ -770,21 +737,35 @@ void causal_attention_backward(const Tensor& q, const Tensor& kv, const std::vec
   if (q.size(0) == 0 || q.size(2) == 0) return;
   if (q.size(1) == 0) return dkv.zero_();
   const DsaLayoutDev lay = upload_layout(cu, 1);
-  launch_bwd(q, kv, dense_keys(lay), lay.T, d_v, scale, out, lse, d_out, dq, dkv, what);
+  // Entries numbered query by query (the tensor-core backward's workspace rows): a document's
+  // query at position r starts at the document's first entry + r (r + 1) / 2.
+  std::vector<int64_t> base(size_t(lay.T));
+  int64_t e = 0, longest = 0;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    longest = std::max(longest, cu[i + 1] - cu[i]);
+    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+      base[size_t(t)] = e;
+      e += t - cu[i] + 1;
+    }
+  }
+  const Tensor entry_base = to_device(base);
+  DenseKeys keys = dense_keys(lay);
+  keys.entry_base = cptr<int64_t>(entry_base);
+  keys.width = longest;
+  launch_bwd(q, kv, keys, lay.T, d_v, scale, out, lse, d_out, dq, dkv, what);
 }
 
-void attention_target(const Tensor& q, const Tensor& kv, const dsa_detail::Pattern& p, double scale,
+void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd, double scale,
                       Tensor& out) {
   const char* what = "attention_target_at";
   const int H = as_int(q.size(1), what, "H"), D = as_int(q.size(2), what, "D_qk");
-  if (p.T == 0) return;
+  if (pd.T == 0) return;
   if (H == 0) return out.zero_();
-  const DsaPatternDev pd = upload_pattern(p, false);
   dispatch_storage(q.dtype(), [&](auto tx) {
     using T_ = decltype(tx);
     using A = acc_t<T_>;
-    launch_target<T_, PatternKeys>(cptr<T_>(q), cptr<T_>(kv), pattern_keys(pd), mptr<A>(out), p.T,
-                                   H, D, p.W, scale);
+    launch_target<T_, PatternKeys>(cptr<T_>(q), cptr<T_>(kv), pattern_keys(pd), mptr<A>(out), pd.T,
+                                   H, D, pd.W, scale);
   });
 }
 

@@ -1,9 +1,10 @@
 // The CUDA side's view of the DSA ops' shared plumbing (ops/dsa_common.h). Host interface,
 // includable from C++.
 //
-// The front doors check an op's index tensors on the host and build its pattern there
-// (dsa_detail::Pattern); the CUDA ops take that pattern as device arrays. A dense causal op needs
-// no pattern: its kernels derive each query's keys from the per-token geometry below.
+// The CUDA ops take an explicit selection's pattern (dsa_detail::Pattern) as device arrays, which
+// the front doors build on the device from the index tensor (device_rows_pattern: checked there,
+// no copy of the rows to the host). A dense causal op needs no pattern: its kernels derive each
+// query's keys from the per-token geometry below.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +26,17 @@ struct DsaPatternDev {
   Tensor key_ptr;    // [nkeys+1]
   Tensor key_entry;  // [E]
 };
+// A host-built pattern copied to the device.
 DsaPatternDev upload_pattern(const dsa_detail::Pattern& p, bool with_inverse);
+
+// dsa_detail::rows_pattern of CUDA rows [T, W] (i32 or i64; strided rows are copied first) built
+// on the device: the same arrays (rows in slot order, each key's readers in increasing (t, slot)
+// order), the same refusals with the same messages (the first bad row wins; in it, the first
+// column out of range, else the smallest repeated value). The host reads back a few numbers only:
+// the entry count and the first problem found. with_inverse: also key_ptr / key_entry (backward
+// passes).
+DsaPatternDev device_rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
+                                  const char* op, const char* what, bool with_inverse);
 
 // Per-token geometry of a packed batch for keys grouped in pools of P tokens (P = 1: tokens):
 //   doc_start[t] = the first token of t's document,

@@ -767,15 +767,11 @@ __global__ void __launch_bounds__(kDkWarps * 32)
 // Opts `kernel` in to `bytes` of dynamic shared memory (with its static shared memory, a block may
 // pass the 48 KiB default even when `bytes` alone does not).
 void allow_smem(const void* kernel, size_t bytes, const char* op) {
-  int dev = 0, optin = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  const int optin = smem_optin();
   HLM_CHECK(size_t(optin) >= bytes,
             "{}: a block needs {} bytes of shared memory, the device allows {} (d_I too large?)",
             op, bytes, optin);
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  HLM_CHECK(err == cudaSuccess, "{}: cudaFuncSetAttribute: {}", op, cudaGetErrorString(err));
+  set_smem(kernel, bytes, op);
 }
 
 int parts_of(int64_t D) {
@@ -880,12 +876,11 @@ void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
 }
 
 void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w,
-                         const dsa_detail::Pattern& p, const IndexerScoreOptions& opt, double scale,
+                         const DsaPatternDev& pd, const IndexerScoreOptions& opt, double scale,
                          Tensor& scores, const char* op) {
-  const int64_t T_ = q.size(0), W = p.W;
+  const int64_t T_ = q.size(0), W = pd.W;
   const int H = int(q.size(1)), D = int(q.size(2));
   if (T_ == 0 || W == 0) return;
-  const DsaPatternDev pd = upload_pattern(p, false);
   dispatch_storage(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -977,13 +972,12 @@ void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tenso
 }
 
 void indexer_scores_rows_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                  const dsa_detail::Pattern& p, const IndexerScoreOptions& opt,
+                                  const DsaPatternDev& pd, const IndexerScoreOptions& opt,
                                   double scale, const Tensor& d_scores, IndexerScoreGrads& g,
                                   const char* op) {
-  const int64_t T_ = q.size(0), W = p.W, nkeys = k.size(0);
+  const int64_t T_ = q.size(0), W = pd.W, nkeys = k.size(0);
   const int H = int(q.size(1)), D = int(q.size(2));
   const int parts = parts_of(D);
-  const DsaPatternDev pd = upload_pattern(p, true);
   dispatch_storage(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;

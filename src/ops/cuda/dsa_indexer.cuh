@@ -6,7 +6,8 @@
 //
 // The dense ("causal") layout needs no pattern: its kernels derive every query's visible keys
 // from the per-token geometry (ops/cuda/dsa_common.cuh), so nothing of size T x W is built on the
-// host. The explicit-rows layout takes the pattern the front door built while validating the rows.
+// host. The explicit-rows layout takes the pattern the front door built on the device from the rows
+// (device_rows_pattern, which also validates them).
 // `op` names the op in the one error raised here: a non-finite q or k under the FP8 emulation
 // (found on the device, reported after the scoring kernels have been queued).
 #pragma once
@@ -15,7 +16,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "ops/dsa_common.h"
+#include "ops/cuda/dsa_common.cuh"
 #include "ops/dsa_indexer.h"
 
 namespace hlm::ops::cuda {
@@ -25,9 +26,9 @@ void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
                           const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,
                           double scale, Tensor& scores, const char* op);
 // scores [T, p.W] at the pattern's entries, -inf elsewhere.
-void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w,
-                         const dsa_detail::Pattern& p, const IndexerScoreOptions& opt, double scale,
-                         Tensor& scores, const char* op);
+void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, const DsaPatternDev& p,
+                         const IndexerScoreOptions& opt, double scale, Tensor& scores,
+                         const char* op);
 // g.dq, g.dk, g.dw written; d_scores [T, W] in the dense layout.
 void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                    const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,
@@ -35,7 +36,7 @@ void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tenso
                                    const char* op);
 // g.dq, g.dk, g.dw written; d_scores [T, p.W] in the explicit-rows layout.
 void indexer_scores_rows_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                  const dsa_detail::Pattern& p, const IndexerScoreOptions& opt,
+                                  const DsaPatternDev& p, const IndexerScoreOptions& opt,
                                   double scale, const Tensor& d_scores, IndexerScoreGrads& g,
                                   const char* op);
 

@@ -14,4 +14,17 @@ void check_launch(const char* what) {
   HLM_CHECK(err == cudaSuccess, "{} kernel launch: {}", what, cudaGetErrorString(err));
 }
 
+int smem_optin() {
+  int dev = 0, optin = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return optin;
+}
+
+void set_smem(const void* kernel, size_t bytes, const char* what) {
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  HLM_CHECK(err == cudaSuccess, "{}: cudaFuncSetAttribute: {}", what, cudaGetErrorString(err));
+}
+
 }  // namespace hlm::ops::cuda

@@ -127,6 +127,11 @@ __device__ __forceinline__ int64_t last_le(const int64_t* a, int64_t n, int64_t 
 
 void check_launch(const char* what);
 
+// The device's opt-in limit of dynamic shared memory per block, and the opt-in of `kernel` to
+// `bytes` of it (an hlm::Error naming `what` when refused).
+int smem_optin();
+void set_smem(const void* kernel, size_t bytes, const char* what);
+
 // A new contiguous CUDA tensor for an output or a workspace (NaN-poisoned while the test hook of
 // ops/dispatch.h is on).
 Tensor alloc(const Shape& shape, DType dt);

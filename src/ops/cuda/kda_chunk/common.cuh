@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/kda_chunk/heuristics.h"
 #include "ops/cuda/kda_chunk/params.cuh"
 #include "ops/dispatch.h"
@@ -134,33 +135,6 @@ __device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&x)[4]) {
   const uint2 v = *reinterpret_cast<const uint2*>(p);
   x[0] = __uint_as_float(v.x << 16), x[1] = __uint_as_float(v.x & 0xffff0000u);
   x[2] = __uint_as_float(v.y << 16), x[3] = __uint_as_float(v.y & 0xffff0000u);
-}
-
-// cp.async of 16 bytes global -> shared (both 16-byte aligned), and its group fence. (The CPU
-// emulation build, HLM_CUDA_EMU, has its own forms of the PTX in this file and mma_tf32.cuh.)
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
-#ifdef HLM_CUDA_EMU
-  ::hlm::emu::cp_async(smem, gmem, 16);
-#else
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef HLM_CUDA_EMU
-  ::hlm::emu::cp_async_commit();
-#else
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-// Wait until at most N of this thread's most recent groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#ifdef HLM_CUDA_EMU
-  ::hlm::emu::cp_async_wait(N);
-#else
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
 }
 
 // Copies rows x cols floats (cols % 4 == 0) from global (row stride gs) to shared (row stride ss,
