@@ -1,8 +1,10 @@
 // LayerNorm with weight and bias over the last dimension:
 //   mean = sum_i x_i / D,  var = sum_i (x_i - mean)^2 / D (biased),  rstd = 1 / sqrt(var + eps)
 //   y = (x - mean) * rstd * w + b
-// x [..., D], w [D], b [D], f32 or f64, one dtype. Forward saves mean and rstd [...]. Backward
-// writes dx and accumulates dw (+=) and db (+=), summing over rows in row order.
+// x [..., D], w [D], b [D]. CPU: f32 or f64, one dtype. CUDA (ops/cuda/norms.cu): also bf16 x
+// with f32 (or bf16) w, b, dw, db; computed in f32 (f64 for f64); dtype rules in ops/op_checks.h.
+// Forward saves mean and rstd [...] in the computation dtype. Backward writes dx and accumulates
+// dw (+=) and db (+=), summing over rows in a fixed order (row order on the CPU).
 #pragma once
 
 #include "core/tensor.h"

@@ -21,7 +21,9 @@
 
 #include "core/rng.h"
 #include "ops/dsa_kpool.h"
+#include "ops/hadamard.h"
 #include "ops/layernorm.h"
+#include "ops/rope.h"
 
 namespace hlm {
 
@@ -133,55 +135,23 @@ void accumulate_grad(Param& p, const Tensor& g) {
   add_inplace(p.grad, as_dt(g, p.grad.dtype()));
 }
 
-// Normalised Walsh-Hadamard transform of each length-d row of x (in place): x <- H_d x / sqrt(d),
-// H_d the Sylvester matrix (H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]); butterflies with stride
-// 1, 2, 4, ... then one multiplication by 1/sqrt(d) rounded to the dtype.
-void hadamard_rows(Tensor& x, int64_t d) {
-  const int64_t rows = x.numel() / d;
-  dispatch(x.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    T* p = x.data<T>();
-    const T norm = T(1.0 / std::sqrt(double(d)));
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      T* v = p + r * d;
-      for (int64_t len = 1; len < d; len <<= 1)
-        for (int64_t i = 0; i < d; i += 2 * len)
-          for (int64_t j = i; j < i + len; ++j) {
-            const T a = v[j], b = v[j + len];
-            v[j] = a + b;
-            v[j + len] = a - b;
-          }
-      for (int64_t j = 0; j < d; ++j) v[j] *= norm;
-    }
-  });
-}
-
-// RoPE on channels [0, dr) of x [T, nh, d] (in place), position pos[t]:
-//   angle_i = pos * theta^(-2i / dr), i < dr / 2 (computed in f64, cos / sin rounded to the dtype)
-//   pair (a, b) -> (a cos - b sin, a sin + b cos), or with inverse the rotation by -angle;
-//   pairs (2i, 2i + 1) when interleaved, (i, i + dr / 2) otherwise (NeoX).
-void rope_inplace(Tensor& x, int64_t nh, int64_t d, const std::vector<int64_t>& pos, int64_t dr,
-                  double theta, bool interleave, bool inverse) {
+// RoPE on channels [0, dr) of x [T, nh, d] or [T, d] (in place, ops::rope_inplace), position
+// pos[t]: angle_i = pos * theta^(-2i / dr), i < dr / 2, formed in f64 (cos / sin rounded to the
+// dtype); pairs (2i, 2i + 1) when interleaved, (i, i + dr / 2) otherwise (NeoX); with inverse
+// the transposed rotation.
+void rope_rows(Tensor& x, const std::vector<int64_t>& pos, int64_t dr, double theta,
+               bool interleave, bool inverse) {
   if (dr == 0) return;
-  const int64_t T = int64_t(pos.size()), half = dr / 2;
-  dispatch(x.dtype(), [&](auto tag) {
-    using TT = decltype(tag);
-    TT* p = x.data<TT>();
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < half; ++i) {
-        const double ang = double(pos[size_t(t)]) * std::pow(theta, -2.0 * double(i) / double(dr));
-        const TT c = TT(std::cos(ang)), s = TT(inverse ? -std::sin(ang) : std::sin(ang));
-        const int64_t ia = interleave ? 2 * i : i, ib = interleave ? 2 * i + 1 : i + half;
-        for (int64_t h = 0; h < nh; ++h) {
-          TT* v = p + (t * nh + h) * d;
-          const TT a = v[ia], b = v[ib];
-          v[ia] = a * c - b * s;
-          v[ib] = a * s + b * c;
-        }
-      }
-  });
+  std::vector<double> inv(size_t(dr / 2));
+  for (int64_t i = 0; i < dr / 2; ++i)
+    inv[size_t(i)] = std::pow(theta, -2.0 * double(i) / double(dr));
+  ops::RopeOptions o;
+  o.rope_dim = dr;
+  o.interleave = interleave;
+  o.inverse = inverse;
+  o.angle = ops::RopeAngle::f64;
+  ops::rope_inplace(x, Tensor::from_vector<int64_t>({int64_t(pos.size())}, pos),
+                    Tensor::from_vector<double>({dr / 2}, inv), o);
 }
 
 std::vector<int64_t> positions_of(const std::vector<int64_t>& cu) {
@@ -287,8 +257,8 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
 
   // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
   s.q = wq_b_.forward(lin_ctx, s.c_q, &s.wq_b).contiguous().view({T, H, d});
-  rope_inplace(s.q, H, d, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
-  if (cfg_.hadamard) hadamard_rows(s.q, d);
+  rope_rows(s.q, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
+  if (cfg_.hadamard) ops::hadamard_inplace(s.q);
 
   // k = LayerNorm(wk(h)) [T, d] (FP32 / f64 compute), RoPE.
   s.k_lin = wk_.forward(lin_ctx, s.h, &s.wk).contiguous();
@@ -297,18 +267,18 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
   s.k = ln.y;
   s.k_mean = ln.mean;
   s.k_rstd = ln.rstd;
-  rope_inplace(s.k, 1, d, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
+  rope_rows(s.k, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
 
   // Keys for scoring: token keys (P = 1) or Hadamard of the pooled keys (P > 1).
   Tensor keys;
   if (P == 1) {
-    if (cfg_.hadamard) hadamard_rows(s.k, d);
+    if (cfg_.hadamard) ops::hadamard_inplace(s.k);
     keys = s.k;
   } else {
     gate_lin_.weight().value = gate_->value;
     s.gate_out = gate_lin_.forward(lin_ctx, s.h, &s.gate).contiguous();
     s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, cdt), seqs);
-    if (cfg_.hadamard) hadamard_rows(s.pooled, d);
+    if (cfg_.hadamard) ops::hadamard_inplace(s.pooled);
     keys = s.pooled;
   }
 
@@ -456,8 +426,8 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
 
   // Queries: Hadamard^T = Hadamard, RoPE^-1, wq_b.
   Tensor dq = copy_as(g.dq, cdt);
-  if (cfg_.hadamard) hadamard_rows(dq, d);
-  rope_inplace(dq, H, d, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
+  if (cfg_.hadamard) ops::hadamard_inplace(dq);
+  rope_rows(dq, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
   r.dc_q = wq_b_.backward(lin_ctx, dq.view({T, H * d}), s.wq_b).contiguous();
 
   // Keys.
@@ -465,10 +435,10 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   Tensor dh_gate;
   if (P == 1) {
     dk = copy_as(g.dk, cdt);
-    if (cfg_.hadamard) hadamard_rows(dk, d);
+    if (cfg_.hadamard) ops::hadamard_inplace(dk);
   } else {
     Tensor dpooled = copy_as(g.dk, cdt);
-    if (cfg_.hadamard) hadamard_rows(dpooled, d);
+    if (cfg_.hadamard) ops::hadamard_inplace(dpooled);
     const ops::KPoolCompressGrads cg =
         ops::kpool_compress_backward(s.k, s.gate_out, as_dt(ape_->value, cdt), s.seqs, dpooled);
     dk = copy_as(cg.dk, cdt);
@@ -479,7 +449,7 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
     dh_gate = gate_lin_.backward(lin_ctx, cg.dgate, s.gate).contiguous();
     accumulate_grad(*ape_, cg.dape);
   }
-  rope_inplace(dk, 1, d, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
+  rope_rows(dk, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
   Tensor dlnw = Tensor::zeros({d}, cdt), dlnb = Tensor::zeros({d}, cdt);
   const Tensor dklin = ops::layernorm_backward(dk, s.k_lin, as_dt(k_norm_w_->value, cdt), s.k_mean,
                                                s.k_rstd, dlnw, dlnb);

@@ -29,6 +29,7 @@
 #include "ops/dsa_sparse_attention.h"
 #include "ops/gemm.h"
 #include "ops/rmsnorm.h"
+#include "ops/rope.h"
 
 namespace hlm {
 
@@ -173,47 +174,21 @@ std::vector<int64_t> positions_of(const std::vector<int64_t>& cu, int64_t T) {
 // costs more than it saves on tiny shapes, much more when the cores are shared.
 constexpr int64_t kParallelWork = 1 << 15;
 
-// Rotates channels [off, off + d_r) of every row of x ([T, n, L] contiguous) by the angle of the
-// row's position: interleaved pairs (2i, 2i + 1) with angle pos * inv_freq[i] (computed in F, as
-// the f32 reference implementations do), cos and sin scaled by `factor`:
-//   forward:  (a, b) -> (a c - b s, a s + b c);   inverse (= the transpose, for backward):
-//   (a, b) -> (a c + b s, -a s + b c).
-template <class F>
-void rope_rows(Tensor& x, int64_t off, int64_t d_r, const std::vector<int64_t>& pos,
-               const std::vector<double>& inv_freq, double factor, bool inverse) {
-  const int64_t T = x.size(0), n = x.dim() == 3 ? x.size(1) : 1, L = x.size(-1);
-  F* p = x.data<F>();
-  const int64_t half = d_r / 2;
-#pragma omp parallel for schedule(static) if (T * n * d_r > kParallelWork)
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<F> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
-    for (int64_t i = 0; i < half; ++i) {
-      const F ang = F(pos[size_t(t)]) * F(inv_freq[size_t(i)]);
-      cs[size_t(i)] = F(std::cos(double(ang))) * F(factor);
-      sn[size_t(i)] = F(std::sin(double(ang))) * F(factor);
-    }
-    for (int64_t h = 0; h < n; ++h) {
-      F* r = p + (t * n + h) * L + off;
-      for (int64_t i = 0; i < half; ++i) {
-        const F a = r[2 * i], b = r[2 * i + 1], c = cs[size_t(i)], s = sn[size_t(i)];
-        if (!inverse) {
-          r[2 * i] = a * c - b * s;
-          r[2 * i + 1] = a * s + b * c;
-        } else {
-          r[2 * i] = a * c + b * s;
-          r[2 * i + 1] = -a * s + b * c;
-        }
-      }
-    }
-  }
-}
-
+// Rotates channels [off, off + d_r) of every row of x ([T, n, L] or [T, L], contiguous; in
+// place, ops::rope_inplace) by the angle of the row's position: interleaved pairs (2i, 2i + 1)
+// with angle pos * inv_freq[i] (formed in the computation dtype, as the f32 reference
+// implementations do), cos and sin scaled by `factor`; inverse = the transpose, for backward.
 void rope(Tensor& x, int64_t off, int64_t d_r, const std::vector<int64_t>& pos,
           const std::vector<double>& inv_freq, double factor, bool inverse) {
-  if (x.dtype() == DType::f64)
-    rope_rows<double>(x, off, d_r, pos, inv_freq, factor, inverse);
-  else
-    rope_rows<float>(x, off, d_r, pos, inv_freq, factor, inverse);
+  ops::RopeOptions o;
+  o.offset = off;
+  o.rope_dim = d_r;
+  o.factor = factor;
+  o.interleave = true;
+  o.inverse = inverse;
+  o.angle = ops::RopeAngle::compute;
+  ops::rope_inplace(x, Tensor::from_vector<int64_t>({int64_t(pos.size())}, pos),
+                    Tensor::from_vector<double>({int64_t(inv_freq.size())}, inv_freq), o);
 }
 
 template <class F>

@@ -1,16 +1,24 @@
-// RMSNorm, gated RMSNorm (ops/rmsnorm.h) and L2 norm (ops/l2norm.h) on CUDA (ops/cuda/norms.cuh),
-// the math of ops/cpu/rmsnorm.cpp and ops/cpu/l2norm.cpp:
+// RMSNorm, gated RMSNorm (ops/rmsnorm.h), L2 norm (ops/l2norm.h) and LayerNorm (ops/layernorm.h)
+// on CUDA (ops/cuda/norms.cuh), the math of ops/cpu/rmsnorm.cpp, l2norm.cpp and layernorm.cpp:
 //   rmsnorm:  rstd = 1 / sqrt(sum x^2 / D + eps),  y = x rstd w (* sigmoid(g))
 //             dn = dy (* s),  dg = dy x rstd w s (1 - s),
 //             dx = rstd w dn - rstd^3 / D x sum_j(dn_j w_j x_j),  dw += sum_rows dn x rstd
 //   l2norm:   rstd = 1 / sqrt(sum x^2 + eps),  y = x rstd,  dx = rstd (dy - y (y . dy))
+//   layernorm: mean = sum x / D,  rstd = 1 / sqrt(sum (x - mean)^2 / D + eps) (two passes),
+//             xhat = (x - mean) rstd,  y = xhat w + b;  g = dy w,
+//             dx = rstd (g - sum g / D - xhat sum(g xhat) / D),  dw += sum_rows dy xhat,
+//             db += sum_rows dy
 // Row kernels: one warp per row for D <= 2048 (8 rows per 256-thread block), else one 256-thread
 // block per row. Each thread walks its elements in a fixed order, V at a time as one 16-byte
 // access when D and every pointer allow it (else V = 1); the row sum is a warp butterfly, then
 // (block rows) the 8 warp sums added in warp order. A row's result depends only on that row, D
 // and V, never on the launch, so it is bit-identical run to run.
-// dw: rows are cut into parts of kRowsPerPart; one thread per (part, column) sums its rows in
+// dw (db): rows are cut into parts of kRowsPerPart; one thread per (part, column) sums its rows in
 // order into a workspace [parts, D], then one thread per column adds the parts in order to dw.
+// LayerNorm uses the same row geometry with one more row sum (mean, then the centred variance;
+// the backward's two dot products share one pass and are summed as a pair).
+// Faster: keep the row in registers between the passes (D is read 2-3 times, L2-resident for
+// warp rows), and fuse the dw / db partials into the dx kernel with a per-block row slice.
 #include <initializer_list>
 
 #include "ops/cuda/layer_ops_common.cuh"
@@ -184,6 +192,117 @@ __global__ void norm_dw_partial_kernel(const T* __restrict__ dy, const T* __rest
   part[p * D + i] = acc;
 }
 
+// LayerNorm forward: mean, centred variance, y = xhat w + b.
+template <int WPR, int V, class T, class TW>
+__global__ void __launch_bounds__(kThreads)
+    ln_fwd_kernel(const T* __restrict__ x, const TW* __restrict__ w, const TW* __restrict__ b,
+                  T* __restrict__ y, acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
+                  int64_t rows, int64_t D, acc_t<T> eps) {
+  using A = acc_t<T>;
+  constexpr int NT = 32 * WPR;
+  __shared__ A red[8];
+  const RowGeom rg = row_geom<WPR>();
+  const bool live = rg.row < rows;
+  const int64_t base = rg.row * D;
+  A s = 0;
+  if (live)
+    for (int64_t i = int64_t(rg.tr) * V; i < D; i += int64_t(NT) * V) {
+      A v[V];
+      ldv<V>(x, base + i, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += v[k];
+    }
+  s = row_sum<WPR>(s, red);
+  const A m = D > 0 ? s / A(D) : A(0);
+  A ss = 0;
+  if (live)
+    for (int64_t i = int64_t(rg.tr) * V; i < D; i += int64_t(NT) * V) {
+      A v[V];
+      ldv<V>(x, base + i, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) ss = dfma(v[k] - m, v[k] - m, ss);
+    }
+  ss = row_sum<WPR>(ss, red);
+  if (!live) return;
+  const A rs = A(1) / dsqrt((D > 0 ? ss / A(D) : A(0)) + eps);
+  if (rg.tr == 0) {
+    mean[rg.row] = m;
+    rstd[rg.row] = rs;
+  }
+  for (int64_t i = int64_t(rg.tr) * V; i < D; i += int64_t(NT) * V) {
+    A v[V], wv[V], bv[V], o[V];
+    ldv<V>(x, base + i, v);
+    ldv<V>(w, i, wv);
+    ldv<V>(b, i, bv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) o[k] = dfma((v[k] - m) * rs, wv[k], bv[k]);
+    stv<V>(y, base + i, o);
+  }
+}
+
+// LayerNorm backward, dx only: sum g and sum g xhat (g = dy w) in one pass, then dx.
+template <int WPR, int V, class T, class TW>
+__global__ void __launch_bounds__(kThreads)
+    ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const TW* __restrict__ w,
+                  const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                  T* __restrict__ dx, int64_t rows, int64_t D) {
+  using A = acc_t<T>;
+  constexpr int NT = 32 * WPR;
+  __shared__ A red[8];
+  const RowGeom rg = row_geom<WPR>();
+  const bool live = rg.row < rows;
+  const int64_t base = rg.row * D;
+  const A m = live ? mean[rg.row] : A(0), rs = live ? rstd[rg.row] : A(0);
+  A sg = 0, sgx = 0;
+  if (live)
+    for (int64_t i = int64_t(rg.tr) * V; i < D; i += int64_t(NT) * V) {
+      A xv[V], dv[V], wv[V];
+      ldv<V>(x, base + i, xv);
+      ldv<V>(dy, base + i, dv);
+      ldv<V>(w, i, wv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A g = dv[k] * wv[k];
+        sg += g;
+        sgx = dfma(g, (xv[k] - m) * rs, sgx);
+      }
+    }
+  sg = row_sum<WPR>(sg, red);
+  sgx = row_sum<WPR>(sgx, red);
+  if (!live) return;
+  const A mg = sg / A(D), mgx = sgx / A(D);
+  for (int64_t i = int64_t(rg.tr) * V; i < D; i += int64_t(NT) * V) {
+    A xv[V], dv[V], wv[V], o[V];
+    ldv<V>(x, base + i, xv);
+    ldv<V>(dy, base + i, dv);
+    ldv<V>(w, i, wv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) o[k] = rs * (dv[k] * wv[k] - mg - (xv[k] - m) * rs * mgx);
+    stv<V>(dx, base + i, o);
+  }
+}
+
+// pw[p, i] = sum over rows r of part p (in order) of dy[r, i] xhat[r, i]; pb[p, i] of dy[r, i].
+template <class T>
+__global__ void ln_dwb_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                      const acc_t<T>* __restrict__ mean,
+                                      const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ pw,
+                                      acc_t<T>* __restrict__ pb, int64_t rows, int64_t D) {
+  using A = acc_t<T>;
+  const int64_t i = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (i >= D) return;
+  const int64_t p = blockIdx.x, r0 = p * kRowsPerPart;
+  const int64_t r1 = r0 + kRowsPerPart < rows ? r0 + kRowsPerPart : rows;
+  A aw = 0, ab = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const A g = ld<A>(dy, r * D + i);
+    aw = dfma(g, (ld<A>(x, r * D + i) - mean[r]) * rstd[r], aw);
+    ab += g;
+  }
+  pw[p * D + i] = aw;
+  pb[p * D + i] = ab;
+}
+
 template <class A, class TDW>
 __global__ void norm_dw_reduce_kernel(const A* __restrict__ part, TDW* __restrict__ dw,
                                       int64_t parts, int64_t D) {
@@ -318,6 +437,82 @@ void l2norm_forward(const Tensor& x, double eps, Tensor& y, Tensor& rstd) {
 
 void l2norm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dx) {
   backward_impl<Norm::l2>(dy, x, nullptr, nullptr, rstd, dx, nullptr, nullptr);
+}
+
+void layernorm_forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps,
+                       LayerNormResult& out) {
+  const int64_t D = x.size(-1), rows = out.rstd.numel();
+  if (rows == 0) return;
+  dispatch_storage(x.dtype(), [&](auto tx) {
+    using T = decltype(tx);
+    using A = acc_t<T>;
+    dispatch_param<T>(w.dtype(), [&](auto tw) {
+      using TW = decltype(tw);
+      const TW *pw = cptr<TW>(w), *pb = cptr<TW>(b);
+      dispatch_geom<T>(D, {x.raw(), out.y.raw()}, [&](auto wpr, auto vc) {
+        constexpr int WPR = decltype(wpr)::value;
+        constexpr int V = decltype(vc)::value;
+        constexpr int rpb = kThreads / (32 * WPR);
+        const bool wvec = aligned(pw, V * sizeof(TW)) && aligned(pb, V * sizeof(TW));
+        if (V > 1 && !wvec) {
+          ln_fwd_kernel<WPR, 1, T, TW><<<blocks_for(rows, rpb), kThreads>>>(
+              cptr<T>(x), pw, pb, mptr<T>(out.y), mptr<A>(out.mean), mptr<A>(out.rstd), rows, D,
+              A(eps));
+        } else {
+          ln_fwd_kernel<WPR, V, T, TW><<<blocks_for(rows, rpb), kThreads>>>(
+              cptr<T>(x), pw, pb, mptr<T>(out.y), mptr<A>(out.mean), mptr<A>(out.rstd), rows, D,
+              A(eps));
+        }
+        check_launch("layernorm forward");
+      });
+    });
+  });
+}
+
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& mean,
+                        const Tensor& rstd, Tensor& dx, Tensor& dw, Tensor& db) {
+  const int64_t D = x.size(-1), rows = rstd.numel();
+  if (rows == 0 || D == 0) return;
+  dispatch_storage(x.dtype(), [&](auto tx) {
+    using T = decltype(tx);
+    using A = acc_t<T>;
+    dispatch_param<T>(w.dtype(), [&](auto tw) {
+      using TW = decltype(tw);
+      const TW* pw = cptr<TW>(w);
+      dispatch_geom<T>(D, {x.raw(), dy.raw(), dx.raw()}, [&](auto wpr, auto vc) {
+        constexpr int WPR = decltype(wpr)::value;
+        constexpr int V = decltype(vc)::value;
+        constexpr int rpb = kThreads / (32 * WPR);
+        if (V > 1 && !aligned(pw, V * sizeof(TW))) {
+          ln_bwd_kernel<WPR, 1, T, TW><<<blocks_for(rows, rpb), kThreads>>>(
+              cptr<T>(dy), cptr<T>(x), pw, cptr<A>(mean), cptr<A>(rstd), mptr<T>(dx), rows, D);
+        } else {
+          ln_bwd_kernel<WPR, V, T, TW><<<blocks_for(rows, rpb), kThreads>>>(
+              cptr<T>(dy), cptr<T>(x), pw, cptr<A>(mean), cptr<A>(rstd), mptr<T>(dx), rows, D);
+        }
+        check_launch("layernorm backward");
+      });
+    });
+    const int64_t parts = (rows + kRowsPerPart - 1) / kRowsPerPart;
+    const DType adt = std::is_same_v<A, double> ? DType::f64 : DType::f32;
+    const Tensor pwk = alloc({parts, D}, adt), pbk = alloc({parts, D}, adt);
+    const dim3 grid(unsigned(parts), blocks_for(D, 128));
+    ln_dwb_partial_kernel<T><<<grid, 128>>>(cptr<T>(dy), cptr<T>(x), cptr<A>(mean), cptr<A>(rstd),
+                                            mptr<A>(pwk), mptr<A>(pbk), rows, D);
+    check_launch("layernorm dw/db partials");
+    dispatch_param<T>(dw.dtype(), [&](auto tdw) {
+      using TDW = decltype(tdw);
+      norm_dw_reduce_kernel<A, TDW>
+          <<<blocks_for(D, kThreads), kThreads>>>(cptr<A>(pwk), mptr<TDW>(dw), parts, D);
+      check_launch("layernorm dw");
+    });
+    dispatch_param<T>(db.dtype(), [&](auto tdb) {
+      using TDB = decltype(tdb);
+      norm_dw_reduce_kernel<A, TDB>
+          <<<blocks_for(D, kThreads), kThreads>>>(cptr<A>(pbk), mptr<TDB>(db), parts, D);
+      check_launch("layernorm db");
+    });
+  });
 }
 
 }  // namespace hlm::ops::cuda
