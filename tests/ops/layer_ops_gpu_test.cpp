@@ -10,6 +10,7 @@
 
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "gpu_compare.h"
 #include "ops/activations.h"
 #include "ops/conv1d.h"
 #include "ops/dispatch.h"
@@ -22,43 +23,14 @@ namespace hlm {
 namespace {
 
 using Poison = testing::PoisonOutputs;
-Tensor gpu(const Tensor& t) {
-  return t.defined() ? t.to(Device::cuda) : Tensor();
-}
-Tensor cpu(const Tensor& t) {
-  return t.to(Device::cpu);
-}
-using testing::round_bf16;
-// Checks a GPU output (any dtype) against a CPU reference; prints the errors.
+using gpu_compare::make;
+using gpu_compare::Pair;
+using testing::cpu;
+using testing::gpu;
+// Checks a GPU output (any dtype) against a CPU reference (bf16: relative L2 <= 3e-3); prints the
+// errors.
 void check(const char* what, const Tensor& out_gpu, const Tensor& ref, DType dt) {
-  const Tensor o = cpu(out_gpu).to(ref.dtype());
-  const testing::ErrorStats e = testing::compare(o, ref);
-  double mref = 0;
-  for (double v : ref.to_f64_vector()) mref = std::max(mref, std::fabs(v));
-  const double maxrel = mref > 0 ? e.max_abs / mref : e.max_abs;
-  std::printf("  %-40s %-5s max_err/max|ref| %.3e  rel_l2 %.3e\n", what, dtype_name(dt), maxrel,
-              e.rel_l2);
-  EXPECT_EQ(e.nan_mismatch, 0) << what;
-  if (dt == DType::f32) {
-    EXPECT_LE(maxrel, 2e-5) << what << " " << e.report(ref);
-  } else if (dt == DType::f64) {
-    EXPECT_LE(maxrel, 1e-12) << what << " " << e.report(ref);
-  } else {
-    EXPECT_LE(e.rel_l2, 3e-3) << what << " " << e.report(ref);
-  }
-}
-
-// Inputs for dtype dt: the CPU reference sees x (f32/f64) or the bf16-rounded x in f32.
-struct Pair {
-  Tensor ref, dev;
-};
-Pair make(const Shape& s, DType dt, Rng& rng, double std = 1.0) {
-  const DType cdt = dt == DType::f64 ? DType::f64 : DType::f32;
-  Tensor x = randn(s, cdt, rng, std);
-  if (dt == DType::bf16) {
-    return {round_bf16(x), gpu(x.to(DType::bf16))};
-  }
-  return {x, gpu(x)};
+  gpu_compare::check(what, out_gpu, ref, dt, 3e-3);
 }
 
 TEST(LayerOpsGpuConv1d, ForwardBackwardUpdate) {

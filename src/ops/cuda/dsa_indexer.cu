@@ -875,9 +875,9 @@ void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
   });
 }
 
-void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w,
-                         const DsaPatternDev& pd, const IndexerScoreOptions& opt, double scale,
-                         Tensor& scores, const char* op) {
+void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, const DsaPatternDev& pd,
+                         const IndexerScoreOptions& opt, double scale, Tensor& scores,
+                         const char* op) {
   const int64_t T_ = q.size(0), W = pd.W;
   const int H = int(q.size(1)), D = int(q.size(2));
   if (T_ == 0 || W == 0) return;
