@@ -14,7 +14,7 @@
 // the H100 SXM at its boost clock), and the peak device memory of each T (core/device.h). The
 // baseline is cuBLAS: the same two products as the sparse forward, for every query against 2048
 // shared keys (cublasGemmStridedBatchedEx, bf16 in, f32 accumulate), the rate dense attention
-// reaches at these shapes.
+// reaches at these shapes. Last, per T, the whole DSA layer forward and backward (time_layer).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -26,6 +26,7 @@
 #include "core/device.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "layers/dsa/dsa_layer.h"
 #include "ops/cuda/dsa_common.cuh"
 #include "ops/dsa_common.h"
 #include "ops/dsa_indexer.h"
@@ -119,6 +120,50 @@ double dense_baseline_ms(int64_t batch, int64_t H, int64_t D, int64_t dv, int64_
   for (void* p : {q, k, v, s, o}) cudaFree(p);
   cublasDestroy(h);
   return ms;
+}
+
+// The whole DSA layer (layers/dsa/dsa_layer.h) at GLM-5.3-Flash's shapes: D = 4096, H = 64,
+// q_lora 1536, kv_lora 512, NoPE d_nope = d_v = 256; the indexer as above; bf16 parameters and
+// the default precision policy (bf16 GEMMs, bf16 attention operands); sparse stage with the
+// indexer loss. Forward (training, so the indexer loss and the saved activations are included) and
+// backward (the indexer loss's backward included), median ms.
+void time_layer(int64_t T, int reps) {
+  using namespace hlm;
+  DsaLayerConfig c;
+  c.mla.hidden_size = 4096;
+  c.mla.num_heads = 64;
+  c.mla.q_lora_rank = 1536;
+  c.mla.kv_lora_rank = 512;
+  c.mla.qk_nope_head_dim = 256;
+  c.mla.qk_rope_head_dim = 0;
+  c.mla.v_head_dim = 256;
+  c.mla.param_dtype = DType::bf16;
+  IndexerConfig ic;
+  ic.hidden_size = 4096;
+  ic.q_lora_rank = 1536;
+  ic.n_heads = 32;
+  ic.head_dim = 128;
+  ic.topk = 2048;
+  ic.kpool = 4;
+  ic.dtype = DType::bf16;
+  ic.seed = 7;
+  c.indexer = ic;
+  DsaLayer layer(c, PrecisionPolicy{}, "model.layers.3.self_attn");
+  layer.init_weights(11);
+  layer.to(Device::cuda);
+  const SeqLayout seqs = SeqLayout::from_lengths({T / 4 * 3, T / 4});
+  Rng rng(99);
+  const Tensor x = tiled_randn(T, {4096}, rng), dy = tiled_randn(T, {4096}, rng);
+  cuda_reset_peak_memory();
+  DsaLayer::Saved saved;
+  DsaLayer::Output out;
+  const double t_f = time_ms([&] { out = layer.forward(Context{}, x, seqs, &saved); }, reps);
+  const double t_b = time_ms([&] { layer.backward(Context{}, dy, saved); }, reps);
+  const CudaMemoryStats m = cuda_memory_stats();
+  std::printf(
+      "  DSA layer (D 4096, bf16, sparse + indexer loss): forward %.2f ms, backward %.2f ms, "
+      "indexer loss %.4g; peak device memory in use %.2f GiB\n",
+      t_f, t_b, out.indexer_loss, double(m.peak_in_use_bytes) / 1073741824.0);
 }
 #endif
 
@@ -218,6 +263,7 @@ int main(int argc, char** argv) {
         double(m1.peak_in_use_bytes) / 1073741824.0, double(m1.peak_reserved_bytes) / 1073741824.0,
         (unsigned long long)(m1.cuda_malloc_count - m0.cuda_malloc_count),
         (unsigned long long)(m1.cache_hits - m0.cache_hits));
+    time_layer(T, reps);
   }
   return 0;
 #endif

@@ -1,5 +1,5 @@
-// DsaLayer on the CPU (layers/dsa/dsa_layer.h): MLA stages + indexer selection + sparse attention,
-// forward and backward side by side.
+// DsaLayer (layers/dsa/dsa_layer.h) on CPU or CUDA tensors: MLA stages + indexer selection +
+// sparse attention, forward and backward side by side.
 //
 // Forward:  p = project(x);  q_abs = absorb_query(p.q);  S = selection (indexer or causal);
 //           (o_lat, lse) = sparse_attention(q_abs, p.kv, S);  y = output(o_lat)
@@ -17,6 +17,7 @@
 
 #include "ops/dsa_indexer_loss.h"
 #include "ops/dsa_sparse_attention.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
@@ -55,7 +56,7 @@ std::string join(const std::string& path, const char* name) {
 }
 
 Tensor as_dt(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t : t.to(dt);
+  return ops::as_dtype(t, dt);  // Tensor::to on the CPU, the conversion kernel on CUDA
 }
 
 }  // namespace
@@ -100,14 +101,23 @@ DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Se
   return out;
 }
 
-// Checks a given selection: [T, W] integer, each entry -1 or a causal token of the query's own
-// sequence, no duplicates in a row. Returns it as i32.
-static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t>& cu, int64_t T) {
+// Checks a given selection: [T, W] integer on x's device, each entry -1 or a causal token of the
+// query's own sequence, no duplicates in a row. Returns it as i32. On CUDA the entries are checked
+// on the device by the attention op (the same rules, before anything is computed from them).
+static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t>& cu, int64_t T,
+                                  Device dev) {
   HLM_CHECK(given.dim() == 2 && given.size(0) == T && given.size(1) >= 1 &&
                 (given.dtype() == DType::i32 || given.dtype() == DType::i64),
             "DsaLayer::forward: given_indices must be i32/i64 [{}, W >= 1], got {}", T,
             given.describe());
-  const Tensor g = given.to(DType::i64).contiguous();
+  HLM_CHECK(given.device() == dev,
+            "DsaLayer::forward: given_indices must be on x's device ({}), got {}", device_name(dev),
+            given.describe());
+  // An i32 selection on CUDA is checked on the device by the attention op; an i64 one goes through
+  // the host (its values must be range-checked before they are narrowed).
+  if (dev != Device::cpu && given.dtype() == DType::i32)
+    return given.is_contiguous() ? given : given.clone();
+  const Tensor g = given.to(Device::cpu).to(DType::i64).contiguous();
   const int64_t W = g.size(1);
   const int64_t* p = g.data<int64_t>();
   for (size_t n = 0; n + 1 < cu.size(); ++n)
@@ -126,7 +136,8 @@ static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t
       HLM_CHECK(std::adjacent_find(row.begin(), row.end()) == row.end(),
                 "DsaLayer::forward: given_indices row {} selects a token twice", t);
     }
-  return g.to(DType::i32);
+  const Tensor r = g.to(DType::i32);
+  return dev == Device::cpu ? r : r.to(dev);
 }
 
 DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, bool training,
@@ -145,26 +156,39 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
     s->given = given;
   }
   Projected p = project(c, x, seqs, s ? &s->proj : nullptr);
-  const Tensor q_abs = absorb_query(p.q);
+  // The attention's operands (bf16 unless kv_b_proj's precision is native: attention_operand).
+  const Tensor q_abs = attention_operand(absorb_query(p.q));
+  const Tensor kv = attention_operand(p.kv);
 
   const bool want_loss = c.training && indexer_ && lcfg_.indexer_loss;
   const bool use_given = given.defined() && (stage == DsaStage::sparse || !indexer_);
   const bool run_indexer = indexer_ && ((stage == DsaStage::sparse && !use_given) || want_loss);
   DsaIndexer::Output sel;
   if (run_indexer) sel = indexer_->forward(c, x, p.c_q, seqs, want_loss ? &s->indexer : nullptr);
-  const Tensor indices = use_given ? check_given_indices(given, cu, T)
-                         : (indexer_ && stage == DsaStage::sparse) ? sel.indices
-                                                                   : Mla::causal_indices(cu, T);
+  // The attended set: the given one, the indexer's selection, or every causal token. On CUDA the
+  // last needs no index tensor ([T, longest] would not fit at long T): ops::causal_attention,
+  // and Output::indices stays undefined.
+  const bool causal_set = !use_given && !(indexer_ && stage == DsaStage::sparse);
+  const bool implicit = causal_set && !x.is_cpu();
+  Tensor indices;
+  if (use_given)
+    indices = check_given_indices(given, cu, T, x.device());
+  else if (!causal_set)
+    indices = sel.indices;
+  else if (!implicit)
+    indices = Mla::causal_indices(cu, T);
 
-  ops::SparseAttentionOut att = ops::sparse_attention(q_abs, p.kv, indices, seqs, rkv, scale);
+  ops::SparseAttentionOut att = implicit
+                                    ? ops::causal_attention(q_abs, kv, seqs, rkv, scale)
+                                    : ops::sparse_attention(q_abs, kv, indices, seqs, rkv, scale);
   Output out;
-  out.y = as_dt(output(c, att.out, s ? &s->out : nullptr), x.dtype());
+  out.y = as_dt(output(c, attention_operand(att.out), s ? &s->out : nullptr), x.dtype());
   out.indices = indices;
 
   if (want_loss) {
     const bool dense = stage == DsaStage::dense_warmup;
-    const Tensor target = dense ? ops::attention_target(q_abs, p.kv, seqs, scale)
-                                : ops::attention_target_at(q_abs, p.kv, seqs, sel.indices, scale);
+    const Tensor target = dense ? ops::attention_target(q_abs, kv, seqs, scale)
+                                : ops::attention_target_at(q_abs, kv, seqs, sel.indices, scale);
     IndexerLossOptions lo;
     lo.stage = dense ? IndexerLossStage::dense : IndexerLossStage::sparse;
     lo.coeff = lcfg_.indexer_loss_coeff;
@@ -192,10 +216,12 @@ Tensor DsaLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   HLM_CHECK(std::isfinite(indexer_grad_scale),
             "DsaLayer::backward: indexer_grad_scale must be finite, got {}", indexer_grad_scale);
   const int64_t T = saved.x.size(0), D = config().hidden_size;
-  HLM_CHECK(dy.defined() && dy.is_cpu() && dy.shape() == (Shape{T, D}) &&
-                (dy.dtype() == DType::f64 || dy.dtype() == DType::f32 || dy.dtype() == DType::bf16),
-            "DsaLayer::backward: dy must be an f64, f32 or bf16 CPU tensor [{}, {}], got {}", T, D,
-            dy.defined() ? dy.describe() : "undefined");
+  HLM_CHECK(
+      dy.defined() && dy.device() == saved.x.device() && dy.shape() == (Shape{T, D}) &&
+          (dy.dtype() == DType::f64 || dy.dtype() == DType::f32 || dy.dtype() == DType::bf16),
+      "DsaLayer::backward: dy must be an f64, f32 or bf16 tensor [{}, {}] on x's device ({}), "
+      "got {}",
+      T, D, device_name(saved.x.device()), dy.defined() ? dy.describe() : "undefined");
   (void)ctx;
   Tensor dx;
   if (saved.full) {
@@ -214,11 +240,17 @@ Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_
   Context c;
   const int64_t rkv = config().kv_lora_rank;
   const double scale = config().softmax_scale_value();
-  const Tensor dol = output_backward(c, as_dt(dy, compute_dtype()).contiguous(), s.out);
-  const ops::SparseAttentionGrads g = ops::sparse_attention_backward(
-      s.q_abs, s.p.kv, s.indices, s.seqs, rkv, scale, s.out.o_lat, s.lse, dol);
-  const Tensor dq = absorb_query_backward(g.dq, s.p.q);
-  Tensor dx = project_backward(c, dq, g.dkv, s.proj);
+  const Tensor dol =
+      attention_operand(output_backward(c, ops::contiguous(as_dt(dy, compute_dtype())), s.out));
+  const Tensor kv = attention_operand(s.p.kv), o_lat = attention_operand(s.out.o_lat);
+  const ops::SparseAttentionGrads g =
+      s.indices.defined()
+          ? ops::sparse_attention_backward(s.q_abs, kv, s.indices, s.seqs, rkv, scale, o_lat, s.lse,
+                                           dol)
+          : ops::causal_attention_backward(s.q_abs, kv, s.seqs, rkv, scale, o_lat, s.lse, dol);
+  // The attention's gradients as CUDA returns them (bf16 unless native) on both devices.
+  const Tensor dq = absorb_query_backward(attention_operand(g.dq), s.p.q);
+  Tensor dx = project_backward(c, dq, attention_operand(g.dkv), s.proj);
   if (s.has_loss && indexer_grad_scale != 0) {
     IndexerLossOptions lo;
     lo.stage =

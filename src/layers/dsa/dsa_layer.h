@@ -18,6 +18,9 @@
 //                                     pools + tail; a sequence prefix of at most K tokens selects
 //                                     all its causal tokens, so short sequences are dense
 //   o_lat = ops::sparse_attention(q_abs, kv, S, d_v = r_kv, scale);  y = Mla::output(o_lat)
+//   (q_abs, kv, o_lat and its gradient in bf16 unless kv_b_proj's precision is native:
+//   Mla::attention_operand. On CUDA the dense causal set runs ops::causal_attention, with no
+//   index tensor.)
 // Indexer loss (training forward with an indexer and indexer_loss on; docs/dsa.md, "DSA layer"):
 //   target p* = ops::attention_target(q_abs, kv) over every causal token (dense warm-up) or
 //   ops::attention_target_at(q_abs, kv, S) over the selection (sparse stage): the head-summed,
@@ -67,7 +70,8 @@ class DsaLayer : public Mla {
  public:
   struct Output {
     Tensor y;        // [T, D], dtype of x
-    Tensor indices;  // i32 [T, W]: the set each query attended (global token ids, -1 padded)
+    Tensor indices;  // i32 [T, W]: the set each query attended (global token ids, -1 padded);
+                     // undefined on CUDA for the dense causal set (no index tensor is built)
     bool has_indexer_loss = false;
     double indexer_loss = 0;  // coeff * reduced KL (training forward only)
     int64_t indexer_loss_rows = 0;
@@ -79,7 +83,7 @@ class DsaLayer : public Mla {
     DsaStage stage = DsaStage::sparse;
     Mla::ProjSaved proj;
     Mla::Projected p;
-    Tensor q_abs;    // [T, H, r_kv + d_r]
+    Tensor q_abs;    // [T, H, r_kv + d_r] as the attention took it (Mla::attention_operand)
     Tensor indices;  // the attended set
     Tensor lse;      // [T, H]
     Mla::OutSaved out;

@@ -24,6 +24,7 @@
 #include "ops/hadamard.h"
 #include "ops/layernorm.h"
 #include "ops/rope.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
@@ -75,7 +76,8 @@ int64_t IndexerConfig::index_width() const {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Elementwise helpers (contiguous f32 / f64 CPU tensors)
+// Elementwise helpers (contiguous f32 / f64 tensors; on CUDA through ops/tensor_ops.h, which runs
+// Tensor's own copies on the CPU)
 
 namespace {
 
@@ -91,16 +93,23 @@ void dispatch(DType dt, F&& f) {
 
 // A contiguous tensor of dtype dt holding t's values (t itself when it already is one).
 Tensor as_dt(const Tensor& t, DType dt) {
-  Tensor c = t.dtype() == dt ? t : t.to(dt);
-  return c.contiguous();
+  return ops::contiguous(ops::as_dtype(t, dt));
 }
 
 // A fresh contiguous copy in dtype dt (for in-place transforms).
 Tensor copy_as(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t.clone() : t.to(dt).contiguous();
+  Tensor out = Tensor::empty(t.shape(), dt, t.device());
+  ops::copy_into(out, t);
+  return out;
 }
 
+// x *= s: on the CPU the product in x's dtype (s rounded to it first); CUDA forms it in f64 and
+// rounds once (ops::scale_), which can differ in the last place.
 void scale_inplace(Tensor& x, double s) {
+  if (!x.is_cpu()) {
+    ops::scale_(x, s);
+    return;
+  }
   dispatch(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     T* p = x.data<T>();
@@ -113,19 +122,13 @@ void scale_inplace(Tensor& x, double s) {
 void add_inplace(Tensor& a, const Tensor& b) {
   HLM_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype(),
             "DsaIndexer: internal add of {} and {}", a.describe(), b.describe());
-  const Tensor bc = b.contiguous();
-  dispatch(a.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    T* pa = a.data<T>();
-    const T* pb = bc.data<T>();
-    for (int64_t i = 0, n = a.numel(); i < n; ++i) pa[i] += pb[i];
-  });
+  ops::add_(a, b);
 }
 
 // Param::grad += g (allocated as zeros of grad_dtype_for(value) when undefined).
 void accumulate_grad(Param& p, const Tensor& g) {
   const DType gd = grad_dtype_for(p.value.dtype());
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd);
+  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), gd, p.value.device());
   HLM_CHECK(p.grad.shape() == p.value.shape() && p.grad.is_contiguous() &&
                 (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
             "DsaIndexer: gradient of '{}' is {}, expected a contiguous f32/f64 {}", p.name,
@@ -150,8 +153,8 @@ void rope_rows(Tensor& x, const std::vector<int64_t>& pos, int64_t dr, double th
   o.interleave = interleave;
   o.inverse = inverse;
   o.angle = ops::RopeAngle::f64;
-  ops::rope_inplace(x, Tensor::from_vector<int64_t>({int64_t(pos.size())}, pos),
-                    Tensor::from_vector<double>({dr / 2}, inv), o);
+  ops::rope_inplace(x, Tensor::from_vector<int64_t>({int64_t(pos.size())}, pos).to(x.device()),
+                    Tensor::from_vector<double>({dr / 2}, inv).to(x.device()), o);
 }
 
 std::vector<int64_t> positions_of(const std::vector<int64_t>& cu) {
@@ -161,9 +164,11 @@ std::vector<int64_t> positions_of(const std::vector<int64_t>& cu) {
   return pos;
 }
 
-void check_input(const Tensor& x, int64_t width, const char* name, const char* what) {
+void check_input(const Tensor& x, int64_t width, Device dev, const char* name, const char* what) {
   HLM_CHECK(x.defined(), "DsaIndexer::forward: {} is undefined", name);
-  HLM_CHECK(x.is_cpu(), "DsaIndexer::forward: {} must be a CPU tensor, got {}", name, x.describe());
+  HLM_CHECK(x.device() == dev,
+            "DsaIndexer::forward: {} must be on the parameters' device ({}), got {}", name,
+            device_name(dev), x.describe());
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "DsaIndexer::forward: {} must be f64, f32 or bf16, got {}", name, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == width,
@@ -240,8 +245,9 @@ ops::IndexerScoreOptions DsaIndexer::score_options() const {
 
 void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const SeqLayout& seqs,
                                bool select, Saved& s) const {
-  check_input(h_in, cfg_.hidden_size, "h", "hidden_size");
-  check_input(cq_in, cfg_.q_lora_rank, "c_q", "q_lora_rank");
+  const Device dev = wk_.weight_value().device();
+  check_input(h_in, cfg_.hidden_size, dev, "h", "hidden_size");
+  check_input(cq_in, cfg_.q_lora_rank, dev, "c_q", "q_lora_rank");
   const int64_t T = h_in.size(0);
   HLM_CHECK(cq_in.size(0) == T, "DsaIndexer::forward: c_q has {} rows, h has {}", cq_in.size(0), T);
   const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaIndexer::forward"), seqs.offsets());
@@ -256,12 +262,12 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
   s.recomputed = false;
 
   // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
-  s.q = wq_b_.forward(lin_ctx, s.c_q, &s.wq_b).contiguous().view({T, H, d});
+  s.q = ops::contiguous(wq_b_.forward(lin_ctx, s.c_q, &s.wq_b)).view({T, H, d});
   rope_rows(s.q, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
   if (cfg_.hadamard) ops::hadamard_inplace(s.q);
 
   // k = LayerNorm(wk(h)) [T, d] (FP32 / f64 compute), RoPE.
-  s.k_lin = wk_.forward(lin_ctx, s.h, &s.wk).contiguous();
+  s.k_lin = ops::contiguous(wk_.forward(lin_ctx, s.h, &s.wk));
   const auto ln = ops::layernorm_forward(s.k_lin, as_dt(k_norm_w_->value, cdt),
                                          as_dt(k_norm_b_->value, cdt), cfg_.k_norm_eps);
   s.k = ln.y;
@@ -276,14 +282,14 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
     keys = s.k;
   } else {
     gate_lin_.weight().value = gate_->value;
-    s.gate_out = gate_lin_.forward(lin_ctx, s.h, &s.gate).contiguous();
+    s.gate_out = ops::contiguous(gate_lin_.forward(lin_ctx, s.h, &s.gate));
     s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, cdt), seqs);
     if (cfg_.hadamard) ops::hadamard_inplace(s.pooled);
     keys = s.pooled;
   }
 
   // w = weights_proj(h) * H^-1/2.
-  s.w = weights_proj_.forward(lin_ctx, s.h, &s.weights_proj).contiguous();
+  s.w = ops::contiguous(weights_proj_.forward(lin_ctx, s.h, &s.weights_proj));
   scale_inplace(s.w, 1.0 / std::sqrt(double(H)));
 
   s.scores = ops::indexer_scores(s.q, keys, s.w, seqs, score_options());
@@ -343,10 +349,11 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
   const DType cdt = compute_dtype();
   const int64_t T = s.h.size(0), P = cfg_.kpool;
   const bool dense = opt.stage == IndexerLossStage::dense;
-  HLM_CHECK(target.defined() && target.is_cpu() &&
+  HLM_CHECK(target.defined() && target.device() == s.h.device() &&
                 (target.dtype() == DType::f64 || target.dtype() == DType::f32),
-            "DsaIndexer loss: target must be an f32 or f64 CPU tensor, got {}",
-            target.defined() ? target.describe() : "undefined");
+            "DsaIndexer loss: target must be an f32 or f64 tensor on the indexer's device ({}), "
+            "got {}",
+            device_name(s.h.device()), target.defined() ? target.describe() : "undefined");
   HLM_CHECK(std::isfinite(opt.coeff) && std::isfinite(opt.grad_scale),
             "DsaIndexer loss: coeff and grad_scale must be finite, got {} and {}", opt.coeff,
             opt.grad_scale);
@@ -406,7 +413,7 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   const ops::IndexerScoreOptions so = score_options();
   const bool dense = opt.stage == IndexerLossStage::dense;
 
-  Tensor ds = ev.kl.d_scores.contiguous();
+  Tensor ds = ops::contiguous(ev.kl.d_scores);
   if (opt.grad_scale != 1.0) {
     ds = ds.clone();
     scale_inplace(ds, opt.grad_scale);
@@ -422,13 +429,13 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   // Head weights.
   Tensor dwp = copy_as(g.dw, cdt);
   scale_inplace(dwp, 1.0 / std::sqrt(double(H)));
-  Tensor dh = weights_proj_.backward(lin_ctx, dwp, s.weights_proj).contiguous();
+  Tensor dh = ops::contiguous(weights_proj_.backward(lin_ctx, dwp, s.weights_proj));
 
   // Queries: Hadamard^T = Hadamard, RoPE^-1, wq_b.
   Tensor dq = copy_as(g.dq, cdt);
   if (cfg_.hadamard) ops::hadamard_inplace(dq);
   rope_rows(dq, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
-  r.dc_q = wq_b_.backward(lin_ctx, dq.view({T, H * d}), s.wq_b).contiguous();
+  r.dc_q = ops::contiguous(wq_b_.backward(lin_ctx, dq.view({T, H * d}), s.wq_b));
 
   // Keys.
   Tensor dk;
@@ -444,13 +451,14 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
     dk = copy_as(cg.dk, cdt);
     gate_lin_.weight().value = gate_->value;
     if (!gate_->grad.defined())
-      gate_->grad = Tensor::zeros(gate_->value.shape(), grad_dtype_for(gate_->value.dtype()));
+      gate_->grad = Tensor::zeros(gate_->value.shape(), grad_dtype_for(gate_->value.dtype()),
+                                  gate_->value.device());
     gate_lin_.weight().grad = gate_->grad;
-    dh_gate = gate_lin_.backward(lin_ctx, cg.dgate, s.gate).contiguous();
+    dh_gate = ops::contiguous(gate_lin_.backward(lin_ctx, cg.dgate, s.gate));
     accumulate_grad(*ape_, cg.dape);
   }
   rope_rows(dk, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);
-  Tensor dlnw = Tensor::zeros({d}, cdt), dlnb = Tensor::zeros({d}, cdt);
+  Tensor dlnw = Tensor::zeros({d}, cdt, dk.device()), dlnb = Tensor::zeros({d}, cdt, dk.device());
   const Tensor dklin = ops::layernorm_backward(dk, s.k_lin, as_dt(k_norm_w_->value, cdt), s.k_mean,
                                                s.k_rstd, dlnw, dlnb);
   accumulate_grad(*k_norm_w_, dlnw);

@@ -1,6 +1,6 @@
 // DsaIndexer: the DSA lightning indexer module, with the optional KPool pooled-key indexer
-// (docs/dsa.md, "The lightning indexer" and "KPool"; decisions in "The indexer module"). CPU
-// reference.
+// (docs/dsa.md, "The lightning indexer" and "KPool"; decisions in "The indexer module"), on CPU
+// or CUDA tensors (the parameters' device, Module::to; the ops dispatch to their CUDA kernels).
 //
 // Conventions (docs/architecture.md): explicit forward and backward, no autograd. forward() fills a
 // named Saved struct (or, under ctx.recompute, only the inputs and the discrete selection; the rest

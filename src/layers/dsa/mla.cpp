@@ -1,4 +1,5 @@
-// MLA on the CPU (layers/dsa/mla.h): forward and backward side by side.
+// MLA (layers/dsa/mla.h) on CPU or CUDA tensors (CUDA runs the absorbed form): forward and
+// backward side by side.
 //
 // Forward (expanded):
 //   x -> q_a_proj -> RMSNorm -> q_b_proj -> q [T, H, dqk] -> RoPE(q[..., d_n:])
@@ -30,6 +31,7 @@
 #include "ops/gemm.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
@@ -136,8 +138,27 @@ double MlaConfig::rope_attention_factor() const {
 
 namespace {
 
+// The copies and conversions go through ops/tensor_ops.h, which runs Tensor's own on the CPU (the
+// same bits) and the CUDA kernels on CUDA tensors.
 Tensor as_dt(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t : t.to(dt);
+  return ops::as_dtype(t, dt);
+}
+
+// t in dtype dt, contiguous, on t's device.
+Tensor contig(const Tensor& t, DType dt) {
+  return ops::contiguous(ops::as_dtype(t, dt));
+}
+
+// A new contiguous tensor of dtype dt holding t's values (for in-place transforms).
+Tensor fresh(const Tensor& t, DType dt) {
+  Tensor out = Tensor::empty(t.shape(), dt, t.device());
+  ops::copy_into(out, t);
+  return out;
+}
+
+// dst (a view) = src.
+void put(Tensor dst, const Tensor& src) {
+  ops::copy_into(dst, src);
 }
 
 std::string join(const std::string& path, const char* name) {
@@ -148,19 +169,9 @@ ops::GemmOptions gemm_opt(const GemmPrecision& p) {
   return ops::GemmOptions{p.kind != GemmKind::native};
 }
 
-// a += b (same shape, contiguous, f32 or f64).
+// a += b (same shape, a contiguous f32 or f64; b read as a's dtype), one addition per element.
 void add_into(Tensor& a, const Tensor& b) {
-  const Tensor bc = as_dt(b, a.dtype()).contiguous();
-  const int64_t n = a.numel();
-  if (a.dtype() == DType::f64) {
-    double* p = a.data<double>();
-    const double* q = bc.data<double>();
-    for (int64_t i = 0; i < n; ++i) p[i] += q[i];
-  } else {
-    float* p = a.data<float>();
-    const float* q = bc.data<float>();
-    for (int64_t i = 0; i < n; ++i) p[i] += q[i];
-  }
+  ops::add_(a, b);
 }
 
 std::vector<int64_t> positions_of(const std::vector<int64_t>& cu, int64_t T) {
@@ -187,8 +198,9 @@ void rope(Tensor& x, int64_t off, int64_t d_r, const std::vector<int64_t>& pos,
   o.interleave = true;
   o.inverse = inverse;
   o.angle = ops::RopeAngle::compute;
-  ops::rope_inplace(x, Tensor::from_vector<int64_t>({int64_t(pos.size())}, pos),
-                    Tensor::from_vector<double>({int64_t(inv_freq.size())}, inv_freq), o);
+  ops::rope_inplace(
+      x, Tensor::from_vector<int64_t>({int64_t(pos.size())}, pos).to(x.device()),
+      Tensor::from_vector<double>({int64_t(inv_freq.size())}, inv_freq).to(x.device()), o);
 }
 
 template <class F>
@@ -329,9 +341,10 @@ void sum_heads(const Tensor& src, int64_t off, int64_t n, Tensor& out) {
     }
 }
 
-void check_x(const Tensor& x, int64_t D, const char* what) {
-  HLM_CHECK(x.defined() && x.is_cpu(), "{}: x must be a defined CPU tensor, got {}", what,
-            x.defined() ? x.describe() : "undefined");
+void check_x(const Tensor& x, int64_t D, Device dev, const char* what) {
+  HLM_CHECK(x.defined() && x.device() == dev,
+            "{}: x must be a defined tensor on the parameters' device ({}), got {}", what,
+            device_name(dev), x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "{}: x must be f64, f32 or bf16, got {}", what, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == D, "{}: x must be [T, {}] (hidden_size), got {}", what, D,
@@ -339,8 +352,10 @@ void check_x(const Tensor& x, int64_t D, const char* what) {
   HLM_CHECK(x.size(0) >= 1, "{}: x has no tokens ({})", what, x.describe());
 }
 
-void check_act(const Tensor& t, const Shape& s, const char* op, const char* what) {
-  HLM_CHECK(t.defined() && t.is_cpu(), "{}: {} must be a defined CPU tensor", op, what);
+void check_act(const Tensor& t, const Shape& s, Device dev, const char* op, const char* what) {
+  HLM_CHECK(t.defined() && t.device() == dev,
+            "{}: {} must be a defined tensor on the parameters' device ({}), got {}", op, what,
+            device_name(dev), t.defined() ? t.describe() : "undefined");
   HLM_CHECK(t.dtype() == DType::f64 || t.dtype() == DType::f32 || t.dtype() == DType::bf16,
             "{}: {} must be f64, f32 or bf16, got {}", op, what, t.describe());
   HLM_CHECK(t.shape() == s, "{}: {} must have shape {}, got {}", op, what, shape_str(s),
@@ -386,6 +401,10 @@ DType Mla::compute_dtype() const {
   return hlm::compute_dtype(cfg_.param_dtype);
 }
 
+Device Mla::device() const {
+  return kv_norm_->value.device();
+}
+
 void Mla::init_weights(uint64_t seed) {
   // Only MLA's own parameters (a derived layer may own more children): norms first, then the
   // projections in registration order, as named_parameters() lists them for a plain Mla.
@@ -405,6 +424,12 @@ void Mla::init_weights(uint64_t seed) {
   }
 }
 
+Tensor Mla::attention_operand(const Tensor& t) const {
+  if (kv_b_proj_.precision().kind == GemmKind::native) return t;
+  const Tensor b = ops::as_dtype(t, DType::bf16);
+  return t.is_cpu() ? b.to(t.dtype() == DType::bf16 ? compute_dtype() : t.dtype()) : b;
+}
+
 Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {
   int64_t W = 1;
   for (size_t n = 0; n + 1 < cu.size(); ++n) W = std::max(W, cu[n + 1] - cu[n]);
@@ -418,13 +443,13 @@ Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {
 
 Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                             ProjSaved* s) const {
-  check_x(x, cfg_.hidden_size, "Mla::project");
+  check_x(x, cfg_.hidden_size, device(), "Mla::project");
   const int64_t T = x.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dqk = dn + dr;
   const std::vector<int64_t> cu = (seqs.check_tokens(T, "Mla"), seqs.offsets());
   const bool save = s && ctx.training;
   const DType cdt = compute_dtype();
-  const Tensor xc = as_dt(x, cdt).contiguous();
+  const Tensor xc = contig(x, cdt);
   const std::vector<int64_t> pos = positions_of(cu, T);
   Projected p;
   Tensor q2;
@@ -437,16 +462,16 @@ Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout
   } else {
     q2 = q_proj_.forward(ctx, xc, save ? &s->q_a : nullptr);
   }
-  p.q = q2.contiguous().view({T, H, dqk});
+  p.q = ops::contiguous(q2).view({T, H, dqk});
   if (cfg_.rotary()) rope(p.q, dn, dr, pos, inv_freq_, rope_factor_, false);
 
   const Tensor kva = kv_a_proj_.forward(ctx, xc, save ? &s->kv_a : nullptr);
-  const Tensor lat = kva.slice(1, 0, rkv).contiguous();
+  const Tensor lat = ops::contiguous(kva.slice(1, 0, rkv));
   ops::RmsNormResult nk = ops::rmsnorm_forward(lat, as_dt(kv_norm_->value, cdt), cfg_.rms_norm_eps);
-  p.kv = Tensor::empty({T, rkv + dr}, cdt);
-  p.kv.slice(1, 0, rkv).copy_(nk.y);
+  p.kv = Tensor::empty({T, rkv + dr}, cdt, x.device());
+  put(p.kv.slice(1, 0, rkv), nk.y);
   if (dr > 0) {
-    p.kv.slice(1, rkv, rkv + dr).copy_(kva.slice(1, rkv, rkv + dr));
+    put(p.kv.slice(1, rkv, rkv + dr), kva.slice(1, rkv, rkv + dr));
     if (cfg_.rotary()) rope(p.kv, rkv, dr, pos, inv_freq_, rope_factor_, false);
   }
   if (save) {
@@ -463,11 +488,11 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
   HLM_CHECK(s.kv_rstd.defined(), "{}: ProjSaved is empty (project was not run with training)", op);
   const int64_t T = s.kv_rstd.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dqk = dn + dr;
-  check_act(dq, {T, H, dqk}, op, "dq");
-  check_act(dkv, {T, rkv + dr}, op, "dkv");
+  check_act(dq, {T, H, dqk}, device(), op, "dq");
+  check_act(dkv, {T, rkv + dr}, device(), op, "dkv");
   const DType cdt = compute_dtype();
   // q path
-  Tensor dqc = as_dt(dq, cdt).clone();
+  Tensor dqc = fresh(dq, cdt);
   if (cfg_.rotary()) rope(dqc, dn, dr, s.positions, inv_freq_, rope_factor_, true);
   Tensor dx;
   if (cfg_.q_lora_rank > 0) {
@@ -480,16 +505,16 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
     dx = q_proj_.backward(ctx, dqc.view({T, H * dqk}), s.q_a);
   }
   // kv path
-  Tensor dkvc = as_dt(dkv, cdt).clone();
+  Tensor dkvc = fresh(dkv, cdt);
   if (cfg_.rotary()) rope(dkvc, rkv, dr, s.positions, inv_freq_, rope_factor_, true);
   Tensor& gkw = ensure_grad(*kv_norm_, "Mla");
-  const Tensor dlat = ops::rmsnorm_backward(dkvc.slice(1, 0, rkv).contiguous(), s.kv_lat_raw,
+  const Tensor dlat = ops::rmsnorm_backward(ops::contiguous(dkvc.slice(1, 0, rkv)), s.kv_lat_raw,
                                             as_dt(kv_norm_->value, cdt), s.kv_rstd, gkw);
-  Tensor dkva = Tensor::empty({T, rkv + dr}, cdt);
-  dkva.slice(1, 0, rkv).copy_(dlat);
-  if (dr > 0) dkva.slice(1, rkv, rkv + dr).copy_(dkvc.slice(1, rkv, rkv + dr));
+  Tensor dkva = Tensor::empty({T, rkv + dr}, cdt, dkvc.device());
+  put(dkva.slice(1, 0, rkv), dlat);
+  if (dr > 0) put(dkva.slice(1, rkv, rkv + dr), dkvc.slice(1, rkv, rkv + dr));
   const Tensor dx2 = kv_a_proj_.backward(ctx, dkva, s.kv_a);
-  dx = dx.contiguous();
+  dx = ops::contiguous(dx);
   add_into(dx, dx2);
   return dx;
 }
@@ -497,18 +522,17 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
 Tensor Mla::absorb_query(const Tensor& q) const {
   const int64_t T = q.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
-  check_act(q, {T, H, dn + dr}, "Mla::absorb_query", "q");
+  check_act(q, {T, H, dn + dr}, device(), "Mla::absorb_query", "q");
   const DType cdt = compute_dtype();
-  const Tensor qc = as_dt(q, cdt).contiguous();
+  const Tensor qc = contig(q, cdt);
   const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
-  Tensor qa = Tensor::empty({T, H, rkv + dr}, cdt);
+  Tensor qa = Tensor::empty({T, H, rkv + dr}, cdt, q.device());
   for (int64_t h = 0; h < H; ++h) {
     const Tensor wuk = w.slice(0, h * (dn + dv), h * (dn + dv) + dn);  // [d_n, r_kv]
     Tensor out = qa.select(1, h).slice(1, 0, rkv);
     ops::gemm(qc.select(1, h).slice(1, 0, dn), false, wuk, false, out, 1.0, 0.0, opt);
-    if (dr > 0)
-      qa.select(1, h).slice(1, rkv, rkv + dr).copy_(qc.select(1, h).slice(1, dn, dn + dr));
+    if (dr > 0) put(qa.select(1, h).slice(1, rkv, rkv + dr), qc.select(1, h).slice(1, dn, dn + dr));
   }
   return qa;
 }
@@ -517,14 +541,14 @@ Tensor Mla::absorb_query_backward(const Tensor& dq_abs, const Tensor& q) {
   const char* op = "Mla::absorb_query_backward";
   const int64_t T = q.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
-  check_act(q, {T, H, dn + dr}, op, "q");
-  check_act(dq_abs, {T, H, rkv + dr}, op, "dq_abs");
+  check_act(q, {T, H, dn + dr}, device(), op, "q");
+  check_act(dq_abs, {T, H, rkv + dr}, device(), op, "dq_abs");
   const DType cdt = compute_dtype();
-  const Tensor qc = as_dt(q, cdt).contiguous(), dqa = as_dt(dq_abs, cdt).contiguous();
+  const Tensor qc = contig(q, cdt), dqa = contig(dq_abs, cdt);
   const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
   Tensor& gw = ensure_grad(kv_b_proj_.weight(), "Mla");
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
-  Tensor dq = Tensor::empty({T, H, dn + dr}, cdt);
+  Tensor dq = Tensor::empty({T, H, dn + dr}, cdt, q.device());
   for (int64_t h = 0; h < H; ++h) {
     const int64_t r0 = h * (dn + dv);
     const Tensor dlat = dqa.select(1, h).slice(1, 0, rkv);  // [T, r_kv]
@@ -533,7 +557,7 @@ Tensor Mla::absorb_query_backward(const Tensor& dq_abs, const Tensor& q) {
     Tensor g = gw.slice(0, r0, r0 + dn);
     ops::gemm(qc.select(1, h).slice(1, 0, dn), true, dlat, false, g, 1.0, 1.0, opt);
     if (dr > 0)
-      dq.select(1, h).slice(1, dn, dn + dr).copy_(dqa.select(1, h).slice(1, rkv, rkv + dr));
+      put(dq.select(1, h).slice(1, dn, dn + dr), dqa.select(1, h).slice(1, rkv, rkv + dr));
   }
   return dq;
 }
@@ -541,12 +565,12 @@ Tensor Mla::absorb_query_backward(const Tensor& dq_abs, const Tensor& q) {
 Tensor Mla::output(const Context& ctx, const Tensor& o_lat, OutSaved* s) const {
   const int64_t T = o_lat.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim;
-  check_act(o_lat, {T, H, rkv}, "Mla::output", "o_lat");
+  check_act(o_lat, {T, H, rkv}, device(), "Mla::output", "o_lat");
   const DType cdt = compute_dtype();
-  const Tensor ol = as_dt(o_lat, cdt).contiguous();
+  const Tensor ol = contig(o_lat, cdt);
   const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
-  Tensor heads = Tensor::empty({T, H * dv}, cdt);
+  Tensor heads = Tensor::empty({T, H * dv}, cdt, o_lat.device());
   for (int64_t h = 0; h < H; ++h) {
     const int64_t r0 = h * (dn + dv) + dn;
     Tensor out = heads.slice(1, h * dv, (h + 1) * dv);
@@ -563,13 +587,13 @@ Tensor Mla::output_backward(const Context& ctx, const Tensor& dy, const OutSaved
   HLM_CHECK(s.o_lat.defined(), "{}: OutSaved is empty (output was not run with training)", op);
   const int64_t T = s.o_lat.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim;
-  check_act(dy, {T, cfg_.hidden_size}, op, "dy");
+  check_act(dy, {T, cfg_.hidden_size}, device(), op, "dy");
   const DType cdt = compute_dtype();
-  const Tensor dheads = o_proj_.backward(ctx, as_dt(dy, cdt).contiguous(), s.o_proj);
+  const Tensor dheads = o_proj_.backward(ctx, contig(dy, cdt), s.o_proj);
   const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
   Tensor& gw = ensure_grad(kv_b_proj_.weight(), "Mla");
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
-  Tensor dol = Tensor::empty({T, H, rkv}, cdt);
+  Tensor dol = Tensor::empty({T, H, rkv}, cdt, dy.device());
   for (int64_t h = 0; h < H; ++h) {
     const int64_t r0 = h * (dn + dv) + dn;
     const Tensor dh = dheads.slice(1, h * dv, (h + 1) * dv);
@@ -583,19 +607,23 @@ Tensor Mla::output_backward(const Context& ctx, const Tensor& dy, const OutSaved
 
 Tensor Mla::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                     Saved* saved) const {
-  check_x(x, cfg_.hidden_size, "Mla::forward");
+  check_x(x, cfg_.hidden_size, device(), "Mla::forward");
   const std::vector<int64_t> cu = (seqs.check_tokens(x.size(0), "Mla::forward"), seqs.offsets());
   const bool save = saved && ctx.training;
+  // CUDA runs the absorbed form whatever the configured one: the same function in exact
+  // arithmetic, with one KV head for the attention kernels (the expanded per-head attention is a
+  // CPU reference only).
+  const MlaForm form = x.is_cpu() ? cfg_.form : MlaForm::absorbed;
   Saved* full = nullptr;
   if (save) {
     *saved = Saved{};
     saved->x = x;
     saved->seqs = seqs;
-    saved->form = cfg_.form;
+    saved->form = form;
     saved->full = !ctx.recompute;
     if (saved->full) full = saved;
   }
-  const Tensor y = forward_full(x, cu, seqs, full, cfg_.form);
+  const Tensor y = forward_full(x, cu, seqs, full, form);
   return as_dt(y, x.dtype());
 }
 
@@ -629,9 +657,10 @@ Tensor Mla::forward_full(const Tensor& x, const std::vector<int64_t>& cu, const 
     y = o_proj_.forward(c, attn.view({T, H * dv}), s ? &s->o_proj : nullptr);
     if (s) s->k = k, s->v = v, s->attn = attn, s->lse = lse;
   } else {
-    const Tensor qa = absorb_query(p.q);
-    ops::SparseAttentionOut r = ops::causal_attention(qa, p.kv, seqs, rkv, scale);
-    y = output(c, r.out, s ? &s->out : nullptr);
+    const Tensor qa = attention_operand(absorb_query(p.q));
+    ops::SparseAttentionOut r =
+        ops::causal_attention(qa, attention_operand(p.kv), seqs, rkv, scale);
+    y = output(c, attention_operand(r.out), s ? &s->out : nullptr);
     if (s) s->q_abs = qa, s->lse = r.lse;
   }
   if (s) s->p = p;
@@ -642,8 +671,8 @@ Tensor Mla::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
   HLM_CHECK(saved.x.defined(),
             "Mla::backward: Saved is empty (run forward with ctx.training and a Saved first)");
   const int64_t T = saved.x.size(0);
-  check_act(dy, {T, cfg_.hidden_size}, "Mla::backward", "dy");
-  const Tensor dyc = as_dt(dy, compute_dtype()).contiguous();
+  check_act(dy, {T, cfg_.hidden_size}, device(), "Mla::backward", "dy");
+  const Tensor dyc = contig(dy, compute_dtype());
   Tensor dx;
   if (saved.full) {
     dx = backward_full(dyc, saved);
@@ -698,9 +727,10 @@ Tensor Mla::backward_full(const Tensor& dy, const Saved& s) {
   }
   const Tensor dol = output_backward(c, dy, s.out);
   const ops::SparseAttentionGrads g =
-      ops::causal_attention_backward(s.q_abs, s.p.kv, s.seqs, rkv, scale, s.out.o_lat, s.lse, dol);
-  const Tensor dq = absorb_query_backward(g.dq, s.p.q);
-  return project_backward(c, dq, g.dkv, s.proj);
+      ops::causal_attention_backward(s.q_abs, attention_operand(s.p.kv), s.seqs, rkv, scale,
+                                     attention_operand(s.out.o_lat), s.lse, attention_operand(dol));
+  const Tensor dq = absorb_query_backward(attention_operand(g.dq), s.p.q);
+  return project_backward(c, dq, attention_operand(g.dkv), s.proj);
 }
 
 }  // namespace hlm

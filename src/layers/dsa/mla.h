@@ -1,5 +1,7 @@
 // MLA: DeepSeek multi-head latent attention (docs/dsa.md, "MLA" and "The MLA module and
-// the DSA layer"), CPU, explicit forward and backward.
+// the DSA layer"), explicit forward and backward, on CPU or CUDA tensors (Module::to moves the
+// parameters; every input must be on their device). CUDA runs the absorbed form whatever `form`
+// says (the same function; the expanded per-head attention is a CPU reference).
 //
 // Conventions (docs/architecture.md): forward(ctx, x, cu_seqlens, saved*) fills Saved with what
 // backward needs (only the input under ctx.recompute; backward then re-runs the forward); backward
@@ -33,6 +35,8 @@
 // products of the absorbed form follow kv_b_proj's precision: exact for native, bf16 operands
 // with FP32 accumulation for bf16 and fp8_block (the serving engines run them on the dequantised
 // bf16 weight).
+// The absorbed attention follows the same switch (attention_operand): native computes it in the
+// compute dtype; bf16 and fp8_block give it bf16 queries, latent rows, output and output gradient.
 #pragma once
 
 #include <optional>
@@ -137,7 +141,7 @@ class Mla : public Module {
     Tensor attn;  // [T, H, d_v] attention output (input of o_proj)
     Linear::Saved o_proj;
     // absorbed
-    Tensor q_abs;  // [T, H, r_kv + d_r]
+    Tensor q_abs;  // [T, H, r_kv + d_r] as the attention took it (attention_operand)
     OutSaved out;
     Tensor lse;  // [T, H] natural-log softmax normaliser
   };
@@ -149,6 +153,8 @@ class Mla : public Module {
   const std::string& path() const { return path_; }
   void set_form(MlaForm f) { cfg_.form = f; }
   DType compute_dtype() const;  // f64 for f64 parameters, else f32
+  // Where the parameters are (Module::to moves them): every input must be there too.
+  Device device() const;
 
   // Deterministic initialisation of the MLA parameters (not of any child a derived layer adds):
   // parameter i in named_parameters() order of a plain Mla gets N(0, init_std) from Rng(seed, i);
@@ -185,6 +191,14 @@ class Mla : public Module {
   Tensor output(const Context& ctx, const Tensor& o_lat, OutSaved* saved) const;
   // dy [T, D] -> do_lat [T, H, r_kv]; o_proj and kv_b_proj (W_UV rows) grads +=.
   Tensor output_backward(const Context& ctx, const Tensor& dy, const OutSaved& saved);
+
+  // An operand of the absorbed attention (q_abs, the latent rows kv, its output o_lat, the
+  // output's gradient, and the gradients dq_abs / dkv it returns) as the attention takes it. With
+  // kv_b_proj's precision native: t itself. Otherwise (bf16, fp8_block) rounded to bf16, as the
+  // serving engines hold the latent cache and the queries: on CUDA a bf16 tensor (the tensor-core
+  // kernels: bf16 products, f32 softmax and sums), on the CPU a tensor of the compute dtype holding
+  // the bf16 values (the CPU op computes in f32 / f64).
+  Tensor attention_operand(const Tensor& t) const;
 
   // Every causal token of its own sequence, ascending, then -1: i32 [T, max(1, longest)].
   static Tensor causal_indices(const std::vector<int64_t>& cu, int64_t T);
