@@ -8,13 +8,15 @@
 #include <cmath>
 
 #include "ops/rmsnorm.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
 namespace {
 
+// Contiguous in dtype dt on t's device (Tensor's own copies on the CPU, ops/tensor_ops.h on CUDA).
 Tensor as_dtype(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t.contiguous() : t.to(dt);
+  return ops::contiguous(ops::as_dtype(t, dt));
 }
 
 }  // namespace
@@ -33,7 +35,9 @@ RmsNorm::RmsNorm(const RmsNormConfig& cfg, const std::string& path) : cfg_(cfg),
 }
 
 Tensor RmsNorm::forward(const Context& ctx, const Tensor& x, Saved* saved) const {
-  HLM_CHECK(x.defined() && x.is_cpu(), "RmsNorm({}): x must be a defined CPU tensor", path_);
+  HLM_CHECK(x.defined() && x.device() == weight_->value.device(),
+            "RmsNorm({}): x must be a defined tensor on the weight's device ({}), got {}", path_,
+            device_name(weight_->value.device()), x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "RmsNorm({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() >= 1 && x.size(-1) == cfg_.dim, "RmsNorm({}): x must be [..., {}], got {}",
@@ -46,32 +50,48 @@ Tensor RmsNorm::forward(const Context& ctx, const Tensor& x, Saved* saved) const
     saved->rstd = ctx.recompute ? Tensor() : r.rstd;
     saved->x_dtype = x.dtype();
   }
-  return x.dtype() == cdt ? r.y : r.y.to(x.dtype());
+  return ops::as_dtype(r.y, x.dtype());
 }
 
 Tensor RmsNorm::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
   HLM_CHECK(saved.x.defined(),
             "RmsNorm({})::backward: Saved is empty (run forward with ctx.training)", path_);
-  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == saved.x.shape(),
-            "RmsNorm({})::backward: dy must be floating {}, got {}", path_,
-            shape_str(saved.x.shape()), dy.defined() ? dy.describe() : "undefined");
+  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == saved.x.shape() &&
+                dy.device() == saved.x.device(),
+            "RmsNorm({})::backward: dy must be floating {} on x's device ({}), got {}", path_,
+            shape_str(saved.x.shape()), device_name(saved.x.device()),
+            dy.defined() ? dy.describe() : "undefined");
   const DType cdt = saved.x.dtype();
   const Tensor w = as_dtype(weight_->value, cdt);
   Tensor rstd = saved.rstd;
   if (!rstd.defined()) rstd = ops::rmsnorm_forward(saved.x, w, cfg_.eps).rstd;  // recompute
   Param& p = *weight_;
-  if (!p.grad.defined()) p.grad = Tensor::zeros(p.value.shape(), grad_dtype_for(p.value.dtype()));
+  if (!p.grad.defined())
+    p.grad = Tensor::zeros(p.value.shape(), grad_dtype_for(p.value.dtype()), p.value.device());
   HLM_CHECK(p.grad.shape() == p.value.shape() &&
-                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64),
-            "RmsNorm({}): weight.grad is {}, expected f32/f64 {}", path_, p.grad.describe(),
-            shape_str(p.value.shape()));
+                (p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64) &&
+                p.grad.device() == p.value.device(),
+            "RmsNorm({}): weight.grad is {}, expected f32/f64 {} on the weight's device", path_,
+            p.grad.describe(), shape_str(p.value.shape()));
   Tensor dx;
   if (p.grad.dtype() == cdt && p.grad.is_contiguous()) {
     dx = ops::rmsnorm_backward(as_dtype(dy, cdt), saved.x, w, rstd, p.grad);
   } else {
     // Accumulate in the compute dtype, then add once into the gradient's dtype.
-    Tensor dw = Tensor::zeros(p.value.shape(), cdt);
+    Tensor dw = Tensor::zeros(p.value.shape(), cdt, p.value.device());
     dx = ops::rmsnorm_backward(as_dtype(dy, cdt), saved.x, w, rstd, dw);
+    if (!p.grad.is_cpu()) {
+      // The same on CUDA: the sum in f64 (both addends exact there), rounded once.
+      if (p.grad.dtype() == DType::f64) {
+        ops::add_(p.grad, dw);
+      } else {
+        Tensor sum = ops::as_dtype(p.grad, DType::f64);
+        ops::add_(sum, dw);
+        ops::copy_into(p.grad, sum);
+      }
+      (void)ctx;
+      return ops::as_dtype(dx, saved.x_dtype);
+    }
     Tensor sum = p.grad.to(DType::f64);
     const std::vector<double> v = dw.to_f64_vector();
     double* s = sum.data<double>();
@@ -79,7 +99,7 @@ Tensor RmsNorm::backward(const Context& ctx, const Tensor& dy, const Saved& save
     p.grad.copy_(sum);
   }
   (void)ctx;
-  return saved.x_dtype == cdt ? dx : dx.to(saved.x_dtype);
+  return ops::as_dtype(dx, saved.x_dtype);
 }
 
 }  // namespace hlm

@@ -7,7 +7,8 @@
 //
 // Conventions (docs/architecture.md): explicit forward and backward, no autograd. forward() fills
 // Saved (x in the compute dtype and rstd; under ctx.recompute only x, and the backward recomputes
-// rstd, bit for bit). backward() writes dx (=) and accumulates dw into weight().grad (+=).
+// rstd, bit for bit). backward() writes dx (=) and accumulates dw into weight().grad (+=). On CPU
+// or CUDA tensors: the weight's device (Module::to); x and dy must be there too.
 //
 // Parameter (HF name, relative to the module path, e.g. "model.layers.3.input_layernorm"):
 //   weight [D]   initialised to 1; no weight decay
