@@ -4,6 +4,10 @@
 #include <cmath>
 #include <set>
 
+#include "ops/dispatch.h"
+#include "ops/tensor_ops.h"
+#include "train/cuda/adamw.cuh"
+
 namespace hlm::train {
 namespace {
 
@@ -14,8 +18,9 @@ bool supported_value_dtype(DType dt) {
 void check_grad(const Param& p, const std::string& name) {
   HLM_CHECK(p.grad.defined(), "AdamW: parameter '{}' has no gradient (zero_grad before backward)",
             name);
-  HLM_CHECK(p.grad.is_cpu(), "AdamW: gradient of '{}' must be on the CPU, got {}", name,
-            p.grad.describe());
+  HLM_CHECK(p.grad.device() == p.value.device(),
+            "AdamW: gradient of '{}' must be on the parameter's device ({}), got {}", name,
+            device_name(p.value.device()), p.grad.describe());
   HLM_CHECK(p.grad.dtype() == DType::f32 || p.grad.dtype() == DType::f64,
             "AdamW: gradient of '{}' must be f32 or f64, got {}", name, p.grad.describe());
   HLM_CHECK(p.grad.shape() == p.value.shape(),
@@ -101,9 +106,9 @@ AdamW::AdamW(std::vector<std::pair<std::string, Param*>> params, AdamWConfig cfg
     HLM_CHECK(seen.insert(name).second, "AdamW: parameter name '{}' appears twice", name);
     const Tensor& val = p->value;
     HLM_CHECK(val.defined(), "AdamW: parameter '{}' has no value", name);
-    HLM_CHECK(val.is_cpu(), "AdamW: parameter '{}' must be on the CPU, got {}", name,
-              val.describe());
     HLM_CHECK(val.is_contiguous(), "AdamW: parameter '{}' must be contiguous", name);
+    HLM_CHECK(val.is_cpu() || val.dtype() != DType::f16,
+              "AdamW: f16 parameter '{}' on CUDA is not supported (bf16, f32 or f64 are)", name);
     HLM_CHECK(supported_value_dtype(val.dtype()),
               "AdamW: parameter '{}' must be f64, f32, bf16 or f16, got {}", name, val.describe());
     HLM_CHECK(!p->keep_fp32 || val.dtype() == DType::f32 || val.dtype() == DType::f64,
@@ -113,9 +118,9 @@ AdamW::AdamW(std::vector<std::pair<std::string, Param*>> params, AdamWConfig cfg
     s.param = p;
     const DType md = hlm::compute_dtype(val.dtype());
     s.separate_master = val.dtype() != md;
-    s.master = s.separate_master ? val.to(md) : val;
-    s.m = Tensor::zeros(val.shape(), md);
-    s.v = Tensor::zeros(val.shape(), md);
+    s.master = s.separate_master ? ops::as_dtype(val, md) : val;
+    s.m = Tensor::zeros(val.shape(), md, val.device());
+    s.v = Tensor::zeros(val.shape(), md, val.device());
     s.decision = weight_decay_decision(*p, cfg);
     slots_.push_back(std::move(s));
   }
@@ -145,11 +150,17 @@ GradNorm AdamW::grad_norm() const {
     size_t slot;
     int64_t begin, end;
   };
+  // CPU parameters: one task per block; CUDA parameters: all their blocks in one kernel.
   std::vector<Task> tasks;
+  std::vector<std::vector<double>> device_partial(slots_.size());
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Param& p = *slots_[i].param;
     check_grad(p, slots_[i].name);
     const int64_t n = p.grad.numel();
+    if (!p.grad.is_cpu()) {
+      HLM_CUDA_PATH("AdamW", device_partial[i] = cuda::block_sum_squares(p.grad, kNormBlock));
+      continue;
+    }
     for (int64_t b = 0; b < n; b += kNormBlock)
       tasks.push_back({i, b, std::min(n, b + kNormBlock)});
   }
@@ -167,6 +178,7 @@ GradNorm AdamW::grad_norm() const {
   for (size_t i = 0; i < slots_.size(); ++i) {
     double ps = 0;
     for (; k < tasks.size() && tasks[k].slot == i; ++k) ps += partial[k];
+    for (double d : device_partial[i]) ps += d;
     total += ps;
   }
   GradNorm r;
@@ -194,6 +206,12 @@ StepResult AdamW::step(double lr) {
     const double decay_mul = s.decision.decay ? 1.0 - lr * cfg_.weight_decay : 1.0;
     const Tensor& g = s.param->grad;
     const int64_t n = s.master.numel();
+    if (!s.master.is_cpu()) {
+      HLM_CUDA_PATH("AdamW", cuda::adamw_update(s.master, s.m, s.v, g, gn.clip_scale, b1, b2,
+                                                decay_mul, lr, bc1, bc2, cfg_.eps));
+      if (s.separate_master) write_back(s);
+      continue;
+    }
     if (s.master.dtype() == DType::f64)
       update_dispatch_grad(s.master.data<double>(), s.m.data<double>(), s.v.data<double>(), g, n,
                            gn.clip_scale, b1, b2, decay_mul, lr, bc1, bc2, cfg_.eps);
@@ -210,6 +228,10 @@ StepResult AdamW::step(double lr) {
 
 void AdamW::write_back(Slot& s) {
   if (!s.separate_master) return;
+  if (!s.master.is_cpu()) {
+    ops::copy_into(s.param->value, s.master);  // one round to nearest even, as below
+    return;
+  }
   const float* w = s.master.data<float>();
   const int64_t n = s.master.numel();
   Tensor& val = s.param->value;
@@ -227,8 +249,9 @@ void AdamW::write_back(Slot& s) {
 void AdamW::sync_master_from_params() {
   for (Slot& s : slots_) {
     const Tensor& val = s.param->value;
-    HLM_CHECK(val.defined() && val.shape() == s.master.shape() && val.is_cpu() &&
-                  val.is_contiguous() && supported_value_dtype(val.dtype()),
+    HLM_CHECK(val.defined() && val.shape() == s.master.shape() &&
+                  val.device() == s.master.device() && val.is_contiguous() &&
+                  supported_value_dtype(val.dtype()),
               "AdamW: parameter '{}' changed to {} (expected shape {})", s.name, val.describe(),
               shape_str(s.master.shape()));
     const DType md = hlm::compute_dtype(val.dtype());
@@ -236,7 +259,7 @@ void AdamW::sync_master_from_params() {
               dtype_name(val.dtype()));
     s.separate_master = val.dtype() != md;
     if (s.separate_master)
-      s.master.copy_(val);
+      ops::copy_into(s.master, val);
     else
       s.master = val;
   }
@@ -245,10 +268,12 @@ void AdamW::sync_master_from_params() {
 safetensors::TensorMap AdamW::state_dict(const std::string& prefix) const {
   safetensors::TensorMap m;
   m[prefix + "step"] = Tensor::from_vector<int64_t>({}, {step_});
+  // CUDA state is copied to the host (a checkpoint writes host tensors).
+  auto host = [](const Tensor& t) { return t.is_cpu() ? t : t.to(Device::cpu); };
   for (const Slot& s : slots_) {
-    m[prefix + "master." + s.name] = s.master;
-    m[prefix + "exp_avg." + s.name] = s.m;
-    m[prefix + "exp_avg_sq." + s.name] = s.v;
+    m[prefix + "master." + s.name] = host(s.master);
+    m[prefix + "exp_avg." + s.name] = host(s.m);
+    m[prefix + "exp_avg_sq." + s.name] = host(s.v);
   }
   return m;
 }

@@ -25,6 +25,10 @@
 // Determinism: the norm sums each parameter's squares in blocks of kNormBlock elements (each block
 // sequentially, in row-major order), adds the block sums in order, then adds the parameters in the
 // order given; the elementwise update has no reductions. Results do not depend on the thread count.
+//
+// Devices: a parameter on CUDA keeps its master and moments on the device and is updated there
+// (train/cuda/adamw.cuh) with the same FP64 arithmetic, block order and rounding, so CPU and CUDA
+// give the same bits; its gradient must be on the same device. f16 parameters are CPU-only.
 #pragma once
 
 #include <cstdint>
@@ -73,8 +77,9 @@ class AdamW {
   static constexpr int64_t kNormBlock = 65536;
 
   // params: (full name, parameter) in a fixed order, e.g. Module::named_parameters(). Each value
-  // must be a contiguous CPU tensor of dtype f64, f32, bf16 or f16 (keep_fp32: f32 or f64); names
-  // are unique. The masters are initialised from the current values.
+  // must be a contiguous tensor of dtype f64, f32, bf16 or f16 (keep_fp32: f32 or f64; f16 on the
+  // CPU only), on the CPU or a GPU; names are unique. The masters are initialised from the current
+  // values.
   AdamW(std::vector<std::pair<std::string, Param*>> params, AdamWConfig cfg = {});
 
   const AdamWConfig& config() const { return cfg_; }
@@ -100,8 +105,9 @@ class AdamW {
   void sync_master_from_params();
 
   // The state as named tensors: "<prefix>step" (i64 scalar), "<prefix>master.<name>",
-  // "<prefix>exp_avg.<name>", "<prefix>exp_avg_sq.<name>". The tensors are views of the live
-  // state (no copy): serialise the map before the next step().
+  // "<prefix>exp_avg.<name>", "<prefix>exp_avg_sq.<name>". The tensors of CPU parameters are views
+  // of the live state (no copy): serialise the map before the next step(); those of CUDA
+  // parameters are host copies.
   safetensors::TensorMap state_dict(const std::string& prefix = "optimizer.") const;
   // Restore a state written by state_dict(). Entries outside `prefix` are ignored (a checkpoint may
   // hold model weights too). Every parameter needs its three tensors with its shape and master

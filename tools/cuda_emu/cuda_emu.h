@@ -233,6 +233,18 @@ inline float __fadd_rn(float a, float b) {
 inline float __fmul_rn(float a, float b) {
   return a * b;
 }
+inline double __dadd_rn(double a, double b) {
+  return a + b;
+}
+inline double __dmul_rn(double a, double b) {
+  return a * b;
+}
+inline double __ddiv_rn(double a, double b) {
+  return a / b;
+}
+inline double __dsqrt_rn(double x) {
+  return std::sqrt(x);
+}
 inline float __saturatef(float x) {
   return x < 0.f ? 0.f : (x > 1.f ? 1.f : x);
 }

@@ -1,0 +1,24 @@
+// CUDA side of AdamW (train/adamw.h) for parameters held on a GPU: the sums of squares of the
+// gradient-norm blocks and the elementwise update, with the CPU's arithmetic (FP64 per element,
+// no contraction into FMA: every product and sum rounded on its own, as the CPU's x86-64 code
+// does), so a parameter on either device gets the same bits. Launchers only; reach them through
+// HLM_CUDA_PATH (ops/dispatch.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace hlm::train::cuda {
+
+// The sum of squares (in FP64, elements in order) of each block of `block` consecutive elements of
+// the f32 / f64 gradient g (contiguous), one entry per block, on the host.
+std::vector<double> block_sum_squares(const Tensor& g, int64_t block);
+
+// The AdamW update of adamw.h on one parameter: master w, moments m and v (f32 or f64, one dtype,
+// contiguous, on the device) from the gradient g (f32 or f64, contiguous).
+void adamw_update(Tensor& w, Tensor& m, Tensor& v, const Tensor& g, double scale, double b1,
+                  double b2, double decay_mul, double lr, double bc1, double bc2, double eps);
+
+}  // namespace hlm::train::cuda
