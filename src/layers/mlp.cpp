@@ -9,28 +9,22 @@
 #include <cmath>
 
 #include "ops/moe.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
 namespace {
 
+// Copies, conversions and sums on the input's device (ops/tensor_ops.h: Tensor's own on the CPU).
 Tensor as_dtype(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t.contiguous() : t.to(dt);
+  return ops::contiguous(ops::as_dtype(t, dt));
 }
 
-// a + b elementwise (same shape, contiguous, dtype T), in that order.
+// a + b elementwise (same shape, contiguous, f32 or f64), in that order: one addition per element.
 Tensor add(const Tensor& a, const Tensor& b) {
-  Tensor out = Tensor::empty(a.shape(), a.dtype());
-  const int64_t n = a.numel();
-  if (a.dtype() == DType::f64) {
-    const double *pa = a.data<double>(), *pb = b.data<double>();
-    double* o = out.data<double>();
-    for (int64_t i = 0; i < n; ++i) o[i] = pa[i] + pb[i];
-  } else {
-    const float *pa = a.data<float>(), *pb = b.data<float>();
-    float* o = out.data<float>();
-    for (int64_t i = 0; i < n; ++i) o[i] = pa[i] + pb[i];
-  }
+  Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
+  ops::copy_into(out, a);
+  ops::add_(out, b);
   return out;
 }
 
@@ -68,9 +62,10 @@ void DenseMlp::run_forward(const Context& ctx, const Tensor& xc, Saved& s, Tenso
   const bool keep = ctx.training;
   const Tensor g = gate_.forward(ctx, xc, keep ? &s.gate : nullptr);
   const Tensor u = up_.forward(ctx, xc, keep ? &s.up : nullptr);
-  Tensor gu = Tensor::empty({T, 2 * I}, xc.dtype());
-  gu.slice(1, 0, I).copy_(g);
-  gu.slice(1, I, 2 * I).copy_(u);
+  Tensor gu = Tensor::empty({T, 2 * I}, xc.dtype(), xc.device());
+  Tensor gate_half = gu.slice(1, 0, I), up_half = gu.slice(1, I, 2 * I);
+  ops::copy_into(gate_half, g);
+  ops::copy_into(up_half, u);
   const Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);
   Tensor out = down_.forward(ctx, h, keep ? &s.down : nullptr);
   if (keep) s.gu = gu;
@@ -78,7 +73,10 @@ void DenseMlp::run_forward(const Context& ctx, const Tensor& xc, Saved& s, Tenso
 }
 
 Tensor DenseMlp::forward(const Context& ctx, const Tensor& x, Saved* saved) const {
-  HLM_CHECK(x.defined() && x.is_cpu(), "DenseMlp({}): x must be a defined CPU tensor", path_);
+  HLM_CHECK(x.defined() && x.device() == gate_.weight_value().device(),
+            "DenseMlp({}): x must be a defined tensor on the parameters' device ({}), got {}",
+            path_, device_name(gate_.weight_value().device()),
+            x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "DenseMlp({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
@@ -100,16 +98,18 @@ Tensor DenseMlp::forward(const Context& ctx, const Tensor& x, Saved* saved) cons
       s.recomputed = true;
     }
   }
-  return y.dtype() == x.dtype() ? y : y.to(x.dtype());
+  return ops::as_dtype(y, x.dtype());
 }
 
 Tensor DenseMlp::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
   HLM_CHECK(saved.x.defined(),
             "DenseMlp({})::backward: Saved is empty (run forward with ctx.training)", path_);
   const int64_t T = saved.x.size(0), I = cfg_.intermediate_size;
-  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({T, cfg_.hidden_size}),
-            "DenseMlp({})::backward: dy must be floating [{}, {}], got {}", path_, T,
-            cfg_.hidden_size, dy.defined() ? dy.describe() : "undefined");
+  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({T, cfg_.hidden_size}) &&
+                dy.device() == saved.x.device(),
+            "DenseMlp({})::backward: dy must be floating [{}, {}] on x's device ({}), got {}",
+            path_, T, cfg_.hidden_size, device_name(saved.x.device()),
+            dy.defined() ? dy.describe() : "undefined");
   const Saved* s = &saved;
   Saved re;
   if (saved.recomputed) {
@@ -121,10 +121,10 @@ Tensor DenseMlp::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   const DType cdt = saved.x.dtype();
   const Tensor dh = down_.backward(ctx, as_dtype(dy, cdt), s->down);
   const Tensor dgu = ops::swiglu_clamped_backward(s->gu, dh, cfg_.swiglu_limit);
-  const Tensor dx_g = gate_.backward(ctx, dgu.slice(1, 0, I).contiguous(), s->gate);
-  const Tensor dx_u = up_.backward(ctx, dgu.slice(1, I, 2 * I).contiguous(), s->up);
+  const Tensor dx_g = gate_.backward(ctx, ops::contiguous(dgu.slice(1, 0, I)), s->gate);
+  const Tensor dx_u = up_.backward(ctx, ops::contiguous(dgu.slice(1, I, 2 * I)), s->up);
   const Tensor dx = add(as_dtype(dx_g, cdt), as_dtype(dx_u, cdt));
-  return saved.x_dtype == cdt ? dx : dx.to(saved.x_dtype);
+  return ops::as_dtype(dx, saved.x_dtype);
 }
 
 }  // namespace hlm

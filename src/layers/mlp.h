@@ -10,7 +10,8 @@
 // Conventions (docs/architecture.md): explicit forward and backward, no autograd. forward() fills
 // Saved (the three Linear::Saved and the pre-activations gu = [g | u]); under ctx.recompute only
 // the input is kept and backward recomputes g, u and h (bit for bit: every step is deterministic).
-// backward() writes dx (=) and accumulates every weight gradient (+=) into Param::grad.
+// backward() writes dx (=) and accumulates every weight gradient (+=) into Param::grad. On CPU or
+// CUDA tensors (the parameters' device, Module::to; x and dy must be there too).
 //
 // Parameters (HF names relative to the module path): gate_proj.weight [I, D], up_proj.weight [I,
 // D], down_proj.weight [D, I]; no biases. Init: N(0, init_std) from cfg.seed, one Philox stream per

@@ -3,6 +3,8 @@
 // (ops/cuda/tensor_ops.cu). The conversions and copies with a host side use Tensor's own.
 #include "ops/tensor_ops.h"
 
+#include <cstring>
+
 #include "ops/cpu/tensor_ops.h"
 #include "ops/cuda/tensor_ops.cuh"
 #include "ops/dispatch.h"
@@ -118,6 +120,29 @@ void scale_(Tensor& c, double beta) {
   HLM_CHECK(c.dim() == 2, "{}: c must be 2-D, got {}", op, c.describe());
   if (c.numel() == 0) return;
   HLM_DISPATCH(op, c.device(), scale_, c, beta);
+}
+
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {
+  constexpr const char* op = "gather_rows";
+  HLM_CHECK(src.defined() && src.dim() == 2 && src.is_contiguous(),
+            "{}: src must be a contiguous 2-D tensor, got {}", op,
+            src.defined() ? src.describe() : "undefined");
+  const int64_t N = src.size(0), R = int64_t(rows.size());
+  for (int64_t r = 0; r < R; ++r)
+    HLM_CHECK(rows[size_t(r)] >= 0 && rows[size_t(r)] < N, "{}: rows[{}] = {} is outside [0, {})",
+              op, r, rows[size_t(r)], N);
+  Tensor out = detail::new_output({R, src.size(1)}, src.dtype(), src.device());
+  if (out.numel() == 0) return out;
+  if (src.is_cpu()) {
+    const size_t rb = size_t(src.size(1)) * src.element_size();
+    const auto* s = static_cast<const unsigned char*>(src.raw());
+    auto* o = static_cast<unsigned char*>(out.raw());
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(o + size_t(r) * rb, s + size_t(rows[size_t(r)]) * rb, rb);
+    return out;
+  }
+  HLM_CUDA_PATH(op, cuda::gather_rows(src, rows, out));
+  return out;
 }
 
 void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector<int64_t>& cu,

@@ -35,6 +35,11 @@ Tensor sum_rows(const Tensor& x, DType dt);
 // the product is formed in f64 and rounded once to c's dtype.
 void scale_(Tensor& c, double beta);
 
+// out[r, :] = src[rows[r], :]: the rows of a contiguous 2-D src [N, C] (any dtype, bytes copied)
+// in the order given, as a new contiguous [R, C] tensor on src's device. rows are host indices,
+// each in [0, N) (else an error naming the position and the index).
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows);
+
 // The gradient of the final conv state that causal_conv1d_forward returns (conv1d.h), routed back
 // to where each entry was copied from: final[n, i] is the input at local position
 // p = L_n - (W-1) + i of sequence n, or, for p < 0, initial_state[n, p + W - 1].

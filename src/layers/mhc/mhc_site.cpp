@@ -12,6 +12,8 @@
 
 #include <cmath>
 
+#include "ops/tensor_ops.h"
+
 namespace hlm {
 
 const char* mhc_site_kind_name(MhcSiteKind k) {
@@ -80,8 +82,11 @@ MhcSite::MhcSite(const MhcSiteConfig& cfg, MhcSiteKind kind, const PrecisionPoli
 }
 
 Tensor MhcSite::collapse(const Context& ctx, const Tensor& x, Saved& s) const {
-  HLM_CHECK(x.defined() && x.is_cpu(), "MhcSite({}, {})::collapse: x must be a defined CPU tensor",
-            path_, mhc_site_kind_name(kind_));
+  HLM_CHECK(x.defined() && x.device() == fn_->value.device(),
+            "MhcSite({}, {})::collapse: x must be a defined tensor on the parameters' device ({}), "
+            "got {}",
+            path_, mhc_site_kind_name(kind_), device_name(fn_->value.device()),
+            x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "MhcSite({}, {})::collapse: x must be f64, f32 or bf16, got {}", path_,
             mhc_site_kind_name(kind_), x.describe());
@@ -101,10 +106,11 @@ Tensor MhcSite::write_back(const Context& ctx, const Tensor& y, Saved& s) const 
             "MhcSite({}, {})::write_back: call collapse first (Saved holds no mappings)", path_,
             mhc_site_kind_name(kind_));
   const int64_t T = s.x.size(0);
-  HLM_CHECK(y.defined() && y.is_cpu() && is_floating(y.dtype()) &&
+  HLM_CHECK(y.defined() && y.device() == s.x.device() && is_floating(y.dtype()) &&
                 y.shape() == Shape({T, cfg_.hidden_size}),
-            "MhcSite({}, {})::write_back: y must be a floating CPU tensor [{}, {}], got {}", path_,
-            mhc_site_kind_name(kind_), T, cfg_.hidden_size,
+            "MhcSite({}, {})::write_back: y must be a floating tensor [{}, {}] on x's device ({}), "
+            "got {}",
+            path_, mhc_site_kind_name(kind_), T, cfg_.hidden_size, device_name(s.x.device()),
             y.defined() ? y.describe() : "undefined");
   Tensor xo = ops::mhc_write_back(s.x, y, s.maps.post, s.maps.comb);
   s.collapsed = false;
@@ -131,7 +137,7 @@ MhcSite::Partial MhcSite::backward_write_back(const Context& ctx, const Tensor& 
   if (!s.maps.comb.defined()) p.maps = ops::mhc_mappings_forward(s.x, params(), cfg_.op_config());
   const ops::MhcMappings& m = s.maps.comb.defined() ? s.maps : p.maps;
   ops::MhcWriteBackGrads wb = ops::mhc_write_back_backward(s.x, s.y, m.post, m.comb, dx_out);
-  p.dy = wb.dy.dtype() == s.y.dtype() ? wb.dy : wb.dy.to(s.y.dtype());
+  p.dy = ops::as_dtype(wb.dy, s.y.dtype());
   p.dx = wb.dx;
   p.dpost = wb.dpost;
   p.dcomb = wb.dcomb;
@@ -162,8 +168,15 @@ Tensor MhcSite::backward_collapse(const Context& ctx, const Tensor& du, const Sa
       ops::mhc_mappings_backward(s.x, params(), cfg_.op_config(), m, cl.dpre, p.dpost, p.dcomb, g);
   // dX = write-back + collapse + mapping, in that order per element (as ops::mhc_site_backward).
   const DType cdt = hlm::compute_dtype(s.x.dtype());
-  Tensor dx = Tensor::empty(s.x.shape(), cdt);
+  Tensor dx = Tensor::empty(s.x.shape(), cdt, s.x.device());
   const int64_t N = dx.numel();
+  if (!dx.is_cpu()) {
+    ops::copy_into(dx, p.dx);  // (a + b) + c, one rounding per addition, as below
+    ops::add_(dx, cl.dx);
+    ops::add_(dx, dmap);
+    (void)ctx;
+    return ops::as_dtype(dx, s.x.dtype());
+  }
   if (cdt == DType::f64) {
     const Tensor a = p.dx.dtype() == DType::f64 ? p.dx.contiguous() : p.dx.to(DType::f64);
     const Tensor b = cl.dx.contiguous(), c = dmap.contiguous();

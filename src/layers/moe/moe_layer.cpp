@@ -15,46 +15,47 @@
 #include "layers/moe/moe_layer.h"
 
 #include <cmath>
-#include <cstring>
+
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
 namespace {
 
+// Copies and conversions on the input's device (ops/tensor_ops.h: Tensor's own on the CPU).
 Tensor as_dtype(const Tensor& t, DType dt) {
-  return t.dtype() == dt ? t.contiguous() : t.to(dt);
+  return ops::contiguous(ops::as_dtype(t, dt));
 }
 
-// Rows `rows` of a contiguous [N, C] tensor, gathered into a new [rows.size(), C] (same dtype).
-Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {
-  const int64_t C = src.size(1);
-  Tensor out = Tensor::empty({int64_t(rows.size()), C}, src.dtype());
-  const size_t rb = size_t(C) * src.element_size();
-  const auto* s = static_cast<const unsigned char*>(src.raw());
-  auto* o = static_cast<unsigned char*>(out.raw());
-  for (size_t r = 0; r < rows.size(); ++r) std::memcpy(o + r * rb, s + size_t(rows[r]) * rb, rb);
-  return out;
+// out[rows[r], :] = parts' rows in order: the rows of the experts' outputs (concatenated in expert
+// order, `counts` rows each) put back at their assignments. Byte copies: a gather by the inverse
+// permutation, on the parts' device.
+Tensor scatter_rows(const std::vector<Tensor>& parts, const std::vector<std::vector<int64_t>>& rows,
+                    int64_t n_rows, int64_t C, DType dt, Device dev) {
+  int64_t total = 0;
+  for (const Tensor& p : parts)
+    if (p.defined()) total += p.size(0);
+  HLM_CHECK(total == n_rows, "MoeLayer: {} expert rows for {} assignments", total, n_rows);
+  Tensor cat = Tensor::empty({n_rows, C}, dt, dev);
+  std::vector<int64_t> perm(size_t(n_rows), 0);
+  int64_t off = 0;
+  for (size_t e = 0; e < parts.size(); ++e) {
+    if (!parts[e].defined()) continue;
+    const int64_t n = parts[e].size(0);
+    Tensor dst = cat.slice(0, off, off + n);
+    ops::copy_into(dst, parts[e]);
+    for (int64_t q = 0; q < n; ++q) perm[size_t(rows[e][size_t(q)])] = off + q;
+    off += n;
+  }
+  return ops::gather_rows(cat, perm);
 }
 
-// dst[rows[r], :] = src[r, :] (both contiguous, one dtype).
-void scatter_rows(const Tensor& src, const std::vector<int64_t>& rows, Tensor& dst) {
-  const size_t rb = size_t(dst.size(1)) * dst.element_size();
-  const auto* s = static_cast<const unsigned char*>(src.raw());
-  auto* o = static_cast<unsigned char*>(dst.raw());
-  for (size_t r = 0; r < rows.size(); ++r) std::memcpy(o + size_t(rows[r]) * rb, s + r * rb, rb);
-}
-
+// The router's choices on the host, as i64.
 std::vector<int64_t> index_vector(const Tensor& idx) {
-  const Tensor c = idx.dtype() == DType::i64 ? idx.contiguous() : idx.to(DType::i64);
+  const Tensor h = idx.is_cpu() ? idx : idx.to(Device::cpu);
+  const Tensor c = h.dtype() == DType::i64 ? h.contiguous() : h.to(DType::i64);
   const int64_t* p = c.data<int64_t>();
   return std::vector<int64_t>(p, p + c.numel());
-}
-
-template <class T>
-void add_in_place(Tensor& a, const Tensor& b) {
-  T* pa = a.data<T>();
-  const T* pb = b.data<T>();
-  for (int64_t i = 0; i < a.numel(); ++i) pa[i] += pb[i];
 }
 
 }  // namespace
@@ -185,7 +186,7 @@ void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const
   const std::vector<int64_t> idx = index_vector(s.topk_idx);
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
   for (size_t a = 0; a < idx.size(); ++a) rows[size_t(idx[a])].push_back(int64_t(a));
-  s.eo = Tensor::empty({Tn * K, D}, xc.dtype());
+  std::vector<Tensor> outs(static_cast<size_t>(E));
   s.experts.assign(static_cast<size_t>(E), ExpertSaved{});
   for (int64_t e = 0; e < E; ++e) {
     const auto& r = rows[size_t(e)];
@@ -194,21 +195,24 @@ void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const
     for (size_t q = 0; q < r.size(); ++q) toks[q] = r[q] / K;
     ExpertSaved& es = s.experts[size_t(e)];
     alias_workers(e, false);
-    const Tensor gu = gate_up_w_.forward(ctx, gather_rows(xc, toks),
+    const Tensor gu = gate_up_w_.forward(ctx, ops::gather_rows(xc, toks),
                                          ctx.training ? &es.gate_up : nullptr);    // [n, 2I]
     const Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);           // [n, I]
     const Tensor eo = down_w_.forward(ctx, h, ctx.training ? &es.down : nullptr);  // [n, D]
-    scatter_rows(eo, r, s.eo);
+    outs[size_t(e)] = ops::contiguous(ops::as_dtype(eo, xc.dtype()));
     if (ctx.training) {
       es.rows = r;
       es.gu = gu;
     }
   }
   alias_workers(-1, false);
+  s.eo = scatter_rows(outs, rows, Tn * K, D, xc.dtype(), xc.device());
 }
 
 void MoeLayer::check_input(const Tensor& x) const {
-  HLM_CHECK(x.defined() && x.is_cpu(), "MoeLayer({}): x must be a defined CPU tensor", path_);
+  HLM_CHECK(x.defined() && x.device() == gate_up_->value.device(),
+            "MoeLayer({}): x must be a defined tensor on the parameters' device ({}), got {}",
+            path_, device_name(gate_up_->value.device()), x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
             "MoeLayer({}): x must be f64, f32 or bf16, got {}", path_, x.describe());
   HLM_CHECK(x.dim() == 2 && x.size(1) == cfg_.hidden_size,
@@ -241,7 +245,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
   if (shared_) ys = shared_->forward(fctx, xc, keep ? &s.shared : nullptr);
   Tensor y = ops::moe_combine(s.eo.view({Tn, K, D}), s.route.topk_weight, ys);
   Output out;
-  out.y = x.dtype() == cdt ? y : y.to(x.dtype());
+  out.y = ops::as_dtype(y, x.dtype());
   out.topk_idx = s.route.topk_idx;
   out.topk_weight = s.route.topk_weight;
   out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
@@ -267,8 +271,10 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   HLM_CHECK(saved.x.defined() && saved.topk_idx.defined(),
             "MoeLayer({})::backward: Saved is empty (run forward with ctx.training)", path_);
   const int64_t Tn = saved.x.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
-  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({Tn, D}),
-            "MoeLayer({})::backward: dy must be floating [{}, {}], got {}", path_, Tn, D,
+  HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({Tn, D}) &&
+                dy.device() == saved.x.device(),
+            "MoeLayer({})::backward: dy must be floating [{}, {}] on x's device ({}), got {}",
+            path_, Tn, D, device_name(saved.x.device()),
             dy.defined() ? dy.describe() : "undefined");
   HLM_CHECK(std::isfinite(d_aux), "MoeLayer({})::backward: d_aux must be finite, got {}", path_,
             d_aux);
@@ -292,17 +298,20 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
       ops::moe_combine_backward(dyc, R.eo.view({Tn, K, D}), R.route.topk_weight);
   const Tensor dO = cg.deo.view({Tn * K, D});
 
-  Tensor dxk = Tensor::empty({Tn * K, D}, cdt);
+  std::vector<Tensor> dparts(static_cast<size_t>(E));
+  std::vector<std::vector<int64_t>> drows(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     const ExpertSaved& es = R.experts[size_t(e)];
     if (es.rows.empty()) continue;
     alias_workers(e, true);
-    const Tensor dh = down_w_.backward(ctx, gather_rows(dO, es.rows), es.down);     // [n, I]
-    const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);  // [n, 2I]
-    const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                   // [n, D]
-    scatter_rows(as_dtype(dxe, cdt), es.rows, dxk);
+    const Tensor dh = down_w_.backward(ctx, ops::gather_rows(dO, es.rows), es.down);  // [n, I]
+    const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);    // [n, 2I]
+    const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                     // [n, D]
+    dparts[size_t(e)] = as_dtype(dxe, cdt);
+    drows[size_t(e)] = es.rows;
   }
   alias_workers(-1, false);
+  const Tensor dxk = scatter_rows(dparts, drows, Tn * K, D, cdt, saved.x.device());
 
   Tensor dxs;
   if (shared_) dxs = as_dtype(shared_->backward(ctx, dyc, saved.shared), cdt);
@@ -312,19 +321,13 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   if (cfg_.aux_loss_coeff > 0 && d_aux != 0) {
     const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.seqs,
                                                      cfg_.aux_loss_coeff, d_aux);
-    if (cdt == DType::f64)
-      add_in_place<double>(dl, da);
-    else
-      add_in_place<float>(dl, da);
+    ops::add_(dl, da);
   }
   const Tensor dxr = as_dtype(gate_.backward(ctx, dl, R.router), cdt);
   // dx = sum_k dxk[t, k] + dxs + dxr, in that order.
   Tensor dx = ops::moe_combine(dxk.view({Tn, K, D}), Tensor(), dxs);
-  if (cdt == DType::f64)
-    add_in_place<double>(dx, dxr);
-  else
-    add_in_place<float>(dx, dxr);
-  return saved.x_dtype == cdt ? dx : dx.to(saved.x_dtype);
+  ops::add_(dx, dxr);
+  return ops::as_dtype(dx, saved.x_dtype);
 }
 
 void MoeLayer::update_bias(const Tensor& counts, double rate) {

@@ -212,4 +212,38 @@ void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<
   check_launch("causal_conv1d_final_state_backward");
 }
 
+namespace {
+
+// One thread per word of the output: row r takes its words from row rows[r] of src.
+template <class W>
+__global__ void gather_rows_kernel(const W* src, const int64_t* rows, int64_t R, int64_t words,
+                                   W* out) {
+  const int64_t n = R * words;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / words, w = i - r * words;
+    out[i] = src[rows[r] * words + w];
+  }
+}
+
+}  // namespace
+
+void gather_rows(const Tensor& src, const std::vector<int64_t>& rows, Tensor& out) {
+  const int64_t R = int64_t(rows.size());
+  const size_t rb = size_t(src.size(1)) * src.element_size();
+  const Tensor rows_dev = to_device(rows);
+  if (rb % 4 == 0) {
+    const int64_t words = int64_t(rb / 4);
+    gather_rows_kernel<uint32_t><<<grid_for(R * words), kThreads>>>(
+        static_cast<const uint32_t*>(src.raw()), cptr<int64_t>(rows_dev), R, words,
+        static_cast<uint32_t*>(out.raw()));
+  } else {
+    const int64_t words = int64_t(rb);
+    gather_rows_kernel<uint8_t><<<grid_for(R * words), kThreads>>>(
+        static_cast<const uint8_t*>(src.raw()), cptr<int64_t>(rows_dev), R, words,
+        static_cast<uint8_t*>(out.raw()));
+  }
+  check_launch("gather_rows");
+}
+
 }  // namespace hlm::ops::cuda

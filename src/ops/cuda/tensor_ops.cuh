@@ -15,6 +15,8 @@ void add_(Tensor& dst, const Tensor& src);       // both contiguous, one dtype (
 void add_bias_(Tensor& y, const Tensor& b);      // contiguous, one dtype (f32 / f64)
 void sum_rows(const Tensor& x, Tensor& out);     // contiguous, one dtype (f32 / f64)
 void scale_(Tensor& c, double beta);             // 2-D, any strides
+// out [R, C] = src[rows] (both contiguous, one dtype; rows checked by the front door).
+void gather_rows(const Tensor& src, const std::vector<int64_t>& rows, Tensor& out);
 void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
                                         int64_t width, Tensor& dx, Tensor* dinitial);
 
