@@ -1,9 +1,10 @@
 // The front door of mHC (ops/mhc.h): argument checks, output allocation, and the switch to the
-// CPU reference (ops/cpu/mhc.cpp); the whole-site functions compose the pieces. No CUDA
-// implementation yet.
+// CPU reference (ops/cpu/mhc.cpp) or the CUDA kernels (ops/cuda/mhc.cu); the whole-site functions
+// compose the pieces, so they run on the device of their inputs.
 #include "ops/mhc.h"
 
 #include "ops/cpu/mhc.h"
+#include "ops/cuda/mhc.cuh"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
 
@@ -23,6 +24,22 @@ Dims check_streams(const Tensor& x, const char* op, int64_t n_expected = -1) {
   HLM_CHECK(x.size(1) >= 1 && x.size(2) >= 1, "{}: x must have n >= 1 and D >= 1, got {}", op,
             x.describe());
   return {x.size(0), x.size(1), x.size(2)};
+}
+
+// The CUDA rules (ops/mhc.h, "Devices and dtypes"), checked after the device-independent ones
+// when `ref` is a CUDA tensor: every tensor f32, f64 or bf16; at most kMhcMaxStreams streams
+// (n < 0: the op has no limit); accumulators contiguous.
+void check_cuda(const char* op, const Tensor& ref, std::initializer_list<detail::Arg> ts,
+                int64_t n = -1, std::initializer_list<detail::Arg> accs = {}) {
+  if (ref.device() == Device::cpu) return;
+  for (const detail::Arg& a : ts) {
+    if (!a.t.defined()) continue;
+    HLM_CHECK(a.t.dtype() == DType::f32 || a.t.dtype() == DType::f64 || a.t.dtype() == DType::bf16,
+              "{}: {} must be f32, f64 or bf16 on CUDA, got {}", op, a.name, a.t.describe());
+  }
+  HLM_CHECK(n <= cuda::kMhcMaxStreams, "{}: at most {} streams on CUDA, got n = {}", op,
+            cuda::kMhcMaxStreams, n);
+  for (const detail::Arg& a : accs) detail::require_contiguous(a.t, op, a.name);
 }
 
 // A floating tensor of shape s on x's device.
@@ -93,16 +110,31 @@ Tensor rows_out(const Tensor& x, DType dt) {
 }
 
 // The front door of an op that spreads a floating [T, D] `e` over n >= 1 streams: checks e and n,
-// allocates the [T, n, D] output (e's dtype) and runs the CPU reference cpu_fn(e, out).
+// allocates the [T, n, D] output (e's dtype) and runs the CPU reference cpu_fn(e, out) or the CUDA
+// launcher cuda_fn(e, out).
 Tensor spread_over_streams(const char* op, const Tensor& e, int64_t n, const char* what,
-                           void (*cpu_fn)(const Tensor&, Tensor&)) {
+                           void (*cpu_fn)(const Tensor&, Tensor&),
+                           void (*cuda_fn)(const Tensor&, Tensor&)) {
   detail::require_floating(e, op, what);
   HLM_CHECK(e.dim() == 2, "{}: {} must be [T, D], got {}", op, what, e.describe());
   HLM_CHECK(n >= 1, "{}: n must be >= 1, got {}", op, n);
+  check_cuda(op, e, {{e, what}});
   Tensor out = detail::new_output({e.size(0), n, e.size(1)}, e.dtype(), e.device());
-  detail::cpu_only(op, e, what);
-  cpu_fn(e, out);
+  if (e.device() == Device::cpu) {
+    cpu_fn(e, out);
+  } else {
+    cuda_fn(e, out);
+  }
   return out;
+}
+
+// The CUDA launchers of the two spread ops, as plain functions (a build without CUDA has no
+// cuda:: definitions: HLM_CUDA_PATH turns the call into an error).
+void cuda_mhc_expand(const Tensor& e, Tensor& out) {
+  HLM_CUDA_PATH("mhc_expand", cuda::mhc_expand(e, out));
+}
+void cuda_mhc_mean_contract_backward(const Tensor& dh, Tensor& dx) {
+  HLM_CUDA_PATH("mhc_mean_contract_backward", cuda::mhc_mean_contract_backward(dh, dx));
 }
 
 }  // namespace
@@ -115,6 +147,9 @@ MhcMappings mhc_mappings_forward(const Tensor& x, const MhcParams& p, const MhcC
   check_cfg(c, op);
   const Dims d = check_streams(x, op, c.n);
   check_params(p, x, d, c, op);
+  check_cuda(op, x,
+             {{x, "x"}, {p.fn, "params.fn"}, {p.base, "params.base"}, {p.scale, "params.scale"}},
+             d.n);
   const DType dt = cdt(x);
   const Device dev = x.device();
   const int64_t n = d.n;
@@ -122,8 +157,7 @@ MhcMappings mhc_mappings_forward(const Tensor& x, const MhcParams& p, const MhcC
       detail::new_output({d.T}, dt, dev),       detail::new_output({d.T, c.n_mix()}, dt, dev),
       detail::new_output({d.T, n}, dt, dev),    detail::new_output({d.T, n}, dt, dev),
       detail::new_output({d.T, n, n}, dt, dev), detail::new_output({d.T, n, n}, dt, dev)};
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_mappings_forward(x, p, c, m);
+  HLM_DISPATCH(op, dev, mhc_mappings_forward, x, p, c, m);
   return m;
 }
 
@@ -141,18 +175,29 @@ Tensor mhc_mappings_backward(const Tensor& x, const MhcParams& p, const MhcConfi
   detail::require_accumulator(g.dfn, p.fn.shape(), x, op, "grads.dfn");
   detail::require_accumulator(g.dbase, p.base.shape(), x, op, "grads.dbase");
   detail::require_accumulator(g.dscale, p.scale.shape(), x, op, "grads.dscale");
+  check_cuda(op, x,
+             {{x, "x"},
+              {p.fn, "params.fn"},
+              {p.base, "params.base"},
+              {p.scale, "params.scale"},
+              {m.inv_rms, "maps.inv_rms"},
+              {m.mix, "maps.mix"},
+              {m.comb_logits, "maps.comb_logits"},
+              {dpre, "dpre"},
+              {dpost, "dpost"},
+              {dcomb, "dcomb"}},
+             d.n, {{g.dfn, "grads.dfn"}, {g.dbase, "grads.dbase"}, {g.dscale, "grads.dscale"}});
   Tensor dx = detail::new_output(x.shape(), cdt(x), x.device());
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_mappings_backward(x, p, c, m, dpre, dpost, dcomb, g, dx);
+  HLM_DISPATCH(op, x.device(), mhc_mappings_backward, x, p, c, m, dpre, dpost, dcomb, g, dx);
   return dx;
 }
 
 Tensor mhc_inv_rms(const Tensor& x, double eps) {
   const char* op = "mhc_inv_rms";
   const Dims d = check_streams(x, op);
+  check_cuda(op, x, {{x, "x"}});
   Tensor r = detail::new_output({d.T}, cdt(x), x.device());
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_inv_rms(x, eps, r);
+  HLM_DISPATCH(op, x.device(), mhc_inv_rms, x, eps, r);
   return r;
 }
 
@@ -164,18 +209,18 @@ Tensor mhc_inv_rms_backward(const Tensor& x, const Tensor& inv_rms, const Tensor
     detail::require_same_device(*t, x, op, name, "x");
     detail::require_shape(*t, {d.T}, op, name);
   }
+  check_cuda(op, x, {{x, "x"}});
   Tensor dx = detail::new_output(x.shape(), cdt(x), x.device());
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_inv_rms_backward(x, inv_rms, d_inv_rms, dx);
+  HLM_DISPATCH(op, x.device(), mhc_inv_rms_backward, x, inv_rms, d_inv_rms, dx);
   return dx;
 }
 
 Tensor mhc_sinkhorn(const Tensor& logits, double hc_eps, int64_t iters) {
   const char* op = "mhc_sinkhorn";
   check_logits(logits, op, "logits", iters);
+  check_cuda(op, logits, {{logits, "logits"}}, logits.size(1));
   Tensor out = detail::new_output(logits.shape(), cdt(logits), logits.device());
-  detail::cpu_only(op, logits, "logits");
-  cpu::mhc_sinkhorn(logits, hc_eps, iters, out);
+  HLM_DISPATCH(op, logits.device(), mhc_sinkhorn, logits, hc_eps, iters, out);
   return out;
 }
 
@@ -186,9 +231,9 @@ Tensor mhc_sinkhorn_backward(const Tensor& logits, const Tensor& dcomb, double h
   detail::require_floating(dcomb, op, "dcomb");
   detail::require_same_device(dcomb, logits, op, "dcomb", "logits");
   detail::require_shape(dcomb, logits.shape(), op, "dcomb");
+  check_cuda(op, logits, {{logits, "logits"}, {dcomb, "dcomb"}}, logits.size(1));
   Tensor dl = detail::new_output(logits.shape(), cdt(logits), logits.device());
-  detail::cpu_only(op, logits, "logits");
-  cpu::mhc_sinkhorn_backward(logits, dcomb, hc_eps, iters, dl);
+  HLM_DISPATCH(op, logits.device(), mhc_sinkhorn_backward, logits, dcomb, hc_eps, iters, dl);
   return dl;
 }
 
@@ -198,9 +243,9 @@ Tensor mhc_collapse(const Tensor& x, const Tensor& pre) {
   const char* op = "mhc_collapse";
   const Dims d = check_streams(x, op);
   check_act(pre, x, {d.T, d.n}, op, "pre");
+  check_cuda(op, x, {{x, "x"}, {pre, "pre"}});
   Tensor u = rows_out(x, x.dtype());
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_collapse(x, pre, u);
+  HLM_DISPATCH(op, x.device(), mhc_collapse, x, pre, u);
   return u;
 }
 
@@ -210,10 +255,10 @@ MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const
   check_act(pre, x, {d.T, d.n}, op, "pre");
   check_act(du, x, {d.T, d.D}, op, "du");
   const DType dt = cdt(x);
+  check_cuda(op, x, {{x, "x"}, {pre, "pre"}, {du, "du"}}, d.n);
   MhcCollapseGrads r{detail::new_output(x.shape(), dt, x.device()),
                      detail::new_output({d.T, d.n}, dt, x.device())};
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_collapse_backward(x, pre, du, r);
+  HLM_DISPATCH(op, x.device(), mhc_collapse_backward, x, pre, du, r);
   return r;
 }
 
@@ -221,9 +266,9 @@ Tensor mhc_write_back(const Tensor& x, const Tensor& y, const Tensor& post, cons
   const char* op = "mhc_write_back";
   const Dims d = check_streams(x, op);
   check_wb(x, y, post, comb, d, op);
+  check_cuda(op, x, {{x, "x"}, {y, "y"}, {post, "post"}, {comb, "comb"}});
   Tensor out = detail::new_output(x.shape(), x.dtype(), x.device());
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_write_back(x, y, post, comb, out);
+  HLM_DISPATCH(op, x.device(), mhc_write_back, x, y, post, comb, out);
   return out;
 }
 
@@ -233,43 +278,43 @@ MhcWriteBackGrads mhc_write_back_backward(const Tensor& x, const Tensor& y, cons
   const Dims d = check_streams(x, op);
   check_wb(x, y, post, comb, d, op);
   check_act(dx_out, x, x.shape(), op, "dx_out");
+  check_cuda(op, x, {{x, "x"}, {y, "y"}, {post, "post"}, {comb, "comb"}, {dx_out, "dx_out"}}, d.n);
   const DType dt = cdt(x);
   const Device dev = x.device();
   MhcWriteBackGrads r{
       detail::new_output(x.shape(), dt, dev), detail::new_output({d.T, d.D}, dt, dev),
       detail::new_output({d.T, d.n}, dt, dev), detail::new_output({d.T, d.n, d.n}, dt, dev)};
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_write_back_backward(x, y, post, comb, dx_out, r);
+  HLM_DISPATCH(op, dev, mhc_write_back_backward, x, y, post, comb, dx_out, r);
   return r;
 }
 
 // ---- model level -------------------------------------------------------------------------------
 
 Tensor mhc_expand(const Tensor& e, int64_t n) {
-  return spread_over_streams("mhc_expand", e, n, "e", cpu::mhc_expand);
+  return spread_over_streams("mhc_expand", e, n, "e", cpu::mhc_expand, cuda_mhc_expand);
 }
 
 Tensor mhc_expand_backward(const Tensor& dx) {
   const char* op = "mhc_expand_backward";
   check_streams(dx, op);
+  check_cuda(op, dx, {{dx, "dx"}});
   Tensor de = rows_out(dx, dx.dtype());
-  detail::cpu_only(op, dx, "dx");
-  cpu::mhc_stream_sum(dx, 1, de);
+  HLM_DISPATCH(op, dx.device(), mhc_stream_sum, dx, 1, de);
   return de;
 }
 
 Tensor mhc_mean_contract(const Tensor& x) {
   const char* op = "mhc_mean_contract";
   const Dims d = check_streams(x, op);
+  check_cuda(op, x, {{x, "x"}});
   Tensor h = rows_out(x, x.dtype());
-  detail::cpu_only(op, x, "x");
-  cpu::mhc_stream_sum(x, d.n, h);
+  HLM_DISPATCH(op, x.device(), mhc_stream_sum, x, d.n, h);
   return h;
 }
 
 Tensor mhc_mean_contract_backward(const Tensor& dh, int64_t n) {
   return spread_over_streams("mhc_mean_contract_backward", dh, n, "dh",
-                             cpu::mhc_mean_contract_backward);
+                             cpu::mhc_mean_contract_backward, cuda_mhc_mean_contract_backward);
 }
 
 // ---- a whole site ------------------------------------------------------------------------------
@@ -294,9 +339,10 @@ Tensor mhc_site_backward_dy(const MhcSiteSaved& s, const Tensor& dx_out) {
   HLM_CHECK(s.x.defined() && s.y.defined(), "{}: saved state incomplete (run mhc_site_end)", op);
   check_streams(s.x, op);
   check_act(dx_out, s.x, s.x.shape(), op, "dx_out");
+  check_act(s.maps.post, s.x, {s.x.size(0), s.x.size(1)}, op, "maps.post");
+  check_cuda(op, s.x, {{s.maps.post, "maps.post"}, {dx_out, "dx_out"}});
   Tensor dy = rows_out(s.x, cdt(s.x));
-  detail::cpu_only(op, s.x, "x");
-  cpu::mhc_post_sum(s.maps.post, dx_out, dy);
+  HLM_DISPATCH(op, s.x.device(), mhc_post_sum, s.maps.post, dx_out, dy);
   return dy;
 }
 
@@ -309,8 +355,7 @@ Tensor mhc_site_backward(const MhcSiteSaved& s, const Tensor& dx_out, const Tens
   Tensor dmap = mhc_mappings_backward(s.x, s.params, s.cfg, s.maps, cl.dpre, wb.dpost, wb.dcomb, g);
   // dx = write-back + collapse + mapping, added in that order per element.
   Tensor dx = wb.dx;
-  detail::cpu_only(op, dx, "dx");
-  cpu::mhc_add3_(dx, cl.dx, dmap);
+  HLM_DISPATCH(op, dx.device(), mhc_add3_, dx, cl.dx, dmap);
   return dx;
 }
 

@@ -26,6 +26,18 @@
 // Gradients: activation gradients are returned (=); parameter gradients accumulate (+=) into the
 // caller's tensors (f32 or f64, of the parameter's shape). The Sinkhorn backward recomputes the
 // iterations per token and differentiates through every one of them.
+//
+// Devices and dtypes. Every op runs on the device of its inputs (all on one device); outputs are
+// allocated there. CPU (ops/cpu/mhc.cpp, the reference): tensors of any floating dtype. CUDA
+// (ops/cuda/mhc.cu; docs/mhc_moe.md, "mHC on CUDA"): every tensor f32, f64 or bf16, each
+// independently (bf16 streams with f32 parameters, an f32 y or f32 gradients are read as they
+// are, no conversion pass); any strides (a strided input is first copied contiguous); at most 8
+// streams (n <= 8; mhc_expand, mhc_mean_contract and their backwards take any n); the parameter
+// gradient accumulators contiguous. The computation dtype (f64 for f64 x, else f32) and the
+// output dtypes are the same on both devices. CUDA results agree with the CPU's within rounding,
+// not bit for bit (the projection fn @ flat and its two backward products run in cuBLAS, in
+// another summation order; exp and multiply-adds round differently); two CUDA runs give the same
+// bits.
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,6 @@
 #include "ops/embedding.h"
 #include "ops/fp8_quant.h"
 #include "ops/layernorm.h"
-#include "ops/mhc.h"
 #include "ops/moe.h"
 #include "ops/softmax.h"
 #include "testing.h"
@@ -49,10 +48,6 @@ TEST(FrontDoorGpu, OpsWithoutCudaKernelsSayWhich) {
   cfg.top_k = 2;
   expect_no_cuda_yet("moe_router_forward", "logits",
                      [&] { ops::moe_router_forward(x, Tensor(), cfg); });
-  const Tensor xs = gpu(randn({4, 2, 3}, DType::f32, rng));
-  expect_no_cuda_yet("mhc_collapse", "x", [&] {
-    ops::mhc_collapse(xs, gpu(randn({4, 2}, DType::f32, rng)));
-  });
 }
 
 TEST(FrontDoorGpu, MixedDevicesAreRefusedByName) {
