@@ -11,6 +11,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/mhc.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm {
 
@@ -26,30 +27,35 @@ uint64_t sub_seed(uint64_t seed, int64_t layer, uint64_t role) {
   return x;
 }
 
-// out = a + b elementwise (same shape, f32 or f64, any strides: computed on contiguous copies).
+// out = a + b elementwise (same shape, f32 or f64, any strides), on their device (ops/tensor_ops.h:
+// one addition per element in a's dtype, the CPU's loop on CPU tensors).
 Tensor add(const Tensor& a, const Tensor& b) {
-  HLM_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype(),
+  HLM_CHECK(a.shape() == b.shape() && a.dtype() == b.dtype() && a.device() == b.device(),
             "HybridModel: residual add of {} and {}", a.describe(), b.describe());
-  Tensor out = a.clone();
-  const Tensor bc = b.contiguous();
-  if (out.dtype() == DType::f64) {
-    double* o = out.data<double>();
-    const double* p = bc.data<double>();
-    for (int64_t i = 0; i < out.numel(); ++i) o[i] += p[i];
-  } else {
-    float* o = out.data<float>();
-    const float* p = bc.data<float>();
-    for (int64_t i = 0; i < out.numel(); ++i) o[i] += p[i];
-  }
+  Tensor out = Tensor::empty(a.shape(), a.dtype(), a.device());
+  ops::copy_into(out, a);
+  ops::add_(out, b);
   return out;
 }
 
 void add_into(Tensor& acc, const Tensor& b) {
   if (!acc.defined()) {
-    acc = b.clone();
+    acc = Tensor::empty(b.shape(), b.dtype(), b.device());
+    ops::copy_into(acc, b);
     return;
   }
   acc = add(acc, b);
+}
+
+// An integer tensor (i64 / i32, any device) as a contiguous host i64 tensor.
+Tensor host_i64(const Tensor& t) {
+  const Tensor h = t.is_cpu() ? t : t.to(Device::cpu);
+  return h.dtype() == DType::i64 ? h.contiguous() : h.to(DType::i64);
+}
+
+// A host tensor on device dev (itself on the CPU).
+Tensor on(Device dev, const Tensor& t) {
+  return dev == Device::cpu ? t : t.to(dev);
 }
 
 Tensor normal_tensor(const Shape& shape, DType dt, uint64_t seed, uint64_t stream, double std) {
@@ -503,9 +509,10 @@ class MtpBlock : public Module {
     const int64_t T = e.size(0), D = e.size(1);
     Tensor en = enorm_->forward(c, e, train ? &s->enorm : nullptr);
     Tensor hn = hnorm_->forward(c, h, train ? &s->hnorm : nullptr);
-    Tensor cat = Tensor::empty({T, 2 * D}, en.dtype());
-    cat.slice(1, 0, D).copy_(en);  // [e; h]: embedding first (docs/model.md, "MTP")
-    cat.slice(1, D, 2 * D).copy_(hn);
+    Tensor cat = Tensor::empty({T, 2 * D}, en.dtype(), en.device());
+    Tensor cat_e = cat.slice(1, 0, D), cat_h = cat.slice(1, D, 2 * D);
+    ops::copy_into(cat_e, en);  // [e; h]: embedding first (docs/model.md, "MTP")
+    ops::copy_into(cat_h, hn);
     Tensor m = eh_.forward(c, cat, train ? &s->eh : nullptr);
     Tensor a = in_norm_->forward(c, m, train ? &s->in_norm : nullptr);
     DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
@@ -529,8 +536,8 @@ class MtpBlock : public Module {
     Tensor da = dsa_->backward(c, dm2, s.dsa, indexer_scale);
     Tensor dm = add(dm2, in_norm_->backward(c, da, s.in_norm));
     Tensor dcat = eh_.backward(c, dm, s.eh);
-    Tensor de = enorm_->backward(c, dcat.slice(1, 0, D).contiguous(), s.enorm);
-    Tensor dh = hnorm_->backward(c, dcat.slice(1, D, 2 * D).contiguous(), s.hnorm);
+    Tensor de = enorm_->backward(c, ops::contiguous(dcat.slice(1, 0, D)), s.enorm);
+    Tensor dh = hnorm_->backward(c, ops::contiguous(dcat.slice(1, D, 2 * D)), s.hnorm);
     return {de, dh};
   }
 
@@ -545,7 +552,8 @@ class MtpBlock : public Module {
 // ---- the model ----------------------------------------------------------------------------------
 
 struct HybridModel::Saved {
-  Tensor tokens, targets;
+  Tensor tokens, targets;          // host i64
+  Tensor tokens_dev, targets_dev;  // the same on the parameters' device
   SeqLayout seqs;
   std::vector<int64_t> cu_vec;
   bool training = false;
@@ -565,9 +573,9 @@ struct HybridModel::Saved {
   // MTP
   bool has_mtp = false;
   double mtp_scale = 0;
-  Tensor next_tokens;  // [T] i64 (0 where there is no next token)
+  Tensor next_tokens;  // [T] i64 (0 where there is no next token), on the parameters' device
   Tensor next_valid;   // [T] u8
-  Tensor mtp_targets;  // [T] i64
+  Tensor mtp_targets;  // [T] i64, on the parameters' device
   MtpBlock::Saved mtp;
   Linear::Saved mtp_head;
   Tensor mtp_logits;
@@ -641,7 +649,10 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
             in.tokens.describe());
   const int64_t T = in.tokens.size(0), D = cfg_.hidden_size;
   const DType cdt = compute_dtype();
-  Tensor tokens = in.tokens.to(DType::i64);
+  // Token ids and targets are read on the host (checks, MTP's next tokens) and used on the
+  // parameters' device.
+  const Device dev = embed_->value.device();
+  Tensor tokens = host_i64(in.tokens);
   // The batch's sequences, checked once (the tensor as given: i64 / i32 only, then the values).
   const SeqLayout seqs =
       SeqLayout::from_tensor(in.cu_seqlens, T, "HybridModel::forward: cu_seqlens");
@@ -659,6 +670,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   const bool train = ctx.training && saved != nullptr;
   std::unique_ptr<Saved> s(new Saved);
   s->tokens = tokens;
+  s->tokens_dev = on(dev, tokens);
   s->seqs = seqs;
   s->cu_vec = cu_vec;
   s->training = ctx.training;
@@ -667,7 +679,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   s->layers.resize(layers_.size());
 
   ModelOutput out;
-  Tensor e = ops::embedding_forward(embed_->value, tokens).to(cdt);
+  Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, s->tokens_dev), cdt);
   const int64_t n = cfg_.mhc.streams();
   Tensor x = cfg_.mhc.enabled ? ops::mhc_expand(e, n) : e.reshape({T, 1, D});
   int64_t n_dsa = 0;
@@ -713,7 +725,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   if (cfg_.tie_word_embeddings) lm_head_->weight().value = embed_->value;
   double objective = 0;
   if (in.output_processor) {
-    Tensor dh = Tensor::zeros({T, D}, cdt);
+    Tensor dh = Tensor::zeros({T, D}, cdt, dev);
     out.lm_loss = in.output_processor(out.hidden, &dh);
     s->has_processor = true;
     s->d_hidden_processor = dh;
@@ -724,8 +736,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->logits = out.logits;
   }
   if (has_targets && !in.output_processor) {
-    s->targets = in.targets.to(DType::i64);
-    s->ce = ops::cross_entropy_forward(out.logits, s->targets);
+    s->targets = host_i64(in.targets);
+    s->targets_dev = on(dev, s->targets);
+    s->ce = ops::cross_entropy_forward(out.logits, s->targets_dev);
     out.lm_loss = s->ce.loss;
     out.lm_count = s->ce.count;
     s->has_lm = true;
@@ -746,10 +759,10 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
         mt[size_t(i)] = tgt[next[size_t(i)]];
         valid[size_t(i)] = 1;
       }
-    s->next_tokens = Tensor::from_vector({T}, nt);
+    s->next_tokens = on(dev, Tensor::from_vector({T}, nt));
     s->next_valid = Tensor::from_vector({T}, valid);
-    s->mtp_targets = Tensor::from_vector({T}, mt);
-    Tensor en = ops::embedding_forward(embed_->value, s->next_tokens).to(cdt);
+    s->mtp_targets = on(dev, Tensor::from_vector({T}, mt));
+    Tensor en = ops::as_dtype(ops::embedding_forward(embed_->value, s->next_tokens), cdt);
     for (int64_t i = 0; i < T; ++i)
       if (!valid[size_t(i)]) en.select(0, i).zero_();
     MtpBlock::Out mo;
@@ -789,16 +802,16 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   // Gradient of the hidden states (after model.norm).
   Tensor d_hidden;
   if (s.has_lm) {
-    Tensor dlogits = ops::cross_entropy_backward(s.logits, s.targets, s.ce, 1.0);
+    Tensor dlogits = ops::cross_entropy_backward(s.logits, s.targets_dev, s.ce, 1.0);
     d_hidden = lm_head_->backward(ctx, dlogits, s.head);
   }
   if (s.has_processor) add_into(d_hidden, s.d_hidden_processor);
   if (d_extra.defined()) {
     HLM_CHECK(d_extra.dim() == 2 && d_extra.size(0) == T && d_extra.size(1) == D,
               "HybridModel::backward: d_hidden must be [{}, {}], got {}", T, D, d_extra.describe());
-    add_into(d_hidden, d_extra.to(cdt));
+    add_into(d_hidden, ops::as_dtype(d_extra, cdt));
   }
-  if (!d_hidden.defined()) d_hidden = Tensor::zeros({T, D}, cdt);
+  if (!d_hidden.defined()) d_hidden = Tensor::zeros({T, D}, cdt, embed_->value.device());
   Tensor dh = norm_->backward(ctx, d_hidden, s.norm);
   // MTP: its loss reaches h, the embedding (through the next tokens) and its own block.
   if (s.has_mtp) {
@@ -824,7 +837,7 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
     dx = layers_[l]->backward(ctx, dx, s.layers[l], s.seqs, d_aux, d_aux, rp);
   }
   Tensor de = cfg_.mhc.enabled ? ops::mhc_expand_backward(dx) : dx.reshape({T, D});
-  ops::embedding_backward(de, s.tokens, embed_->grad);
+  ops::embedding_backward(de, s.tokens_dev, embed_->grad);
 }
 
 void HybridModel::update_moe_bias(const std::vector<Tensor>& counts) {
