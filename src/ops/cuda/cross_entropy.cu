@@ -1,20 +1,25 @@
 // The cross-entropy on CUDA (ops/cuda/cross_entropy.cuh), the math of ops/cpu/cross_entropy.cpp:
 //   lse_t = m + log sum_v e^{x_v - m};  row_loss_t = lse_t - x_{target_t} (0 where ignored)
-//   loss = sum_t row_loss_t / count (FP64, token order);  dx_v = scale (e^{x_v - lse} - [v ==
-//   target]) with scale = dloss / count rounded to the computation dtype A (f64 for f64, else f32;
-//   bf16 logits are read as f32 and dlogits rounded to bf16 once).
+//   loss = sum_t row_loss_t / count (FP64, token order)
+//   dx_v = scale (e^{x_v - lse} - [v == target]),  scale = dloss / count
+// in the computation dtype A (f64 for f64, else f32: bf16 logits are read as f32 and dlogits
+// rounded to bf16 once).
 //
 // Forward: one 512-thread block per row, one read of the row. Thread j walks v = j, j + 512, ...
-// in order keeping a running maximum m and the sum s of e^{x - m} (rescaled by e^{m_old - m_new}
-// when the maximum grows: the online normalizer of softmax); the block then merges the (m, s)
-// pairs, a merge being (max, s_a e^{m_a - m} + s_b e^{m_b - m}) (symmetric), by xor butterflies
-// over each warp and one more butterfly over the 16 warp results: a fixed order, so the same bits
-// every run. The host sums the row losses in FP64 in token order (ignored rows hold +0, which
-// leaves an FP64 sum unchanged), as the CPU does. The sum differs from the CPU's sequential
-// two-pass sum in rounding only (f32: about 1e-7 relative).
+// (or the packs j, j + 512, ...) in order keeping a running maximum m and the sum s of e^{x - m}
+// (rescaled by e^{m_old - m_new} when the maximum grows: the online normalizer of softmax); the
+// block then merges the (m, s) pairs, a merge being (max, s_a e^{m_a - m} + s_b e^{m_b - m})
+// (symmetric), by xor butterflies over each warp and one more butterfly over the 16 warp results: a
+// fixed order, so the same bits every run. The host sums the row losses in FP64 in token order
+// (ignored rows hold +0, which leaves an FP64 sum unchanged), as the CPU does. The sum differs from
+// the CPU's sequential two-pass sum in rounding only (f32: about 1e-7 relative).
 //
-// Backward: one 256-thread block per (row, tile of 2048 columns); consecutive threads on
-// consecutive columns (coalesced); every element one fixed expression. No atomics.
+// Backward: one 256-thread block per (row, tile of 2048 items); consecutive threads on
+// consecutive items (coalesced); every element one fixed expression. No atomics.
+// Both kernels move 16-byte packs (an item = 4 f32, 8 bf16 or 2 f64) when a row's bytes are a
+// multiple of 16 and the tensors 16-byte aligned (V = 154880 qualifies), single elements
+// otherwise; the forward's order of additions depends on that choice, so bits repeat for the same
+// V and alignment.
 //
 // Non-finite logits: a NaN in a row gives a NaN lse; -inf logits contribute 0 (a row of -inf only
 // gives lse = -inf, the CPU NaN); a +inf logit gives lse = +inf (the CPU NaN).
@@ -70,7 +75,9 @@ __device__ __forceinline__ void warp_merge(A& m, A& s) {
   }
 }
 
-template <class T, class I>
+// W = 16 / sizeof(T): the row is read as 16-byte packs (v % W == 0, 16-byte aligned rows);
+// W = 1: element by element.
+template <class T, class I, int W>
 __global__ void __launch_bounds__(kFwdThreads)
     ce_forward_kernel(const T* __restrict__ x, const I* __restrict__ tg, int64_t v,
                       int64_t ignore_index, acc_t<T>* __restrict__ row_loss,
@@ -81,7 +88,17 @@ __global__ void __launch_bounds__(kFwdThreads)
   const int64_t t = blockIdx.x;
   const T* xr = x + t * v;
   A m = A(-INFINITY), s = A(0);
-  for (int64_t i = threadIdx.x; i < v; i += kFwdThreads) online_add(m, s, ld<A>(xr, i));
+  if constexpr (W == 1) {
+    for (int64_t i = threadIdx.x; i < v; i += kFwdThreads) online_add(m, s, ld<A>(xr, i));
+  } else {
+    const int64_t np = v / W;
+    for (int64_t p = threadIdx.x; p < np; p += kFwdThreads) {
+      A e[W];
+      ldv<W>(xr, p * W, e);
+#pragma unroll
+      for (int k = 0; k < W; ++k) online_add(m, s, e[k]);
+    }
+  }
   warp_merge(m, s);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   if (lane == 0) {
@@ -101,7 +118,9 @@ __global__ void __launch_bounds__(kFwdThreads)
   }
 }
 
-template <class T, class I>
+// Items of W elements (16-byte packs, or single elements for W = 1): block (t, y) writes items
+// y * kBwdTile + threadIdx.x + k * kBwdThreads, k < kBwdPer, of row t.
+template <class T, class I, int W>
 __global__ void __launch_bounds__(kBwdThreads)
     ce_backward_kernel(const T* __restrict__ x, const I* __restrict__ tg,
                        const acc_t<T>* __restrict__ lse, int64_t v, int64_t ignore_index,
@@ -109,24 +128,34 @@ __global__ void __launch_bounds__(kBwdThreads)
   using A = acc_t<T>;
   const int64_t t = blockIdx.x;
   const int64_t target = int64_t(tg[t]);
+  const bool ignored = target == ignore_index;
   const T* xr = x + t * v;
   T* dr = dx + t * v;
-  const int64_t c0 = int64_t(blockIdx.y) * kBwdTile + threadIdx.x;
-  if (target == ignore_index) {
-#pragma unroll
-    for (int k = 0; k < kBwdPer; ++k) {
-      const int64_t c = c0 + int64_t(k) * kBwdThreads;
-      if (c < v) st(dr, c, A(0));
-    }
-    return;
-  }
-  const A l = lse[t];
+  const int64_t items = v / W;
+  const int64_t i0 = int64_t(blockIdx.y) * kBwdTile + threadIdx.x;
+  const A l = ignored ? A(0) : lse[t];
 #pragma unroll
   for (int k = 0; k < kBwdPer; ++k) {
-    const int64_t c = c0 + int64_t(k) * kBwdThreads;
-    if (c < v) {
-      const A p = dexp(ld<A>(xr, c) - l);
-      st(dr, c, scale * (p - (c == target ? A(1) : A(0))));
+    const int64_t it = i0 + int64_t(k) * kBwdThreads;
+    if (it >= items) break;
+    const int64_t c = it * W;
+    A e[W];
+    if (ignored) {
+#pragma unroll
+      for (int j = 0; j < W; ++j) e[j] = A(0);
+    } else {
+      if constexpr (W == 1) {
+        e[0] = ld<A>(xr, c);
+      } else {
+        ldv<W>(xr, c, e);
+      }
+#pragma unroll
+      for (int j = 0; j < W; ++j) e[j] = scale * (dexp(e[j] - l) - (c + j == target ? A(1) : A(0)));
+    }
+    if constexpr (W == 1) {
+      st(dr, c, e[0]);
+    } else {
+      stv<W>(dr, c, e);
     }
   }
 }
@@ -137,6 +166,13 @@ void dispatch_index(DType dt, F&& f) {
     f(int64_t{});
   else
     f(int32_t{});
+}
+
+// Whether rows of v elements of T at p (and q) can be read as 16-byte packs.
+template <class T>
+bool packed_rows(int64_t v, const void* p, const void* q = nullptr) {
+  const auto a = reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(q);
+  return (size_t(v) * sizeof(T)) % 16 == 0 && a % 16 == 0;
 }
 
 }  // namespace
@@ -150,11 +186,13 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, int64_t 
   dispatch_storage(logits.dtype(), [&](auto tx) {
     using T = decltype(tx);
     using A = acc_t<T>;
+    constexpr int W = 16 / sizeof(T);
+    const bool packed = packed_rows<T>(v, logits.raw());
     dispatch_index(targets.dtype(), [&](auto ti) {
       using I = decltype(ti);
-      ce_forward_kernel<T, I>
-          <<<unsigned(nt), kFwdThreads>>>(cptr<T>(logits), cptr<I>(targets), v, out.ignore_index,
-                                          mptr<A>(out.row_loss), mptr<A>(out.lse));
+      auto* kernel = packed ? &ce_forward_kernel<T, I, W> : &ce_forward_kernel<T, I, 1>;
+      kernel<<<unsigned(nt), kFwdThreads>>>(cptr<T>(logits), cptr<I>(targets), v, out.ignore_index,
+                                            mptr<A>(out.row_loss), mptr<A>(out.lse));
     });
     check_launch("cross_entropy_forward");
     std::vector<A> h(static_cast<size_t>(nt));
@@ -171,15 +209,19 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
                             int64_t ignore_index, int64_t count, double dloss, Tensor& dlogits) {
   const int64_t nt = logits.size(0), v = logits.size(1);
   if (nt == 0 || v == 0) return;
-  const int64_t tiles = (v + kBwdTile - 1) / kBwdTile;
-  HLM_CHECK(tiles <= 65535, "cross_entropy_backward: V = {} is too large", v);
   dispatch_storage(logits.dtype(), [&](auto tx) {
     using T = decltype(tx);
     using A = acc_t<T>;
+    constexpr int W = 16 / sizeof(T);
+    const bool packed = packed_rows<T>(v, logits.raw(), dlogits.raw());
+    const int64_t items = packed ? v / W : v;
+    const int64_t tiles = (items + kBwdTile - 1) / kBwdTile;
+    HLM_CHECK(tiles <= 65535, "cross_entropy_backward: V = {} is too large", v);
     const A scale = count > 0 ? A(dloss / double(count)) : A(0);
     dispatch_index(targets.dtype(), [&](auto ti) {
       using I = decltype(ti);
-      ce_backward_kernel<T, I><<<dim3(unsigned(nt), unsigned(tiles)), kBwdThreads>>>(
+      auto* kernel = packed ? &ce_backward_kernel<T, I, W> : &ce_backward_kernel<T, I, 1>;
+      kernel<<<dim3(unsigned(nt), unsigned(tiles)), kBwdThreads>>>(
           cptr<T>(logits), cptr<I>(targets), cptr<A>(lse), v, ignore_index, scale,
           mptr<T>(dlogits));
     });
