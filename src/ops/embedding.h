@@ -2,6 +2,11 @@
 // table [V, D] (forward: any dtype, rows copied bit-exactly; backward: f32 or f64), ids of any
 // shape, i64 or i32, each in [0, V) (else an error naming the position and the id).
 // Backward accumulates dtable[ids[t], :] += dy[t, :] sequentially over tokens (deterministic).
+// CUDA (ops/cuda/embedding.cu): the same dtype rules; ids i64 / i32 on the device, checked there
+// (one small device-to-host copy: the first bad flat position, reported with the CPU's message).
+// Forward is a gather of whole rows (bit-exact). Backward sorts the token positions by id (a
+// stable radix sort, no atomics) and adds each touched row's tokens in increasing t, as the CPU
+// does: f32 / f64 results are bit-identical to the CPU reference and run to run.
 #pragma once
 
 #include "core/tensor.h"
