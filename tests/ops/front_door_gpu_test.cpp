@@ -12,7 +12,6 @@
 #include "ops/fp8_quant.h"
 #include "ops/layernorm.h"
 #include "ops/mhc.h"
-#include "ops/moe.h"
 #include "ops/softmax.h"
 #include "testing.h"
 
@@ -43,12 +42,6 @@ TEST(FrontDoorGpu, OpsWithoutCudaKernelsSayWhich) {
   expect_no_cuda_yet("fp8_quantize", "x", [&] {
     ops::fp8_quantize(gpu(randn({2, 128}, DType::f32, rng)), {});
   });
-  expect_no_cuda_yet("swiglu_clamped_forward", "gu", [&] { ops::swiglu_clamped_forward(x, 7.0); });
-  ops::MoeRouterConfig cfg;
-  cfg.n_experts = 6;
-  cfg.top_k = 2;
-  expect_no_cuda_yet("moe_router_forward", "logits",
-                     [&] { ops::moe_router_forward(x, Tensor(), cfg); });
   const Tensor xs = gpu(randn({4, 2, 3}, DType::f32, rng));
   expect_no_cuda_yet("mhc_collapse", "x", [&] {
     ops::mhc_collapse(xs, gpu(randn({4, 2}, DType::f32, rng)));
