@@ -404,9 +404,15 @@ MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tens
     check_acc(g.dshared_gate_up, s.x, w.shared_gate_up.shape(), op, "g.dshared_gate_up");
     check_acc(g.dshared_down, s.x, w.shared_down.shape(), op, "g.dshared_down");
   }
-  const Device dev = detail::one_device(
-      op, {s.x, "saved x"},
-      {{dout, "dout"}, {s.topk_idx, "saved topk_idx"}, {s.topk_weight, "saved topk_weight"}});
+  const Device dev = detail::one_device(op, {s.x, "saved x"},
+                                        {{dout, "dout"},
+                                         {s.topk_idx, "saved topk_idx"},
+                                         {s.topk_weight, "saved topk_weight"},
+                                         {s.gu, "saved gu"},
+                                         {s.h, "saved h"},
+                                         {s.eo, "saved eo"},
+                                         {s.sgu, "saved sgu"},
+                                         {s.sh, "saved sh"}});
   const DType dt = detail::compute_dtype(s.x.dtype());
   MoeGrads r{detail::new_output({d.T, d.D}, dt, dev), detail::new_output({d.T, d.K}, dt, dev)};
   if (dev == Device::cpu) {

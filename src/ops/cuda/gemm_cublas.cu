@@ -18,6 +18,10 @@
 //              products with CUBLAS_COMPUTE_32F accumulation; C f32 or bf16 is written directly
 //              (the epilogue alpha acc + beta C in FP32, one rounding to C's dtype), C f64 through
 //              an f32 buffer (as the CPU path: the epilogue in FP32).
+// Grouped (gemm_grouped, the MoE experts): one cublasGemmGroupedBatchedEx call, one group of one
+// problem per product, each mapped to column-major as above; the pointer arrays are copied to the
+// device, the sizes, leading dimensions and scalars stay on the host. Where cuBLAS answers
+// CUBLAS_STATUS_NOT_SUPPORTED for the dtype, the products run as a loop of cublasGemmEx calls.
 // Determinism: one handle per device, created lazily on first use, bound to the default stream,
 // atomics not allowed and reduced-precision reductions disallowed; cuBLAS then returns the same
 // bits for the same call run after run on the same GPU.

@@ -12,7 +12,7 @@
 // (a correctly rounded exponential but for ~2^-29 of the arguments) so that the scores, hence the
 // selection, agree with the CPU's bits as far as glibc's expf is itself correctly rounded.
 // Router backward: one warp per token zeroes the row, lane 0 adds the K entries in k order.
-// Aux loss: a warp per token writes s'_{t,e} = s_e / sum_j s_j; a thread per (segment of <= 256
+// Aux loss: a warp per token writes s'_{t,e} = s_e / sum_j s_j; a thread per (segment of <= 64
 // tokens of one sequence, expert) sums s' and counts its hits over the segment's tokens in order;
 // a block per sequence adds its segments in order into f and P and reduces sum_e f_e P_e (lane
 // partials, warp butterflies, warps in order); the host adds the sequences in order.
@@ -32,9 +32,9 @@ namespace hlm::ops::cuda {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kWarps = 4;  // router warps (tokens) per block
-constexpr int kEw = 256;   // threads of the elementwise kernels
-constexpr int64_t kSeg = 256;
+constexpr int kWarps = 4;     // router warps (tokens) per block
+constexpr int kEw = 256;      // threads of the elementwise kernels
+constexpr int64_t kSeg = 64;  // tokens per aux-loss segment
 
 __device__ __forceinline__ int64_t idx_at(const void* p, bool i32, int64_t i) {
   return i32 ? int64_t(static_cast<const int32_t*>(p)[i]) : static_cast<const int64_t*>(p)[i];
