@@ -1,16 +1,39 @@
 // The front door of the MoE ops (ops/moe.h): argument checks, output allocation, and the switch
-// to the CPU reference (ops/cpu/moe.cpp). No CUDA implementation yet.
+// to the CPU reference (ops/cpu/moe.cpp) or the CUDA kernels (ops/cuda/moe.cu, moe_experts.cu).
+// CUDA tensors are made contiguous here (ops::contiguous) and the parameters the kernels read in
+// the computation dtype converted to it (ops::as_dtype).
 #include "ops/moe.h"
 
 #include <cmath>
 #include <vector>
 
 #include "ops/cpu/moe.h"
+#include "ops/cuda/moe.cuh"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm::ops {
 namespace {
+
+// Defined and f32 / f64, or on CUDA also bf16 (any strides: the front door makes it contiguous).
+void require_real_dev(const Tensor& t, const char* op, const char* what) {
+  HLM_CHECK(t.defined(), "{}: {} is undefined", op, what);
+  if (t.device() == Device::cpu) {
+    detail::require_real(t, op, what);
+    return;
+  }
+  HLM_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::f64 || t.dtype() == DType::bf16,
+            "{}: {} must be f32, f64 or bf16 on CUDA, got {}", op, what, t.describe());
+}
+
+// t contiguous on its device, in dtype dt (undefined stays undefined): what a CUDA kernel reads.
+Tensor dev_input(const Tensor& t, DType dt) {
+  return t.defined() ? ops::contiguous(ops::as_dtype(t, dt)) : Tensor();
+}
+Tensor dev_input(const Tensor& t) {
+  return t.defined() ? ops::contiguous(t) : Tensor();
+}
 
 void check_acc(const Tensor& acc, const Tensor& x, const Shape& s, const char* op,
                const char* what) {
@@ -74,28 +97,28 @@ struct ExpertDims {
 };
 
 ExpertDims check_experts(const Tensor& x, const MoeWeights& w, const char* op) {
-  detail::require_real(x, op, "x");
+  require_real_dev(x, op, "x");
   HLM_CHECK(x.dim() == 2, "{}: x must be [T, D], got {}", op, x.describe());
   ExpertDims d{};
   d.T = x.size(0);
   d.D = x.size(1);
-  detail::require_real(w.gate_up, op, "w.gate_up");
+  require_real_dev(w.gate_up, op, "w.gate_up");
   HLM_CHECK(w.gate_up.dim() == 3 && w.gate_up.size(2) == d.D && w.gate_up.size(1) % 2 == 0 &&
                 w.gate_up.size(0) >= 1 && w.gate_up.size(1) >= 2,
             "{}: w.gate_up must be [E, 2I, D = {}], got {}", op, d.D, w.gate_up.describe());
   d.E = w.gate_up.size(0);
   d.I = w.gate_up.size(1) / 2;
-  detail::require_real(w.down, op, "w.down");
+  require_real_dev(w.down, op, "w.down");
   detail::require_shape(w.down, {d.E, d.D, d.I}, op, "w.down");
   d.shared = w.shared_gate_up.defined() || w.shared_down.defined();
   if (d.shared) {
-    detail::require_real(w.shared_gate_up, op, "w.shared_gate_up");
+    require_real_dev(w.shared_gate_up, op, "w.shared_gate_up");
     HLM_CHECK(w.shared_gate_up.dim() == 2 && w.shared_gate_up.size(1) == d.D &&
                   w.shared_gate_up.size(0) % 2 == 0 && w.shared_gate_up.size(0) >= 2,
               "{}: w.shared_gate_up must be [2I_s, D = {}], got {}", op, d.D,
               w.shared_gate_up.describe());
     d.Is = w.shared_gate_up.size(0) / 2;
-    detail::require_real(w.shared_down, op, "w.shared_down");
+    require_real_dev(w.shared_down, op, "w.shared_down");
     detail::require_shape(w.shared_down, {d.D, d.Is}, op, "w.shared_down");
   }
   detail::one_device(op, {x, "x"},
@@ -108,7 +131,7 @@ ExpertDims check_experts(const Tensor& x, const MoeWeights& w, const char* op) {
 
 // gu [..., 2I] -> the shape of h [..., I].
 Shape check_swiglu(const Tensor& gu, const char* op) {
-  detail::require_real(gu, op, "gu");
+  require_real_dev(gu, op, "gu");
   HLM_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0, "{}: gu must be [..., 2I], got {}", op,
             gu.describe());
   Shape s = detail::leading_shape(gu);
@@ -140,8 +163,11 @@ MoeRouterResult moe_router_forward(const Tensor& logits, const Tensor& bias,
   MoeRouterResult r{detail::new_output({Tn, cfg.n_experts}, dt, dev),
                     detail::new_output({Tn, cfg.top_k}, DType::i64, dev),
                     detail::new_output({Tn, cfg.top_k}, dt, dev)};
-  detail::cpu_only(op, logits, "logits");
-  cpu::moe_router_forward(logits, bias, cfg, replay_idx.defined() ? &rv : nullptr, r);
+  if (dev == Device::cpu)
+    cpu::moe_router_forward(logits, bias, cfg, replay_idx.defined() ? &rv : nullptr, r);
+  else
+    HLM_CUDA_PATH(op, cuda::moe_router_forward(dev_input(logits), dev_input(bias, dt), cfg,
+                                               dev_input(replay_idx), r));
   return r;
 }
 
@@ -160,8 +186,11 @@ Tensor moe_router_backward(const Tensor& logits, const MoeRouterResult& r,
                                         {{r.topk_idx, "r.topk_idx"}, {dweight, "dweight"}});
   Tensor dl = detail::new_output({logits.size(0), cfg.n_experts},
                                  detail::compute_dtype(logits.dtype()), dev);
-  detail::cpu_only(op, logits, "logits");
-  cpu::moe_router_backward(logits, iv, cfg, dweight, dl);
+  if (dev == Device::cpu)
+    cpu::moe_router_backward(logits, iv, cfg, dweight, dl);
+  else
+    HLM_CUDA_PATH(op, cuda::moe_router_backward(dev_input(logits), dev_input(r.topk_idx), cfg,
+                                                dev_input(dweight, dl.dtype()), dl));
   return dl;
 }
 
@@ -173,8 +202,10 @@ Tensor moe_expert_load(const Tensor& topk_idx, int64_t n_experts) {
   const std::vector<int64_t> v =
       check_topk_idx(topk_idx, topk_idx.size(0), n_experts, op, "topk_idx", false);
   Tensor load = detail::new_output({n_experts}, DType::i64, topk_idx.device());
-  detail::cpu_only(op, topk_idx, "topk_idx");
-  cpu::moe_expert_load(v, load);
+  if (topk_idx.is_cpu())
+    cpu::moe_expert_load(v, load);
+  else
+    HLM_CUDA_PATH(op, cuda::moe_expert_load(dev_input(topk_idx), load));
   return load;
 }
 
@@ -182,10 +213,28 @@ void moe_bias_update(Tensor& bias, const Tensor& load, double rate) {
   const char* op = "moe_bias_update";
   detail::require_real(bias, op, "bias");
   HLM_CHECK(bias.dim() == 1, "{}: bias must be [E], got {}", op, bias.describe());
-  HLM_CHECK(load.defined() && load.is_cpu(), "{}: load must be a CPU tensor", op);
+  HLM_CHECK(load.defined() && (load.is_cpu() || load.device() == bias.device()),
+            "{}: load must be a CPU tensor{}", op,
+            bias.is_cpu() ? "" : " or on the device of bias");
   detail::require_shape(load, bias.shape(), op, "load");
-  detail::cpu_only(op, bias, "bias");
-  cpu::moe_bias_update(bias, load, rate);
+  if (bias.is_cpu()) {
+    cpu::moe_bias_update(bias, load, rate);
+    return;
+  }
+  detail::require_contiguous(bias, op, "bias");
+  // The load as the kernel reads it: a host load as f64 (exact for counts below 2^53), a device
+  // load as i64 / i32 / f32 / f64 (bf16 widened to f32).
+  Tensor ld;
+  if (load.is_cpu())
+    ld = Tensor::from_values(load.shape(), load.to_f64_vector(), DType::f64).to(bias.device());
+  else if (load.dtype() == DType::bf16)
+    ld = dev_input(load, DType::f32);
+  else
+    ld = dev_input(load);
+  HLM_CHECK(ld.dtype() == DType::i64 || ld.dtype() == DType::i32 || ld.dtype() == DType::f32 ||
+                ld.dtype() == DType::f64,
+            "{}: load must be i64, i32, f32, f64 or bf16 on CUDA, got {}", op, load.describe());
+  HLM_CUDA_PATH(op, cuda::moe_bias_update(bias, ld, rate));
 }
 
 // ---- sequence-wise aux loss ---------------------------------------------------------------------
@@ -213,8 +262,12 @@ double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const SeqL
                         double coeff) {
   const char* op = "moe_seq_aux_loss";
   const AuxArgs a = check_aux(logits, topk_idx, seqs, op);
-  detail::cpu_only(op, logits, "logits");
-  return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
+  if (a.dev == Device::cpu)
+    return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
+  double loss = 0;
+  HLM_CUDA_PATH(op, loss = cuda::moe_seq_aux_loss(dev_input(logits), dev_input(topk_idx), a.cu,
+                                                  coeff, 0.0, nullptr));
+  return loss;
 }
 
 Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
@@ -222,8 +275,11 @@ Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
   const char* op = "moe_seq_aux_loss_backward";
   const AuxArgs a = check_aux(logits, topk_idx, seqs, op);
   Tensor dl = detail::new_output(logits.shape(), detail::compute_dtype(logits.dtype()), a.dev);
-  detail::cpu_only(op, logits, "logits");
-  cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);
+  if (a.dev == Device::cpu)
+    cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);
+  else
+    HLM_CUDA_PATH(op, cuda::moe_seq_aux_loss(dev_input(logits), dev_input(topk_idx), a.cu, coeff,
+                                             dloss, &dl));
   return dl;
 }
 
@@ -231,35 +287,51 @@ Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
 Tensor swiglu_clamped_forward(const Tensor& gu_, double limit) {
   const char* op = "swiglu_clamped_forward";
   const Shape hs = check_swiglu(gu_, op);
-  const Tensor gu = gu_.contiguous();
+  const Tensor gu = gu_.is_cpu() ? gu_.contiguous() : dev_input(gu_);
   Tensor h = detail::new_output(hs, gu.dtype(), gu.device());
-  detail::cpu_only(op, gu, "gu");
-  cpu::swiglu_clamped_forward(gu, limit, h);
+  HLM_DISPATCH(op, gu.device(), swiglu_clamped_forward, gu, limit, h);
   return h;
 }
 
 Tensor swiglu_clamped_backward(const Tensor& gu_, const Tensor& dh_, double limit) {
   const char* op = "swiglu_clamped_backward";
   const Shape hs = check_swiglu(gu_, op);
-  detail::require_real(dh_, op, "dh");
+  require_real_dev(dh_, op, "dh");
   detail::require_shape(dh_, hs, op, "dh");
   const Device dev = detail::one_device(op, {gu_, "gu"}, {{dh_, "dh"}});
-  const Tensor gu = gu_.contiguous();
-  const Tensor dh = dh_.dtype() == gu.dtype() ? dh_.contiguous() : dh_.to(gu.dtype());
+  const bool cpu = dev == Device::cpu;
+  const Tensor gu = cpu ? gu_.contiguous() : dev_input(gu_);
+  const Tensor dh = cpu ? (dh_.dtype() == gu.dtype() ? dh_.contiguous() : dh_.to(gu.dtype()))
+                        : dev_input(dh_, gu.dtype());
   Tensor dgu = detail::new_output(gu.shape(), gu.dtype(), dev);
-  detail::cpu_only(op, gu, "gu");
-  cpu::swiglu_clamped_backward(gu, dh, limit, dgu);
+  HLM_DISPATCH(op, dev, swiglu_clamped_backward, gu, dh, limit, dgu);
   return dgu;
 }
 
 // ---- experts ------------------------------------------------------------------------------------
 namespace {
 
-// eo [T, K, D] f32 / f64 and, when defined, w [T, K] of its dtype and device.
+// eo [T, K, D] f32 / f64 (on CUDA also bf16) and, when defined, w [T, K] of its dtype (or f32
+// when eo is bf16) and device.
 void check_combine(const Tensor& eo, const Tensor& w, const char* op) {
-  detail::require_real(eo, op, "eo");
+  require_real_dev(eo, op, "eo");
   HLM_CHECK(eo.dim() == 3, "{}: eo must be [T, K, D], got {}", op, eo.describe());
-  if (w.defined()) detail::require_real_like(w, eo, {eo.size(0), eo.size(1)}, op, "w", "eo");
+  if (!w.defined()) return;
+  require_real_dev(w, op, "w");
+  HLM_CHECK(w.dtype() == eo.dtype() || (eo.dtype() == DType::bf16 && w.dtype() == DType::f32),
+            "{}: w must have the dtype of eo ({}){}, got {}", op, dtype_name(eo.dtype()),
+            eo.dtype() == DType::bf16 ? " or f32" : "", w.describe());
+  detail::require_same_device(w, eo, op, "w", "eo");
+  detail::require_shape(w, {eo.size(0), eo.size(1)}, op, "w");
+}
+
+// A tensor of eo's dtype, device and of shape s (shared, dout).
+void check_like_eo(const Tensor& t, const Tensor& eo, const Shape& s, const char* op,
+                   const char* what) {
+  require_real_dev(t, op, what);
+  detail::require_same_dtype(t, eo, op, what, "eo");
+  detail::require_same_device(t, eo, op, what, "eo");
+  detail::require_shape(t, s, op, what);
 }
 
 }  // namespace
@@ -268,9 +340,12 @@ Tensor moe_combine(const Tensor& eo_, const Tensor& w_, const Tensor& shared_) {
   const char* op = "moe_combine";
   check_combine(eo_, w_, op);
   const int64_t T = eo_.size(0), D = eo_.size(2);
-  if (shared_.defined()) detail::require_real_like(shared_, eo_, {T, D}, op, "shared", "eo");
+  if (shared_.defined()) check_like_eo(shared_, eo_, {T, D}, op, "shared");
   Tensor out = detail::new_output({T, D}, eo_.dtype(), eo_.device());
-  detail::cpu_only(op, eo_, "eo");
+  if (!eo_.is_cpu()) {
+    HLM_CUDA_PATH(op, cuda::moe_combine(dev_input(eo_), dev_input(w_), dev_input(shared_), out));
+    return out;
+  }
   const Tensor eo = eo_.contiguous(), w = w_.defined() ? w_.contiguous() : Tensor(),
                shared = shared_.defined() ? shared_.contiguous() : Tensor();
   cpu::moe_combine(eo, w, shared, out);
@@ -281,10 +356,14 @@ MoeCombineGrads moe_combine_backward(const Tensor& dout_, const Tensor& eo_, con
   const char* op = "moe_combine_backward";
   check_combine(eo_, w_, op);
   HLM_CHECK(w_.defined(), "{}: w is undefined", op);
-  detail::require_real_like(dout_, eo_, {eo_.size(0), eo_.size(2)}, op, "dout", "eo");
-  MoeCombineGrads r{detail::new_output(w_.shape(), eo_.dtype(), eo_.device()),
+  check_like_eo(dout_, eo_, {eo_.size(0), eo_.size(2)}, op, "dout");
+  MoeCombineGrads r{detail::new_output(w_.shape(), w_.dtype(), eo_.device()),
                     detail::new_output(eo_.shape(), eo_.dtype(), eo_.device())};
-  detail::cpu_only(op, eo_, "eo");
+  if (!eo_.is_cpu()) {
+    HLM_CUDA_PATH(op,
+                  cuda::moe_combine_backward(dev_input(dout_), dev_input(eo_), dev_input(w_), r));
+    return r;
+  }
   cpu::moe_combine_backward(dout_.contiguous(), eo_.contiguous(), w_.contiguous(), r);
   return r;
 }
@@ -295,13 +374,16 @@ Tensor moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& t
   ExpertDims d = check_experts(x, w, op);
   const std::vector<int64_t> idx = check_topk_idx(topk_idx, d.T, d.E, op, "topk_idx", false);
   d.K = topk_idx.size(1);
-  detail::require_real(topk_weight, op, "topk_weight");
+  require_real_dev(topk_weight, op, "topk_weight");
   detail::require_shape(topk_weight, topk_idx.shape(), op, "topk_weight");
   const Device dev =
       detail::one_device(op, {x, "x"}, {{topk_idx, "topk_idx"}, {topk_weight, "topk_weight"}});
   Tensor out = detail::new_output({d.T, d.D}, detail::compute_dtype(x.dtype()), dev);
-  detail::cpu_only(op, x, "x");
-  cpu::moe_experts_forward(x, w, idx, d.K, topk_weight, swiglu_limit, out, saved);
+  if (dev == Device::cpu)
+    cpu::moe_experts_forward(x, w, idx, d.K, topk_weight, swiglu_limit, out, saved);
+  else
+    HLM_CUDA_PATH(op, cuda::moe_experts_forward(x, w, dev_input(topk_idx), idx, topk_weight,
+                                                swiglu_limit, out, saved));
   return out;
 }
 
@@ -314,7 +396,7 @@ MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tens
   HLM_CHECK(s.gu.defined() && s.gu.shape() == Shape({d.T, d.K, 2 * d.I}),
             "{}: saved state does not match the weights (gu {}, expected [{}, {}, {}])", op,
             s.gu.describe(), d.T, d.K, 2 * d.I);
-  detail::require_real(dout, op, "dout");
+  require_real_dev(dout, op, "dout");
   detail::require_shape(dout, {d.T, d.D}, op, "dout");
   check_acc(g.dgate_up, s.x, w.gate_up.shape(), op, "g.dgate_up");
   check_acc(g.ddown, s.x, w.down.shape(), op, "g.ddown");
@@ -322,11 +404,25 @@ MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tens
     check_acc(g.dshared_gate_up, s.x, w.shared_gate_up.shape(), op, "g.dshared_gate_up");
     check_acc(g.dshared_down, s.x, w.shared_down.shape(), op, "g.dshared_down");
   }
-  const Device dev = detail::one_device(op, {s.x, "saved x"}, {{dout, "dout"}});
+  const Device dev = detail::one_device(op, {s.x, "saved x"},
+                                        {{dout, "dout"},
+                                         {s.topk_idx, "saved topk_idx"},
+                                         {s.topk_weight, "saved topk_weight"},
+                                         {s.gu, "saved gu"},
+                                         {s.h, "saved h"},
+                                         {s.eo, "saved eo"},
+                                         {s.sgu, "saved sgu"},
+                                         {s.sh, "saved sh"}});
   const DType dt = detail::compute_dtype(s.x.dtype());
   MoeGrads r{detail::new_output({d.T, d.D}, dt, dev), detail::new_output({d.T, d.K}, dt, dev)};
-  detail::cpu_only(op, s.x, "saved x");
-  cpu::moe_experts_backward(s, w, dout, g, r);
+  if (dev == Device::cpu) {
+    cpu::moe_experts_backward(s, w, dout, g, r);
+    return r;
+  }
+  // The saved selection's values (the experts' row counts for the grouped GEMMs), checked.
+  const std::vector<int64_t> idx =
+      check_topk_idx(s.topk_idx, d.T, d.E, op, "saved topk_idx", false);
+  HLM_CUDA_PATH(op, cuda::moe_experts_backward(s, w, idx, dout, g, r));
   return r;
 }
 

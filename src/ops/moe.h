@@ -21,6 +21,19 @@
 //
 // Precision: computed in FP64 when the main input is f64, else FP32. Activation gradients are
 // returned (=); parameter gradients accumulate (+=) into the caller's tensors (f32/f64).
+//
+// CUDA (ops/cuda/moe.cu, moe_experts.cu; docs/mhc_moe.md, "MoE on CUDA"): every op runs on CUDA
+// tensors (all of an op's tensors on one device; any strides, made contiguous by the front door),
+// with the CPU's dtypes and these additions, computed in FP32:
+//   router, load, bias update, aux loss: as the CPU (the router is FP32 by design); the bias
+//     update's load may live on the CPU or on the bias's device (i64 / i32 / f32 / f64 / bf16).
+//   swiglu_clamped_*: gu / dh / outputs also bf16 (one dtype; dh is read in gu's dtype).
+//   moe_combine*: eo / shared / dout / out / deo also bf16, w then bf16 or f32 (dw in w's dtype).
+//   moe_experts_*: x, topk_weight, dout and the weights also bf16 (read into FP32; weights not in
+//     the computation dtype are converted once per call); outputs and saved tensors in the
+//     computation dtype; accumulators f32 / f64.
+// The CUDA router picks the same experts as the CPU for the same scores (same order, same tie
+// rule); every CUDA result is bit-identical run to run (no atomics).
 #pragma once
 
 #include <cstdint>

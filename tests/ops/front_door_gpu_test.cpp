@@ -10,7 +10,6 @@
 #include "ops/embedding.h"
 #include "ops/fp8_quant.h"
 #include "ops/layernorm.h"
-#include "ops/moe.h"
 #include "ops/softmax.h"
 #include "testing.h"
 
@@ -35,12 +34,6 @@ TEST(FrontDoorGpu, OpsWithoutCudaKernelsSayWhich) {
   expect_no_cuda_yet("fp8_quantize", "x", [&] {
     ops::fp8_quantize(gpu(randn({2, 128}, DType::f32, rng)), {});
   });
-  expect_no_cuda_yet("swiglu_clamped_forward", "gu", [&] { ops::swiglu_clamped_forward(x, 7.0); });
-  ops::MoeRouterConfig cfg;
-  cfg.n_experts = 6;
-  cfg.top_k = 2;
-  expect_no_cuda_yet("moe_router_forward", "logits",
-                     [&] { ops::moe_router_forward(x, Tensor(), cfg); });
 }
 
 TEST(FrontDoorGpu, MixedDevicesAreRefusedByName) {

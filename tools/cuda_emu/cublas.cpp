@@ -1,6 +1,7 @@
 // The subset of cuBLAS that hybridlm calls (ops/cuda/gemm_cublas.cu), for the CPU emulation
-// build: handle management and cublasGemmEx with f32 / f64 / bf16 / f16 matrices. The same C
-// declarations as cublas_api.h, so this file replaces libcublas.
+// build: handle management, cublasGemmEx with f32 / f64 / bf16 / f16 matrices and
+// cublasGemmGroupedBatchedEx (each of its problems one cublasGemmEx). The same C declarations as
+// cublas_api.h, so this file replaces libcublas.
 //
 // cublasGemmEx: column-major C = alpha op(A) op(B) + beta C. The sum over k is formed in FP64 and
 // rounded once to the compute type (FP32 for CUBLAS_COMPUTE_32F*, FP64 for CUBLAS_COMPUTE_64F*),
@@ -143,6 +144,35 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
         store(C, Ctype, ci, be == 0 ? fa * acc : fa * acc + fb * float(load(C, Ctype, ci)));
       }
     }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// The groups in order, each problem of a group in order; alpha_array / beta_array hold one scalar
+// of the compute type per group (host), the matrix pointer arrays one pointer per problem.
+cublasStatus_t cublasGemmGroupedBatchedEx(
+    cublasHandle_t handle, const cublasOperation_t transa_array[],
+    const cublasOperation_t transb_array[], const int m_array[], const int n_array[],
+    const int k_array[], const void* alpha_array, const void* const Aarray[], cudaDataType_t Atype,
+    const int lda_array[], const void* const Barray[], cudaDataType_t Btype, const int ldb_array[],
+    const void* beta_array, void* const Carray[], cudaDataType_t Ctype, const int ldc_array[],
+    int group_count, const int group_size[], cublasComputeType_t computeType) {
+  if (!handle) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (group_count < 0) return CUBLAS_STATUS_INVALID_VALUE;
+  const bool f64 = computeType == CUBLAS_COMPUTE_64F || computeType == CUBLAS_COMPUTE_64F_PEDANTIC;
+  const size_t scalar = f64 ? sizeof(double) : sizeof(float);
+  int64_t p = 0;
+  for (int g = 0; g < group_count; ++g) {
+    if (group_size[g] < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    const void* al = static_cast<const char*>(alpha_array) + size_t(g) * scalar;
+    const void* be = static_cast<const char*>(beta_array) + size_t(g) * scalar;
+    for (int j = 0; j < group_size[g]; ++j, ++p) {
+      const cublasStatus_t st =
+          cublasGemmEx(handle, transa_array[g], transb_array[g], m_array[g], n_array[g], k_array[g],
+                       al, Aarray[p], Atype, lda_array[g], Barray[p], Btype, ldb_array[g], be,
+                       Carray[p], Ctype, ldc_array[g], computeType, CUBLAS_GEMM_DEFAULT);
+      if (st != CUBLAS_STATUS_SUCCESS) return st;
+    }
+  }
   return CUBLAS_STATUS_SUCCESS;
 }
 

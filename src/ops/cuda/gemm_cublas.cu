@@ -18,6 +18,10 @@
 //              products with CUBLAS_COMPUTE_32F accumulation; C f32 or bf16 is written directly
 //              (the epilogue alpha acc + beta C in FP32, one rounding to C's dtype), C f64 through
 //              an f32 buffer (as the CPU path: the epilogue in FP32).
+// Grouped (gemm_grouped, the MoE experts): one cublasGemmGroupedBatchedEx call, one group of one
+// problem per product, each mapped to column-major as above; the pointer arrays are copied to the
+// device, the sizes, leading dimensions and scalars stay on the host. Where cuBLAS answers
+// CUBLAS_STATUS_NOT_SUPPORTED for the dtype, the products run as a loop of cublasGemmEx calls.
 // Determinism: one handle per device, created lazily on first use, bound to the default stream,
 // atomics not allowed and reduced-precision reductions disallowed; cuBLAS then returns the same
 // bits for the same call run after run on the same GPU.
@@ -116,6 +120,61 @@ void run_into(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, DTy
 }
 
 }  // namespace
+
+void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
+                  const std::vector<GemmGroup>& groups, double alpha, double beta) {
+  if (groups.empty()) return;
+  const DType dt = c.dtype();
+  const bool f64 = dt == DType::f64;
+  const cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
+  const cudaDataType_t ty = cuda_type(dt);
+  const size_t G = groups.size(), es = dtype_size(dt);
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (see the top of this file):
+  // cuBLAS's A is our B, its m our n.
+  const std::vector<cublasOperation_t> op_a(G, ta ? CUBLAS_OP_T : CUBLAS_OP_N),
+      op_b(G, tb ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<int> m(G), n(G), k(G), lda(G), ldb(G), ldc(G), size(G, 1);
+  std::vector<int64_t> ptr(3 * G);
+  const auto* pa = static_cast<const char*>(a.raw());
+  const auto* pb = static_cast<const char*>(b.raw());
+  auto* pc = static_cast<char*>(c.raw());
+  for (size_t g = 0; g < G; ++g) {
+    const GemmGroup& q = groups[g];
+    m[g] = as_int(q.m, "m");
+    n[g] = as_int(q.n, "n");
+    k[g] = as_int(q.k, "k");
+    lda[g] = ta ? m[g] : k[g];
+    ldb[g] = tb ? k[g] : n[g];
+    ldc[g] = n[g];
+    ptr[g] = reinterpret_cast<int64_t>(pa + size_t(q.a_off) * es);
+    ptr[G + g] = reinterpret_cast<int64_t>(pb + size_t(q.b_off) * es);
+    ptr[2 * G + g] = reinterpret_cast<int64_t>(pc + size_t(q.c_off) * es);
+  }
+  const std::vector<float> fa(G, float(alpha)), fb(G, float(beta));
+  const std::vector<double> da(G, alpha), db(G, beta);
+  const void* al = f64 ? static_cast<const void*>(da.data()) : static_cast<const void*>(fa.data());
+  const void* be = f64 ? static_cast<const void*>(db.data()) : static_cast<const void*>(fb.data());
+  // The pointer arrays live on the device (a synchronous copy; the tensor outlives the call's
+  // queued work by the allocator's stream-order rule, core/cuda_cache.h).
+  const Tensor dptr = Tensor::from_vector<int64_t>({int64_t(3 * G)}, ptr).to(Device::cuda);
+  void* const* arr = static_cast<void* const*>(dptr.raw());
+  const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+      handle(), op_b.data(), op_a.data(), n.data(), m.data(), k.data(), al, arr + G, ty, ldb.data(),
+      arr, ty, lda.data(), be, arr + 2 * G, ty, ldc.data(), int(G), size.data(), compute);
+  if (st != CUBLAS_STATUS_NOT_SUPPORTED) {
+    check_cublas(st, "cublasGemmGroupedBatchedEx");
+    return;
+  }
+  for (size_t g = 0; g < G; ++g)
+    check_cublas(cublasGemmEx(handle(), op_b[g], op_a[g], n[g], m[g], k[g],
+                              f64 ? static_cast<const void*>(&da[g]) : &fa[g],
+                              reinterpret_cast<const void*>(ptr[G + g]), ty, ldb[g],
+                              reinterpret_cast<const void*>(ptr[g]), ty, lda[g],
+                              f64 ? static_cast<const void*>(&db[g]) : &fb[g],
+                              reinterpret_cast<void*>(ptr[2 * G + g]), ty, ldc[g], compute,
+                              CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx");
+}
 
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m, int64_t n,
           int64_t k, double alpha, double beta, GemmOptions opt) {
