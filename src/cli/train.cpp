@@ -61,14 +61,11 @@ bool holds_run(const fs::path& dir) {
 }
 
 void run_train(const TrainArgs& a) {
-  if (a.device == "cuda")
-    throw Error(
-        "--device cuda: the CUDA training path is not available yet; `hybridlm train` runs on "
-        "the CPU (--device cpu)");
-  if (a.device != "cpu")
+  if (a.device != "cpu" && a.device != "cuda")
     throw Error(fmt::format("--device must be cpu or cuda, got '{}'", a.device));
 
   train::TrainerOptions opts;
+  opts.device = a.device == "cuda" ? Device::cuda : Device::cpu;
   opts.stop_after = a.stop_after;
   opts.handle_signals = true;  // Ctrl-C / SIGTERM: checkpoint, then exit 130 / 143
   // The typed options win over the config file and --set.
@@ -147,7 +144,8 @@ std::function<void()> setup_train(CLI::App& app) {
   app.add_option("--resume", a->resume, "continue the run in this directory to --steps total");
   app.add_option("--seed", a->seed, "seed of the initialisation and the data")
       ->check(count_range(0, INT64_MAX));
-  app.add_option("--device", a->device, "cpu (cuda: not available yet)");
+  app.add_option("--device", a->device,
+                 "cpu or cuda: where the steps run (the model and optimizer state move there)");
   app.add_option("--set", a->sets,
                  "key=value override (repeatable): a training key, or model.KEY / any model "
                  "config field for the model")

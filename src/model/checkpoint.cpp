@@ -737,7 +737,9 @@ void save_checkpoint(const std::string& dir, const NamedTensors& tensors, const 
 
 NamedTensors module_tensors(Module& module) {
   NamedTensors out;
-  for (auto& [name, p] : module.named_parameters()) out.emplace_back(name, p->value);
+  // Parameters on a GPU are written from host copies.
+  for (auto& [name, p] : module.named_parameters())
+    out.emplace_back(name, p->value.is_cpu() ? p->value : p->value.to(Device::cpu));
   return out;
 }
 

@@ -1,6 +1,8 @@
 // The training loop (trainer.h; docs/training.md, "The training loop").
 #include "train/trainer.h"
 
+#include "core/device.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -514,6 +516,14 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   // Every count bounded and the memory of a step estimated before anything large is allocated
   // or the run directory is created.
   check_train_limits(cfg_, cfg_.model);
+  if (opts_.device != Device::cpu) {
+    HLM_CHECK(cuda_available(), "--device {}: no CUDA device is present",
+              device_name(opts_.device));
+    HLM_CHECK(cfg_.model.precision.default_kind != GemmKind::fp8_block,
+              "--device {}: the FP8 block GEMMs (gemm_precision fp8_block) have no CUDA "
+              "implementation yet; use gemm_precision bf16 or native",
+              device_name(opts_.device));
+  }
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
   mo.seed = cfg_.seed;
@@ -707,6 +717,20 @@ void Trainer::resume_from_checkpoint() {
                     ckcfg.schedule_config().total_steps, cfg_.schedule_config().total_steps));
 }
 
+void Trainer::move_to_device() {
+  if (opts_.device == Device::cpu) return;
+  // The optimizer's state through its named tensors: host copies in, device tensors out.
+  const safetensors::TensorMap state = opt_->state_dict("optimizer.");
+  safetensors::TensorMap host;
+  for (const auto& [k, t] : state) host[k] = t.clone();
+  model_->to(opts_.device);
+  model_->zero_grad();
+  opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
+  opt_->load_state_dict(host, "optimizer.");
+  log(fmt::format("device: {} (model and optimizer state moved after setup)",
+                  device_name(opts_.device)));
+}
+
 void Trainer::write_param_list() const {
   std::string text = "# name  dtype  shape  weight decay\n";
   int64_t decayed = 0, kept = 0, n_decayed = 0;
@@ -745,10 +769,13 @@ EvalResult Trainer::evaluate() {
     in.cu_seqlens = b.cu_seqlens;
     in.logits = true;
     ModelOutput out = model_->forward(ctx, in);
-    const auto ce = ops::cross_entropy_forward(out.logits, b.targets);
+    const Tensor targets = out.logits.is_cpu() ? b.targets : b.targets.to(out.logits.device());
+    const auto ce = ops::cross_entropy_forward(out.logits, targets);
     loss_sum += ce.loss * double(ce.count);
     r.targets += ce.count;
-    if (mqar_) r.accuracy += accuracy_from_logits(b, out.logits);
+    if (mqar_)
+      r.accuracy +=
+          accuracy_from_logits(b, out.logits.is_cpu() ? out.logits : out.logits.to(Device::cpu));
   };
   if (mqar_) {
     r.has_accuracy = true;
@@ -828,6 +855,7 @@ TrainSummary Trainer::run() {
   log(fmt::format("schedule: {}; AdamW betas ({}, {}), eps {}, grad clip {}", sched_->describe(),
                   cfg_.adamw.beta1, cfg_.adamw.beta2, cfg_.adamw.eps, cfg_.adamw.max_grad_norm));
   write_param_list();
+  move_to_device();
   if (opts_.resume)
     log(fmt::format("resumed from {} at step {} ({} skipped so far)", dir, step_, skipped_));
   log(fmt::format("training steps {}..{} of {} ({} tokens each) into {}", step_ + 1, end,

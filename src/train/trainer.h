@@ -153,6 +153,10 @@ struct TrainerOptions {
   // Catch SIGINT / SIGTERM during run() (train/interrupt.h): finish the step, checkpoint, return
   // with TrainSummary::interrupted_by set. The command turns it on; a library caller may too.
   bool handle_signals = false;
+  // Where the steps run: the model is built (and a resumed run read) on the CPU, then the model
+  // and the optimizer state move to this device for the steps; checkpoints are written from host
+  // copies, so a run may resume on either device.
+  Device device = Device::cpu;
   std::FILE* log = stdout;  // messages and the progress line; nullptr: silent
   ProgressBar::Mode progress = ProgressBar::Mode::automatic;
   bool plot = true;           // write the plot at the end
@@ -220,6 +224,7 @@ class Trainer {
  private:
   void log(const std::string& line) const;
   void resume_from_checkpoint();
+  void move_to_device();  // model and optimizer state to opts_.device
   void write_param_list() const;
   // The text file cfg_.data_path encoded with the tokenizer cfg_.tokenizer_path.
   std::unique_ptr<DataSource> open_tokenized_text(TokenStreamConfig tc) const;

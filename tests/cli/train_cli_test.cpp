@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/device.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
 #include "testing.h"
@@ -104,8 +105,15 @@ TEST_F(TrainCli, StopAndResumeGiveTheStraightRunsWeights) {
 }
 
 TEST_F(TrainCli, BadRequestsExitWithStatus2) {
-  EXPECT_EQ(run("--config train.json --out r1 --device cuda"), 2);
-  EXPECT_NE(read("err.txt").find("CUDA training path is not available yet"), std::string::npos);
+  if (!cuda_available()) {
+    // No GPU here: refused before anything is written.
+    EXPECT_EQ(run("--config train.json --out r1 --device cuda"), 2);
+    EXPECT_NE(read("err.txt").find("--device cuda: no CUDA device is present"), std::string::npos)
+        << read("err.txt");
+    EXPECT_FALSE(fs::exists(dir_ / "r1"));
+  }
+  EXPECT_EQ(run("--config train.json --out r1b --device tpu"), 2);
+  EXPECT_NE(read("err.txt").find("--device must be cpu or cuda, got 'tpu'"), std::string::npos);
   EXPECT_EQ(run("--config train.json --out r2 --set no_such_key=1"), 2);
   EXPECT_NE(read("err.txt").find("no_such_key"), std::string::npos) << read("err.txt");
   EXPECT_EQ(run("--config train.json --out r3 --set lr=1e30 --set grad_clip=0"), 2);
