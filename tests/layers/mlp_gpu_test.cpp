@@ -10,6 +10,7 @@
 #include "core/device.h"
 #include "core/rng.h"
 #include "layers/mlp.h"
+#include "ops/gpu_compare.h"
 #include "testing.h"
 
 namespace hlm {
@@ -17,14 +18,6 @@ namespace {
 
 using testing::cpu;
 using testing::gpu;
-
-double max_rel(const Tensor& out, const Tensor& ref) {
-  const testing::ErrorStats e = testing::compare(out.to(DType::f64), ref.to(DType::f64));
-  double m = 0;
-  for (double v : ref.to_f64_vector()) m = std::max(m, std::fabs(v));
-  EXPECT_EQ(e.nan_mismatch, 0);
-  return m > 0 ? e.max_abs / m : e.max_abs;
-}
 
 TEST(DenseMlpGpu, MatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
@@ -58,10 +51,11 @@ TEST(DenseMlpGpu, MatchesCpu) {
       run(dev, gpu(x), gpu(dy), yg, dxg);
       auto pc = ref.named_parameters(), pg = dev.named_parameters();
       if (dt == DType::f32) {
-        EXPECT_LE(max_rel(yg, yc), 2e-5) << "y";
-        EXPECT_LE(max_rel(dxg, dxc), 2e-5) << "dx";
+        EXPECT_LE(gpu_compare::max_rel_err(yg, yc), 2e-5) << "y";
+        EXPECT_LE(gpu_compare::max_rel_err(dxg, dxc), 2e-5) << "dx";
         for (size_t i = 0; i < pc.size(); ++i)
-          EXPECT_LE(max_rel(cpu(pg[i].second->grad), pc[i].second->grad), 2e-5) << pc[i].first;
+          EXPECT_LE(gpu_compare::max_rel_err(cpu(pg[i].second->grad), pc[i].second->grad), 2e-5)
+              << pc[i].first;
       } else {
         auto rel = [](const Tensor& a, const Tensor& b) {
           return testing::compare(a.to(DType::f64), b.to(DType::f64)).rel_l2;

@@ -11,6 +11,7 @@
 #include "core/device.h"
 #include "core/rng.h"
 #include "layers/norm.h"
+#include "ops/gpu_compare.h"
 #include "testing.h"
 
 namespace hlm {
@@ -18,14 +19,6 @@ namespace {
 
 using testing::cpu;
 using testing::gpu;
-
-double max_rel(const Tensor& out, const Tensor& ref) {
-  const testing::ErrorStats e = testing::compare(out.to(DType::f64), ref.to(DType::f64));
-  double m = 0;
-  for (double v : ref.to_f64_vector()) m = std::max(m, std::fabs(v));
-  EXPECT_EQ(e.nan_mismatch, 0);
-  return m > 0 ? e.max_abs / m : e.max_abs;
-}
 
 TEST(RmsNormModuleGpu, MatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
@@ -67,9 +60,9 @@ TEST(RmsNormModuleGpu, MatchesCpu) {
     ASSERT_EQ(dxg.dtype(), k.x);
     const bool f64 = k.x == DType::f64 && k.w == DType::f64;
     const double tol = k.x == DType::bf16 ? 8e-3 : (f64 ? 1e-12 : 2e-5);
-    EXPECT_LE(max_rel(cpu(yg), yc), tol) << "y";
-    EXPECT_LE(max_rel(cpu(dxg), dxc), tol) << "dx";
-    EXPECT_LE(max_rel(cpu(dev.weight().grad), ref.weight().grad), tol) << "dw";
+    EXPECT_LE(gpu_compare::max_rel_err(cpu(yg), yc), tol) << "y";
+    EXPECT_LE(gpu_compare::max_rel_err(cpu(dxg), dxc), tol) << "dx";
+    EXPECT_LE(gpu_compare::max_rel_err(cpu(dev.weight().grad), ref.weight().grad), tol) << "dw";
     EXPECT_EQ(dev.weight().grad.dtype(), ref.weight().grad.dtype());
   }
 }

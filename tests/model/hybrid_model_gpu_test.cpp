@@ -18,6 +18,7 @@
 #include "core/rng.h"
 #include "core/seq_layout.h"
 #include "model/hybrid_model.h"
+#include "ops/gpu_compare.h"
 #include "testing.h"
 #include "train/adamw.h"
 
@@ -83,14 +84,6 @@ StepRun run(HybridModel& m, const ModelInputs& in) {
   return r;
 }
 
-double max_rel(const Tensor& out, const Tensor& ref) {
-  const testing::ErrorStats e = testing::compare(out.to(DType::f64), ref.to(DType::f64));
-  double m = 0;
-  for (double v : ref.to_f64_vector()) m = std::max(m, std::fabs(v));
-  EXPECT_EQ(e.nan_mismatch, 0);
-  return m > 0 ? e.max_abs / m : e.max_abs;
-}
-
 TEST(HybridModelGpu, TrainingStepMatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   const ModelConfig cfg = gpu_tiny_config();
@@ -120,7 +113,7 @@ TEST(HybridModelGpu, TrainingStepMatchesCpu) {
   std::string worst_name;
   for (size_t i = 0; i < c.grads.size(); ++i) {
     ASSERT_TRUE(g.grads[i].second.defined()) << c.grads[i].first;
-    const double e = max_rel(g.grads[i].second, c.grads[i].second);
+    const double e = gpu_compare::max_rel_err(g.grads[i].second, c.grads[i].second);
     if (e > worst) worst = e, worst_name = c.grads[i].first;
     EXPECT_LE(e, 1e-4) << c.grads[i].first;
   }

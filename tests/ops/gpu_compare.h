@@ -17,6 +17,16 @@
 
 namespace hlm::gpu_compare {
 
+// The largest error of out against ref over the largest |ref| (NaN / Inf mismatches asserted
+// absent): the f32 / f64 metric of the module and model GPU tests.
+inline double max_rel_err(const Tensor& out, const Tensor& ref) {
+  const testing::ErrorStats e = testing::compare(out.to(DType::f64), ref.to(DType::f64));
+  double m = 0;
+  for (double v : ref.to_f64_vector()) m = std::max(m, std::fabs(v));
+  EXPECT_EQ(e.nan_mismatch, 0);
+  return m > 0 ? e.max_abs / m : e.max_abs;
+}
+
 // bf16_bound > 0 replaces the bf16 bound by a fixed relative L2 bound (the layer ops' 3e-3).
 inline void check(const char* what, const Tensor& out_gpu, const Tensor& ref, DType dt,
                   double bf16_bound = 0) {
