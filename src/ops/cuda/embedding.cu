@@ -12,7 +12,8 @@
 //     the count of every digit (thread j of 256 counts digit j over the chunk, reading the digits
 //     from shared memory); an exclusive scan of the counts in (digit, chunk) order; the scatter,
 //     thread j of each chunk writing its digit's tokens in chunk order from its scanned offset.
-//     Stable, so equal ids keep increasing t;
+//     Stable, so equal ids keep increasing t. (CUB's DeviceRadixSort would do on a GPU, but its
+//     headers do not compile in the CUDA emulation build: it needs the PTX special registers.)
 //  2. the start of every run of equal ids in the sorted order (a flag per position, the same
 //     scan, a compaction);
 //  3. one block per run and tile of 128 columns: each thread loads dtable[v, c], adds dy[t, c]
