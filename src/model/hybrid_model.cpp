@@ -696,10 +696,12 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     if (layers_[l]->is_dsa()) {
       if (!in.dsa_indices.empty()) given = in.dsa_indices[size_t(dsa_i)];
       if (!given.defined() && layers_[l]->shares_selection()) {
-        HLM_CHECK(prev_sel.defined(),
+        HLM_CHECK(dsa_i > 0,
                   "HybridModel: layer {} shares the selection of a previous DSA layer, but "
                   "there is none before it",
                   l);
+        // Undefined on CUDA when that layer attended every causal token (no index tensor):
+        // then this one does too.
         given = prev_sel;
       }
     }

@@ -28,8 +28,8 @@ namespace {
 using testing::cpu;
 
 // The smallest shapes the CUDA KDA kernels take (head dims of 32).
-ModelConfig gpu_tiny_config() {
-  return ModelConfig::from_json(nlohmann::json::parse(R"({
+nlohmann::json gpu_tiny_json() {
+  return nlohmann::json::parse(R"({
     "model_type": "glm5_next_text", "vocab_size": 40, "hidden_size": 32,
     "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
     "intermediate_size": 48, "swiglu_limit": 10.0, "rms_norm_eps": 1e-5,
@@ -46,8 +46,11 @@ ModelConfig gpu_tiny_config() {
     "mhc": true, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
     "num_nextn_predict_layers": 1, "mtp_loss_scaling_factor": 0.3,
     "gemm_precision": "native"
-  })"),
-                                "GPU tiny test config");
+  })");
+}
+
+ModelConfig gpu_tiny_config() {
+  return ModelConfig::from_json(gpu_tiny_json(), "GPU tiny test config");
 }
 
 ModelInputs batch(Rng& rng, int64_t vocab) {
@@ -132,6 +135,34 @@ TEST(HybridModelGpu, TrainingStepMatchesCpu) {
   EXPECT_EQ(g2.out.loss, g3.out.loss);
   for (size_t i = 0; i < g2.grads.size(); ++i)
     EXPECT_TRUE(testing::bit_equal(g2.grads[i].second, g3.grads[i].second)) << g2.grads[i].first;
+}
+
+// A shared-indexer layer (indexer_types "shared") reuses the previous DSA layer's selection; in the
+// dense warm-up that layer attends every causal token, with no index tensor on CUDA, and the
+// shared one must then do the same: CUDA's hidden states equal the CPU's in both stages.
+TEST(HybridModelGpu, SharedIndexerLayersInBothStages) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  nlohmann::json j = gpu_tiny_json();
+  j["layer_pattern"] = "KDD";
+  j["indexer_types"] = {"full", "full", "shared"};
+  const ModelConfig cfg = ModelConfig::from_json(j, "shared indexer GPU config");
+  HybridModel ref(cfg, {.dtype = DType::f32, .seed = 4}),
+      dev(cfg, {.dtype = DType::f32, .seed = 4});
+  dev.to(Device::cuda);
+  Rng rng(testing::test_seed(), 98);
+  const ModelInputs in = batch(rng, 40);
+  Context eval;
+  eval.training = false;
+  for (DsaStage stage : {DsaStage::dense_warmup, DsaStage::sparse}) {
+    ref.set_dsa_stage(stage);
+    dev.set_dsa_stage(stage);
+    const ModelOutput c = ref.forward(eval, in), g = dev.forward(eval, in);
+    EXPECT_LE(testing::compare(cpu(g.hidden), c.hidden).rel_l2, 2e-5)
+        << (stage == DsaStage::sparse ? "sparse" : "dense warm-up");
+    ASSERT_EQ(g.dsa_indices.size(), 2u);
+    if (stage == DsaStage::sparse)
+      EXPECT_TRUE(testing::bit_equal(cpu(g.dsa_indices[1]), cpu(g.dsa_indices[0])));
+  }
 }
 
 }  // namespace
