@@ -130,6 +130,16 @@ TEST(HybridModelGpu, TrainingStepMatchesCpu) {
   EXPECT_TRUE(sg.applied);
   EXPECT_NEAR(sg.grad_norm, sc.grad_norm, 1e-5 * sc.grad_norm);
   std::printf("  gradient norm: GPU %.9g  CPU %.9g\n", sg.grad_norm, sc.grad_norm);
+  {
+    auto pc = ref.named_parameters(), pg = dev.named_parameters();
+    double worst_p = 0;
+    std::string wn;
+    for (size_t i = 0; i < pc.size(); ++i) {
+      const double e = testing::compare(cpu(pg[i].second->value), pc[i].second->value).rel_l2;
+      if (e > worst_p) worst_p = e, wn = pc[i].first;
+    }
+    std::printf("  parameters after the step: worst relative L2 %.3e (%s)\n", worst_p, wn.c_str());
+  }
   // Reruns on the GPU: the same bits.
   const StepRun g2 = run(dev, in), g3 = run(dev, in);
   EXPECT_EQ(g2.out.loss, g3.out.loss);
