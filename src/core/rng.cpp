@@ -17,11 +17,29 @@ std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> c, std::array<uint32_
   return c;
 }
 
-std::array<uint32_t, 4> Rng::block() {
-  const uint64_t c = counter_++;
+std::array<uint32_t, 4> Rng::block_at(uint64_t c) const {
   return philox4x32({uint32_t(c), uint32_t(c >> 32), uint32_t(stream_), uint32_t(stream_ >> 32)},
                     {uint32_t(seed_), uint32_t(seed_ >> 32)});
 }
+
+std::array<uint32_t, 4> Rng::block() {
+  return block_at(counter_++);
+}
+
+namespace {
+
+double uniform_of(const std::array<uint32_t, 4>& b) {
+  return double(((uint64_t(b[0]) << 32) | b[1]) >> 11) * 0x1.0p-53;
+}
+
+double normal_of(const std::array<uint32_t, 4>& b) {
+  const uint64_t a = (uint64_t(b[0]) << 32 | b[1]) >> 11, c = (uint64_t(b[2]) << 32 | b[3]) >> 11;
+  const double u1 = (double(a) + 1.0) * 0x1.0p-53;  // (0, 1]
+  const double u2 = double(c) * 0x1.0p-53;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+
+}  // namespace
 
 uint32_t Rng::next_u32() {
   return block()[0];
@@ -31,14 +49,10 @@ uint64_t Rng::next_u64() {
   return (uint64_t(b[0]) << 32) | b[1];
 }
 double Rng::uniform() {
-  return double(next_u64() >> 11) * 0x1.0p-53;
+  return uniform_of(block());
 }
 double Rng::normal() {
-  auto b = block();
-  const uint64_t a = (uint64_t(b[0]) << 32 | b[1]) >> 11, c = (uint64_t(b[2]) << 32 | b[3]) >> 11;
-  const double u1 = (double(a) + 1.0) * 0x1.0p-53;  // (0, 1]
-  const double u2 = double(c) * 0x1.0p-53;
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+  return normal_of(block());
 }
 uint64_t Rng::below(uint64_t n) {
   HLM_CHECK(n > 0, "Rng::below(0)");
@@ -49,17 +63,27 @@ uint64_t Rng::below(uint64_t n) {
   return x % n;
 }
 
+// Element i takes the block at counter + i, so the elements are drawn in parallel with the values
+// (and the final counter) of the sequential draws.
 void Rng::fill_uniform(Tensor& t, double lo, double hi) {
   check_device(t, Device::cpu, "fill_uniform");
-  std::vector<double> v(size_t(t.numel()));
-  for (double& x : v) x = lo + (hi - lo) * uniform();
+  const int64_t n = t.numel();
+  std::vector<double> v(static_cast<size_t>(n));
+  const uint64_t base = counter_;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) v[size_t(i)] = lo + (hi - lo) * uniform_of(block_at(base + i));
+  counter_ = base + uint64_t(n);
   t.copy_(Tensor::from_values(t.shape(), v, DType::f64));
 }
 
 void Rng::fill_normal(Tensor& t, double mean, double std) {
   check_device(t, Device::cpu, "fill_normal");
-  std::vector<double> v(size_t(t.numel()));
-  for (double& x : v) x = mean + std * normal();
+  const int64_t n = t.numel();
+  std::vector<double> v(static_cast<size_t>(n));
+  const uint64_t base = counter_;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) v[size_t(i)] = mean + std * normal_of(block_at(base + i));
+  counter_ = base + uint64_t(n);
   t.copy_(Tensor::from_values(t.shape(), v, DType::f64));
 }
 

@@ -32,7 +32,8 @@ class Rng {
   void fill_normal(Tensor& t, double mean, double std);
 
  private:
-  std::array<uint32_t, 4> block();
+  std::array<uint32_t, 4> block();                     // the block at the counter, then counter++
+  std::array<uint32_t, 4> block_at(uint64_t c) const;  // the block at counter c
   uint64_t seed_, stream_, counter_ = 0;
 };
 
