@@ -35,6 +35,7 @@
 #include <cmath>
 
 #include "core/enum_names.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "ops/conv1d.h"
 #include "ops/kda.h"
@@ -465,10 +466,12 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const SeqLayo
   const ops::KdaArgs a =
       core_args(cfg_, q, k, v, z3, b, init.recurrent, seqs, A_log_->value, dt_bias_->value);
   Tensor core_saved;
+  profile::Scope ps_core("kda core");
   const ops::KdaOutput out = cfg_.core != KdaCoreImpl::chunk ? ops::kda_recurrent(a)
                              : s && cfg_.core_save != KdaCoreSave::none
                                  ? ops::kda_chunk(a, &core_saved, core_save_kind(cfg_))
                                  : ops::kda_chunk(a);
+  ps_core.end();
   const Tensor o = as_dtype(out.o, cdt);
   // Output gate, gated RMSNorm over V (one weight for all heads), output projection.
   const Tensor og =
@@ -556,10 +559,12 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   const ops::KdaArgs a =
       core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent, saved.seqs,
                 A_log_->value, dt_bias_->value);
+  profile::Scope ps_core("kda core");
   const ops::KdaGrads cg =
       cfg_.core == KdaCoreImpl::chunk
           ? ops::kda_chunk_backward(a, gn.dx, dfin_rec, s->core, core_save_kind(cfg_))
           : ops::kda_recurrent_backward(a, gn.dx, dfin_rec);
+  ps_core.end();
   accumulate(*A_log_, cg.dA_log);
   accumulate(*dt_bias_, cg.ddt_bias);
   const Tensor dz = as_dtype(cg.dg, cdt).contiguous().view({T, HV * K});
