@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 
 #include "ops/cpu/gemm.h"
 #include "ops/cuda/gemm.cuh"
@@ -95,6 +96,77 @@ Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Gemm
   Tensor c = detail::new_output({m, n}, a.dtype(), a.device());
   gemm(a, trans_a, b, trans_b, c, 1.0, 0.0, opt);
   return c;
+}
+
+namespace {
+
+// Block g of t: the [rows, cols] row-major matrix at element off of the contiguous t.
+Tensor block(const Tensor& t, int64_t off, int64_t rows, int64_t cols) {
+  return t.view({t.numel()}).slice(0, off, off + rows * cols).view({rows, cols});
+}
+
+}  // namespace
+
+void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                  const std::vector<GemmGroup>& groups, double alpha, double beta,
+                  GemmOptions opt) {
+  constexpr const char* op = "gemm_grouped";
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}, {&c, "C"}}) {
+    HLM_CHECK(t->defined() && t->is_contiguous(), "{}: {} must be a contiguous tensor, got {}", op,
+              name, t->defined() ? t->describe() : "undefined");
+    HLM_CHECK(t->device() == a.device(), "{}: {} must be on the device of A ({}), got {}", op, name,
+              a.describe(), t->describe());
+  }
+  if (opt.round_bf16) {
+    HLM_CHECK(c.dtype() == DType::f32, "{} (round_bf16): C must be f32, got {}", op, c.describe());
+    for (auto [t, name] : {std::pair<const Tensor*, const char*>{&a, "A"}, {&b, "B"}})
+      HLM_CHECK(t->dtype() == DType::f32 || t->dtype() == DType::bf16,
+                "{} (round_bf16): {} must be f32 or bf16, got {}", op, name, t->describe());
+  } else {
+    HLM_CHECK(c.dtype() == DType::f32 || c.dtype() == DType::f64,
+              "{}: C must be f32 or f64, got {}", op, c.describe());
+    detail::require_same_dtype(a, c, op, "A", "C");
+    detail::require_same_dtype(b, c, op, "B", "C");
+  }
+  std::vector<GemmGroup> run;  // the groups with k >= 1
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const GemmGroup& q = groups[g];
+    HLM_CHECK(q.m >= 1 && q.n >= 1 && q.k >= 0 && q.m < INT_MAX && q.n < INT_MAX && q.k < INT_MAX,
+              "{}: group {} has [m, n, k] = [{}, {}, {}] (m, n >= 1, k >= 0, each < 2^31)", op, g,
+              q.m, q.n, q.k);
+    for (auto [off, len, t, name] :
+         {std::tuple<int64_t, int64_t, const Tensor*, const char*>{q.a_off, q.m * q.k, &a, "A"},
+          {q.b_off, q.k * q.n, &b, "B"},
+          {q.c_off, q.m * q.n, &c, "C"}})
+      HLM_CHECK(off >= 0 && off + len <= t->numel(),
+                "{}: group {}'s block of {} ({} elements from {}) is outside {}", op, g, name, len,
+                off, t->describe());
+    if (q.k == 0) {
+      Tensor cg = block(c, q.c_off, q.m, q.n);
+      scale_(cg, beta);
+    } else {
+      run.push_back(q);
+    }
+  }
+  if (run.empty()) return;
+  switch (a.device()) {
+    case Device::cpu:
+      for (const GemmGroup& q : run) {
+        Tensor cg = block(c, q.c_off, q.m, q.n);
+        gemm(trans_a ? block(a, q.a_off, q.k, q.m) : block(a, q.a_off, q.m, q.k), trans_a,
+             trans_b ? block(b, q.b_off, q.n, q.k) : block(b, q.b_off, q.k, q.n), trans_b, cg,
+             alpha, beta, opt);
+      }
+      break;
+    case Device::cuda:
+      if (opt.round_bf16) {
+        const Tensor a16 = as_dtype(a, DType::bf16), b16 = as_dtype(b, DType::bf16);
+        HLM_CUDA_PATH(op, cuda::gemm_grouped(a16, trans_a, b16, trans_b, c, run, alpha, beta));
+      } else {
+        HLM_CUDA_PATH(op, cuda::gemm_grouped(a, trans_a, b, trans_b, c, run, alpha, beta));
+      }
+      break;
+  }
 }
 
 }  // namespace hlm::ops

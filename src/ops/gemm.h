@@ -15,6 +15,8 @@
 // summation order differs from the CPU kernels (f32 results agree to ~1e-6 relative).
 #pragma once
 
+#include <vector>
+
 #include "core/tensor.h"
 
 namespace hlm::ops {
@@ -32,5 +34,21 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
           double alpha = 1.0, double beta = 0.0, GemmOptions opt = {});
 // New [M, N] tensor = op(A) op(B), dtype of A.
 Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, GemmOptions opt = {});
+
+// A grouped GEMM (the experts of an MoE layer): for every group g,
+//   C_g = alpha op(A_g) op(B_g) + beta C_g,   op(A_g) [m, k], op(B_g) [k, n], C_g [m, n],
+// where A_g, B_g and C_g are contiguous row-major blocks starting at element a_off / b_off /
+// c_off of a, b and c (A_g is [m, k], or [k, m] with trans_a; B_g is [k, n], or [n, k] with
+// trans_b). a, b, c: contiguous tensors on one device; every block inside its tensor; m, n >= 1,
+// k >= 0. dtypes as gemm: f32 / f64 operands of C's dtype, or with round_bf16 f32 / bf16 operands
+// rounded to bf16 (FP32 accumulation) into an f32 C. CPU: one gemm per group in order; CUDA: one
+// cublasGemmGroupedBatchedEx call (ops/cuda/gemm_cublas.cu). Deterministic run to run.
+struct GemmGroup {
+  int64_t m, n, k;
+  int64_t a_off, b_off, c_off;
+};
+void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                  const std::vector<GemmGroup>& groups, double alpha = 1.0, double beta = 0.0,
+                  GemmOptions opt = {});
 
 }  // namespace hlm::ops

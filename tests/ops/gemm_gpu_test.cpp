@@ -2,7 +2,9 @@
 // trans combinations, odd sizes, alpha / beta (accumulate), f32 (no TF32: max error / max |ref|
 // <= 1e-6 scale), f64, round_bf16 with f32 / bf16 operands and f32 / bf16 / f64 C, strided and
 // transposed views, a C that is not row-major, NaN-poisoned C under beta = 0, K = 0,
-// bit-identical run to run, and the argument errors.
+// bit-identical run to run, and the argument errors. The grouped GEMM (gemm_grouped) against the
+// CPU's group-by-group gemm: f32, f64 and round_bf16 (f32 and bf16 operands), all four trans
+// combinations, accumulation, groups of different sizes, k = 0 groups, blocks outside a tensor.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -185,6 +187,93 @@ TEST(GemmGpu, ZeroKAndErrors) {
   Tensor ref2 = Tensor::zeros({4, 5}, DType::f32);
   ops::gemm(cpu(x), false, cpu(y6), false, ref2);
   check("small after errors", out, ref2, 1e-5, 2e-6);
+}
+
+TEST(GemmGroupedGpu, MatchesCpuGroupByGroup) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed(), 41);
+  // Experts of an MoE layer: rows per group 5, 0 (left out by the caller), 1, 33; n = 24, k = 40.
+  const std::vector<int64_t> rows = {5, 1, 33};
+  const int64_t N = 39, n = 24, k = 40, G = 3;
+  for (DType dt : {DType::f32, DType::f64, DType::bf16})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const bool round = dt == DType::bf16;
+        const DType cdt = dt == DType::f64 ? DType::f64 : DType::f32;
+        SCOPED_TRACE(std::string(dtype_name(dt)) + (ta ? " A^T" : "") + (tb ? " B^T" : ""));
+        // A: the groups' [m, k] (or [k, m]) blocks back to back; B: one [k, n] block per group.
+        const Tensor a = randn({N * k}, cdt, rng).to(dt), b = randn({G * k * n}, cdt, rng).to(dt);
+        const Tensor c0 = randn({N * n}, cdt, rng);
+        std::vector<ops::GemmGroup> groups;
+        for (int64_t g = 0, off = 0; g < G; off += rows[size_t(g)], ++g)
+          groups.push_back({rows[size_t(g)], n, k, off * k, g * k * n, off * n});
+        for (double beta : {0.0, 1.0}) {
+          Tensor cc = c0.clone(), cg = gpu(c0);
+          ops::gemm_grouped(a, ta, b, tb, cc, groups, 1.5, beta, ops::GemmOptions{round});
+          ops::gemm_grouped(gpu(a), ta, gpu(b), tb, cg, groups, 1.5, beta, ops::GemmOptions{round});
+          check("grouped beta " + std::to_string(int(beta)), cg, cc,
+                dt == DType::f64 ? 1e-13 : 1e-6, dt == DType::f64 ? 1e-14 : 1e-6);
+          Tensor cg2 = gpu(c0);
+          ops::gemm_grouped(gpu(a), ta, gpu(b), tb, cg2, groups, 1.5, beta,
+                            ops::GemmOptions{round});
+          EXPECT_TRUE(testing::bit_equal(cpu(cg), cpu(cg2)));
+        }
+        // Against one plain gemm per group on the device (the CPU side is built the same way).
+        Tensor one = gpu(c0);
+        for (const ops::GemmGroup& q : groups) {
+          Tensor cq = one.view({N * n}).slice(0, q.c_off, q.c_off + q.m * q.n).view({q.m, q.n});
+          const Tensor aq = gpu(a)
+                                .slice(0, q.a_off, q.a_off + q.m * q.k)
+                                .view(ta ? Shape{q.k, q.m} : Shape{q.m, q.k});
+          const Tensor bq = gpu(b)
+                                .slice(0, q.b_off, q.b_off + q.k * q.n)
+                                .view(tb ? Shape{q.n, q.k} : Shape{q.k, q.n});
+          ops::gemm(aq, ta, bq, tb, cq, 1.5, 0.0, ops::GemmOptions{round});
+        }
+        Tensor grouped = gpu(c0);
+        ops::gemm_grouped(gpu(a), ta, gpu(b), tb, grouped, groups, 1.5, 0.0,
+                          ops::GemmOptions{round});
+        check("grouped vs per-group gemm", grouped, cpu(one), dt == DType::f64 ? 1e-13 : 1e-6,
+              1e-6);
+      }
+}
+
+TEST(GemmGroupedGpu, ZeroKAndErrors) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed(), 42);
+  const Tensor a = gpu(randn({20}, DType::f32, rng)), b = gpu(randn({20}, DType::f32, rng));
+  const Tensor c0 = randn({12}, DType::f32, rng);
+  // k = 0: C = beta C.
+  Tensor c = gpu(c0);
+  ops::gemm_grouped(a, false, b, false, c, {{3, 4, 0, 0, 0, 0}}, 1.0, 0.5);
+  const std::vector<double> got = cpu(c).to_f64_vector(), want = c0.to_f64_vector();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], float(0.5 * want[i])) << i;
+  testing::expect_error(
+      [&] {
+        ops::gemm_grouped(a, false, b, false, c, {{3, 4, 5, 10, 0, 0}});
+      },
+      "group 0's block of A (15 elements from 10) is outside");
+  testing::expect_error(
+      [&] {
+        ops::gemm_grouped(a, false, b, false, c, {{0, 4, 1, 0, 0, 0}});
+      },
+      "group 0 has [m, n, k] = [0, 4, 1]");
+  Tensor c64 = gpu(c0.to(DType::f64));
+  testing::expect_error(
+      [&] {
+        ops::gemm_grouped(a, false, b, false, c64, {{3, 4, 1, 0, 0, 0}});
+      },
+      "gemm_grouped: A must");
+  testing::expect_error(
+      [&] {
+        ops::gemm_grouped(a, false, b, false, c64, {{3, 4, 1, 0, 0, 0}}, 1, 0, {true});
+      },
+      "C must be f32");
+  testing::expect_error(
+      [&] {
+        ops::gemm_grouped(cpu(a), false, b, false, c, {{3, 4, 1, 0, 0, 0}});
+      },
+      "must be on the device of A");
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 
 #include <cmath>
 
+#include "core/profile.h"
+#include "ops/gemm.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm {
@@ -181,7 +183,108 @@ void MoeLayer::run_router(const Context& ctx, const Tensor& xc, const Tensor& re
   s.topk_idx = s.route.topk_idx;
 }
 
+bool MoeLayer::use_grouped(const Tensor& xc) const {
+  if (xc.is_cpu()) return false;
+  const GemmPrecision& p = gate_up_w_.precision();
+  if (p.kind == GemmKind::bf16)  // f32 activations, f32 gradients (bf16 or f32 weights)
+    return xc.dtype() == DType::f32 && gate_up_->value.dtype() != DType::f64 &&
+           down_->value.dtype() != DType::f64;
+  return p.kind == GemmKind::native && gate_up_->value.dtype() == xc.dtype() &&
+         down_->value.dtype() == xc.dtype();
+}
+
+void MoeLayer::run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const {
+  const int64_t Tn = xc.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
+  const int64_t I = cfg_.moe_intermediate_size, N = Tn * K;
+  const bool bf16 = gate_up_w_.precision().kind == GemmKind::bf16;
+  const ops::GemmOptions opt{bf16};
+  // A stable counting sort of the assignments by expert (on the host: the group sizes are the
+  // GEMM's arguments).
+  profile::Scope ps_sort("sort");
+  const std::vector<int64_t> idx = index_vector(s.topk_idx);
+  std::vector<int64_t> counts(static_cast<size_t>(E), 0), start(static_cast<size_t>(E), 0);
+  std::vector<int64_t> order(static_cast<size_t>(N)), pos(static_cast<size_t>(N));
+  for (int64_t e : idx) ++counts[size_t(e)];
+  for (int64_t e = 1; e < E; ++e) start[size_t(e)] = start[size_t(e - 1)] + counts[size_t(e - 1)];
+  for (int64_t a = 0; a < N; ++a) {
+    const int64_t p = start[size_t(idx[size_t(a)])]++;
+    order[size_t(p)] = a;
+    pos[size_t(a)] = p;
+  }
+  std::vector<int64_t> toks(static_cast<size_t>(N));
+  for (int64_t p = 0; p < N; ++p) toks[size_t(p)] = order[size_t(p)] / K;
+  std::vector<ops::GemmGroup> g_up, g_down;
+  for (int64_t e = 0, off = 0; e < E; off += counts[size_t(e)], ++e) {
+    const int64_t n = counts[size_t(e)];
+    if (n == 0) continue;
+    g_up.push_back({n, 2 * I, D, off * D, e * 2 * I * D, off * 2 * I});
+    g_down.push_back({n, D, I, off * I, e * D * I, off * D});
+  }
+  ps_sort.end();
+  profile::Scope ps_gather("gather");
+  Tensor xp = ops::gather_rows(xc, toks);
+  if (bf16) xp = ops::as_dtype(xp, DType::bf16);  // rounded once (the GEMM's operand)
+  ps_gather.end();
+  profile::Scope ps_gemm("grouped GEMMs + SwiGLU");
+  Tensor gu = Tensor::empty({N, 2 * I}, xc.dtype(), xc.device());
+  ops::gemm_grouped(xp, false, gate_up_->value, true, gu, g_up, 1.0, 0.0, opt);
+  Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);
+  if (bf16) h = ops::as_dtype(h, DType::bf16);
+  Tensor eo = Tensor::empty({N, D}, xc.dtype(), xc.device());
+  ops::gemm_grouped(h, false, down_->value, true, eo, g_down, 1.0, 0.0, opt);
+  ps_gemm.end();
+  HLM_PROFILE("scatter");
+  s.eo = ops::gather_rows(eo, pos);
+  s.grouped = true;
+  s.experts.assign(size_t(E), ExpertSaved{});
+  if (keep) {
+    s.counts = std::move(counts);
+    s.order = std::move(order);
+    s.pos = std::move(pos);
+    s.xp = xp;
+    s.gu = gu;
+    s.h = h;
+  }
+}
+
+Tensor MoeLayer::backward_experts_grouped(const Tensor& deo, const Saved& s) const {
+  const int64_t D = cfg_.hidden_size, E = cfg_.n_experts, I = cfg_.moe_intermediate_size;
+  const int64_t N = int64_t(s.order.size());
+  const bool bf16 = gate_up_w_.precision().kind == GemmKind::bf16;
+  const ops::GemmOptions opt{bf16};
+  std::vector<ops::GemmGroup> g_dh, g_ddown, g_dx, g_dup;
+  for (int64_t e = 0, off = 0; e < E; off += s.counts[size_t(e)], ++e) {
+    const int64_t n = s.counts[size_t(e)];
+    if (n == 0) continue;
+    g_dh.push_back({n, I, D, off * D, e * D * I, off * I});               // dO_e W_down_e
+    g_ddown.push_back({D, I, n, off * D, off * I, e * D * I});            // dO_e^T h_e
+    g_dx.push_back({n, D, 2 * I, off * 2 * I, e * 2 * I * D, off * D});   // dgu_e W_up_e
+    g_dup.push_back({2 * I, D, n, off * 2 * I, off * D, e * 2 * I * D});  // dgu_e^T x_e
+  }
+  profile::Scope ps_gather("gather");
+  Tensor dop = ops::gather_rows(deo, s.order);
+  if (bf16) dop = ops::as_dtype(dop, DType::bf16);
+  ps_gather.end();
+  profile::Scope ps_gemm("grouped GEMMs + SwiGLU");
+  const DType cdt = s.gu.dtype();
+  Tensor dh = Tensor::empty({N, I}, cdt, deo.device());
+  ops::gemm_grouped(dop, false, down_->value, false, dh, g_dh, 1.0, 0.0, opt);
+  ops::gemm_grouped(dop, true, s.h, false, down_->grad, g_ddown, 1.0, 1.0, opt);
+  Tensor dgu = ops::swiglu_clamped_backward(s.gu, dh, cfg_.swiglu_limit);
+  if (bf16) dgu = ops::as_dtype(dgu, DType::bf16);
+  Tensor dxp = Tensor::empty({N, D}, cdt, deo.device());
+  ops::gemm_grouped(dgu, false, gate_up_->value, false, dxp, g_dx, 1.0, 0.0, opt);
+  ops::gemm_grouped(dgu, true, s.xp, false, gate_up_->grad, g_dup, 1.0, 1.0, opt);
+  ps_gemm.end();
+  HLM_PROFILE("scatter");
+  return ops::gather_rows(dxp, s.pos);
+}
+
 void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const {
+  if (use_grouped(xc)) {
+    run_experts_grouped(xc, s, ctx.training);
+    return;
+  }
   const int64_t Tn = xc.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
   const std::vector<int64_t> idx = index_vector(s.topk_idx);
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
@@ -239,8 +342,13 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
   Saved local;
   Saved& s = keep ? *saved : local;
   s = Saved{};
+  profile::Scope ps_router("router");
   run_router(fctx, xc, replay_idx, s);
+  ps_router.end();
+  profile::Scope ps_experts("routed experts");
   run_experts(fctx, xc, s);
+  ps_experts.end();
+  profile::Scope ps_shared("shared expert + combine");
   Tensor ys;
   if (shared_) ys = shared_->forward(fctx, xc, keep ? &s.shared : nullptr);
   Tensor y = ops::moe_combine(s.eo.view({Tn, K, D}), s.route.topk_weight, ys);
@@ -261,6 +369,11 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
       s.route = ops::MoeRouterResult{};
       s.eo = Tensor();
       s.experts.clear();
+      s.grouped = false;
+      s.counts.clear();
+      s.order.clear();
+      s.pos.clear();
+      s.xp = s.gu = s.h = Tensor();
       s.recomputed = true;
     }
   }
@@ -298,23 +411,33 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
       ops::moe_combine_backward(dyc, R.eo.view({Tn, K, D}), R.route.topk_weight);
   const Tensor dO = cg.deo.view({Tn * K, D});
 
-  std::vector<Tensor> dparts(static_cast<size_t>(E));
-  std::vector<std::vector<int64_t>> drows(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) {
-    const ExpertSaved& es = R.experts[size_t(e)];
-    if (es.rows.empty()) continue;
-    alias_workers(e, true);
-    const Tensor dh = down_w_.backward(ctx, ops::gather_rows(dO, es.rows), es.down);  // [n, I]
-    const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);    // [n, 2I]
-    const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                     // [n, D]
-    dparts[size_t(e)] = as_dtype(dxe, cdt);
-    drows[size_t(e)] = es.rows;
+  profile::Scope ps_experts("routed experts");
+  Tensor dxk;
+  if (R.grouped) {
+    dxk = backward_experts_grouped(dO, R);
+  } else {
+    std::vector<Tensor> dparts(static_cast<size_t>(E));
+    std::vector<std::vector<int64_t>> drows(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      const ExpertSaved& es = R.experts[size_t(e)];
+      if (es.rows.empty()) continue;
+      alias_workers(e, true);
+      const Tensor dh = down_w_.backward(ctx, ops::gather_rows(dO, es.rows), es.down);  // [n, I]
+      const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);    // [n, 2I]
+      const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                     // [n, D]
+      dparts[size_t(e)] = as_dtype(dxe, cdt);
+      drows[size_t(e)] = es.rows;
+    }
+    alias_workers(-1, false);
+    dxk = scatter_rows(dparts, drows, Tn * K, D, cdt, saved.x.device());
   }
-  alias_workers(-1, false);
-  const Tensor dxk = scatter_rows(dparts, drows, Tn * K, D, cdt, saved.x.device());
 
+  ps_experts.end();
+  profile::Scope ps_shared("shared expert");
   Tensor dxs;
   if (shared_) dxs = as_dtype(shared_->backward(ctx, dyc, saved.shared), cdt);
+  ps_shared.end();
+  HLM_PROFILE("router + combine");
 
   const ops::MoeRouterConfig rc = cfg_.router_config();
   Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, cg.dw);

@@ -128,7 +128,15 @@ class MoeLayer : public Module {
     Tensor logits;  // [T, E] compute dtype
     ops::MoeRouterResult route;
     Tensor eo;                         // [T * K, D] unweighted routed expert outputs
-    std::vector<ExpertSaved> experts;  // [E]
+    std::vector<ExpertSaved> experts;  // [E] (the per-expert path)
+    // The grouped path (CUDA; see run_experts): the assignments sorted by expert, stably.
+    bool grouped = false;
+    std::vector<int64_t> counts;  // [E] assignments per expert
+    std::vector<int64_t> order;   // [T * K] the assignment a = t*K + k at sorted row p
+    std::vector<int64_t> pos;     // [T * K] its inverse: the sorted row of assignment a
+    Tensor xp;                    // [N, D] x's rows in sorted order (bf16 under a bf16 GEMM)
+    Tensor gu;                    // [N, 2I] pre-activations, compute dtype
+    Tensor h;                     // [N, I] activations (bf16 under a bf16 GEMM)
   };
 
   // Validates cfg; `path` is the module's full name (e.g. "model.layers.3.mlp"). Precisions are
@@ -169,6 +177,14 @@ class MoeLayer : public Module {
   // routed experts (eo; per-expert Saved when ctx.training), into s.
   void run_router(const Context& ctx, const Tensor& xc, const Tensor& replay, Saved& s) const;
   void run_experts(const Context& ctx, const Tensor& xc, Saved& s) const;
+  // The routed experts as two grouped GEMMs (ops::gemm_grouped, one call each for all experts)
+  // around one SwiGLU over every routed row: on CUDA, for a bf16 expert GEMM with f32
+  // activations or a native one whose weights have the activations' dtype. The same numerics as
+  // the per-expert Linear path (bf16 operands, FP32 accumulation), another summation order.
+  bool use_grouped(const Tensor& xc) const;
+  void run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const;
+  // d(eo) [T * K, D] -> d(routed rows of x) [T * K, D]; the experts' weight gradients +=.
+  Tensor backward_experts_grouped(const Tensor& deo, const Saved& s) const;
   // Point the workers at expert e (and its gradient slices); e < 0 releases them.
   void alias_workers(int64_t e, bool with_grads) const;
 

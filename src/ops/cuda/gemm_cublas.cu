@@ -127,8 +127,8 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
   const DType dt = c.dtype();
   const bool f64 = dt == DType::f64;
   const cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
-  const cudaDataType_t ty = cuda_type(dt);
-  const size_t G = groups.size(), es = dtype_size(dt);
+  const cudaDataType_t ty = cuda_type(dt), ty_ab = cuda_type(a.dtype());
+  const size_t G = groups.size(), es = dtype_size(dt), es_ab = dtype_size(a.dtype());
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (see the top of this file):
   // cuBLAS's A is our B, its m our n.
   const std::vector<cublasOperation_t> op_a(G, ta ? CUBLAS_OP_T : CUBLAS_OP_N),
@@ -146,8 +146,8 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
     lda[g] = ta ? m[g] : k[g];
     ldb[g] = tb ? k[g] : n[g];
     ldc[g] = n[g];
-    ptr[g] = reinterpret_cast<int64_t>(pa + size_t(q.a_off) * es);
-    ptr[G + g] = reinterpret_cast<int64_t>(pb + size_t(q.b_off) * es);
+    ptr[g] = reinterpret_cast<int64_t>(pa + size_t(q.a_off) * es_ab);
+    ptr[G + g] = reinterpret_cast<int64_t>(pb + size_t(q.b_off) * es_ab);
     ptr[2 * G + g] = reinterpret_cast<int64_t>(pc + size_t(q.c_off) * es);
   }
   const std::vector<float> fa(G, float(alpha)), fb(G, float(beta));
@@ -158,9 +158,10 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
   // queued work by the allocator's stream-order rule, core/cuda_cache.h).
   const Tensor dptr = Tensor::from_vector<int64_t>({int64_t(3 * G)}, ptr).to(Device::cuda);
   void* const* arr = static_cast<void* const*>(dptr.raw());
-  const cublasStatus_t st = cublasGemmGroupedBatchedEx(
-      handle(), op_b.data(), op_a.data(), n.data(), m.data(), k.data(), al, arr + G, ty, ldb.data(),
-      arr, ty, lda.data(), be, arr + 2 * G, ty, ldc.data(), int(G), size.data(), compute);
+  const cublasStatus_t st =
+      cublasGemmGroupedBatchedEx(handle(), op_b.data(), op_a.data(), n.data(), m.data(), k.data(),
+                                 al, arr + G, ty_ab, ldb.data(), arr, ty_ab, lda.data(), be,
+                                 arr + 2 * G, ty, ldc.data(), int(G), size.data(), compute);
   if (st != CUBLAS_STATUS_NOT_SUPPORTED) {
     check_cublas(st, "cublasGemmGroupedBatchedEx");
     return;
@@ -168,8 +169,8 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
   for (size_t g = 0; g < G; ++g)
     check_cublas(cublasGemmEx(handle(), op_b[g], op_a[g], n[g], m[g], k[g],
                               f64 ? static_cast<const void*>(&da[g]) : &fa[g],
-                              reinterpret_cast<const void*>(ptr[G + g]), ty, ldb[g],
-                              reinterpret_cast<const void*>(ptr[g]), ty, lda[g],
+                              reinterpret_cast<const void*>(ptr[G + g]), ty_ab, ldb[g],
+                              reinterpret_cast<const void*>(ptr[g]), ty_ab, lda[g],
                               f64 ? static_cast<const void*>(&db[g]) : &fb[g],
                               reinterpret_cast<void*>(ptr[2 * G + g]), ty, ldc[g], compute,
                               CUBLAS_GEMM_DEFAULT),

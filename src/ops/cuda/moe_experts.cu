@@ -183,11 +183,11 @@ Tensor in_dtype(const Tensor& t, DType dt) {
 void accumulate_grouped(Tensor& acc, DType dt, const Tensor& a, bool ta, const Tensor& b, bool tb,
                         const std::vector<GemmGroup>& groups) {
   if (acc.dtype() == dt) {
-    gemm_grouped(a, ta, b, tb, acc, groups, 1.0, 1.0);
+    cuda::gemm_grouped(a, ta, b, tb, acc, groups, 1.0, 1.0);
     return;
   }
   Tensor tmp = Tensor::zeros(acc.shape(), dt, Device::cuda);
-  gemm_grouped(a, ta, b, tb, tmp, groups, 1.0, 0.0);
+  cuda::gemm_grouped(a, ta, b, tb, tmp, groups, 1.0, 0.0);
   ops::add_(acc, tmp);
 }
 
@@ -236,15 +236,15 @@ void moe_experts_forward(const Tensor& x_in, const MoeWeights& w, const Tensor& 
     const std::vector<int64_t> off = host_offsets(idx_host, E);
     const Tensor xp = gather_rows(x, p.perm, K, D);
     Tensor gup = alloc({N, 2 * I}, dt), eop = alloc({N, D}, dt);
-    gemm_grouped(xp, false, gu_w, true, gup,
-                 groups_of(off,
-                           [&](int64_t e, int64_t r0, int64_t n) {
-                             return GemmGroup{n, 2 * I, D, r0 * D, e * 2 * I * D, r0 * 2 * I};
-                           }),
-                 1.0, 0.0);
+    cuda::gemm_grouped(xp, false, gu_w, true, gup,
+                       groups_of(off,
+                                 [&](int64_t e, int64_t r0, int64_t n) {
+                                   return GemmGroup{n, 2 * I, D, r0 * D, e * 2 * I * D, r0 * 2 * I};
+                                 }),
+                       1.0, 0.0);
     Tensor hp = alloc({N, I}, dt);
     swiglu_clamped_forward(gup, limit, hp);
-    gemm_grouped(
+    cuda::gemm_grouped(
         hp, false, dn_w, true, eop,
         groups_of(off, [&](int64_t e, int64_t r0,
                            int64_t n) { return GemmGroup{n, D, I, r0 * I, e * D * I, r0 * D}; }),
@@ -286,7 +286,7 @@ void moe_experts_backward(const MoeSaved& s, const MoeWeights& w,
   const Tensor gup = gather_rows(in_dtype(s.gu, dt).view({N, 2 * I}), p.perm, 1, 2 * I);
   // dhp = dOp W_dn[e]   ([n, D] [D, I])
   Tensor dhp = alloc({N, I}, dt);
-  gemm_grouped(
+  cuda::gemm_grouped(
       dOp, false, dn_w, false, dhp,
       groups_of(off, [&](int64_t e, int64_t r0,
                          int64_t n) { return GemmGroup{n, I, D, r0 * D, e * D * I, r0 * I}; }),
@@ -305,12 +305,12 @@ void moe_experts_backward(const MoeSaved& s, const MoeWeights& w,
                      }));
   // dxp = dgup W_gu[e]   ([n, 2I] [2I, D])
   Tensor dxp = alloc({N, D}, dt);
-  gemm_grouped(dgup, false, gu_w, false, dxp,
-               groups_of(off,
-                         [&](int64_t e, int64_t r0, int64_t n) {
-                           return GemmGroup{n, D, 2 * I, r0 * 2 * I, e * 2 * I * D, r0 * D};
-                         }),
-               1.0, 0.0);
+  cuda::gemm_grouped(dgup, false, gu_w, false, dxp,
+                     groups_of(off,
+                               [&](int64_t e, int64_t r0, int64_t n) {
+                                 return GemmGroup{n, D, 2 * I, r0 * 2 * I, e * 2 * I * D, r0 * D};
+                               }),
+                     1.0, 0.0);
   Tensor sdx;
   if (shared) {
     const Tensor sgu_w = in_dtype(w.shared_gate_up, dt), sdn_w = in_dtype(w.shared_down, dt);
