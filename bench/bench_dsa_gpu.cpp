@@ -14,7 +14,8 @@
 // the H100 SXM at its boost clock), and the peak device memory of each T (core/device.h). The
 // baseline is cuBLAS: the same two products as the sparse forward, for every query against 2048
 // shared keys (cublasGemmStridedBatchedEx, bf16 in, f32 accumulate), the rate dense attention
-// reaches at these shapes. Last, per T, the whole DSA layer forward and backward (time_layer).
+// reaches at these shapes. Last, per T, the whole DSA layer forward and backward (time_layer), and
+// where its time goes (core/profile.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
 #include "layers/dsa/dsa_layer.h"
@@ -164,6 +166,20 @@ void time_layer(int64_t T, int reps) {
       "  DSA layer (D 4096, bf16, sparse + indexer loss): forward %.2f ms, backward %.2f ms, "
       "indexer loss %.4g; peak device memory in use %.2f GiB\n",
       t_f, t_b, out.indexer_loss, double(m.peak_in_use_bytes) / 1073741824.0);
+  // Where the layer's time goes: one forward and backward with the profiler on (core/profile.h;
+  // the device synchronised around each scope, so the sum exceeds the times above a little).
+  profile::set_enabled(true);
+  profile::reset();
+  {
+    HLM_PROFILE("forward");
+    out = layer.forward(Context{}, x, seqs, &saved);
+  }
+  {
+    HLM_PROFILE("backward");
+    layer.backward(Context{}, dy, saved);
+  }
+  profile::set_enabled(false);
+  std::printf("%s", profile::report().c_str());
 }
 #endif
 

@@ -59,9 +59,17 @@ Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs
 }
 
 Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
-                           const Tensor& indices, double scale) {
+                           const Tensor& indices, double scale, const Tensor& lse) {
   const char* op = "attention_target_at";
   const std::vector<int64_t> cu = check_target(q, kv, indices, seqs, scale, op);
+  if (lse.defined()) {
+    detail::require_float_dev(lse, op, "lse");
+    detail::require_same_device(lse, q, op, "lse", "q");
+    detail::require_shape(lse, {q.size(0), q.size(1)}, op, "lse");
+    HLM_CHECK(lse.dtype() == detail::compute_dtype(q.dtype()),
+              "{}: lse must be in the computation dtype ({}), got {}", op,
+              dtype_name(detail::compute_dtype(q.dtype())), lse.describe());
+  }
   if (q.is_cpu())
     return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices", false), scale);
   // CUDA: the selection's pattern built and checked on the device.
@@ -69,7 +77,8 @@ Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& s
   HLM_CUDA_PATH(op, {
     const cuda::DsaPatternDev p = cuda::device_rows_pattern(indices, cu, 1, op, "indices", false);
     out = detail::new_output({p.T, p.W}, detail::compute_dtype(q.dtype()), q.device());
-    cuda::attention_target(q.contiguous(), kv.contiguous(), p, scale, out);
+    cuda::attention_target(q.contiguous(), kv.contiguous(), p, scale, out,
+                           lse.defined() ? lse.contiguous() : Tensor());
   });
   return out;
 }

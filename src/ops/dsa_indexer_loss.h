@@ -34,8 +34,12 @@ constexpr double kIndexerKlEps = 1e-10;
 Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
                         int64_t W = 0);
 // p* over explicit selections: indices [T, W] (global tokens, -1 empty) -> [T, W] (0 at -1).
+// lse (optional): [T, H] in the computation dtype, the log-sum-exp of each query and head over the
+// same set, as sparse_attention returns it for the same q, kv, indices and scale. CUDA then skips
+// its own pass over the keys for it (half the work); the CPU computes it either way (the two agree
+// to rounding).
 Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
-                           const Tensor& indices, double scale);
+                           const Tensor& indices, double scale, const Tensor& lse = {});
 
 enum class KlReduction { mean, sum };
 

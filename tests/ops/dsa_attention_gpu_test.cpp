@@ -269,6 +269,22 @@ void target_case(DType dt, const std::vector<int64_t>& lens, int64_t W, Shape4 s
   ASSERT_EQ(a_dev.dtype(), compute_of(dt));
   check("explicit target", a_dev, a_ref, compute_of(dt));
   same_bits("explicit target", ops::attention_target_at(q.dev, kv.dev, cu, gpu(sel), scale), a_dev);
+  // With the attention's lse over the same selection (the DSA layer's call): the same target up
+  // to the rounding of the lse, on both devices.
+  const Tensor lse_ref = ops::sparse_attention(q.ref, kv.ref, sel, cu, s.dv, scale).lse;
+  const Tensor lse_dev = ops::sparse_attention(q.dev, kv.dev, gpu(sel), cu, s.dv, scale).lse;
+  check("explicit target, lse given (CPU)",
+        gpu(ops::attention_target_at(q.ref, kv.ref, cu, sel, scale, lse_ref)), a_ref,
+        compute_of(dt));
+  check("explicit target, lse given",
+        ops::attention_target_at(q.dev, kv.dev, cu, gpu(sel), scale, lse_dev), a_ref,
+        compute_of(dt));
+  testing::expect_error(
+      [&] {
+        ops::attention_target_at(q.dev, kv.dev, cu, gpu(sel), scale,
+                                 gpu(Tensor::zeros({T + 1, s.H}, lse_dev.dtype())));
+      },
+      "lse must have shape");
 }
 
 const std::vector<std::vector<int64_t>> kLens = {{1}, {63}, {65}, {1, 63, 65}};

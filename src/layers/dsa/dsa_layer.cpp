@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "core/profile.h"
 #include "ops/dsa_indexer_loss.h"
 #include "ops/dsa_sparse_attention.h"
 #include "ops/tensor_ops.h"
@@ -155,16 +156,23 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
     s->full = true;
     s->given = given;
   }
+  profile::Scope ps_proj("projections");
   Projected p = project(c, x, seqs, s ? &s->proj : nullptr);
+  ps_proj.end();
   // The attention's operands (bf16 unless kv_b_proj's precision is native: attention_operand).
+  profile::Scope ps_abs("absorb q");
   const Tensor q_abs = attention_operand(absorb_query(p.q));
   const Tensor kv = attention_operand(p.kv);
+  ps_abs.end();
 
   const bool want_loss = c.training && indexer_ && lcfg_.indexer_loss;
   const bool use_given = given.defined() && (stage == DsaStage::sparse || !indexer_);
   const bool run_indexer = indexer_ && ((stage == DsaStage::sparse && !use_given) || want_loss);
   DsaIndexer::Output sel;
-  if (run_indexer) sel = indexer_->forward(c, x, p.c_q, seqs, want_loss ? &s->indexer : nullptr);
+  if (run_indexer) {
+    HLM_PROFILE("indexer");
+    sel = indexer_->forward(c, x, p.c_q, seqs, want_loss ? &s->indexer : nullptr);
+  }
   // The attended set: the given one, the indexer's selection, or every causal token. On CUDA the
   // last needs no index tensor ([T, longest] would not fit at long T): ops::causal_attention,
   // and Output::indices stays undefined.
@@ -178,17 +186,25 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
   else if (!implicit)
     indices = Mla::causal_indices(cu, T);
 
+  profile::Scope ps_att("attention");
   ops::SparseAttentionOut att = implicit
                                     ? ops::causal_attention(q_abs, kv, seqs, rkv, scale)
                                     : ops::sparse_attention(q_abs, kv, indices, seqs, rkv, scale);
+  ps_att.end();
+  profile::Scope ps_out("output");
   Output out;
   out.y = as_dt(output(c, attention_operand(att.out), s ? &s->out : nullptr), x.dtype());
   out.indices = indices;
+  ps_out.end();
 
   if (want_loss) {
+    HLM_PROFILE("indexer loss");
     const bool dense = stage == DsaStage::dense_warmup;
+    // The attention ran over the indexer's own selection: its lse is the target's.
+    const bool same_set = !use_given && !causal_set;
     const Tensor target = dense ? ops::attention_target(q_abs, kv, seqs, scale)
-                                : ops::attention_target_at(q_abs, kv, seqs, sel.indices, scale);
+                                : ops::attention_target_at(q_abs, kv, seqs, sel.indices, scale,
+                                                           same_set ? att.lse : Tensor());
     IndexerLossOptions lo;
     lo.stage = dense ? IndexerLossStage::dense : IndexerLossStage::sparse;
     lo.coeff = lcfg_.indexer_loss_coeff;
@@ -240,18 +256,27 @@ Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_
   Context c;
   const int64_t rkv = config().kv_lora_rank;
   const double scale = config().softmax_scale_value();
+  profile::Scope ps_out("output");
   const Tensor dol =
       attention_operand(output_backward(c, ops::contiguous(as_dt(dy, compute_dtype())), s.out));
+  ps_out.end();
+  profile::Scope ps_att("attention");
   const Tensor kv = attention_operand(s.p.kv), o_lat = attention_operand(s.out.o_lat);
   const ops::SparseAttentionGrads g =
       s.indices.defined()
           ? ops::sparse_attention_backward(s.q_abs, kv, s.indices, s.seqs, rkv, scale, o_lat, s.lse,
                                            dol)
           : ops::causal_attention_backward(s.q_abs, kv, s.seqs, rkv, scale, o_lat, s.lse, dol);
+  ps_att.end();
   // The attention's gradients as CUDA returns them (bf16 unless native) on both devices.
+  profile::Scope ps_abs("absorb q");
   const Tensor dq = absorb_query_backward(attention_operand(g.dq), s.p.q);
+  ps_abs.end();
+  profile::Scope ps_proj("projections");
   Tensor dx = project_backward(c, dq, attention_operand(g.dkv), s.proj);
+  ps_proj.end();
   if (s.has_loss && indexer_grad_scale != 0) {
+    HLM_PROFILE("indexer loss");
     IndexerLossOptions lo;
     lo.stage =
         s.stage == DsaStage::dense_warmup ? IndexerLossStage::dense : IndexerLossStage::sparse;

@@ -616,19 +616,28 @@ void launch_fwd(const T* q, const T* kv, Keys keys, T* out, acc_t<T>* lse, int64
 // out [T, W] must be zeroed by the caller when H == 0.
 template <class T, class Keys>
 void launch_target(const T* q, const T* kv, Keys keys, acc_t<T>* out, int64_t T_, int H, int D,
-                   int64_t W, double scale) {
+                   int64_t W, double scale, const acc_t<T>* known_lse = nullptr) {
   using A = acc_t<T>;
   const char* what = "attention_target";
   if (T_ == 0 || W == 0 || H == 0) return;
-  const Tensor lse = alloc({T_, H}, std::is_same_v<A, double> ? DType::f64 : DType::f32);
-  launch_fwd<T, Keys>(q, kv, keys, nullptr, mptr<A>(lse), T_, H, D, 0, scale, what);
+  Tensor lse_t;
+  const A* lse = known_lse;
+  if (lse == nullptr) {
+    lse_t = alloc({T_, H}, std::is_same_v<A, double> ? DType::f64 : DType::f32);
+    launch_fwd<T, Keys>(q, kv, keys, nullptr, mptr<A>(lse_t), T_, H, D, 0, scale, what);
+    lse = cptr<A>(lse_t);
+  }
+  if constexpr (std::is_same_v<T, nv_bf16>) {
+    // BF16 on tensor cores (dsa_attention_mma.cu) where the shapes fit.
+    if (attention_target_mma(q, kv, keys, lse, out, T_, H, D, W, scale, what)) return;
+  }
   const Geom g = pick_geom(H, D, 0, target_smem<A>, what);
   HLM_CHECK(T_ < (int64_t(1) << 31), "{}: T = {} exceeds the grid limit", what, T_);
   with_hg(g.hg, [&](auto hgc) {
     constexpr int HG = decltype(hgc)::value;
     set_smem(reinterpret_cast<const void*>(&target_kernel<T, HG, Keys>), g.smem, what);
-    target_kernel<T, HG, Keys><<<unsigned(T_), kThreads, g.smem>>>(q, kv, keys, cptr<A>(lse), out,
-                                                                   H, D, W, g.kt, A(scale));
+    target_kernel<T, HG, Keys>
+        <<<unsigned(T_), kThreads, g.smem>>>(q, kv, keys, lse, out, H, D, W, g.kt, A(scale));
     check_launch(what);
   });
 }
@@ -756,7 +765,7 @@ void causal_attention_backward(const Tensor& q, const Tensor& kv, const std::vec
 }
 
 void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd, double scale,
-                      Tensor& out) {
+                      Tensor& out, const Tensor& lse) {
   const char* what = "attention_target_at";
   const int H = as_int(q.size(1), what, "H"), D = as_int(q.size(2), what, "D_qk");
   if (pd.T == 0) return;
@@ -765,7 +774,7 @@ void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd
     using T_ = decltype(tx);
     using A = acc_t<T_>;
     launch_target<T_, PatternKeys>(cptr<T_>(q), cptr<T_>(kv), pattern_keys(pd), mptr<A>(out), pd.T,
-                                   H, D, pd.W, scale);
+                                   H, D, pd.W, scale, lse.defined() ? cptr<A>(lse) : nullptr);
   });
 }
 

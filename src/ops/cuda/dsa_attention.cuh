@@ -32,9 +32,10 @@ void causal_attention_backward(const Tensor& q, const Tensor& kv, const std::vec
                                int64_t d_v, double scale, const Tensor& out, const Tensor& lse,
                                const Tensor& d_out, Tensor& dq, Tensor& dkv);
 
-// p* [T, W] (computation dtype) over the entries of an explicit pattern; 0 elsewhere.
+// p* [T, W] (computation dtype) over the entries of an explicit pattern; 0 elsewhere. lse: the
+// rows' log-sum-exp [T, H] when known (undefined: computed here first).
 void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& p, double scale,
-                      Tensor& out);
+                      Tensor& out, const Tensor& lse = {});
 // p* [T, W] over the dense causal sets of the packed batch `cu` (column j = document token j;
 // 0 beyond the query's position): no host pattern, the keys come from the per-token layout.
 void attention_target_dense(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,

@@ -31,6 +31,9 @@
 // readers in increasing (t, slot) order, head groups in order, an FP32 sum), so dkv needs no
 // atomics. The workspace holds a chunk of queries at a time (at most 2 GiB; a per-key cursor
 // carries each key's place in its reader list from chunk to chunk).
+// The indexer loss's target (target_kernel): per query, all heads (H <= 64) in one block, the
+// forward's score tiles by mma from the attention's lse, the weights exp(l - lse) summed over the
+// heads per key and normalised over the row; FP32 throughout after the BF16 products.
 // Every sum runs in an order fixed by the shapes (the mma k steps, the tiles, the butterflies, the
 // reader lists), so the results repeat bit for bit.
 // Precision: the scores are exact BF16 products summed in FP32. The forward's p enters the value
@@ -648,7 +651,140 @@ bool launch(const nv_bf16* q, const nv_bf16* kv, const Keys& keys, nv_bf16* out,
   return true;
 }
 
+// ---- the indexer loss's target --------------------------------------------------------------
+
+// Shared memory of the target kernel: q and two key tiles (bf16), the score tile, the heads' lse,
+// the per-key partial sums [kThreads / NK][NK] and the warps' partial totals (f32).
+inline size_t target_smem_bytes(int mt, int nk, int D) {
+  const size_t hg = size_t(16 * mt), qs = size_t(row_stride(D));
+  return 2 * (hg * qs + 2 * size_t(nk) * qs) +
+         4 * (hg * size_t(score_stride(nk)) + hg + size_t(kThreads) + size_t(kWarps));
+}
+
+// p*[t, slot of key j] = sum_h exp(scale q_h . k_j - lse_h) / (the same summed over the row's keys)
+// for one query t per block, all H <= 64 heads in the block (16 MT rows, the padding heads with
+// lse = +inf add 0): the forward's score tiles by mma (the same products as its lse), then per key
+// the sum over heads in head order (kThreads / NK threads per key, each a run of consecutive
+// heads, then their partial sums in order), written unnormalised; at the end the row's total over
+// its keys (each thread a fixed stride of keys, then the warps in order) and every entry divided
+// by it. Entries outside the set stay 0.
+template <int MT, int NK, class Keys>
+__global__ void __launch_bounds__(kThreads, 1)
+    target_kernel(const nv_bf16* __restrict__ q, const nv_bf16* __restrict__ kv, Keys keys,
+                  const float* __restrict__ lse, float* __restrict__ out, int H, int D, int64_t W,
+                  float scale) {
+  constexpr int HG = 16 * MT;
+  constexpr int NW = kWarps / MT;
+  constexpr int kN = NK, kSS = score_stride(NK);
+  constexpr int SNT = kN / NW / 8;
+  constexpr int PARTS = kThreads / kN, HPP = HG / PARTS;  // threads per key, heads per thread
+  static_assert(SNT >= 1 && HPP >= 1 && HG % PARTS == 0, "tile shapes");
+  extern __shared__ float4 smem4[];
+  const int QS = row_stride(D);
+  nv_bf16* qs = reinterpret_cast<nv_bf16*>(smem4);
+  nv_bf16* ks = qs + HG * QS;
+  float* ss = reinterpret_cast<float*>(ks + 2 * kN * QS);
+  float* lrow = ss + HG * kSS;
+  float* part = lrow + HG;
+  float* red = part + kThreads;
+
+  const int64_t t = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int64_t f = keys.first(t), n = keys.count(t);
+  float* orow = out + t * W;
+  for (int64_t j = tid; j < W; j += kThreads) orow[j] = 0.f;
+  rows_async(qs, QS, HG, D, [&](int h) { return h < H ? q + (t * H + h) * D : nullptr; });
+  if (tid < HG) lrow[tid] = tid < H ? lse[t * H + tid] : INFINITY;
+  const auto load_tile = [&](int64_t j0, int b) {
+    rows_async(ks + b * kN * QS, QS, kN, D,
+               [&](int j) { return j0 + j < n ? kv + keys.key_at(f, j0 + j) * D : nullptr; });
+  };
+  const int mi = warp % MT, wi = warp / MT, r0 = 16 * mi;
+  for_each_tile<NK>(n, load_tile, [&](int b, int64_t j0, int nj) {
+    const nv_bf16* kb = ks + b * kN * QS;
+    {
+      const int n0 = wi * (kN / NW);
+      float sacc[SNT][4];
+      zero(sacc);
+      abt_products(sacc, qs, QS, r0, kb, QS, n0, D);
+#pragma unroll
+      for (int j = 0; j < SNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = r0 + g + 8 * (e >> 1), col = n0 + 8 * j + 2 * tq + (e & 1);
+          ss[row * kSS + col] = scale * sacc[j][e];
+        }
+    }
+    __syncthreads();
+    {
+      const int c = tid % kN, pp = tid / kN;
+      float s = 0.f;
+#pragma unroll 4
+      for (int h = pp * HPP; h < (pp + 1) * HPP; ++h) s += expf(ss[h * kSS + c] - lrow[h]);
+      part[pp * kN + c] = s;
+    }
+    __syncthreads();
+    if (tid < nj) {
+      float v = 0.f;
+#pragma unroll
+      for (int pp = 0; pp < PARTS; ++pp) v += part[pp * kN + tid];
+      orow[keys.slot_at(f, j0 + tid)] = v;
+    }
+  });
+  __syncthreads();
+  float tot = 0.f;
+  for (int64_t j = tid; j < n; j += kThreads) tot += orow[keys.slot_at(f, j)];
+#pragma unroll
+  for (int o = 16; o >= 1; o /= 2) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+  if (lane == 0) red[warp] = tot;
+  __syncthreads();
+  tot = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) tot += red[w];
+  for (int64_t j = tid; j < n; j += kThreads) {
+    const int64_t sl = keys.slot_at(f, j);
+    orow[sl] = orow[sl] / tot;
+  }
+}
+
+template <class Keys>
+bool launch_target(const nv_bf16* q, const nv_bf16* kv, const Keys& keys, const float* lse,
+                   float* out, int64_t T, int H, int D, int64_t W, double scale, const char* what) {
+  if (H > 64 || !fits(D, 0, q, kv)) return false;
+  const int mt = H <= 16 ? 1 : H <= 32 ? 2 : 4;
+  const size_t optin = size_t(smem_optin());
+  int nk = 0;
+  for (int c : {64, 32, 16})
+    if (nk == 0 && 16 * mt * c >= 1024 && target_smem_bytes(mt, c, D) <= optin) nk = c;
+  if (nk == 0) return false;
+  if (T == 0 || H == 0 || W == 0) return true;
+  HLM_CHECK(T < (int64_t(1) << 31), "{}: T = {} exceeds the grid limit", what, T);
+  const size_t smem = target_smem_bytes(mt, nk, D);
+  const auto go = [&](auto mc, auto nc) {
+    constexpr int MT = decltype(mc)::value, NK = decltype(nc)::value;
+    if constexpr (16 * MT * NK >= 1024) {
+      const auto kernel = &target_kernel<MT, NK, Keys>;
+      set_smem(reinterpret_cast<const void*>(kernel), smem, what);
+      kernel<<<unsigned(T), kThreads, smem>>>(q, kv, keys, lse, out, H, D, W, float(scale));
+      check_launch(what);
+    }
+  };
+  with_tiles(mt, nk, go);
+  return true;
+}
+
 }  // namespace
+
+bool attention_target_mma(const nv_bf16* q, const nv_bf16* kv, const PatternKeys& keys,
+                          const float* lse, float* out, int64_t T, int H, int D, int64_t W,
+                          double scale, const char* what) {
+  return launch_target(q, kv, keys, lse, out, T, H, D, W, scale, what);
+}
+bool attention_target_mma(const nv_bf16* q, const nv_bf16* kv, const DenseKeys& keys,
+                          const float* lse, float* out, int64_t T, int H, int D, int64_t W,
+                          double scale, const char* what) {
+  return launch_target(q, kv, keys, lse, out, T, H, D, W, scale, what);
+}
 
 bool attention_fwd_mma(const nv_bf16* q, const nv_bf16* kv, const PatternKeys& keys, nv_bf16* out,
                        float* lse, int64_t T, int H, int D, int dv, double scale,

@@ -25,6 +25,16 @@ bool attention_fwd_mma(const nv_bf16* q, const nv_bf16* kv, const DenseKeys& key
 // ([T, H] f32), as dsa_attention.cu's backward; max_keys bounds the keys of one query (the
 // selection's width, or the longest document). For DenseKeys, keys.entry_base must be set. Returns
 // false, launching nothing, where the shapes do not fit (as attention_fwd_mma, or D_qk > 576).
+// The indexer loss's target p* [T, W] (f32, zeroed here; ops/dsa_indexer_loss.h) from the rows'
+// lse [T, H], all heads of a query in one block: false (nothing done) where the shapes do not fit
+// (H > 64, D % 32 != 0, shared memory).
+bool attention_target_mma(const nv_bf16* q, const nv_bf16* kv, const PatternKeys& keys,
+                          const float* lse, float* out, int64_t T, int H, int D, int64_t W,
+                          double scale, const char* what);
+bool attention_target_mma(const nv_bf16* q, const nv_bf16* kv, const DenseKeys& keys,
+                          const float* lse, float* out, int64_t T, int H, int D, int64_t W,
+                          double scale, const char* what);
+
 bool attention_bwd_mma(const nv_bf16* q, const nv_bf16* kv, const nv_bf16* dout, const float* lse,
                        const float* delta, const PatternKeys& keys, int64_t nkeys, int64_t max_keys,
                        nv_bf16* dq, nv_bf16* dkv, int64_t T, int H, int D, int dv, double scale,
