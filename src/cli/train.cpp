@@ -161,7 +161,8 @@ std::function<void()> setup_train(CLI::App& app) {
 
 }  // namespace
 
-HLM_REGISTER_COMMAND("train", "train a hybrid model on the CPU (default: tiny hybrid on MQAR)",
+HLM_REGISTER_COMMAND("train",
+                     "train a hybrid model on the CPU or one GPU (default: tiny hybrid on MQAR)",
                      setup_train);
 
 }  // namespace hlm::cli

@@ -3,9 +3,11 @@
 // residual arithmetic of the MTP block, the embedding, the head and the losses.
 #include "model/hybrid_model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/enum_names.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
 #include "ops/cross_entropy.h"
@@ -56,6 +58,49 @@ Tensor host_i64(const Tensor& t) {
 // A host tensor on device dev (itself on the CPU).
 Tensor on(Device dev, const Tensor& t) {
   return dev == Device::cpu ? t : t.to(dev);
+}
+
+// The targets of a host i64 tensor that are not ignored (-100).
+int64_t count_targets(const Tensor& host_targets) {
+  int64_t n = 0;
+  const int64_t* p = host_targets.data<int64_t>();
+  for (int64_t i = 0; i < host_targets.numel(); ++i) n += p[i] != -100;
+  return n;
+}
+
+// The output head and its cross-entropy in chunks of rows, so that no [T, V] logits are held
+// (training on CUDA): for each chunk the logits, the chunk's row losses, their gradient and the
+// head's backward. `count` is the whole batch's count of targets, so every row's dlogits is the
+// unchunked one (dloss (softmax - onehot) / count) and the mean is the row losses summed in FP64
+// in token order, as the unchunked op sums them. Returns the mean loss and d hidden (dloss
+// included); the head's weight gradient accumulates here, in the forward.
+struct HeadLoss {
+  double loss = 0;
+  Tensor d_hidden;
+};
+HeadLoss chunked_head_loss(const Context& ctx, Linear& head, const Tensor& hidden,
+                           const Tensor& targets, int64_t count, double dloss, int64_t rows) {
+  const int64_t T = hidden.size(0), V = head.out_features();
+  // Chunks of at most 512 MiB of f32 logits unless given.
+  if (rows <= 0) rows = std::max<int64_t>(1, (int64_t(1) << 27) / std::max<int64_t>(V, 1));
+  HeadLoss r;
+  r.d_hidden = Tensor::empty(hidden.shape(), hidden.dtype(), hidden.device());
+  double sum = 0;
+  for (int64_t r0 = 0; r0 < T; r0 += rows) {
+    const int64_t r1 = std::min(T, r0 + rows);
+    const Tensor h = ops::contiguous(hidden.slice(0, r0, r1));
+    const Tensor tg = targets.slice(0, r0, r1);
+    Linear::Saved hs;
+    const Tensor logits = head.forward(ctx, h, &hs);
+    ops::CrossEntropyResult ce = ops::cross_entropy_forward(logits, tg);
+    for (double v : ce.row_loss.to(Device::cpu).to_f64_vector()) sum += v;
+    const Tensor dh =
+        head.backward(ctx, ops::cross_entropy_backward(logits, tg, ce, dloss, count), hs);
+    Tensor dst = r.d_hidden.slice(0, r0, r1);
+    ops::copy_into(dst, dh);
+  }
+  r.loss = count > 0 ? sum / double(count) : 0.0;
+  return r;
 }
 
 Tensor normal_tensor(const Shape& shape, DType dt, uint64_t seed, uint64_t stream, double std) {
@@ -385,8 +430,11 @@ class DecoderLayer : public Module {
     s->x = x;
     const int64_t T = x.size(0), D = x.size(2);
     // Attention site.
+    profile::Scope ps_hc("mhc + norm");
     Tensor u = mhc_ ? attn_hc_->collapse(c, x, s->attn_site) : x.reshape({T, D});
     Tensor a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
+    ps_hc.end();
+    profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor y;
     if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
@@ -398,11 +446,17 @@ class DecoderLayer : public Module {
         out->indices = o.indices;
       }
     }
+    ps_att.end();
+    profile::Scope ps_hc2("mhc + norm");
     Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
     // FFN site.
     Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
     Tensor b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
+    ps_hc2.end();
+    profile::Scope ps_ffn(ffn_->moe() ? "moe" : "mlp");
     Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay);
+    ps_ffn.end();
+    HLM_PROFILE("mhc + norm");
     return mhc_ ? ffn_hc_->write_back(c, f, s->ffn_site) : add(x1, f.reshape({T, 1, D}));
   }
 
@@ -411,6 +465,7 @@ class DecoderLayer : public Module {
     const Context c = sub_ctx(ctx);
     const int64_t T = dx2.size(0), D = dx2.size(2);
     // FFN site.
+    profile::Scope ps_hc("mhc + norm");
     MhcSite::Partial p2;
     Tensor dy2;
     if (mhc_) {
@@ -419,7 +474,11 @@ class DecoderLayer : public Module {
     } else {
       dy2 = dx2.reshape({T, D});
     }
+    ps_hc.end();
+    profile::Scope ps_ffn(ffn_->moe() ? "moe" : "mlp");
     Tensor db = ffn_->backward(c, dy2, s.ffn, d_aux);
+    ps_ffn.end();
+    profile::Scope ps_hc2("mhc + norm");
     Tensor du2 = post_norm_->backward(c, db, s.post_norm);
     Tensor dx1 = mhc_ ? ffn_hc_->backward_collapse(c, du2, s.ffn_site, p2)
                       : add(dx2, du2.reshape({T, 1, D}));
@@ -432,8 +491,12 @@ class DecoderLayer : public Module {
     } else {
       dy1 = dx1.reshape({T, D});
     }
+    ps_hc2.end();
+    profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor da =
         kda_ ? kda_->backward(c, dy1, s.kda).dx : dsa_->backward(c, dy1, s.dsa, indexer_scale);
+    ps_att.end();
+    HLM_PROFILE("mhc + norm");
     Tensor du = in_norm_->backward(c, da, s.in_norm);
     return mhc_ ? attn_hc_->backward_collapse(c, du, s.attn_site, p1)
                 : add(dx1, du.reshape({T, 1, D}));
@@ -570,6 +633,9 @@ struct HybridModel::Saved {
   Linear::Saved head;
   Tensor logits;
   ops::CrossEntropyResult ce;
+  // The chunked head + loss (chunked_head_loss): d hidden computed in the forward.
+  bool fused_head = false;
+  Tensor d_hidden_head;
   // MTP
   bool has_mtp = false;
   double mtp_scale = 0;
@@ -580,6 +646,8 @@ struct HybridModel::Saved {
   Linear::Saved mtp_head;
   Tensor mtp_logits;
   ops::CrossEntropyResult mtp_ce;
+  bool mtp_fused = false;
+  Tensor d_mtp_out;  // the chunked MTP head's d(MTP block output)
 };
 
 void HybridModel::SavedDeleter::operator()(Saved* s) const {
@@ -679,7 +747,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   s->layers.resize(layers_.size());
 
   ModelOutput out;
+  profile::Scope ps_emb("embedding");
   Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, s->tokens_dev), cdt);
+  ps_emb.end();
   const int64_t n = cfg_.mhc.streams();
   Tensor x = cfg_.mhc.enabled ? ops::mhc_expand(e, n) : e.reshape({T, 1, D});
   int64_t n_dsa = 0;
@@ -719,6 +789,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     }
     out.indexer_loss += lo.indexer_loss;
   }
+  profile::Scope ps_head("final norm + head + loss");
   Tensor h = cfg_.mhc.enabled ? ops::mhc_mean_contract(x) : x.reshape({T, D});
   s->h = h;
   out.hidden = norm_->forward(ctx, h, train ? &s->norm : nullptr);
@@ -733,11 +804,26 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->d_hidden_processor = dh;
     objective += out.lm_loss;
   }
-  if ((in.logits || has_targets) && !in.output_processor) {
+  // Training on CUDA without logits asked for: the head and the loss in chunks of rows.
+  const bool fused =
+      train && has_targets && !in.logits && !in.output_processor && dev != Device::cpu;
+  if (fused && cfg_.tie_word_embeddings) lm_head_->weight().grad = embed_->grad;
+  if (fused) {
+    s->targets = host_i64(in.targets);
+    s->targets_dev = on(dev, s->targets);
+    out.lm_count = count_targets(s->targets);
+    HeadLoss hl = chunked_head_loss(ctx, *lm_head_, out.hidden, s->targets_dev, out.lm_count, 1.0,
+                                    opt_.loss_chunk_rows);
+    out.lm_loss = hl.loss;
+    s->fused_head = true;
+    s->d_hidden_head = hl.d_hidden;
+    objective += out.lm_loss;
+  }
+  if ((in.logits || has_targets) && !in.output_processor && !fused) {
     out.logits = lm_head_->forward(ctx, out.hidden, train ? &s->head : nullptr);
     s->logits = out.logits;
   }
-  if (has_targets && !in.output_processor) {
+  if (has_targets && !in.output_processor && !fused) {
     s->targets = host_i64(in.targets);
     s->targets_dev = on(dev, s->targets);
     s->ce = ops::cross_entropy_forward(out.logits, s->targets_dev);
@@ -747,7 +833,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     objective += out.lm_loss;
   }
 
+  ps_head.end();
   if (mtp_ && has_targets) {
+    HLM_PROFILE("mtp");
     // Inputs: the embedding of token i+1 (zeros at a sequence's last position); targets: the
     // target of position i+1 (the token i+2), ignored where i+1 is outside the sequence.
     const std::vector<int64_t> next = successors(cu_vec);
@@ -776,13 +864,23 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
       out.expert_topk.push_back(mo.topk);
     }
     out.indexer_loss += mo.indexer_loss;
-    out.mtp_logits = lm_head_->forward(ctx, o, train ? &s->mtp_head : nullptr);
-    s->mtp_logits = out.mtp_logits;
-    s->mtp_ce = ops::cross_entropy_forward(out.mtp_logits, s->mtp_targets);
-    out.mtp_loss = s->mtp_ce.loss;
-    out.mtp_count = s->mtp_ce.count;
-    s->has_mtp = true;
     s->mtp_scale = cfg_.mtp.loss_scaling_factor;
+    if (fused) {
+      out.mtp_count =
+          int64_t(std::count_if(mt.begin(), mt.end(), [](int64_t v) { return v != -100; }));
+      HeadLoss hl = chunked_head_loss(ctx, *lm_head_, o, s->mtp_targets, out.mtp_count,
+                                      s->mtp_scale, opt_.loss_chunk_rows);
+      out.mtp_loss = hl.loss;
+      s->mtp_fused = true;
+      s->d_mtp_out = hl.d_hidden;
+    } else {
+      out.mtp_logits = lm_head_->forward(ctx, o, train ? &s->mtp_head : nullptr);
+      s->mtp_logits = out.mtp_logits;
+      s->mtp_ce = ops::cross_entropy_forward(out.mtp_logits, s->mtp_targets);
+      out.mtp_loss = s->mtp_ce.loss;
+      out.mtp_count = s->mtp_ce.count;
+    }
+    s->has_mtp = true;
     objective += s->mtp_scale * out.mtp_loss;
   }
   if (in.aux_losses) objective += out.aux_loss + out.indexer_loss;
@@ -802,11 +900,13 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
     lm_head_->weight().grad = embed_->grad;
   }
   // Gradient of the hidden states (after model.norm).
+  profile::Scope ps_head("final norm + head + loss");
   Tensor d_hidden;
   if (s.has_lm) {
     Tensor dlogits = ops::cross_entropy_backward(s.logits, s.targets_dev, s.ce, 1.0);
     d_hidden = lm_head_->backward(ctx, dlogits, s.head);
   }
+  if (s.fused_head) d_hidden = s.d_hidden_head;
   if (s.has_processor) add_into(d_hidden, s.d_hidden_processor);
   if (d_extra.defined()) {
     HLM_CHECK(d_extra.dim() == 2 && d_extra.size(0) == T && d_extra.size(1) == D,
@@ -815,11 +915,16 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   }
   if (!d_hidden.defined()) d_hidden = Tensor::zeros({T, D}, cdt, embed_->value.device());
   Tensor dh = norm_->backward(ctx, d_hidden, s.norm);
+  ps_head.end();
   // MTP: its loss reaches h, the embedding (through the next tokens) and its own block.
   if (s.has_mtp) {
-    Tensor dlogits =
-        ops::cross_entropy_backward(s.mtp_logits, s.mtp_targets, s.mtp_ce, s.mtp_scale);
-    Tensor dout = lm_head_->backward(ctx, dlogits, s.mtp_head);
+    HLM_PROFILE("mtp");
+    Tensor dout = s.mtp_fused
+                      ? s.d_mtp_out
+                      : lm_head_->backward(ctx,
+                                           ops::cross_entropy_backward(s.mtp_logits, s.mtp_targets,
+                                                                       s.mtp_ce, s.mtp_scale),
+                                           s.mtp_head);
     auto [de, dh_mtp] = mtp_->backward(ctx, dout, s.mtp, d_aux, d_aux);
     dh = add(dh, dh_mtp);
     const uint8_t* valid = s.next_valid.data<uint8_t>();
@@ -838,6 +943,7 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
     }
     dx = layers_[l]->backward(ctx, dx, s.layers[l], s.seqs, d_aux, d_aux, rp);
   }
+  HLM_PROFILE("embedding");
   Tensor de = cfg_.mhc.enabled ? ops::mhc_expand_backward(dx) : dx.reshape({T, D});
   ops::embedding_backward(de, s.tokens_dev, embed_->grad);
 }

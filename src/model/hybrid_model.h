@@ -64,6 +64,9 @@ struct HybridModelOptions {
   uint64_t seed = 0;         // deterministic initialisation
   Recompute recompute = Recompute::none;
   bool mtp = true;  // build the MTP block when the config has one
+  // Rows per chunk of the chunked head + loss (ModelInputs::logits); 0: as many as 512 MiB of
+  // f32 logits hold.
+  int64_t loss_chunk_rows = 0;
 };
 
 // The caller's own output projection and loss (Megatron's output_processor): given the final
@@ -72,10 +75,14 @@ struct HybridModelOptions {
 using OutputProcessor = std::function<double(const Tensor& hidden, Tensor* d_hidden)>;
 
 struct ModelInputs {
-  Tensor tokens;                     // [T] i64 / i32 token ids in [0, vocab)
-  Tensor cu_seqlens;                 // [N+1] (undefined: one sequence of T tokens)
-  Tensor targets;                    // [T] next-token targets, -100 ignored (undefined: no loss)
-  bool logits = true;                // compute logits (always when targets are given)
+  Tensor tokens;      // [T] i64 / i32 token ids in [0, vocab)
+  Tensor cu_seqlens;  // [N+1] (undefined: one sequence of T tokens)
+  Tensor targets;     // [T] next-token targets, -100 ignored (undefined: no loss)
+  // Compute logits (on the CPU always when targets are given). false in a training forward with
+  // targets on CUDA: the output head and the cross-entropy run in chunks of rows and no [T, V]
+  // logits are held (ModelOutput::logits / mtp_logits undefined; lm_head's gradient and d hidden
+  // are computed in the forward, the backward uses them).
+  bool logits = true;
   bool aux_losses = true;            // add the MoE aux and indexer losses to the objective
   OutputProcessor output_processor;  // optional: replaces lm_head + CE for the main loss
   // Routing replay: per MoE layer (main layers in order, then MTP), [T, K] indices or undefined.

@@ -84,7 +84,7 @@ CrossEntropyResult cross_entropy_forward(const Tensor& logits_, const Tensor& ta
 }
 
 Tensor cross_entropy_backward(const Tensor& logits_, const Tensor& targets,
-                              const CrossEntropyResult& saved, double dloss) {
+                              const CrossEntropyResult& saved, double dloss, int64_t mean_count) {
   constexpr const char* op = "cross_entropy_backward";
   const Targets tg = check_inputs(op, logits_, targets, saved.ignore_index);
   if (logits_.device() == Device::cpu)
@@ -94,13 +94,17 @@ Tensor cross_entropy_backward(const Tensor& logits_, const Tensor& targets,
   HLM_CHECK(tg.count == saved.count,
             "{}: saved.count {} does not match the targets ({} not ignored)", op, saved.count,
             tg.count);
+  HLM_CHECK(mean_count == 0 || mean_count >= tg.count,
+            "{}: mean_count must be 0 or at least the rows' count of targets ({}), got {}", op,
+            tg.count, mean_count);
+  const int64_t count = mean_count > 0 ? mean_count : tg.count;
   const Tensor logits = logits_.contiguous(), lse = saved.lse.contiguous();
   Tensor dx = detail::new_output(logits.shape(), logits.dtype(), logits.device());
   if (logits.device() == Device::cpu) {
-    cpu::cross_entropy_backward(logits, tg.host, lse, saved.ignore_index, tg.count, dloss, dx);
+    cpu::cross_entropy_backward(logits, tg.host, lse, saved.ignore_index, count, dloss, dx);
   } else {
-    HLM_CUDA_PATH(op, cuda::cross_entropy_backward(logits, tg.dev, lse, saved.ignore_index,
-                                                   tg.count, dloss, dx));
+    HLM_CUDA_PATH(op, cuda::cross_entropy_backward(logits, tg.dev, lse, saved.ignore_index, count,
+                                                   dloss, dx));
   }
   return dx;
 }

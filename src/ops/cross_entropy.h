@@ -30,8 +30,11 @@ struct CrossEntropyResult {
 
 CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& targets,
                                          int64_t ignore_index = -100);
-// Returns dlogits [T, V] (the logits' dtype) for d(loss)/d(loss) = dloss.
+// Returns dlogits [T, V] (the logits' dtype) for d(loss)/d(loss) = dloss. mean_count > 0: the
+// rows are a chunk of a larger batch whose mean divides by mean_count (>= the chunk's count), so
+// dlogits = dloss (softmax - onehot) / mean_count, each row the whole batch's.
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets,
-                              const CrossEntropyResult& saved, double dloss = 1.0);
+                              const CrossEntropyResult& saved, double dloss = 1.0,
+                              int64_t mean_count = 0);
 
 }  // namespace hlm::ops

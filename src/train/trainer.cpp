@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -16,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/json.h"
+#include "core/profile.h"
 #include "model/checkpoint.h"
 #include "ops/cross_entropy.h"
 #include "tokenizer/tokenizer.h"
@@ -910,26 +912,38 @@ TrainSummary Trainer::run() {
     const Batch batch = data_->batch(s);
     const double lr = sched_->at(s);
     const double t0 = now_s();
+    const bool on_gpu = opts_.device != Device::cpu;
+    if (on_gpu) cuda_reset_peak_memory();
+    profile::Scope ps_step("step");
     model_->zero_grad();
     ModelInputs in;
     in.tokens = batch.tokens;
     in.cu_seqlens = batch.cu_seqlens;
     in.targets = batch.targets;
+    in.logits = false;  // on CUDA: the head and the loss in chunks (no [T, V] logits held)
     HybridModel::SavedPtr saved;
+    profile::Scope ps_fwd("forward");
     ModelOutput out = model_->forward(ctx, in, &saved);
+    ps_fwd.end();
     StepResult r;
     std::string bad;
     if (!std::isfinite(out.loss)) {
       bad = nonfinite_loss_message(out);
     } else {
+      profile::Scope ps_bwd("backward");
       model_->backward(ctx, *saved);
+      ps_bwd.end();
       if (opts_.hooks.after_backward) opts_.hooks.after_backward(s, *model_);
+      HLM_PROFILE("optimizer");
       r = opt_->step(lr);
       if (!r.finite || !std::isfinite(r.grad_norm))
         bad = nonfinite_gradient_message(*model_, r.grad_norm);
     }
     saved.reset();
     if (bad.empty()) model_->update_moe_bias(out.expert_counts);
+    ps_step.end();
+    const uint64_t peak = on_gpu ? cuda_memory_stats().peak_in_use_bytes : 0;
+    sum.peak_device_bytes = std::max(sum.peak_device_bytes, peak);
     const double dt = now_s() - t0;
     train_time += dt;
     interval_time += dt;
@@ -949,6 +963,7 @@ TrainSummary Trainer::run() {
     rec.extra["aux_loss"] = out.aux_loss;
     rec.extra["indexer_loss"] = out.indexer_loss;
     rec.extra["skipped_steps"] = double(skipped_);
+    if (on_gpu) rec.extra["peak_device_gib"] = double(peak) / double(1ull << 30);
 
     if (!bad.empty()) {
       if (cfg_.nonfinite == NonfinitePolicy::stop) {
@@ -1040,6 +1055,10 @@ TrainSummary Trainer::run() {
   }
   sum.wall_s = now_s() - t_start;
   if (opts_.print_summary && opts_.log) print_summary(opts_.log, sum, cfg_);
+  if (profile::enabled() && opts_.log)
+    std::fprintf(opts_.log,
+                 "\n== profile (HLM_PROFILE=1: the device synchronised around each scope) ==\n%s",
+                 profile::report().c_str());
   return sum;
 }
 
@@ -1061,6 +1080,9 @@ void print_summary(std::FILE* out, const TrainSummary& s, const TrainConfig& cfg
   t += fmt::format("  eval loss      {:.4f} over {} targets\n", s.eval.loss, s.eval.targets);
   t += fmt::format("  throughput     {} tokens/s ({} tokens trained in this process)\n",
                    format_rate(s.tokens_per_s), s.tokens);
+  if (s.peak_device_bytes > 0)
+    t += fmt::format("  device memory  {:.2f} GiB at most in use during a step\n",
+                     double(s.peak_device_bytes) / double(1ull << 30));
   t += fmt::format("  wall time      {}\n", format_duration(s.wall_s));
   t += fmt::format("  weights        {} (+ {})\n", s.weights, s.config);
   t += fmt::format("  resume state   {}\n", path_in(s.out_dir, kTrainerStateFile));

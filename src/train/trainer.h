@@ -181,6 +181,9 @@ struct TrainSummary {
   double tokens_per_s = 0;  // training tokens / training time, this process
   double wall_s = 0;        // this process
   int64_t tokens = 0;       // trained in this process
+  // On CUDA: the most device memory the allocator had in use during any step of this process
+  // (0 on the CPU). Each step's own peak is in the metrics ("peak_device_gib").
+  uint64_t peak_device_bytes = 0;
   std::string out_dir, weights, config, metrics, plot;
   int interrupted_by = 0;  // the signal that stopped the run (handle_signals), else 0
 };

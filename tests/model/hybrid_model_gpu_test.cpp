@@ -8,6 +8,7 @@
 // AdamW step on each side (the gradient norms within 1e-5). The GPU run repeats bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -145,6 +146,43 @@ TEST(HybridModelGpu, TrainingStepMatchesCpu) {
   EXPECT_EQ(g2.out.loss, g3.out.loss);
   for (size_t i = 0; i < g2.grads.size(); ++i)
     EXPECT_TRUE(testing::bit_equal(g2.grads[i].second, g3.grads[i].second)) << g2.grads[i].first;
+}
+
+// The training forward without logits (ModelInputs::logits = false, what the trainer runs): the
+// head and the cross-entropy in chunks of 7 rows (8 chunks of the 53 tokens) against the
+// whole-batch logits path on the same GPU: the losses within 1e-6 relative and every gradient
+// within 1e-5 of its largest value (the same arithmetic per row; cuBLAS may pick another kernel for
+// 7 rows than for 53, and lm_head's gradient accumulates chunk by chunk), bit-identical reruns, no
+// logits returned.
+TEST(HybridModelGpu, ChunkedHeadAndLossMatchTheLogitsPath) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  const ModelConfig cfg = gpu_tiny_config();
+  HybridModel whole(cfg, {.dtype = DType::f32, .seed = 7});
+  HybridModel chunked(cfg, {.dtype = DType::f32, .seed = 7, .loss_chunk_rows = 7});
+  whole.to(Device::cuda);
+  chunked.to(Device::cuda);
+  Rng rng(testing::test_seed(), 99);
+  ModelInputs in = batch(rng, 40);
+  const StepRun w = run(whole, in);
+  in.logits = false;
+  const StepRun c = run(chunked, in), c2 = run(chunked, in);
+  EXPECT_FALSE(c.out.logits.defined());
+  EXPECT_FALSE(c.out.mtp_logits.defined());
+  EXPECT_EQ(c.out.lm_count, w.out.lm_count);
+  EXPECT_EQ(c.out.mtp_count, w.out.mtp_count);
+  EXPECT_NEAR(c.out.lm_loss, w.out.lm_loss, 1e-6 * w.out.lm_loss);
+  EXPECT_NEAR(c.out.mtp_loss, w.out.mtp_loss, 1e-6 * w.out.mtp_loss);
+  EXPECT_NEAR(c.out.loss, w.out.loss, 1e-6 * w.out.loss);
+  double worst = 0;
+  for (size_t i = 0; i < w.grads.size(); ++i) {
+    const std::string& n = w.grads[i].first;
+    const double e = gpu_compare::max_rel_err(c.grads[i].second, w.grads[i].second);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 1e-5) << n;
+    EXPECT_TRUE(testing::bit_equal(c.grads[i].second, c2.grads[i].second)) << n;
+  }
+  std::printf("  lm loss chunked %.12g whole %.12g; worst gradient error %.3e\n", c.out.lm_loss,
+              w.out.lm_loss, worst);
 }
 
 // A shared-indexer layer (indexer_types "shared") reuses the previous DSA layer's selection; in the

@@ -1,5 +1,6 @@
 // ops::softmax_* and ops::cross_entropy_*: FP64 references, large logits stay finite, gradients
 // against central finite differences, ignore_index and the token count, bad targets.
+#include <algorithm>
 #include <cmath>
 
 #include "ops/cross_entropy.h"
@@ -140,6 +141,30 @@ TEST(OpsCrossEntropy, AllIgnoredAndLargeLogits) {
   for (double v :
        ops::cross_entropy_backward(big, Tensor::from_vector<int64_t>({1}, {1}), o2).to_f64_vector())
     EXPECT_TRUE(std::isfinite(v));
+}
+
+// A batch's rows in chunks (the model's chunked head): each chunk's backward with the batch's
+// count (mean_count) gives the rows of the whole batch's dlogits bit for bit, and the chunks' row
+// losses summed in order give its loss.
+TEST(OpsCrossEntropy, ChunksWithTheBatchCountEqualTheWholeBatch) {
+  Rng rng(test_seed());
+  const Tensor logits = randn({9, 6}, DType::f32, rng, 3.0);
+  const Tensor targets = Tensor::from_vector<int64_t>({9}, {0, 5, -100, 2, 2, -100, 1, 4, 3});
+  const auto whole = ops::cross_entropy_forward(logits, targets);
+  const Tensor dwhole = ops::cross_entropy_backward(logits, targets, whole, 0.7);
+  double sum = 0;
+  for (int64_t r0 = 0; r0 < 9; r0 += 4) {
+    const int64_t r1 = std::min<int64_t>(9, r0 + 4);
+    const Tensor l = logits.slice(0, r0, r1).contiguous(), t = targets.slice(0, r0, r1);
+    const auto part = ops::cross_entropy_forward(l, t);
+    for (double v : part.row_loss.to_f64_vector()) sum += v;
+    const Tensor d = ops::cross_entropy_backward(l, t, part, 0.7, whole.count);
+    EXPECT_TRUE(testing::bit_equal(d, dwhole.slice(0, r0, r1).contiguous())) << r0;
+  }
+  EXPECT_EQ(sum / double(whole.count), whole.loss);
+  testing::expect_error(
+      [&] { ops::cross_entropy_backward(logits, targets, whole, 1.0, whole.count - 1); },
+      "mean_count must be 0 or at least");
 }
 
 TEST(OpsCrossEntropy, BadTargets) {
