@@ -153,16 +153,31 @@ GradNorm AdamW::grad_norm() const {
   // CPU parameters: one task per block; CUDA parameters: all their blocks in one kernel.
   std::vector<Task> tasks;
   std::vector<std::vector<double>> device_partial(slots_.size());
+  std::vector<const Tensor*> device_grads;
+  std::vector<size_t> device_slots;
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Param& p = *slots_[i].param;
     check_grad(p, slots_[i].name);
     const int64_t n = p.grad.numel();
     if (!p.grad.is_cpu()) {
-      HLM_CUDA_PATH("AdamW", device_partial[i] = cuda::block_sum_squares(p.grad, kNormBlock));
+      device_grads.push_back(&p.grad);
+      device_slots.push_back(i);
       continue;
     }
     for (int64_t b = 0; b < n; b += kNormBlock)
       tasks.push_back({i, b, std::min(n, b + kNormBlock)});
+  }
+  if (!device_grads.empty()) {
+    // Every CUDA parameter's blocks in one launch, handed back per parameter.
+    std::vector<double> all;
+    HLM_CUDA_PATH("AdamW", all = cuda::block_sum_squares(device_grads, kNormBlock));
+    size_t k = 0;
+    for (size_t j = 0; j < device_grads.size(); ++j) {
+      const size_t nb = size_t((device_grads[j]->numel() + kNormBlock - 1) / kNormBlock);
+      device_partial[device_slots[j]].assign(all.begin() + ptrdiff_t(k),
+                                             all.begin() + ptrdiff_t(k + nb));
+      k += nb;
+    }
   }
   std::vector<double> partial(tasks.size(), 0.0);
 #pragma omp parallel for schedule(dynamic, 1) if (tasks.size() > 1)

@@ -4,6 +4,8 @@
 // of elements, adding the squares in element order as the CPU does.
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "ops/cuda/layer_ops_common.cuh"
 #include "train/cuda/adamw.cuh"
 
@@ -14,18 +16,40 @@ using ops::cuda::check_launch;
 
 constexpr int kThreads = 256;
 
-template <class G>
-__global__ void block_sum_squares_kernel(const G* g, int64_t n, int64_t block, int64_t nblocks,
-                                         double* out) {
-  const int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= nblocks) return;
-  const int64_t begin = b * block, end = begin + block < n ? begin + block : n;
+// One gradient-norm block: elements [begin, end) of an f32 or f64 array.
+struct NormBlock {
+  const void* p;
+  int64_t begin, end;
+  int64_t f64;
+};
+
+// A warp per block. Each pass loads 256 elements (lane l holds begin + c + l + 32 j in v[j],
+// coalesced) and adds their squares in element order: element 32 j + l comes from lane l by a
+// shuffle, so every lane runs the CPU's sequential sum.
+__global__ void block_sum_squares_kernel(const NormBlock* blocks, int64_t nblocks, double* out) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = int(threadIdx.x & 31);
+  if (w >= nblocks) return;  // the whole warp
+  const NormBlock b = blocks[w];
   double s = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    const double x = double(g[i]);
-    s = __dadd_rn(s, __dmul_rn(x, x));
+  for (int64_t c = b.begin; c < b.end; c += 256) {
+    double v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t i = c + lane + 32 * j;
+      v[j] = i >= b.end ? 0.0
+             : b.f64    ? static_cast<const double*>(b.p)[i]
+                        : double(static_cast<const float*>(b.p)[i]);
+    }
+    const int64_t cnt = b.end - c < 256 ? b.end - c : 256;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) {
+        const double x = __shfl_sync(0xffffffffu, v[j], l);
+        if (32 * j + l < cnt) s = __dadd_rn(s, __dmul_rn(x, x));
+      }
   }
-  out[b] = s;
+  if (lane == 0) out[w] = s;
 }
 
 template <class M, class G>
@@ -59,17 +83,23 @@ void launch_update(Tensor& w, Tensor& m, Tensor& v, const Tensor& g, double scal
 
 }  // namespace
 
-std::vector<double> block_sum_squares(const Tensor& g, int64_t block) {
-  const int64_t n = g.numel(), nb = (n + block - 1) / block;
+std::vector<double> block_sum_squares(const std::vector<const Tensor*>& gs, int64_t block) {
+  std::vector<NormBlock> blocks;
+  for (const Tensor* g : gs)
+    for (int64_t b = 0; b < g->numel(); b += block)
+      blocks.push_back({g->raw(), b, b + block < g->numel() ? b + block : g->numel(),
+                        g->dtype() == DType::f64 ? 1 : 0});
+  const int64_t nb = int64_t(blocks.size());
   if (nb == 0) return {};
+  static_assert(sizeof(NormBlock) % sizeof(int64_t) == 0, "the table travels as i64 words");
+  const int64_t words = nb * int64_t(sizeof(NormBlock) / sizeof(int64_t));
+  std::vector<int64_t> table(static_cast<size_t>(words));
+  std::memcpy(table.data(), blocks.data(), size_t(words) * sizeof(int64_t));
+  const Tensor dtable = Tensor::from_vector<int64_t>({words}, table).to(Device::cuda);
   Tensor out = Tensor::empty({nb}, DType::f64, Device::cuda);
-  const unsigned grid = unsigned((nb + kThreads - 1) / kThreads);
-  if (g.dtype() == DType::f64)
-    block_sum_squares_kernel<double><<<grid, kThreads>>>(
-        static_cast<const double*>(g.raw()), n, block, nb, static_cast<double*>(out.raw()));
-  else
-    block_sum_squares_kernel<float><<<grid, kThreads>>>(static_cast<const float*>(g.raw()), n,
-                                                        block, nb, static_cast<double*>(out.raw()));
+  const int64_t warps_per_block = kThreads / 32;
+  block_sum_squares_kernel<<<unsigned((nb + warps_per_block - 1) / warps_per_block), kThreads>>>(
+      static_cast<const NormBlock*>(dtable.raw()), nb, static_cast<double*>(out.raw()));
   check_launch("AdamW gradient norm");
   return out.to_f64_vector();
 }

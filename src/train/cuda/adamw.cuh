@@ -13,8 +13,10 @@
 namespace hlm::train::cuda {
 
 // The sum of squares (in FP64, elements in order) of each block of `block` consecutive elements of
-// the f32 / f64 gradient g (contiguous), one entry per block, on the host.
-std::vector<double> block_sum_squares(const Tensor& g, int64_t block);
+// the f32 / f64 gradients gs (contiguous, on the device), one entry per block, the tensors' blocks
+// one after the other, on the host. One launch for all tensors: a warp per block, loading 256
+// elements at a time (coalesced) and adding them in element order (every lane the same sum).
+std::vector<double> block_sum_squares(const std::vector<const Tensor*>& gs, int64_t block);
 
 // The AdamW update of adamw.h on one parameter: master w, moments m and v (f32 or f64, one dtype,
 // contiguous, on the device) from the gradient g (f32 or f64, contiguous).
