@@ -217,16 +217,27 @@ StepResult AdamW::step(double lr) {
   const int64_t t = step_ + 1;
   const double b1 = cfg_.beta1, b2 = cfg_.beta2;
   const double bc1 = 1.0 - std::pow(b1, double(t)), bc2 = 1.0 - std::pow(b2, double(t));
+  // CUDA parameters: every one in a single launch, then their bf16 / f16 values.
+  std::vector<cuda::UpdateSlot> device_slots;
+  for (Slot& s : slots_) {
+    if (s.master.is_cpu()) continue;
+    const Tensor& g = s.param->grad;
+    device_slots.push_back({s.master.raw(), s.m.raw(), s.v.raw(), g.raw(), s.master.numel(),
+                            s.decision.decay ? 1.0 - lr * cfg_.weight_decay : 1.0,
+                            s.master.dtype() == DType::f64 ? 1 : 0,
+                            g.dtype() == DType::f64 ? 1 : 0});
+  }
+  if (!device_slots.empty()) {
+    const cuda::UpdateStep st{gn.clip_scale, b1, b2, lr, bc1, bc2, cfg_.eps};
+    HLM_CUDA_PATH("AdamW", cuda::adamw_update(device_slots, st));
+    for (Slot& s : slots_)
+      if (!s.master.is_cpu() && s.separate_master) write_back(s);
+  }
   for (Slot& s : slots_) {
     const double decay_mul = s.decision.decay ? 1.0 - lr * cfg_.weight_decay : 1.0;
     const Tensor& g = s.param->grad;
     const int64_t n = s.master.numel();
-    if (!s.master.is_cpu()) {
-      HLM_CUDA_PATH("AdamW", cuda::adamw_update(s.master, s.m, s.v, g, gn.clip_scale, b1, b2,
-                                                decay_mul, lr, bc1, bc2, cfg_.eps));
-      if (s.separate_master) write_back(s);
-      continue;
-    }
+    if (!s.master.is_cpu()) continue;
     if (s.master.dtype() == DType::f64)
       update_dispatch_grad(s.master.data<double>(), s.m.data<double>(), s.v.data<double>(), g, n,
                            gn.clip_scale, b1, b2, decay_mul, lr, bc1, bc2, cfg_.eps);

@@ -15,6 +15,7 @@ namespace {
 using ops::cuda::check_launch;
 
 constexpr int kThreads = 256;
+constexpr int64_t kChunk = 8192;  // elements per block of the update
 
 // One gradient-norm block: elements [begin, end) of an f32 or f64 array.
 struct NormBlock {
@@ -52,33 +53,55 @@ __global__ void block_sum_squares_kernel(const NormBlock* blocks, int64_t nblock
   if (lane == 0) out[w] = s;
 }
 
+// The update of element i (the CPU's expression, every operation rounded on its own).
 template <class M, class G>
-__global__ void adamw_kernel(M* w, M* m, M* v, const G* g, int64_t n, double scale, double b1,
-                             double b2, double decay_mul, double lr, double bc1, double bc2,
-                             double eps) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const double gi = __dmul_rn(double(g[i]), scale);
-  const M mi = M(__dadd_rn(__dmul_rn(b1, double(m[i])), __dmul_rn(__dadd_rn(1.0, -b1), gi)));
-  const M vi =
-      M(__dadd_rn(__dmul_rn(b2, double(v[i])), __dmul_rn(__dmul_rn(__dadd_rn(1.0, -b2), gi), gi)));
+__device__ __forceinline__ void adamw_element(M* w, M* m, M* v, const G* g, int64_t i,
+                                              const UpdateStep& st, double decay_mul) {
+  const double gi = __dmul_rn(double(g[i]), st.scale);
+  const M mi = M(__dadd_rn(__dmul_rn(st.b1, double(m[i])), __dmul_rn(__dadd_rn(1.0, -st.b1), gi)));
+  const M vi = M(__dadd_rn(__dmul_rn(st.b2, double(v[i])),
+                           __dmul_rn(__dmul_rn(__dadd_rn(1.0, -st.b2), gi), gi)));
   m[i] = mi;
   v[i] = vi;
   double wi = __dmul_rn(double(w[i]), decay_mul);
-  const double denom = __dadd_rn(__dsqrt_rn(__ddiv_rn(double(vi), bc2)), eps);
-  wi = __dadd_rn(wi, -__ddiv_rn(__dmul_rn(lr, __ddiv_rn(double(mi), bc1)), denom));
+  const double denom = __dadd_rn(__dsqrt_rn(__ddiv_rn(double(vi), st.bc2)), st.eps);
+  wi = __dadd_rn(wi, -__ddiv_rn(__dmul_rn(st.lr, __ddiv_rn(double(mi), st.bc1)), denom));
   w[i] = M(wi);
 }
 
-template <class M, class G>
-void launch_update(Tensor& w, Tensor& m, Tensor& v, const Tensor& g, double scale, double b1,
-                   double b2, double decay_mul, double lr, double bc1, double bc2, double eps) {
-  const int64_t n = w.numel();
-  if (n == 0) return;
-  adamw_kernel<M, G><<<unsigned((n + kThreads - 1) / kThreads), kThreads>>>(
-      static_cast<M*>(w.raw()), static_cast<M*>(m.raw()), static_cast<M*>(v.raw()),
-      static_cast<const G*>(g.raw()), n, scale, b1, b2, decay_mul, lr, bc1, bc2, eps);
-  check_launch("AdamW update");
+// One block per chunk of kChunk elements of one parameter (the chunk table lists every
+// parameter's chunks): the dtypes are the parameter's, uniform over the block.
+__global__ void adamw_kernel(const UpdateSlot* slots, const int64_t* chunks, UpdateStep st) {
+  const int64_t slot = chunks[2 * int64_t(blockIdx.x)], begin = chunks[2 * int64_t(blockIdx.x) + 1];
+  const UpdateSlot s = slots[slot];
+  const int64_t end = begin + kChunk < s.n ? begin + kChunk : s.n;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    if (s.m_f64 != 0) {
+      double *w = static_cast<double*>(s.w), *m = static_cast<double*>(s.m),
+             *v = static_cast<double*>(s.v);
+      if (s.g_f64 != 0)
+        adamw_element(w, m, v, static_cast<const double*>(s.g), i, st, s.decay_mul);
+      else
+        adamw_element(w, m, v, static_cast<const float*>(s.g), i, st, s.decay_mul);
+    } else {
+      float *w = static_cast<float*>(s.w), *m = static_cast<float*>(s.m),
+            *v = static_cast<float*>(s.v);
+      if (s.g_f64 != 0)
+        adamw_element(w, m, v, static_cast<const double*>(s.g), i, st, s.decay_mul);
+      else
+        adamw_element(w, m, v, static_cast<const float*>(s.g), i, st, s.decay_mul);
+    }
+  }
+}
+
+// A table of trivially copyable structs as a device tensor of i64 words.
+template <class S>
+Tensor device_table(const std::vector<S>& rows) {
+  static_assert(sizeof(S) % sizeof(int64_t) == 0, "the table travels as i64 words");
+  const int64_t words = int64_t(rows.size() * sizeof(S) / sizeof(int64_t));
+  std::vector<int64_t> table(static_cast<size_t>(words));
+  std::memcpy(table.data(), rows.data(), size_t(words) * sizeof(int64_t));
+  return Tensor::from_vector<int64_t>({words}, table).to(Device::cuda);
 }
 
 }  // namespace
@@ -91,11 +114,7 @@ std::vector<double> block_sum_squares(const std::vector<const Tensor*>& gs, int6
                         g->dtype() == DType::f64 ? 1 : 0});
   const int64_t nb = int64_t(blocks.size());
   if (nb == 0) return {};
-  static_assert(sizeof(NormBlock) % sizeof(int64_t) == 0, "the table travels as i64 words");
-  const int64_t words = nb * int64_t(sizeof(NormBlock) / sizeof(int64_t));
-  std::vector<int64_t> table(static_cast<size_t>(words));
-  std::memcpy(table.data(), blocks.data(), size_t(words) * sizeof(int64_t));
-  const Tensor dtable = Tensor::from_vector<int64_t>({words}, table).to(Device::cuda);
+  const Tensor dtable = device_table(blocks);
   Tensor out = Tensor::empty({nb}, DType::f64, Device::cuda);
   const int64_t warps_per_block = kThreads / 32;
   block_sum_squares_kernel<<<unsigned((nb + warps_per_block - 1) / warps_per_block), kThreads>>>(
@@ -104,20 +123,22 @@ std::vector<double> block_sum_squares(const std::vector<const Tensor*>& gs, int6
   return out.to_f64_vector();
 }
 
-void adamw_update(Tensor& w, Tensor& m, Tensor& v, const Tensor& g, double scale, double b1,
-                  double b2, double decay_mul, double lr, double bc1, double bc2, double eps) {
-  const bool g64 = g.dtype() == DType::f64;
-  if (w.dtype() == DType::f64) {
-    if (g64)
-      launch_update<double, double>(w, m, v, g, scale, b1, b2, decay_mul, lr, bc1, bc2, eps);
-    else
-      launch_update<double, float>(w, m, v, g, scale, b1, b2, decay_mul, lr, bc1, bc2, eps);
-  } else {
-    if (g64)
-      launch_update<float, double>(w, m, v, g, scale, b1, b2, decay_mul, lr, bc1, bc2, eps);
-    else
-      launch_update<float, float>(w, m, v, g, scale, b1, b2, decay_mul, lr, bc1, bc2, eps);
-  }
+void adamw_update(const std::vector<UpdateSlot>& slots, const UpdateStep& step) {
+  std::vector<int64_t> chunks;  // (slot, first element) per block
+  for (size_t k = 0; k < slots.size(); ++k)
+    for (int64_t b = 0; b < slots[k].n; b += kChunk) {
+      chunks.push_back(int64_t(k));
+      chunks.push_back(b);
+    }
+  if (chunks.empty()) return;
+  const int64_t nblocks = int64_t(chunks.size() / 2);
+  HLM_CHECK(nblocks < (int64_t(1) << 31), "AdamW update: {} blocks exceed the grid limit", nblocks);
+  const Tensor dslots = device_table(slots);
+  const Tensor dchunks =
+      Tensor::from_vector<int64_t>({int64_t(chunks.size())}, chunks).to(Device::cuda);
+  adamw_kernel<<<unsigned(nblocks), kThreads>>>(static_cast<const UpdateSlot*>(dslots.raw()),
+                                                static_cast<const int64_t*>(dchunks.raw()), step);
+  check_launch("AdamW update");
 }
 
 }  // namespace hlm::train::cuda

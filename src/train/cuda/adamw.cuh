@@ -18,9 +18,21 @@ namespace hlm::train::cuda {
 // elements at a time (coalesced) and adding them in element order (every lane the same sum).
 std::vector<double> block_sum_squares(const std::vector<const Tensor*>& gs, int64_t block);
 
-// The AdamW update of adamw.h on one parameter: master w, moments m and v (f32 or f64, one dtype,
-// contiguous, on the device) from the gradient g (f32 or f64, contiguous).
-void adamw_update(Tensor& w, Tensor& m, Tensor& v, const Tensor& g, double scale, double b1,
-                  double b2, double decay_mul, double lr, double bc1, double bc2, double eps);
+// One parameter of the update: master w, moments m and v (f32 or f64, one dtype, contiguous, on
+// the device), its gradient g (f32 or f64, contiguous), n elements, its decay factor.
+struct UpdateSlot {
+  void *w, *m, *v;
+  const void* g;
+  int64_t n;
+  double decay_mul;
+  int64_t m_f64, g_f64;  // 1: the dtype is f64, 0: f32
+};
+// The step's scalars: the clip scale, betas, learning rate, bias corrections and eps.
+struct UpdateStep {
+  double scale, b1, b2, lr, bc1, bc2, eps;
+};
+// The AdamW update of adamw.h on every slot, in one launch (a block per 8192 elements of one
+// parameter).
+void adamw_update(const std::vector<UpdateSlot>& slots, const UpdateStep& step);
 
 }  // namespace hlm::train::cuda
