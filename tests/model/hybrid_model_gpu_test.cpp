@@ -5,7 +5,8 @@
 // forward (training: LM, MTP, MoE aux and indexer losses) and backward. Compared: every loss
 // (relative 2e-5), the logits and the MTP logits (relative L2 2e-5), the DSA selections (identical)
 // and every parameter gradient (max error within 1e-4 of the largest reference value); then an
-// AdamW step on each side (the gradient norms within 1e-5). The GPU run repeats bit for bit.
+// AdamW step on each side (the gradient norms within 1e-5; every parameter within 1e-2 relative L2,
+// since Adam's first step is lr sign(g) where |g| >> eps). The GPU run repeats bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -140,6 +141,9 @@ TEST(HybridModelGpu, TrainingStepMatchesCpu) {
       if (e > worst_p) worst_p = e, wn = pc[i].first;
     }
     std::printf("  parameters after the step: worst relative L2 %.3e (%s)\n", worst_p, wn.c_str());
+    // Measured 6.6e-4 (H100) and 1.0e-3 (H200), both in mHC's zero-initialised base, whose
+    // near-zero gradients flip sign between the devices; a wrong update would be O(1).
+    EXPECT_LE(worst_p, 1e-2);
   }
   // Reruns on the GPU: the same bits.
   const StepRun g2 = run(dev, in), g3 = run(dev, in);
