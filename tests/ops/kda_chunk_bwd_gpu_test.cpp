@@ -202,11 +202,16 @@ void run_case(const Case& c) {
 // on the CPU emulation of CI, where the test time grows with it.
 const std::vector<int64_t> kOddLens =
     cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 400} : std::vector<int64_t>{1, 63, 65, 1000};
-// The wide-state-tile cases: 4 sequences x 24 value heads (192 blocks, >= the 132 SMs) with a long
-// sequence of 300 tokens on a GPU, 130 on the emulation.
-std::vector<int64_t> wide_lens() {
-  return cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 130}
-                         : std::vector<int64_t>{1, 63, 65, 300};
+// The wide-state-tile cases need N x HV x V / 64 >= 132 (the SMs) blocks of the state pass: on a
+// GPU 4 sequences (the longest 300 tokens) x 24 value heads (8 q/k heads); on the emulation, where
+// the time grows with tokens x heads, 12 short sequences x 6 value heads (2 q/k heads): 144 blocks.
+struct WideShape {
+  std::vector<int64_t> lens;
+  int64_t H, HV;
+};
+WideShape wide() {
+  if (cuda_emulated()) return {{1, 63, 65, 2, 5, 9, 17, 30, 1, 3, 8, 20}, 2, 6};
+  return {{1, 63, 65, 300}, 8, 24};
 }
 
 TEST(KdaChunkBwdGpu, F32PlainGateGva) {
@@ -223,8 +228,8 @@ TEST(KdaChunkBwdGpu, F32LowerBoundGateFused) {
             Gate::lower_bound});
 }
 
-// Mean decay 6 nats per token: nearly every diagonal 16x16 block spans more than 80 nats in some
-// channel and takes the per-element exp path.
+// Mean decay 6 nats per token: nearly every diagonal 16x16 block spans
+// more than 80 nats in some channel and takes the per-element exp path.
 TEST(KdaChunkBwdGpu, StrongDecayPerElementDiagonal) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   run_case(
@@ -256,8 +261,8 @@ TEST(KdaChunkBwdGpu, Bf16) {
       {"bf16 standard h0", kOddLens, 2, 4, 128, 128, DType::bf16, true, false, Gate::standard});
 }
 
-// KdaArgs::exact_bf16_products: 3xTF32 in every product (the default's TF32 stages put the
-// gradients ~4e-4 from the CPU).
+// KdaArgs::exact_bf16_products: 3xTF32 in every product (the default's
+// TF32 stages put the gradients ~4e-4 from the CPU).
 TEST(KdaChunkBwdGpu, Bf16ExactProducts) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   run_case({"bf16 plain h0 dht exact", kOddLens, 2, 4, 128, 128, DType::bf16, true, true,
@@ -266,13 +271,15 @@ TEST(KdaChunkBwdGpu, Bf16ExactProducts) {
             Gate::lower_bound, true, 0, true});
 }
 
-// Enough (sequence, head) pairs that the reverse state pass takes 64-wide V tiles (state_tile:
-// 4 x 24 x 2 = 192 blocks on an H200's 132 SMs); the cases above take 32.
+// Enough (sequence, head) pairs that the reverse state pass takes 64-wide
+// V tiles (state_tile: 4 x 24 x 2 = 192 blocks on an H200's 132 SMs); the
+// cases above take 32.
 TEST(KdaChunkBwdGpu, WideStateTile) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
-  run_case({"f32 wide tile h0 dht", wide_lens(), 8, 24, 128, 128, DType::f32, true, true,
+  const WideShape w = wide();
+  run_case({"f32 wide tile h0 dht", w.lens, w.H, w.HV, 128, 128, DType::f32, true, true,
             Gate::lower_bound, true});
-  run_case({"bf16 wide tile", wide_lens(), 8, 24, 128, 128, DType::bf16, false, true, Gate::plain});
+  run_case({"bf16 wide tile", w.lens, w.H, w.HV, 128, 128, DType::bf16, false, true, Gate::plain});
 }
 
 TEST(KdaChunkBwdGpu, ManyShortSequencesK64) {
@@ -343,8 +350,9 @@ TEST(KdaChunkBwdGpu, SingleSequenceNoCuSeqlens) {
       EXPECT_TRUE(within(out.*(f.field), ref.*(f.field), 2e-5, "single sequence", f.name));
 }
 
-// ops::kda_chunk / kda_chunk_backward called with CUDA tensors run the CUDA kernels: the same
-// bits as calling them directly, and close to the CPU on the same inputs.
+// ops::kda_chunk / kda_chunk_backward called with CUDA tensors run the
+// CUDA kernels: the same bits as calling them directly, and close to the
+// CPU on the same inputs.
 TEST(KdaChunkBwdGpu, DispatchFromKdaChunk) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
@@ -372,10 +380,11 @@ TEST(KdaChunkBwdGpu, DispatchFromKdaChunk) {
   }
 }
 
-// The front door (ops/kda.cpp) allocates the CUDA outputs, gradients and saved buffers
-// (NaN-poisoned while the test hook is on) and the kernels write every element: with the hook on,
-// the training pair in each mode gives the bits of a run with the hook off. Arguments on two
-// devices, or a CUDA call of the CPU-only recurrence, throw.
+// The front door (ops/kda.cpp) allocates the CUDA outputs, gradients and
+// saved buffers (NaN-poisoned while the test hook is on) and the kernels
+// write every element: with the hook on, the training pair in each mode
+// gives the bits of a run with the hook off. Arguments on two devices, or
+// a CUDA call of the CPU-only recurrence, throw.
 TEST(KdaChunkBwdGpu, FrontDoorEveryOutputWritten) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed());
@@ -400,16 +409,19 @@ TEST(KdaChunkBwdGpu, FrontDoorEveryOutputWritten) {
       EXPECT_TRUE(testing::bit_equal(g.*(f.field), g2.*(f.field))) << f.name;
     }
   }
-  EXPECT_THROW(ops::kda_chunk_backward(cpu, d_o, {}), Error);  // d_o on the other device
+  EXPECT_THROW(ops::kda_chunk_backward(cpu, d_o, {}),
+               Error);  // d_o on the other device
   EXPECT_THROW(ops::kda_chunk_backward(gpu, d_o.to(Device::cpu), {}), Error);
   EXPECT_THROW(ops::kda_recurrent(gpu), Error);
   EXPECT_THROW(ops::kda_recurrent_backward(gpu, d_o, dht), Error);
 }
 
-// The training forward (KdaChunkCudaBuffers::saved) and a backward that reads its intermediates
-// give the bits of the plain forward and of a backward that recomputes them: the saved buffer and
-// the backward's (smaller) workspace NaN-poisoned, f32 and bf16, GVA, fused gates, short and long
-// sequences; then the saved buffer reused by a second step on new inputs.
+// The training forward (KdaChunkCudaBuffers::saved) and a backward that
+// reads its intermediates give the bits of the plain forward and of a
+// backward that recomputes them: the saved buffer and the backward's
+// (smaller) workspace NaN-poisoned, f32 and bf16, GVA, fused gates, short
+// and long sequences; then the saved buffer reused by a second step on new
+// inputs.
 void saved_vs_recompute(const Case& c) {
   SCOPED_TRACE(describe(c));
   const std::string name = describe(c);
@@ -424,7 +436,8 @@ void saved_vs_recompute(const Case& c) {
   const ops::KdaOutput plain = ops::kda_chunk_forward_cuda(gpu);
   const KdaGrads recomputed = ops::kda_chunk_backward_cuda(gpu, d_o, dht, poisoned(gpu));
 
-  // A training forward's o and final state bit-equal to the plain forward's.
+  // A training forward's o and final state bit-equal to the plain
+  // forward's.
   auto same_as_plain = [&](const ops::KdaChunkCudaBuffers& fbuf, const char* mode) {
     const ops::KdaOutput out = ops::kda_chunk_forward_cuda(gpu, fbuf);
     EXPECT_TRUE(testing::bit_equal(out.o, plain.o)) << name << ": o (" << mode << ")";
@@ -454,18 +467,20 @@ void saved_vs_recompute(const Case& c) {
   };
   same_as_recomputed(ops::kda_chunk_backward_cuda(gpu, d_o, dht, bb), "saved");
 
-  // The lighter mode: the forward keeps A_qk and M^-1 (KdaChunkCudaBuffers::kept, NaN-poisoned
-  // first), the backward recomputes the rest from them.
+  // The lighter mode: the forward keeps A_qk and M^-1
+  // (KdaChunkCudaBuffers::kept, NaN-poisoned first), the backward
+  // recomputes the rest from them.
   ops::KdaChunkCudaBuffers fk;
   fk.kept = Tensor::full({ops::kda_chunk_cuda_kept_floats(gpu)}, nan, DType::f32, Device::cuda);
   same_as_plain(fk, "kept");
   ops::KdaChunkBwdCudaBuffers bk = poisoned(gpu);
   bk.kept = fk.kept;
   same_as_recomputed(ops::kda_chunk_backward_cuda(gpu, d_o, dht, bk), "kept");
-  // ... and it reads them: NaN in either half of the kept buffer (A_qk, then M^-1) reaches the
-  // gradients, where a backward that recomputed them would give the finite bits checked above.
-  // The NaN is the GPU's own (0x7fffffff: every mantissa bit set), the one a TF32 rounding by an
-  // integer add would carry into the sign bit and turn into -0.
+  // ... and it reads them: NaN in either half of the kept buffer (A_qk,
+  // then M^-1) reaches the gradients, where a backward that recomputed
+  // them would give the finite bits checked above. The NaN is the GPU's
+  // own (0x7fffffff: every mantissa bit set), the one a TF32 rounding by
+  // an integer add would carry into the sign bit and turn into -0.
   const int64_t half = ops::kda_chunk_cuda_kept_floats(gpu) / 2;
   Tensor gpu_nan = Tensor::empty({half}, DType::f32);
   for (int64_t i = 0; i < half; ++i) gpu_nan.data<float>()[i] = std::bit_cast<float>(0x7fffffffu);
@@ -486,8 +501,9 @@ void saved_vs_recompute(const Case& c) {
                        << (part == 0 ? "A_qk" : "M^-1");
   }
 
-  // A second step through the same buffers with a new v and d o matches a fresh
-  // recomputing backward on those inputs: nothing of the first step leaks into the second.
+  // A second step through the same buffers with a new v and d o matches a
+  // fresh recomputing backward on those inputs: nothing of the first step
+  // leaks into the second.
   KdaArgs g2 = gpu;
   g2.v = randn(gpu.v.shape(), c.dt, rng).to(Device::cuda);
   const Tensor d_o2 = randn({T, c.HV, c.V}, c.dt, rng).to(Device::cuda);
@@ -507,11 +523,11 @@ void saved_vs_recompute(const Case& c) {
 
 TEST(KdaChunkBwdGpu, SavedForwardMatchesRecompute) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
-  // The emulation runs the long sequence at 200 tokens (still several chunks and a partial one).
+  // The emulation runs the long sequence at 200 tokens (still several
+  // chunks and a partial one).
   const std::vector<int64_t> lens =
       cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 200} : kOddLens;
-  const std::vector<int64_t> wide =
-      cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 130} : std::vector<int64_t>{1, 63, 65, 300};
+  const WideShape w = wide();
   saved_vs_recompute(
       {"saved bf16 lower-bound", lens, 2, 4, 128, 128, DType::bf16, true, true, Gate::lower_bound});
   saved_vs_recompute(
@@ -527,12 +543,13 @@ TEST(KdaChunkBwdGpu, SavedForwardMatchesRecompute) {
                       true,
                       Gate::standard});
   saved_vs_recompute(
-      {"saved bf16 wide tile", wide, 8, 24, 128, 128, DType::bf16, false, true, Gate::plain});
+      {"saved bf16 wide tile", w.lens, w.H, w.HV, 128, 128, DType::bf16, false, true, Gate::plain});
   saved_vs_recompute(
       {"saved f32 K32 V96", {1, 63, 65, 200}, 1, 3, 32, 96, DType::f32, true, true, Gate::plain});
 }
 
-// A copy of CUDA tensor t whose data starts one element past a 16-byte boundary.
+// A copy of CUDA tensor t whose data starts one element past a 16-byte
+// boundary.
 Tensor misaligned(const Tensor& t) {
   const int64_t n = t.numel();
   const Tensor flat = Tensor::zeros({n + 8}, t.dtype(), Device::cuda);
@@ -541,8 +558,8 @@ Tensor misaligned(const Tensor& t) {
   return part.view(t.shape());
 }
 
-// Inputs q, k, v, g not 16-byte aligned take the forward's element-wise loads instead of its
-// 16-byte ones: the same bits, forward and backward.
+// Inputs q, k, v, g not 16-byte aligned take the forward's element-wise
+// loads instead of its 16-byte ones: the same bits, forward and backward.
 TEST(KdaChunkBwdGpu, UnalignedInputsSameBits) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   for (const Case& c : {Case{"unaligned bf16 lower-bound", kOddLens, 2, 4, 128, 128, DType::bf16,
@@ -600,8 +617,10 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   EXPECT_THROW(ops::kda_chunk_backward_cuda(gpu_case(64, 160), d_o(160), {}), Error);
   KdaArgs a = gpu_case(64, 64);
   EXPECT_NO_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}));
-  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, Tensor(), {}), Error);  // no d_o
-  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(32), {}), Error);   // d_o shape
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, Tensor(), {}),
+               Error);  // no d_o
+  EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(32), {}),
+               Error);  // d_o shape
   EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64).to(Device::cpu), {}), Error);
   EXPECT_THROW(
       ops::kda_chunk_backward_cuda(a, Tensor::zeros({75, 1, 64}, DType::bf16, Device::cuda), {}),
@@ -631,7 +650,8 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   }
   {
     ops::KdaChunkBwdCudaBuffers buf;
-    buf.dq = Tensor::empty({75, 1, 32}, DType::f32, Device::cuda);  // wrong shape
+    buf.dq = Tensor::empty({75, 1, 32}, DType::f32,
+                           Device::cuda);  // wrong shape
     EXPECT_THROW(ops::kda_chunk_backward_cuda(a, d_o(64), {}, buf), Error);
   }
   {  // saved buffers too small, or of the wrong dtype
@@ -666,11 +686,13 @@ TEST(KdaChunkBwdGpu, RejectsBadArguments) {
   }
 }
 
-// The target shapes: bf16, fused lower-bound gate -5, use_qk_l2norm, beta logits, K = V = 128,
-// packed equal-length sequences. cudaEvent time of the synchronous call with preallocated buffers
-// (host planning and the small chunk-table copy included), median of 5 after a warm-up. Inputs are
-// 2048 random tokens tiled along T (the values do not change the work). Asserts nothing on speed.
-// The time of each stage: bench/kda_lab/kda_stage_timer.
+// The target shapes: bf16, fused lower-bound gate -5, use_qk_l2norm, beta
+// logits, K = V = 128, packed equal-length sequences. cudaEvent time of
+// the synchronous call with preallocated buffers (host planning and the
+// small chunk-table copy included), median of 5 after a warm-up. Inputs
+// are 2048 random tokens tiled along T (the values do not change the
+// work). Asserts nothing on speed. The time of each stage:
+// bench/kda_lab/kda_stage_timer.
 TEST(KdaChunkBwdGpu, Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";
@@ -739,19 +761,22 @@ TEST(KdaChunkBwdGpu, Timing) {
     };
     const double bwd = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, b); });
     const double fwd = time([&] { ops::kda_chunk_forward_cuda(a, fb); });
-    // The training pair: the forward saves its intermediates, the backward reads them.
+    // The training pair: the forward saves its intermediates, the backward
+    // reads them.
     ops::KdaChunkCudaBuffers fs = fb;
     fs.saved = Tensor::empty({ops::kda_chunk_cuda_saved_floats(a)}, DType::f32, Device::cuda);
     ops::KdaChunkBwdCudaBuffers bs = b;
     bs.workspace = Tensor::empty({ops::kda_chunk_bwd_cuda_workspace_floats(a, true)}, DType::f32,
                                  Device::cuda);
     bs.saved = fs.saved;
-    b.workspace = Tensor();  // the recomputing backward's workspace is not needed any more
+    b.workspace = Tensor();  // the recomputing backward's workspace is not
+                             // needed any more
     const double fwd_s = time([&] { ops::kda_chunk_forward_cuda(a, fs); });
     const double bwd_s = time([&] { ops::kda_chunk_backward_cuda(a, d_o, dht, bs); });
     const double saved_gb = double(fs.saved.nbytes()) / 1e9;
     fs.saved = bs.saved = Tensor();
-    // The lighter pair: the forward keeps A_qk and M^-1, the backward recomputes the rest.
+    // The lighter pair: the forward keeps A_qk and M^-1, the backward
+    // recomputes the rest.
     ops::KdaChunkCudaBuffers fk = fb;
     fk.kept = Tensor::empty({ops::kda_chunk_cuda_kept_floats(a)}, DType::f32, Device::cuda);
     ops::KdaChunkBwdCudaBuffers bk = b;
@@ -764,9 +789,12 @@ TEST(KdaChunkBwdGpu, Timing) {
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     std::printf(
-        "kda timing bf16 lower-bound+l2norm+beta_logits T=%lld H=%lld N=%lld K=V=128: backward "
-        "%.3f ms, forward %.3f ms, fwd+bwd %.3f ms; saved intermediates: forward %.3f ms, "
-        "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB saved); kept A_qk, M^-1: forward %.3f ms, "
+        "kda timing bf16 lower-bound+l2norm+beta_logits T=%lld H=%lld "
+        "N=%lld K=V=128: backward "
+        "%.3f ms, forward %.3f ms, fwd+bwd %.3f ms; saved intermediates: "
+        "forward %.3f ms, "
+        "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB saved); kept A_qk, "
+        "M^-1: forward %.3f ms, "
         "backward %.3f ms, fwd+bwd %.3f ms (%.2f GB kept)\n",
         (long long)sh.T, (long long)sh.H, (long long)sh.N, bwd, fwd, fwd + bwd, fwd_s, bwd_s,
         fwd_s + bwd_s, saved_gb, fwd_k, bwd_k, fwd_k + bwd_k, double(fk.kept.nbytes()) / 1e9);

@@ -132,11 +132,16 @@ void run_case(const Case& c) {
 // on the CPU emulation of CI, where the test time grows with it.
 const std::vector<int64_t> kOddLens =
     cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 400} : std::vector<int64_t>{1, 63, 65, 1000};
-// The wide-state-tile cases: 4 sequences x 24 value heads (192 blocks, >= the 132 SMs) with a long
-// sequence of 300 tokens on a GPU, 130 on the emulation.
-std::vector<int64_t> wide_lens() {
-  return cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 130}
-                         : std::vector<int64_t>{1, 63, 65, 300};
+// The wide-state-tile cases need N x HV x V / 64 >= 132 (the SMs) blocks of the state pass: on a
+// GPU 4 sequences (the longest 300 tokens) x 24 value heads (8 q/k heads); on the emulation, where
+// the time grows with tokens x heads, 12 short sequences x 6 value heads (2 q/k heads): 144 blocks.
+struct WideShape {
+  std::vector<int64_t> lens;
+  int64_t H, HV;
+};
+WideShape wide() {
+  if (cuda_emulated()) return {{1, 63, 65, 2, 5, 9, 17, 30, 1, 3, 8, 20}, 2, 6};
+  return {{1, 63, 65, 300}, 8, 24};
 }
 
 TEST(KdaChunkGpu, F32PlainGateInitialState) {
@@ -151,8 +156,9 @@ TEST(KdaChunkGpu, F32LowerBoundGateFused) {
   run_case({"f32 lower-bound h0", kOddLens, 4, 4, 128, 128, DType::f32, true, Gate::lower_bound});
 }
 
-// Mean decay 6 nats per token: nearly every diagonal 16x16 block spans more than 80 nats in some
-// channel and takes the per-element exp path (the other cases take the split-reference product).
+// Mean decay 6 nats per token: nearly every diagonal 16x16 block spans
+// more than 80 nats in some channel and takes the per-element exp path
+// (the other cases take the split-reference product).
 TEST(KdaChunkGpu, StrongDecayPerElementDiagonal) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   run_case({"f32 strong decay h0", kOddLens, 2, 4, 128, 128, DType::f32, true, Gate::strong});
@@ -171,8 +177,8 @@ TEST(KdaChunkGpu, Bf16) {
       {"bf16 lower-bound", kOddLens, 2, 2, 128, 128, DType::bf16, false, Gate::lower_bound, true});
 }
 
-// KdaArgs::exact_bf16_products: 3xTF32 in every product, the final state within the f32 path's
-// bound (plain TF32 in the default stages: ~3e-4).
+// KdaArgs::exact_bf16_products: 3xTF32 in every product, the final state
+// within the f32 path's bound (plain TF32 in the default stages: ~3e-4).
 TEST(KdaChunkGpu, Bf16ExactProducts) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   run_case({"bf16 plain h0 exact", kOddLens, 2, 4, 128, 128, DType::bf16, true, Gate::plain, false,
@@ -181,13 +187,15 @@ TEST(KdaChunkGpu, Bf16ExactProducts) {
             Gate::lower_bound, true, 0, true});
 }
 
-// Enough (sequence, head) pairs that the state pass takes 64-wide V tiles (state_tile: at least
-// one block per SM; 4 x 24 x 2 = 192 blocks on an H200's 132 SMs); the cases above take 32.
+// Enough (sequence, head) pairs that the state pass takes 64-wide V tiles
+// (state_tile: at least one block per SM; 4 x 24 x 2 = 192 blocks on an
+// H200's 132 SMs); the cases above take 32.
 TEST(KdaChunkGpu, WideStateTile) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
-  run_case({"f32 wide tile h0", wide_lens(), 8, 24, 128, 128, DType::f32, true, Gate::lower_bound,
-            true});
-  run_case({"bf16 wide tile", wide_lens(), 8, 24, 128, 128, DType::bf16, false, Gate::plain});
+  const WideShape w = wide();
+  run_case(
+      {"f32 wide tile h0", w.lens, w.H, w.HV, 128, 128, DType::f32, true, Gate::lower_bound, true});
+  run_case({"bf16 wide tile", w.lens, w.H, w.HV, 128, 128, DType::bf16, false, Gate::plain});
 }
 
 TEST(KdaChunkGpu, ManyShortSequencesK64) {
@@ -242,10 +250,14 @@ TEST(KdaChunkGpu, RejectsBadArguments) {
     Case c{"args", {5, 70}, 1, 1, K, V, DType::f32, true, Gate::plain};
     return to_device(make_inputs(c, rng), false);
   };
-  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(48, 64)), Error);   // K not 32/64/128
-  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(256, 64)), Error);  // K too large
-  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(64, 40)), Error);   // V not a multiple of 32
-  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(64, 160)), Error);  // V too large
+  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(48, 64)),
+               Error);  // K not 32/64/128
+  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(256, 64)),
+               Error);  // K too large
+  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(64, 40)),
+               Error);  // V not a multiple of 32
+  EXPECT_THROW(ops::kda_chunk_forward_cuda(gpu_case(64, 160)),
+               Error);  // V too large
   KdaArgs a = gpu_case(64, 64);
   {
     KdaArgs b = a;
@@ -280,11 +292,12 @@ TEST(KdaChunkGpu, RejectsBadArguments) {
   }
 }
 
-// Opt-in timing (--gtest_also_run_disabled_tests): bf16, plain g, K = V = 128, packed equal-length
-// sequences, the forward rows of bench/RESULTS.md, "Anchors and targets". Wall time of the
-// synchronous call with preallocated buffers (host planning and one small host-to-device copy
-// included), median of 5 after a warm-up. Inputs are 2048 random tokens tiled along T (the values
-// do not change the work).
+// Opt-in timing (--gtest_also_run_disabled_tests): bf16, plain g, K = V =
+// 128, packed equal-length sequences, the forward rows of
+// bench/RESULTS.md, "Anchors and targets". Wall time of the synchronous
+// call with preallocated buffers (host planning and one small
+// host-to-device copy included), median of 5 after a warm-up. Inputs are
+// 2048 random tokens tiled along T (the values do not change the work).
 TEST(KdaChunkGpu, DISABLED_Timing) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (cuda_emulated()) GTEST_SKIP() << "the CUDA device is the CPU emulation: no timings";
@@ -327,9 +340,10 @@ TEST(KdaChunkGpu, DISABLED_Timing) {
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(ms.begin(), ms.end());
-    std::printf("kda_chunk_forward_cuda bf16 T=%lld H=%lld N=%lld K=V=128: %.3f ms (%.2f Mtok/s)\n",
-                (long long)sh.T, (long long)sh.H, (long long)sh.N, ms[2],
-                double(sh.T) / ms[2] / 1e3);
+    std::printf(
+        "kda_chunk_forward_cuda bf16 T=%lld H=%lld N=%lld K=V=128: %.3f "
+        "ms (%.2f Mtok/s)\n",
+        (long long)sh.T, (long long)sh.H, (long long)sh.N, ms[2], double(sh.T) / ms[2] / 1e3);
   }
 }
 
