@@ -98,6 +98,14 @@ Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Gemm
   return c;
 }
 
+GemmGroupedCounts gemm_grouped_counts() {
+#ifdef HLM_HAVE_CUDA
+  return cuda::gemm_grouped_counts();
+#else
+  return {};  // no CUDA calls in a build without CUDA
+#endif
+}
+
 namespace {
 
 // Block g of t: the [rows, cols] row-major matrix at element off of the contiguous t.

@@ -50,5 +50,11 @@ struct GemmGroup {
 void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha = 1.0, double beta = 0.0,
                   GemmOptions opt = {});
+// CUDA grouped GEMM calls since the start: all of them, and those that cuBLAS did not take as one
+// grouped call for their dtypes (run as one cublasGemmEx per group instead).
+struct GemmGroupedCounts {
+  int64_t calls = 0, per_group_loops = 0;
+};
+GemmGroupedCounts gemm_grouped_counts();
 
 }  // namespace hlm::ops

@@ -248,6 +248,12 @@ TEST(GemmGroupedGpu, ZeroKAndErrors) {
   ops::gemm_grouped(a, false, b, false, c, {{3, 4, 0, 0, 0, 0}}, 1.0, 0.5);
   const std::vector<double> got = cpu(c).to_f64_vector(), want = c0.to_f64_vector();
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i], float(0.5 * want[i])) << i;
+  // The counts: one per launch (the k = 0 group above launched nothing).
+  const ops::GemmGroupedCounts before = ops::gemm_grouped_counts();
+  ops::gemm_grouped(a, false, b, false, c, {{3, 4, 1, 0, 0, 0}});
+  const ops::GemmGroupedCounts after = ops::gemm_grouped_counts();
+  EXPECT_EQ(after.calls, before.calls + 1);
+  EXPECT_LE(after.per_group_loops - before.per_group_loops, 1);
   testing::expect_error(
       [&] {
         ops::gemm_grouped(a, false, b, false, c, {{3, 4, 5, 10, 0, 0}});

@@ -23,5 +23,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
 using GemmGroup = ops::GemmGroup;
 void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha, double beta);
+// gemm_grouped's calls and its per-group fallbacks so far.
+ops::GemmGroupedCounts gemm_grouped_counts();
 
 }  // namespace hlm::ops::cuda

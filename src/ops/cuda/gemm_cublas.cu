@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -121,9 +122,18 @@ void run_into(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, DTy
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_grouped_calls{0}, g_grouped_loops{0};
+}  // namespace
+
+ops::GemmGroupedCounts gemm_grouped_counts() {
+  return {g_grouped_calls.load(), g_grouped_loops.load()};
+}
+
 void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha, double beta) {
   if (groups.empty()) return;
+  ++g_grouped_calls;
   const DType dt = c.dtype();
   const bool f64 = dt == DType::f64;
   const cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
@@ -166,6 +176,7 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
     check_cublas(st, "cublasGemmGroupedBatchedEx");
     return;
   }
+  ++g_grouped_loops;
   for (size_t g = 0; g < G; ++g)
     check_cublas(cublasGemmEx(handle(), op_b[g], op_a[g], n[g], m[g], k[g],
                               f64 ? static_cast<const void*>(&da[g]) : &fa[g],
