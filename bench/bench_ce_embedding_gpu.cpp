@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "gpu_timing.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 
@@ -23,24 +24,7 @@
 namespace {
 
 double median_ms(const std::function<void()>& f) {
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
-    cudaEventRecord(e0);
-    f();
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float t = 0;
-    cudaEventElapsedTime(&t, e0, e1);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return hlm::bench::median_ms(f, 20, 3);
 }
 
 void row(const char* what, const char* dt, long t, long v, long d, double ms, double bytes) {

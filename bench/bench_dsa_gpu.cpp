@@ -28,6 +28,7 @@
 #include "core/profile.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "gpu_timing.h"
 #include "layers/dsa/dsa_layer.h"
 #include "ops/cuda/dsa_common.cuh"
 #include "ops/dsa_common.h"
@@ -47,25 +48,7 @@ constexpr double kPeakTflops = 790.0;
 #ifdef HLM_HAVE_CUDA
 // Median milliseconds of `reps` calls of f after one warm-up call.
 double time_ms(const std::function<void()>& f, int reps) {
-  f();
-  cudaDeviceSynchronize();
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(e0);
-    f();
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float t = 0;
-    cudaEventElapsedTime(&t, e0, e1);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return hlm::bench::median_ms(f, reps, 1);
 }
 
 // A bf16 CUDA tensor [T, row...] of normal draws: 1024 random rows repeated (drawing 2^30 normals

@@ -39,8 +39,10 @@
 #include "core/json.h"
 #include "core/profile.h"
 #include "core/rng.h"
+#include "gpu_timing.h"
 #include "model/config_limits.h"
 #include "model/hybrid_model.h"
+#include "ops/gemm.h"
 #include "train/adamw.h"
 
 #ifdef HLM_HAVE_CUDA
@@ -193,22 +195,7 @@ int main(int argc, char** argv) {
     };
     for (int64_t i = 0; i < a.warmup; ++i) step();
     cuda_reset_peak_memory();
-    std::vector<double> ms;
-    for (int64_t i = 0; i < a.steps; ++i) {
-      cudaDeviceSynchronize();
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      cudaEventRecord(e0);
-      step();
-      cudaEventRecord(e1);
-      cudaEventSynchronize(e1);
-      float t = 0;
-      cudaEventElapsedTime(&t, e0, e1);
-      ms.push_back(t);
-      cudaEventDestroy(e0);
-      cudaEventDestroy(e1);
-    }
+    const std::vector<double> ms = bench::event_times_ms(step, int(a.steps), 0);
     const CudaMemoryStats mem = cuda_memory_stats();
     std::vector<double> sorted = ms;
     std::sort(sorted.begin(), sorted.end());
@@ -230,6 +217,9 @@ int main(int argc, char** argv) {
         "device memory: peak in use %.2f GiB, peak reserved %.2f GiB; %llu cudaMalloc calls\n",
         double(mem.peak_in_use_bytes) / 1073741824.0,
         double(mem.peak_reserved_bytes) / 1073741824.0, (unsigned long long)mem.cuda_malloc_count);
+    const ops::GemmGroupedCounts gg = ops::gemm_grouped_counts();
+    std::printf("grouped GEMM calls %lld, %lld of them as one cublasGemmEx per group\n",
+                (long long)gg.calls, (long long)gg.per_group_loops);
     if (a.profile) {
       profile::set_enabled(true);
       profile::reset();

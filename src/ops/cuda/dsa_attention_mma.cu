@@ -204,6 +204,21 @@ __device__ __forceinline__ void for_each_tile(int64_t n, Load&& load, Body&& bod
   cp_async_wait<0>();
 }
 
+// The m tiles of 16 heads a block takes for H heads: 1, 2 or 4 (at most 64 heads per block).
+inline int m_tiles(int H) {
+  return H <= 16 ? 1 : H <= 32 ? 2 : 4;
+}
+
+// Key tiles of 64 rows, else 32, else 16: the first with at least 8 keys per score slice
+// (16 mt nk >= 1024) whose shared memory bytes(nk) fits the device; 0 when none does.
+template <class Bytes>
+int key_tile(int mt, Bytes&& bytes) {
+  const size_t optin = size_t(smem_optin());
+  for (int c : {64, 32, 16})
+    if (16 * mt * c >= 1024 && bytes(c) <= optin) return c;
+  return 0;
+}
+
 // f(MT, NK) with compile-time values for the runtime mt (1, 2, 4) and nk (64, 32, 16).
 template <class F>
 void with_tiles(int mt, int nk, F&& f) {
@@ -578,13 +593,9 @@ bool launch_bwd(const nv_bf16* q, const nv_bf16* kv, const nv_bf16* dout, const 
                 nv_bf16* dkv, int64_t T, int H, int D, int dv, double scale, const char* what) {
   if (!fits(D, dv, q, kv) || D > kMaxDq || reinterpret_cast<uintptr_t>(dout) % 16 != 0)
     return false;
-  const int mt = H <= 16 ? 1 : H <= 32 ? 2 : 4;
-  const size_t optin = size_t(smem_optin());
-  // Key tiles of 64 rows, else 32, else 16 (at least 8 keys per score slice: 16 rows need 64
-  // heads a block, 32 rows 32 heads).
-  int nk = 0;
-  for (int c : {64, 32, 16})
-    if (nk == 0 && 16 * mt * c >= 1024 && bwd_smem_bytes(mt, c, D, dv) <= optin) nk = c;
+  const int mt = m_tiles(H);
+  // 16-row key tiles need 64 heads a block, 32 rows 32 heads.
+  const int nk = key_tile(mt, [&](int c) { return bwd_smem_bytes(mt, c, D, dv); });
   if (nk == 0) return false;
   const int ngroups = (H + 16 * mt - 1) / (16 * mt);
   // Chunks of queries whose workspace rows (at most max_keys per query and head group) fit 2 GiB.
@@ -627,12 +638,8 @@ template <class Keys>
 bool launch(const nv_bf16* q, const nv_bf16* kv, const Keys& keys, nv_bf16* out, float* lse,
             int64_t T, int H, int D, int dv, double scale, const char* what) {
   if (!fits(D, dv, q, kv)) return false;
-  const int mt = H <= 16 ? 1 : H <= 32 ? 2 : 4;
-  const size_t optin = size_t(smem_optin());
-  // Key tiles of 64 rows, else 32, else 16 (at least 8 keys per score slice).
-  int nk = 0;
-  for (int c : {64, 32, 16})
-    if (nk == 0 && 16 * mt * c >= 1024 && smem_bytes(mt, c, D) <= optin) nk = c;
+  const int mt = m_tiles(H);
+  const int nk = key_tile(mt, [&](int c) { return smem_bytes(mt, c, D); });
   if (nk == 0) return false;
   if (T == 0 || H == 0) return true;
   const int64_t blocks = T * ((H + 16 * mt - 1) / (16 * mt));
@@ -751,11 +758,8 @@ template <class Keys>
 bool launch_target(const nv_bf16* q, const nv_bf16* kv, const Keys& keys, const float* lse,
                    float* out, int64_t T, int H, int D, int64_t W, double scale, const char* what) {
   if (H > 64 || !fits(D, 0, q, kv)) return false;
-  const int mt = H <= 16 ? 1 : H <= 32 ? 2 : 4;
-  const size_t optin = size_t(smem_optin());
-  int nk = 0;
-  for (int c : {64, 32, 16})
-    if (nk == 0 && 16 * mt * c >= 1024 && target_smem_bytes(mt, c, D) <= optin) nk = c;
+  const int mt = m_tiles(H);
+  const int nk = key_tile(mt, [&](int c) { return target_smem_bytes(mt, c, D); });
   if (nk == 0) return false;
   if (T == 0 || H == 0 || W == 0) return true;
   HLM_CHECK(T < (int64_t(1) << 31), "{}: T = {} exceeds the grid limit", what, T);
