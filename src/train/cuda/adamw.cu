@@ -1,7 +1,8 @@
 // AdamW kernels (train/cuda/adamw.cuh). The update is the CPU's formula element by element in FP64
 // with the round-to-nearest intrinsics (__dmul_rn, __dadd_rn, ...), which nvcc never fuses into an
-// FMA, so the results equal the CPU's bit for bit. The norm's block sums run one thread per block
-// of elements, adding the squares in element order as the CPU does.
+// FMA, so the results equal the CPU's bit for bit. The norm's block sums run a warp per block of
+// elements, adding the squares in element order as the CPU does; the update is one launch for
+// every parameter. Both take a table of the parameters (pointers, sizes, dtypes) on the device.
 #include <cuda_runtime.h>
 
 #include <cstring>
