@@ -20,7 +20,6 @@
 #include <limits>
 #include <string>
 
-#include "core/device.h"
 #include "kda_gpu_inputs.h"
 #include "ops/cuda/kda_chunk/params.cuh"
 #include "ops/kda.h"
@@ -128,21 +127,9 @@ void run_case(const Case& c) {
       << describe(c) << ": sequence " << n << " alone differs from the packed batch (final_state)";
 }
 
-// The long sequence: 1000 tokens (16 chunks) on a GPU, 400 (7 chunks: the same inter-chunk code)
-// on the CPU emulation of CI, where the test time grows with it.
-const std::vector<int64_t> kOddLens =
-    cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 400} : std::vector<int64_t>{1, 63, 65, 1000};
-// The wide-state-tile cases need N x HV x V / 64 >= 132 (the SMs) blocks of the state pass: on a
-// GPU 4 sequences (the longest 300 tokens) x 24 value heads (8 q/k heads); on the emulation, where
-// the time grows with tokens x heads, 12 short sequences x 6 value heads (2 q/k heads): 144 blocks.
-struct WideShape {
-  std::vector<int64_t> lens;
-  int64_t H, HV;
-};
-WideShape wide() {
-  if (cuda_emulated()) return {{1, 63, 65, 2, 5, 9, 17, 30, 1, 3, 8, 20}, 2, 6};
-  return {{1, 63, 65, 300}, 8, 24};
-}
+using kda_gpu_test::kOddLens;
+using kda_gpu_test::wide;
+using kda_gpu_test::WideShape;
 
 TEST(KdaChunkGpu, F32PlainGateInitialState) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";

@@ -1,10 +1,12 @@
 // Inputs shared by the KDA GPU tests (kda_chunk_gpu_test.cpp, kda_chunk_bwd_gpu_test.cpp): the
-// CPU problems they build and their copy to the device. `Case` is each test's own case struct
+// CPU problems they build and their copy to the device, and the sequence shapes that differ
+// between a GPU and the CPU emulation. `Case` is each test's own case struct
 // with the fields name, lens, H, HV, K, V, dt, h0, gate, scale.
 #pragma once
 
 #include <vector>
 
+#include "core/device.h"
 #include "ops/kda.h"
 #include "testing.h"
 
@@ -64,6 +66,22 @@ inline ops::KdaArgs to_device(const ops::KdaArgs& c, bool cu_on_device) {
   // The layout read back from a cu_seqlens tensor on the device (one small synchronous copy).
   if (cu_on_device) g.seqs = SeqLayout::from_tensor(c.seqs->cu_seqlens(Device::cuda), c.v.size(0));
   return g;
+}
+
+// The long sequence: 1000 tokens (16 chunks) on a GPU, 400 (7 chunks: the same inter-chunk code)
+// on the CPU emulation of CI, where the test time grows with it.
+inline const std::vector<int64_t> kOddLens =
+    cuda_emulated() ? std::vector<int64_t>{1, 63, 65, 400} : std::vector<int64_t>{1, 63, 65, 1000};
+// The wide-state-tile cases need N x HV x V / 64 >= 132 (the SMs) blocks of the state pass: on a
+// GPU 4 sequences (the longest 300 tokens) x 24 value heads (8 q/k heads); on the emulation, where
+// the time grows with tokens x heads, 12 short sequences x 6 value heads (2 q/k heads): 144 blocks.
+struct WideShape {
+  std::vector<int64_t> lens;
+  int64_t H, HV;
+};
+inline WideShape wide() {
+  if (cuda_emulated()) return {{1, 63, 65, 2, 5, 9, 17, 30, 1, 3, 8, 20}, 2, 6};
+  return {{1, 63, 65, 300}, 8, 24};
 }
 
 }  // namespace hlm::kda_gpu_test
