@@ -60,12 +60,9 @@ Tensor on(Device dev, const Tensor& t) {
   return dev == Device::cpu ? t : t.to(dev);
 }
 
-// The targets of a host i64 tensor that are not ignored (-100).
-int64_t count_targets(const Tensor& host_targets) {
-  int64_t n = 0;
-  const int64_t* p = host_targets.data<int64_t>();
-  for (int64_t i = 0; i < host_targets.numel(); ++i) n += p[i] != -100;
-  return n;
+// The targets that are not ignored (-100).
+int64_t count_targets(const int64_t* t, int64_t n) {
+  return int64_t(std::count_if(t, t + n, [](int64_t v) { return v != -100; }));
 }
 
 // The output head and its cross-entropy in chunks of rows, so that no [T, V] logits are held
@@ -811,7 +808,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   if (fused) {
     s->targets = host_i64(in.targets);
     s->targets_dev = on(dev, s->targets);
-    out.lm_count = count_targets(s->targets);
+    out.lm_count = count_targets(s->targets.data<int64_t>(), s->targets.numel());
     HeadLoss hl = chunked_head_loss(ctx, *lm_head_, out.hidden, s->targets_dev, out.lm_count, 1.0,
                                     opt_.loss_chunk_rows);
     out.lm_loss = hl.loss;
@@ -866,8 +863,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     out.indexer_loss += mo.indexer_loss;
     s->mtp_scale = cfg_.mtp.loss_scaling_factor;
     if (fused) {
-      out.mtp_count =
-          int64_t(std::count_if(mt.begin(), mt.end(), [](int64_t v) { return v != -100; }));
+      out.mtp_count = count_targets(mt.data(), int64_t(mt.size()));
       HeadLoss hl = chunked_head_loss(ctx, *lm_head_, o, s->mtp_targets, out.mtp_count,
                                       s->mtp_scale, opt_.loss_chunk_rows);
       out.mtp_loss = hl.loss;

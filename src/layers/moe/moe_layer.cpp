@@ -222,8 +222,9 @@ void MoeLayer::run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const 
   }
   ps_sort.end();
   profile::Scope ps_gather("gather");
-  Tensor xp = ops::gather_rows(xc, toks);
-  if (bf16) xp = ops::as_dtype(xp, DType::bf16);  // rounded once (the GEMM's operand)
+  // Under a bf16 GEMM x is rounded once, before the gather: T rows converted, not T K, and half
+  // the bytes gathered (rounding commutes with the row copy).
+  const Tensor xp = ops::gather_rows(bf16 ? ops::as_dtype(xc, DType::bf16) : xc, toks);
   ps_gather.end();
   profile::Scope ps_gemm("grouped GEMMs + SwiGLU");
   Tensor gu = Tensor::empty({N, 2 * I}, xc.dtype(), xc.device());
@@ -236,7 +237,6 @@ void MoeLayer::run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const 
   HLM_PROFILE("scatter");
   s.eo = ops::gather_rows(eo, pos);
   s.grouped = true;
-  s.experts.assign(size_t(E), ExpertSaved{});
   if (keep) {
     s.counts = std::move(counts);
     s.order = std::move(order);
@@ -400,7 +400,7 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
     run_experts(rctx, saved.x, re);
   }
   const Saved& R = saved.recomputed ? re : saved;
-  HLM_CHECK(R.eo.defined() && int64_t(R.experts.size()) == E,
+  HLM_CHECK(R.eo.defined() && (R.grouped || int64_t(R.experts.size()) == E),
             "MoeLayer({})::backward: Saved holds no expert state", path_);
   const std::string where = fmt::format("MoeLayer({})::backward", path_);
   ensure_grad(*gate_up_, where);
