@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -55,24 +56,35 @@ def main():
     params = list(model.parameters()) + list(head.parameters())
     n = sum(t.numel() for t in params)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; KDA: {kda}; "
-          f"attention {config._attn_implementation}; {n / 1e9:.3f} B parameters (with lm_head)")
+          f"attention {config._attn_implementation}; {n / 1e9:.3f} B parameters (with lm_head)",
+          flush=True)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     T = a.seq * a.batch
     ids = torch.randint(0, config.vocab_size, (a.batch, a.seq + 1), device=dev)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
-    def step():
+    def step(verbose=False):
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = head(model(input_ids=x).last_hidden_state)
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        if verbose:
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            print(f"  forward {t1 - t0:.1f} s", flush=True)
         loss.backward()
+        if verbose:
+            torch.cuda.synchronize()
+            print(f"  backward {time.perf_counter() - t1:.1f} s", flush=True)
         opt.step()
         return loss
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
+    for i in range(a.warmup):
+        t0 = time.perf_counter()
+        step(verbose=True)
+        torch.cuda.synchronize()
+        print(f"warm-up step {i + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
     torch.cuda.reset_peak_memory_stats()
     ms = []
     for _ in range(a.steps):
@@ -82,6 +94,7 @@ def main():
         e1.record()
         e1.synchronize()
         ms.append(e0.elapsed_time(e1))
+        print(f"step {len(ms)}: {ms[-1]:.1f} ms", flush=True)
     med = statistics.median(ms)
     print("step times (ms): " + " ".join(f"{t:.1f}" for t in ms))
     print(f"median step {med:.1f} ms: {T / (med * 1e-3):.0f} tokens/s; loss {loss.item():.4f}; "
