@@ -10,6 +10,7 @@
 #include "core/profile.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "model/model_cache.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/mhc.h"
@@ -313,6 +314,13 @@ class FeedForward : public Module {
 
 // ---- the decoder layer --------------------------------------------------------------------------
 
+// A decoder layer's part of a forward over a cache: the cache, the batch's slots, the layer.
+struct CacheCall {
+  ModelCache* cache = nullptr;
+  const std::vector<int64_t>* slots = nullptr;
+  int64_t layer = 0;
+};
+
 // One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
 // post_attention_layernorm, mlp). Also used without mHC (plain residual) when mhc is off.
 class DecoderLayer : public Module {
@@ -385,7 +393,11 @@ class DecoderLayer : public Module {
 
   // X [T, n, D] -> X' [T, n, D]. given: the DSA selection to attend (undefined: the layer's own).
   Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
-                 const Tensor& replay, const Tensor& given) const {
+                 const Tensor& replay, const Tensor& given, const CacheCall* cc = nullptr) const {
+    if (cc) {
+      Saved local;
+      return run(ctx, x, cu, &local, out, replay, given, cc);
+    }
     if (ctx.training && s && recompute_ == Recompute::full) {
       Saved local;
       Tensor y = run(ctx, x, cu, &local, out, replay, given);
@@ -421,7 +433,7 @@ class DecoderLayer : public Module {
   }
 
   Tensor run(const Context& ctx, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
-             const Tensor& replay, const Tensor& given) const {
+             const Tensor& replay, const Tensor& given, const CacheCall* cc = nullptr) const {
     const Context c = sub_ctx(ctx);
     const bool train = ctx.training;
     s->x = x;
@@ -433,10 +445,19 @@ class DecoderLayer : public Module {
     ps_hc.end();
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor y;
-    if (kda_) {
+    if (kda_ && cc) {
+      // Continue from the slots' states and keep the final ones.
+      const KdaState init = cc->cache->kda_states(cc->layer, *cc->slots);
+      KdaState fin;
+      y = kda_->forward(c, a, cu, &init, nullptr, &fin);
+      cc->cache->store_kda_states(cc->layer, *cc->slots, fin);
+    } else if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
     } else {
-      DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
+      DsaCacheView view;
+      if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
+      DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view, given)
+                              : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
       y = o.y;
       if (out) {
         if (o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
@@ -733,6 +754,25 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   auto replay_of = [&](int64_t m) { return in.replay.empty() ? Tensor() : in.replay[size_t(m)]; };
 
   const bool train = ctx.training && saved != nullptr;
+  const bool cached = in.cache != nullptr;
+  if (cached) {
+    HLM_CHECK(!ctx.training && saved == nullptr && !has_targets && !in.output_processor &&
+                  in.replay.empty() && in.dsa_indices.empty(),
+              "HybridModel::forward: a forward over a cache is inference only (no training, "
+              "targets, output processor, replay or given selections)");
+    HLM_CHECK(dev == Device::cpu, "HybridModel::forward: inference over a cache runs on the CPU "
+                                  "for now (the model is on {})",
+              device_name(dev));
+    HLM_CHECK(in.cache->dtype() == cdt,
+              "HybridModel::forward: the cache holds {}, the model computes in {}",
+              dtype_name(in.cache->dtype()), dtype_name(cdt));
+    HLM_CHECK(int64_t(in.cache_slots.size()) == seqs.num_seqs(),
+              "HybridModel::forward: {} cache slots for {} sequences", in.cache_slots.size(),
+              seqs.num_seqs());
+    std::vector<int64_t> lengths;
+    for (int64_t q = 0; q < seqs.num_seqs(); ++q) lengths.push_back(seqs.length(q));
+    in.cache->reserve(in.cache_slots, lengths);  // all or nothing, before anything is written
+  }
   std::unique_ptr<Saved> s(new Saved);
   s->tokens = tokens;
   s->tokens_dev = on(dev, tokens);
@@ -772,7 +812,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
         given = prev_sel;
       }
     }
-    x = layers_[l]->forward(ctx, x, seqs, train ? &s->layers[l] : nullptr, &lo, rp, given);
+    const CacheCall cc{in.cache, &in.cache_slots, int64_t(l)};
+    x = layers_[l]->forward(ctx, x, seqs, train ? &s->layers[l] : nullptr, &lo, rp, given,
+                            cached ? &cc : nullptr);
     if (layers_[l]->is_dsa()) {
       ++dsa_i;
       prev_sel = lo.indices;
@@ -785,6 +827,11 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
       out.expert_topk.push_back(lo.topk);
     }
     out.indexer_loss += lo.indexer_loss;
+  }
+  if (cached) {
+    std::vector<int64_t> lengths;
+    for (int64_t q = 0; q < seqs.num_seqs(); ++q) lengths.push_back(seqs.length(q));
+    in.cache->advance(in.cache_slots, lengths);
   }
   profile::Scope ps_head("final norm + head + loss");
   Tensor h = cfg_.mhc.enabled ? ops::mhc_mean_contract(x) : x.reshape({T, D});
@@ -816,7 +863,13 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->d_hidden_head = hl.d_hidden;
     objective += out.lm_loss;
   }
-  if ((in.logits || has_targets) && !in.output_processor && !fused) {
+  if (!in.logit_rows.empty()) {
+    HLM_CHECK(!has_targets && !in.output_processor,
+              "HybridModel::forward: logit_rows is for inference (no targets)");
+    for (int64_t r : in.logit_rows)
+      HLM_CHECK(r >= 0 && r < T, "HybridModel::forward: logit row {} is outside [0, {})", r, T);
+    out.logits = lm_head_->forward(ctx, ops::gather_rows(out.hidden, in.logit_rows), nullptr);
+  } else if ((in.logits || has_targets) && !in.output_processor && !fused) {
     out.logits = lm_head_->forward(ctx, out.hidden, train ? &s->head : nullptr);
     s->logits = out.logits;
   }

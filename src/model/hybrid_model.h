@@ -74,6 +74,8 @@ struct HybridModelOptions {
 // *d_hidden ([T, D], f32 or f64). Used instead of lm_head + cross-entropy for the main loss.
 using OutputProcessor = std::function<double(const Tensor& hidden, Tensor* d_hidden)>;
 
+class ModelCache;  // model/model_cache.h
+
 struct ModelInputs {
   Tensor tokens;      // [T] i64 / i32 token ids in [0, vocab)
   Tensor cu_seqlens;  // [N+1] (undefined: one sequence of T tokens)
@@ -92,6 +94,17 @@ struct ModelInputs {
   // layer's own indexer). A layer whose indexer_types entry is "shared" attends the previous DSA
   // layer's set.
   std::vector<Tensor> dsa_indices;
+  // Inference over a cache (model/model_cache.h, docs/inference.md; CPU): sequence n of
+  // cu_seqlens continues the cached sequence in slot cache_slots[n] (distinct open slots). Its
+  // KDA states and DSA rows are read and extended: the forward takes the pages its tokens need
+  // (or throws, changing nothing, when they do not fit) and advances the lengths. Inference only:
+  // no training, targets, output processor, replay or given selections; no MTP.
+  // ModelOutput::dsa_indices then holds positions within each sequence.
+  ModelCache* cache = nullptr;
+  std::vector<int64_t> cache_slots;
+  // The token rows whose logits are computed (ModelOutput::logits [R, V] in this order); empty:
+  // every row. Inference only (no targets).
+  std::vector<int64_t> logit_rows;
 };
 
 struct ModelOutput {

@@ -42,6 +42,7 @@
 #include <optional>
 #include <string>
 
+#include "layers/dsa/dsa_cache.h"
 #include "layers/dsa/indexer.h"
 #include "layers/dsa/mla.h"
 
@@ -121,6 +122,17 @@ class DsaLayer : public Mla {
              : SeqLayout()),
         saved, given_indices);
   }
+  // Inference over a cache (CPU; docs/inference.md): x [T, D] holds the new tokens of each
+  // sequence of `seqs`, which continue the tokens already cached (cache.start). Writes their
+  // latent rows and indexer keys into the cache (KPool: a pool's key when it completes), selects
+  // each query's set among all its sequence's tokens by the training forward's rules at positions
+  // cache.start + r (the same sets, the same slot order) and attends it. given: i32 [T, W]
+  // positions within each query's sequence (-1 padded), the set a "shared" layer attends, or
+  // undefined. Output::indices: the attended sets as positions within each sequence, i32 [T, W]
+  // (-1 padded).
+  Output forward_cached(const Tensor& x, const SeqLayout& seqs, DsaCacheView& cache,
+                        const Tensor& given = {}) const;
+
   // dy [T, D] -> dx (dtype of the saved x). indexer_grad_scale multiplies the indexer loss's
   // gradient (the LM loss scale; 0 skips the indexer backward).
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved,

@@ -243,22 +243,20 @@ ops::IndexerScoreOptions DsaIndexer::score_options() const {
   return o;
 }
 
-void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const SeqLayout& seqs,
-                               bool select, Saved& s) const {
+void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
+                              const std::vector<int64_t>& pos, Saved& s) const {
   const Device dev = wk_.weight_value().device();
   check_input(h_in, cfg_.hidden_size, dev, "h", "hidden_size");
   check_input(cq_in, cfg_.q_lora_rank, dev, "c_q", "q_lora_rank");
   const int64_t T = h_in.size(0);
   HLM_CHECK(cq_in.size(0) == T, "DsaIndexer::forward: c_q has {} rows, h has {}", cq_in.size(0), T);
-  const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaIndexer::forward"), seqs.offsets());
-  const std::vector<int64_t> pos = positions_of(cu);
+  HLM_CHECK(int64_t(pos.size()) == T, "DsaIndexer: {} positions for {} tokens", pos.size(), T);
   const DType cdt = compute_dtype();
   const int64_t H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool, dr = cfg_.rope_dim;
   const Context lin_ctx{true, false};
 
   s.h = as_dt(h_in, cdt);
   s.c_q = as_dt(cq_in, cdt);
-  s.seqs = seqs;
   s.recomputed = false;
 
   // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
@@ -274,23 +272,38 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
   s.k_mean = ln.mean;
   s.k_rstd = ln.rstd;
   rope_rows(s.k, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
-
-  // Keys for scoring: token keys (P = 1) or Hadamard of the pooled keys (P > 1).
-  Tensor keys;
-  if (P == 1) {
-    if (cfg_.hadamard) ops::hadamard_inplace(s.k);
-    keys = s.k;
-  } else {
+  // Token keys are rotated here (P = 1); pooled keys after the pooling (run_internals, pool_key).
+  if (P == 1 && cfg_.hadamard) ops::hadamard_inplace(s.k);
+  if (P > 1) {
     gate_lin_.weight().value = gate_->value;
     s.gate_out = ops::contiguous(gate_lin_.forward(lin_ctx, s.h, &s.gate));
-    s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, cdt), seqs);
-    if (cfg_.hadamard) ops::hadamard_inplace(s.pooled);
-    keys = s.pooled;
   }
 
   // w = weights_proj(h) * H^-1/2.
   s.w = ops::contiguous(weights_proj_.forward(lin_ctx, s.h, &s.weights_proj));
   scale_inplace(s.w, 1.0 / std::sqrt(double(H)));
+}
+
+void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const SeqLayout& seqs,
+                               bool select, Saved& s) const {
+  const Device dev = wk_.weight_value().device();
+  check_input(h_in, cfg_.hidden_size, dev, "h", "hidden_size");
+  check_input(cq_in, cfg_.q_lora_rank, dev, "c_q", "q_lora_rank");
+  const int64_t T = h_in.size(0);
+  const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaIndexer::forward"), seqs.offsets());
+  project_into(h_in, cq_in, positions_of(cu), s);
+  s.seqs = seqs;
+  const int64_t P = cfg_.kpool;
+
+  // Keys for scoring: token keys (P = 1) or Hadamard of the pooled keys (P > 1).
+  Tensor keys;
+  if (P == 1) {
+    keys = s.k;
+  } else {
+    s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, compute_dtype()), seqs);
+    if (cfg_.hadamard) ops::hadamard_inplace(s.pooled);
+    keys = s.pooled;
+  }
 
   s.scores = ops::indexer_scores(s.q, keys, s.w, seqs, score_options());
   if (!select) return;
@@ -303,6 +316,24 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
     s.indices = sel.indices;
     s.pools = sel.pools;
   }
+}
+
+DsaIndexer::TokenProjection DsaIndexer::project_tokens(const Tensor& h, const Tensor& c_q,
+                                                       const std::vector<int64_t>& pos) const {
+  Saved s;
+  project_into(h, c_q, pos, s);
+  return TokenProjection{s.q, s.k, s.gate_out, s.w};
+}
+
+Tensor DsaIndexer::pool_key(const Tensor& k, const Tensor& gate) const {
+  const int64_t P = cfg_.kpool;
+  HLM_CHECK(P > 1 && k.dim() == 2 && k.size(0) == P && gate.shape() == k.shape(),
+            "DsaIndexer::pool_key: needs KPool and k, gate [{}, {}], got {} and {}", P,
+            cfg_.head_dim, k.describe(), gate.describe());
+  Tensor pooled = ops::kpool_compress(k, gate, as_dt(ape_->value, compute_dtype()),
+                                      SeqLayout::single(P));
+  if (cfg_.hadamard) ops::hadamard_inplace(pooled);
+  return pooled;
 }
 
 DsaIndexer::Output DsaIndexer::forward(const Context& ctx, const Tensor& h, const Tensor& c_q,

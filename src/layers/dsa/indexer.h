@@ -193,6 +193,24 @@ class DsaIndexer : public Module {
   IndexerLossResult loss_value(const Context& ctx, const Tensor& target,
                                const IndexerLossOptions& opt, const Saved& saved) const;
 
+  // The per-token part of the forward, for tokens at explicit positions (RoPE; a decode step or a
+  // continued prefill, whose keys go into a cache and whose scoring runs over it). h [T, hidden],
+  // c_q [T, q_lora_rank] on the parameters' device, pos [T]:
+  struct TokenProjection {
+    Tensor q;     // [T, H_I, d_I] after RoPE and Hadamard: the scoring queries
+    Tensor k;     // [T, d_I] LayerNorm + RoPE; P = 1 also Hadamard (the scoring keys); P > 1 the
+                  // keys before pooling
+    Tensor gate;  // KPool: [T, d_I] the compress gate
+    Tensor w;     // [T, H_I] head weights (* H_I^-1/2)
+  };
+  TokenProjection project_tokens(const Tensor& h, const Tensor& c_q,
+                                 const std::vector<int64_t>& pos) const;
+  // KPool: the scoring key [1, d_I] of one complete pool from its P keys and gates [P, d_I] (as
+  // TokenProjection gives them): ops::kpool_compress, then the Hadamard rotation.
+  Tensor pool_key(const Tensor& k, const Tensor& gate) const;
+  // The scoring options of forward (pool size, ReLU, the FP8 emulation).
+  ops::IndexerScoreOptions score_options() const;
+
   const IndexerConfig& config() const { return cfg_; }
   const std::string& path() const { return path_; }
   int64_t index_width() const { return cfg_.index_width(); }
@@ -223,7 +241,10 @@ class DsaIndexer : public Module {
     }
   };
   DType compute_dtype() const;
-  ops::IndexerScoreOptions score_options() const;
+  // The checks and the per-token intermediates of Saved (h, c_q, q, k_lin, k_mean, k_rstd, k,
+  // gate_out, w and their Linear saves) for tokens at positions pos.
+  void project_into(const Tensor& h, const Tensor& c_q, const std::vector<int64_t>& pos,
+                    Saved& s) const;
   // Validates the inputs and computes every intermediate of Saved (and the selection if select).
   void run_internals(const Tensor& h, const Tensor& c_q, const SeqLayout& seqs, bool select,
                      Saved& s) const;

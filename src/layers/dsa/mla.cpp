@@ -442,7 +442,7 @@ Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {
 }
 
 Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
-                            ProjSaved* s) const {
+                            ProjSaved* s, const std::vector<int64_t>* starts) const {
   check_x(x, cfg_.hidden_size, device(), "Mla::project");
   const int64_t T = x.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dqk = dn + dr;
@@ -450,7 +450,13 @@ Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout
   const bool save = s && ctx.training;
   const DType cdt = compute_dtype();
   const Tensor xc = contig(x, cdt);
-  const std::vector<int64_t> pos = positions_of(cu, T);
+  std::vector<int64_t> pos = positions_of(cu, T);
+  if (starts) {
+    HLM_CHECK(int64_t(starts->size()) + 1 == int64_t(cu.size()),
+              "Mla::project: {} start positions for {} sequences", starts->size(), cu.size() - 1);
+    for (size_t n = 0; n + 1 < cu.size(); ++n)
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) pos[size_t(t)] += (*starts)[n];
+  }
   Projected p;
   Tensor q2;
   if (cfg_.q_lora_rank > 0) {

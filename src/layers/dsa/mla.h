@@ -177,8 +177,10 @@ class Mla : public Module {
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved);
 
   // ---- the stages, for the DSA layer (all tensors in the compute dtype) ----
-  Projected project(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
-                    ProjSaved* saved) const;
+  // starts (optional, [N]): the position of each sequence's first token (a decode step or a
+  // continued prefill: the tokens already in the cache); absent: 0, the sequence start.
+  Projected project(const Context& ctx, const Tensor& x, const SeqLayout& seqs, ProjSaved* saved,
+                    const std::vector<int64_t>* starts = nullptr) const;
   // dq [T, H, dqk], dkv [T, r_kv + d_r] (gradients of Projected::q and ::kv) -> dx [T, D]. c_q
   // gets no gradient from outside (the indexer's input is detached).
   Tensor project_backward(const Context& ctx, const Tensor& dq, const Tensor& dkv,

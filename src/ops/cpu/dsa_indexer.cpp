@@ -9,19 +9,8 @@
 #include "ops/fp8_quant.h"
 
 namespace hlm::ops::cpu {
-namespace {
 
-using dsa_detail::dot;
-using dsa_detail::Pattern;
-
-struct ScoreArgs {
-  Tensor q, k, w;  // contiguous; q and k fp8-emulated under opt.fp8
-  int64_t T = 0, H = 0, D = 0;
-  double scale = 0;
-};
-
-// Quantise-dequantise each 128-channel block of every row of x (see IndexerScoreOptions::fp8).
-Tensor fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
                    const char* what) {
   const int64_t D = x.size(-1), rows = x.numel() / std::max<int64_t>(D, 1);
   const std::vector<double> v = x.to_f64_vector();
@@ -49,12 +38,23 @@ Tensor fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* 
   return Tensor::from_values(x.shape(), o, x.dtype());
 }
 
+namespace {
+
+using dsa_detail::dot;
+using dsa_detail::Pattern;
+
+struct ScoreArgs {
+  Tensor q, k, w;  // contiguous; q and k fp8-emulated under opt.fp8
+  int64_t T = 0, H = 0, D = 0;
+  double scale = 0;
+};
+
 ScoreArgs args_of(const Tensor& q, const Tensor& k, const Tensor& w, const IndexerScoreOptions& opt,
                   double scale, const char* op) {
   ScoreArgs a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
-  a.q = opt.fp8 ? fp8_emulate(q, opt, op, "q") : q;
-  a.k = opt.fp8 ? fp8_emulate(k, opt, op, "k") : k;
+  a.q = opt.fp8 ? indexer_fp8_emulate(q, opt, op, "q") : q;
+  a.k = opt.fp8 ? indexer_fp8_emulate(k, opt, op, "k") : k;
   a.w = w;
   a.scale = scale;
   return a;

@@ -1,0 +1,284 @@
+// Inference over a cache (model/model_cache.h, HybridModel::forward with ModelInputs::cache):
+// a prompt prefilled and the rest decoded token by token gives the logits (and the DSA
+// selections) of one full forward over the same tokens, for KDA-only, DSA-only (KPool with its
+// tail, RoPE) and mixed stacks (plain indexer, a shared indexer, dense MLA), at every prompt /
+// decode split of a sequence long enough for sparse selection; a batch of sequences of different
+// lengths decodes as each alone; the budget refuses what does not fit and changes nothing.
+#include <nlohmann/json.hpp>
+
+#include "core/rng.h"
+#include "core/seq_layout.h"
+#include "model/hybrid_model.h"
+#include "model/model_cache.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+using testing::test_seed;
+
+nlohmann::json base_json() {
+  return nlohmann::json::parse(R"({
+    "model_type": "glm5_next_text", "vocab_size": 40, "hidden_size": 16,
+    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
+    "intermediate_size": 24, "swiglu_limit": 10.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": false, "initializer_range": 0.3,
+    "linear_num_heads": 2, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
+    "linear_lower_bound": -5.0,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
+    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 6, "index_kpool": 2,
+    "index_kpool_always_select_tail": true,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "moe_intermediate_size": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": true,
+    "mhc": true, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "num_nextn_predict_layers": 0, "gemm_precision": "native"
+  })");
+}
+
+struct Stack {
+  const char* name;
+  nlohmann::json patch;
+};
+
+std::vector<Stack> stacks() {
+  return {
+      {"kda only", {{"layer_pattern", "KKK"}}},
+      {"dsa only, KPool 2 with tail, RoPE",
+       {{"layer_pattern", "DDD"}, {"qk_rope_head_dim", 4}, {"mla_use_nope", false}}},
+      {"KPool 4 without tail", {{"layer_pattern", "DKD"}, {"index_kpool", 4}, {"index_topk", 8},
+                                {"index_kpool_always_select_tail", false}}},
+      {"plain indexer, shared indexer, dense MLA",
+       {{"layer_pattern", "KDDM"},
+        {"num_hidden_layers", 4},
+        {"index_kpool", 1},
+        {"index_topk", 5},
+        {"indexer_types", {"full", "full", "shared", "full"}}}},
+      {"no mHC", {{"layer_pattern", "KD"}, {"num_hidden_layers", 2}, {"mhc", false}}},
+  };
+}
+
+ModelConfig config_of(const Stack& s) {
+  nlohmann::json j = base_json();
+  j.merge_patch(s.patch);
+  return ModelConfig::from_json(j, s.name);
+}
+
+std::vector<int64_t> random_tokens(int64_t n, int64_t vocab, Rng& rng) {
+  std::vector<int64_t> t(static_cast<size_t>(n));
+  for (auto& v : t) v = int64_t(rng.next_u32() % uint32_t(vocab));
+  return t;
+}
+
+Context eval_ctx() {
+  Context c;
+  c.training = false;
+  return c;
+}
+
+// Max over rows of ||a_r - b_r|| / ||b_r|| (both [R, V]).
+double max_row_rel(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.to_f64_vector(), y = b.to_f64_vector();
+  const int64_t R = a.size(0), V = a.size(1);
+  double worst = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    double d = 0, n = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      const double e = x[size_t(r * V + v)] - y[size_t(r * V + v)];
+      d += e * e;
+      n += y[size_t(r * V + v)] * y[size_t(r * V + v)];
+    }
+    worst = std::max(worst, std::sqrt(d / std::max(n, 1e-300)));
+  }
+  return worst;
+}
+
+// Whether every row of a and b (i32 [R, *] positions, -1 = empty) lists the same entries in the
+// same order (the dense sets' width is the batch's longest sequence in the full forward).
+::testing::AssertionResult same_sets(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.to_f64_vector(), y = b.to_f64_vector();
+  if (a.size(0) != b.size(0)) return ::testing::AssertionFailure() << "row counts differ";
+  for (int64_t r = 0; r < a.size(0); ++r) {
+    std::vector<double> u, v;
+    for (int64_t j = 0; j < a.size(1); ++j)
+      if (x[size_t(r * a.size(1) + j)] >= 0) u.push_back(x[size_t(r * a.size(1) + j)]);
+    for (int64_t j = 0; j < b.size(1); ++j)
+      if (y[size_t(r * b.size(1) + j)] >= 0) v.push_back(y[size_t(r * b.size(1) + j)]);
+    if (u != v) return ::testing::AssertionFailure() << "row " << r << " differs";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Forward of `tokens` over slot `slot` of the cache: logits of every new token.
+ModelOutput cached_forward(const HybridModel& m, ModelCache& cache,
+                           const std::vector<std::vector<int64_t>>& seqs,
+                           const std::vector<int64_t>& slots) {
+  std::vector<int64_t> flat, lengths;
+  for (const auto& s : seqs) {
+    flat.insert(flat.end(), s.begin(), s.end());
+    lengths.push_back(int64_t(s.size()));
+  }
+  ModelInputs in;
+  in.tokens = Tensor::from_vector({int64_t(flat.size())}, flat);
+  in.cu_seqlens = testing::cu_of(lengths);
+  in.cache = &cache;
+  in.cache_slots = slots;
+  return m.forward(eval_ctx(), in);
+}
+
+TEST(Decode, PrefillThenDecodeEqualsTheFullForwardAtEverySplit) {
+  constexpr int64_t L = 17;
+  for (const Stack& st : stacks()) {
+    SCOPED_TRACE(st.name);
+    const ModelConfig cfg = config_of(st);
+    const HybridModel m(cfg, {.dtype = DType::f32, .seed = 5, .mtp = false});
+    Rng rng(test_seed());
+    const std::vector<int64_t> tok = random_tokens(L, cfg.vocab_size, rng);
+    ModelInputs full_in;
+    full_in.tokens = Tensor::from_vector({L}, tok);
+    const ModelOutput full = m.forward(eval_ctx(), full_in);
+    double worst = 0;
+    for (int64_t split = 1; split < L; ++split) {
+      ModelCache cache(cfg, DType::f32, {.max_seqs = 2, .max_tokens = L, .page = 4});
+      const int64_t slot = cache.open();
+      const std::vector<int64_t> prompt(tok.begin(), tok.begin() + split);
+      ModelOutput o = cached_forward(m, cache, {prompt}, {slot});
+      worst = std::max(worst, max_row_rel(o.logits, full.logits.slice(0, 0, split)));
+      // The DSA selections of the prompt's queries are the full forward's (a single sequence:
+      // positions are token ids).
+      for (size_t d = 0; d < o.dsa_indices.size(); ++d) {
+        EXPECT_TRUE(same_sets(o.dsa_indices[d], full.dsa_indices[d].slice(0, 0, split)))
+            << "dsa layer " << d << " split " << split;
+      }
+      for (int64_t t = split; t < L; ++t) {
+        o = cached_forward(m, cache, {{tok[size_t(t)]}}, {slot});
+        worst = std::max(worst, max_row_rel(o.logits, full.logits.slice(0, t, t + 1)));
+        for (size_t d = 0; d < o.dsa_indices.size(); ++d)
+          EXPECT_TRUE(same_sets(o.dsa_indices[d], full.dsa_indices[d].slice(0, t, t + 1)))
+              << "dsa layer " << d << " token " << t << " split " << split;
+      }
+      EXPECT_EQ(cache.length(slot), L);
+    }
+    EXPECT_LT(worst, 1e-5) << st.name;
+    std::printf("[ decode ] %-45s worst row relative error %.2e\n", st.name, worst);
+  }
+}
+
+TEST(Decode, ABatchOfDifferentLengthsDecodesAsEachAlone) {
+  const ModelConfig cfg = config_of(stacks()[3]);
+  const HybridModel m(cfg, {.dtype = DType::f32, .seed = 7, .mtp = false});
+  Rng rng(test_seed());
+  const std::vector<int64_t> prompt_len = {3, 11, 6};
+  constexpr int64_t kSteps = 9;
+  std::vector<std::vector<int64_t>> seqs;
+  for (int64_t l : prompt_len) seqs.push_back(random_tokens(l + kSteps, cfg.vocab_size, rng));
+  // Each alone: one forward over the whole sequence.
+  std::vector<Tensor> alone;
+  for (const auto& s : seqs) {
+    ModelInputs in;
+    in.tokens = Tensor::from_vector({int64_t(s.size())}, s);
+    alone.push_back(m.forward(eval_ctx(), in).logits);
+  }
+  // Together: the prompts prefilled as one packed batch, then one token of each per step; the
+  // second sequence joins late (its prompt is prefilled at step 4, beside decode steps of the
+  // others) and the first leaves after step 6.
+  ModelCache cache(cfg, DType::f32, {.max_seqs = 3, .max_tokens = 64, .page = 4});
+  std::vector<int64_t> slot = {cache.open(), -1, cache.open()};
+  std::vector<int64_t> next = {0, 0, 0};  // tokens of each sequence already in
+  double worst = 0;
+  for (int step = 0; step < 20; ++step) {
+    std::vector<std::vector<int64_t>> batch;
+    std::vector<int64_t> slots, who;
+    if (step == 4) slot[1] = cache.open();
+    for (int i = 0; i < 3; ++i) {
+      if (slot[size_t(i)] < 0) continue;
+      const int64_t take = next[size_t(i)] == 0 ? prompt_len[size_t(i)] : 1;
+      if (next[size_t(i)] + take > int64_t(seqs[size_t(i)].size())) continue;
+      batch.emplace_back(seqs[size_t(i)].begin() + next[size_t(i)],
+                         seqs[size_t(i)].begin() + next[size_t(i)] + take);
+      slots.push_back(slot[size_t(i)]);
+      who.push_back(i);
+    }
+    if (batch.empty()) break;
+    const ModelOutput o = cached_forward(m, cache, batch, slots);
+    int64_t row = 0;
+    for (size_t b = 0; b < batch.size(); ++b) {
+      const int i = int(who[b]);
+      const int64_t n = int64_t(batch[b].size());
+      worst = std::max(worst, max_row_rel(o.logits.slice(0, row, row + n),
+                                          alone[size_t(i)].slice(0, next[size_t(i)],
+                                                                 next[size_t(i)] + n)));
+      next[size_t(i)] += n;
+      row += n;
+    }
+    if (step == 6) {
+      cache.close(slot[0]);
+      slot[0] = -1;
+    }
+  }
+  EXPECT_EQ(next[1], int64_t(seqs[1].size()));
+  EXPECT_EQ(next[2], int64_t(seqs[2].size()));
+  EXPECT_LT(worst, 1e-5);
+}
+
+TEST(Decode, TheBudgetRefusesWhatDoesNotFitAndChangesNothing) {
+  const ModelConfig cfg = config_of(stacks()[1]);
+  const HybridModel m(cfg, {.dtype = DType::f32, .seed = 3, .mtp = false});
+  ModelCache cache(cfg, DType::f32, {.max_seqs = 2, .max_tokens = 8, .page = 4});
+  EXPECT_EQ(cache.bytes().num_pages, 2);
+  const int64_t a = cache.open();
+  Rng rng(test_seed());
+  cached_forward(m, cache, {random_tokens(5, cfg.vocab_size, rng)}, {a});
+  EXPECT_EQ(cache.length(a), 5);
+  EXPECT_EQ(cache.free_pages(), 0);
+  testing::expect_error([&] { cached_forward(m, cache, {random_tokens(4, 40, rng)}, {a}); },
+                        "4 more tokens need 1 pages of 4 tokens, 0 of 2 are free");
+  EXPECT_EQ(cache.length(a), 5);
+  // Three more fit in the last page.
+  cached_forward(m, cache, {random_tokens(3, cfg.vocab_size, rng)}, {a});
+  EXPECT_EQ(cache.length(a), 8);
+  const int64_t b = cache.open();
+  testing::expect_error([&] { cache.open(); }, "all 2 sequence slots are in use");
+  testing::expect_error([&] { cached_forward(m, cache, {{1}, {2}}, {a, a}); }, "appears twice");
+  testing::expect_error([&] { cached_forward(m, cache, {{1}}, {7}); }, "slot 7 is not an open");
+  cache.close(a);
+  EXPECT_EQ(cache.free_pages(), 2);
+  cached_forward(m, cache, {random_tokens(8, cfg.vocab_size, rng)}, {b});
+  EXPECT_EQ(cache.length(b), 8);
+  // Inference only.
+  ModelInputs in;
+  in.tokens = Tensor::from_vector<int64_t>({1}, {1});
+  in.targets = Tensor::from_vector<int64_t>({1}, {1});
+  in.cache = &cache;
+  in.cache_slots = {b};
+  testing::expect_error([&] { m.forward(eval_ctx(), in); }, "inference only");
+}
+
+TEST(Decode, CacheBytesFollowTheShapes) {
+  // The GLM-5.3-Flash shapes: per token the 512-wide latent of each DSA layer plus its pooled
+  // key share d_I / P; per sequence every KDA layer's conv and recurrent state and each KPool
+  // layer's tail.
+  const ModelConfig cfg = ModelConfig::load(std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json");
+  const CacheBytes b = ModelCache::plan(cfg, DType::f32, {.max_seqs = 4, .max_tokens = 1 << 16});
+  const int64_t n_dsa = cfg.count_layers(LayerKind::dsa) + cfg.count_layers(LayerKind::mla);
+  const int64_t n_kda = cfg.count_layers(LayerKind::kda);
+  const auto& k = cfg.kda;
+  const int64_t P = cfg.indexer.kpool, d = cfg.indexer.head_dim;
+  int64_t n_ix = 0;
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+    n_ix += cfg.layer_kind(l) == LayerKind::dsa &&
+            (cfg.indexer_kinds.empty() || cfg.indexer_kinds[size_t(l)] == IndexerKind::full);
+  EXPECT_EQ(b.per_token,
+            4 * (n_dsa * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)) + 4 * n_ix * d / P);
+  EXPECT_EQ(b.per_sequence,
+            4 * n_kda *
+                    ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim +
+                                            k.num_v_heads * k.v_head_dim) +
+                     k.num_v_heads * k.head_dim * k.v_head_dim) +
+                4 * n_ix * 2 * P * d);
+  EXPECT_EQ(b.pages, b.per_token * b.num_pages * b.page_tokens);
+}
+
+}  // namespace
+}  // namespace hlm
