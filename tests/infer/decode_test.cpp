@@ -10,72 +10,14 @@
 #include "core/seq_layout.h"
 #include "model/hybrid_model.h"
 #include "model/model_cache.h"
+#include "infer_models.h"
 #include "testing.h"
 
 namespace hlm {
 namespace {
 
 using testing::test_seed;
-
-nlohmann::json base_json() {
-  return nlohmann::json::parse(R"({
-    "model_type": "glm5_next_text", "vocab_size": 40, "hidden_size": 16,
-    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
-    "intermediate_size": 24, "swiglu_limit": 10.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": false, "initializer_range": 0.3,
-    "linear_num_heads": 2, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
-    "linear_lower_bound": -5.0,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
-    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 6, "index_kpool": 2,
-    "index_kpool_always_select_tail": true,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "moe_intermediate_size": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
-    "norm_topk_prob": true,
-    "mhc": true, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-    "num_nextn_predict_layers": 0, "gemm_precision": "native"
-  })");
-}
-
-struct Stack {
-  const char* name;
-  nlohmann::json patch;
-};
-
-std::vector<Stack> stacks() {
-  return {
-      {"kda only", {{"layer_pattern", "KKK"}}},
-      {"dsa only, KPool 2 with tail, RoPE",
-       {{"layer_pattern", "DDD"}, {"qk_rope_head_dim", 4}, {"mla_use_nope", false}}},
-      {"KPool 4 without tail", {{"layer_pattern", "DKD"}, {"index_kpool", 4}, {"index_topk", 8},
-                                {"index_kpool_always_select_tail", false}}},
-      {"plain indexer, shared indexer, dense MLA",
-       {{"layer_pattern", "KDDM"},
-        {"num_hidden_layers", 4},
-        {"index_kpool", 1},
-        {"index_topk", 5},
-        {"indexer_types", {"full", "full", "shared", "full"}}}},
-      {"no mHC", {{"layer_pattern", "KD"}, {"num_hidden_layers", 2}, {"mhc", false}}},
-  };
-}
-
-ModelConfig config_of(const Stack& s) {
-  nlohmann::json j = base_json();
-  j.merge_patch(s.patch);
-  return ModelConfig::from_json(j, s.name);
-}
-
-std::vector<int64_t> random_tokens(int64_t n, int64_t vocab, Rng& rng) {
-  std::vector<int64_t> t(static_cast<size_t>(n));
-  for (auto& v : t) v = int64_t(rng.next_u32() % uint32_t(vocab));
-  return t;
-}
-
-Context eval_ctx() {
-  Context c;
-  c.training = false;
-  return c;
-}
+using namespace infer_test;
 
 // Max over rows of ||a_r - b_r|| / ||b_r|| (both [R, V]).
 double max_row_rel(const Tensor& a, const Tensor& b) {

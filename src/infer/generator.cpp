@@ -1,0 +1,176 @@
+// Generator (infer/generator.h): admission, the packed step, sampling.
+#include "infer/generator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "core/profile.h"
+
+namespace hlm::infer {
+
+double token_logprob(const float* logits, int64_t V, int64_t token) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, double(logits[v]));
+  double sum = 0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(double(logits[v]) - m);
+  return double(logits[token]) - m - std::log(sum);
+}
+
+Generator::Generator(const HybridModel& model, const CacheOptions& cache)
+    : model_(model), cache_(model.config(), model.compute_dtype(), cache) {}
+
+int64_t Generator::pages_for(int64_t tokens) const {
+  return (tokens + cache_.page_tokens() - 1) / cache_.page_tokens();
+}
+
+int64_t Generator::reserved_pages() const {
+  int64_t r = 0;
+  for (const auto& s : running_) {
+    const int64_t most = int64_t(s->req.prompt.size()) + std::max<int64_t>(0, s->req.max_new - 1);
+    r += pages_for(most) - pages_for(cache_.length(s->slot));
+  }
+  return r;
+}
+
+void Generator::check(const Request& r) const {
+  const int64_t V = model_.config().vocab_size, P = int64_t(r.prompt.size());
+  HLM_CHECK(P >= 1, "generate: the prompt is empty");
+  for (size_t i = 0; i < r.prompt.size(); ++i)
+    HLM_CHECK(r.prompt[i] >= 0 && r.prompt[i] < V,
+              "generate: prompt token {} is {}, outside the vocabulary [0, {})", i, r.prompt[i], V);
+  for (int64_t s : r.stop)
+    HLM_CHECK(s >= 0 && s < V, "generate: stop token {} is outside the vocabulary [0, {})", s, V);
+  HLM_CHECK(r.max_new >= 0 && r.max_new <= (int64_t(1) << 30),
+            "generate: max_new must be in [0, 2^30], got {}", r.max_new);
+  r.sampling.validate();
+  const int64_t most = P + std::max<int64_t>(0, r.max_new - 1);
+  const int64_t room = cache_.bytes().num_pages * cache_.page_tokens();
+  HLM_CHECK(pages_for(most) <= cache_.bytes().num_pages,
+            "generate: the prompt ({} tokens) and max_new ({}) need {} tokens of cache, the cache "
+            "holds {}",
+            P, r.max_new, most, room);
+}
+
+int64_t Generator::submit(Request r) {
+  check(r);
+  auto s = std::make_unique<Seq>();
+  s->id = next_id_++;
+  s->req = std::move(r);
+  waiting_.push_back(std::move(s));
+  return waiting_.back()->id;
+}
+
+std::vector<TokenEvent> Generator::step() {
+  // Admit waiting requests in order while a slot and their whole budget are free.
+  int64_t budget = cache_.free_pages() - reserved_pages();
+  while (!waiting_.empty() && cache_.free_slots() > 0) {
+    Seq& s = *waiting_.front();
+    const int64_t need =
+        pages_for(int64_t(s.req.prompt.size()) + std::max<int64_t>(0, s.req.max_new - 1));
+    if (need > budget) break;
+    budget -= need;
+    s.slot = cache_.open();
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+  std::vector<TokenEvent> events;
+  if (running_.empty()) return events;
+
+  // The packed batch: each new sequence's prompt, one token of each running one.
+  std::vector<int64_t> tokens, cu = {0}, slots, rows;
+  std::vector<int64_t> first_row(running_.size());
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Seq& s = *running_[i];
+    first_row[i] = int64_t(rows.size());
+    if (s.prefilled) {
+      tokens.push_back(s.next);
+    } else {
+      tokens.insert(tokens.end(), s.req.prompt.begin(), s.req.prompt.end());
+      // Every prompt row for its log-probabilities, else its last.
+      if (s.req.prompt_logprobs)
+        for (int64_t r = cu.back(); r + 1 < int64_t(tokens.size()); ++r) rows.push_back(r);
+    }
+    rows.push_back(int64_t(tokens.size()) - 1);
+    cu.push_back(int64_t(tokens.size()));
+    slots.push_back(s.slot);
+  }
+  ModelInputs in;
+  in.tokens = Tensor::from_vector({int64_t(tokens.size())}, tokens);
+  in.cu_seqlens = Tensor::from_vector({int64_t(cu.size())}, cu);
+  in.cache = &cache_;
+  in.cache_slots = slots;
+  in.logit_rows = rows;
+  in.aux_losses = false;
+  Context ctx;
+  ctx.training = false;
+  const ModelOutput out = model_.forward(ctx, in);
+  ++forwards_;
+  const Tensor logits = out.logits.to(DType::f32).contiguous();
+  const int64_t V = logits.size(1);
+  const float* L = logits.data<float>();
+
+  std::vector<std::unique_ptr<Seq>> still;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Seq& s = *running_[i];
+    int64_t row = first_row[i];
+    if (!s.prefilled) {
+      if (s.req.prompt_logprobs)
+        for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
+          s.res.prompt_logprobs.push_back(token_logprob(L + (row++) * V, V, s.req.prompt[j + 1]));
+      s.prefilled = true;
+    }
+    bool finished = false;
+    if (s.req.max_new == 0) {
+      s.res.finish = "length";
+      finished = true;
+    } else {
+      const Sampled t = sample_token(L + row * V, V, s.req.sampling, uint64_t(s.id),
+                                     uint64_t(s.res.tokens.size()));
+      s.res.tokens.push_back(t.token);
+      s.res.logprobs.push_back(t.logprob);
+      const bool stop =
+          std::find(s.req.stop.begin(), s.req.stop.end(), t.token) != s.req.stop.end();
+      finished = stop || int64_t(s.res.tokens.size()) >= s.req.max_new;
+      if (finished) s.res.finish = stop ? "stop" : "length";
+      s.next = t.token;
+      events.push_back({s.id, t.token, t.logprob, finished});
+    }
+    if (finished) {
+      cache_.close(s.slot);
+      done_.emplace_back(s.id, std::move(s.res));
+    } else {
+      still.push_back(std::move(running_[i]));
+    }
+  }
+  running_ = std::move(still);
+  return events;
+}
+
+Result Generator::take(int64_t id) {
+  for (auto it = done_.begin(); it != done_.end(); ++it)
+    if (it->first == id) {
+      Result r = std::move(it->second);
+      done_.erase(it);
+      return r;
+    }
+  throw Error(fmt::format("Generator::take: request {} is unknown or not finished", id));
+}
+
+std::vector<Result> Generator::run(const std::vector<Request>& reqs,
+                                   const std::function<void(const TokenEvent&)>& on_token) {
+  for (const Request& r : reqs) check(r);
+  std::vector<int64_t> ids;
+  for (const Request& r : reqs) ids.push_back(submit(r));
+  while (busy()) {
+    const std::vector<TokenEvent> ev = step();
+    if (on_token)
+      for (const TokenEvent& e : ev) on_token(e);
+  }
+  std::vector<Result> out;
+  for (int64_t id : ids) out.push_back(take(id));
+  return out;
+}
+
+}  // namespace hlm::infer

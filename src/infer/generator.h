@@ -1,0 +1,100 @@
+// Generator: text generation over a ModelCache with continuous batching (docs/inference.md,
+// "Generation").
+//
+// Requests are submitted at any time. Each step() is one forward of the model over a packed
+// batch: the prompts of the requests admitted this step (prefill through the chunked paths) and
+// one token of every running request (decode), each sequence continuing its cache slot. The
+// next token of each sequence is sampled from its last row's logits (infer/sampling.h; the
+// sequence's stream is its request id, its counter the number of tokens it has generated), with
+// its log-probability under the model. A request ends at a stop token (emitted) or after max_new
+// tokens; its slot and pages are freed for the next.
+//
+// Admission: a request is admitted when a slot is free and the pool has the pages for its whole
+// prompt + max_new beyond what the running requests may still take, so an admitted request never
+// runs out of cache; a request that could not fit even an empty cache is refused by submit().
+// Requests wait in submission order (no later request overtakes one that does not fit yet).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "infer/sampling.h"
+#include "model/hybrid_model.h"
+#include "model/model_cache.h"
+
+namespace hlm::infer {
+
+struct Request {
+  std::vector<int64_t> prompt;     // >= 1 token ids in [0, vocab)
+  int64_t max_new = 16;            // tokens to generate at most (0: only score the prompt)
+  SamplingParams sampling;         // greedy by default
+  std::vector<int64_t> stop;       // stop token ids (the stop token is the last one returned)
+  bool prompt_logprobs = false;    // also log p(prompt[i + 1] | prompt[0..i])
+};
+
+struct Result {
+  std::vector<int64_t> tokens;           // generated
+  std::vector<double> logprobs;          // of each generated token under the model
+  std::vector<double> prompt_logprobs;   // [prompt - 1] when asked
+  std::string finish;                    // "stop" or "length"
+};
+
+struct TokenEvent {
+  int64_t id = 0;     // the request
+  int64_t token = 0;  // the token generated
+  double logprob = 0;
+  bool last = false;  // the request finished with it
+};
+
+class Generator {
+ public:
+  // The model must compute on the CPU in f32 or f64 (the cache's dtype is its compute dtype).
+  Generator(const HybridModel& model, const CacheOptions& cache);
+
+  // hlm::Error naming what is wrong with a request: an empty prompt, a token id outside the
+  // vocabulary, max_new outside [0, 2^30], bad sampling settings, more tokens than the cache holds.
+  void check(const Request& r) const;
+  // Checks the request (nothing queued when it is refused) and queues it; returns its id.
+  int64_t submit(Request r);
+  // One forward over the admitted prompts and the running sequences; the tokens it produced.
+  std::vector<TokenEvent> step();
+  bool busy() const { return !waiting_.empty() || !running_.empty(); }
+  // The result of a finished request (once; hlm::Error for an unknown or unfinished id).
+  Result take(int64_t id);
+
+  // Checks every request (none is queued when one is refused), steps until all finish, and
+  // returns their results in order; on_token sees every token as it comes.
+  std::vector<Result> run(const std::vector<Request>& reqs,
+                          const std::function<void(const TokenEvent&)>& on_token = {});
+
+  const ModelCache& cache() const { return cache_; }
+  int64_t forwards() const { return forwards_; }  // steps that ran a forward
+
+ private:
+  struct Seq {
+    int64_t id = 0;
+    Request req;
+    int64_t slot = -1;
+    bool prefilled = false;
+    int64_t next = -1;  // the token to feed next (decode)
+    Result res;
+  };
+  int64_t pages_for(int64_t tokens) const;  // pages a sequence of this many tokens takes
+  int64_t reserved_pages() const;           // pages the running sequences may still take
+
+  const HybridModel& model_;
+  ModelCache cache_;
+  int64_t next_id_ = 0, forwards_ = 0;
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  std::vector<std::unique_ptr<Seq>> running_;
+  std::vector<std::pair<int64_t, Result>> done_;
+};
+
+// log softmax(logits)[token] in FP64 (logits[0 .. V)).
+double token_logprob(const float* logits, int64_t V, int64_t token);
+
+}  // namespace hlm::infer
