@@ -475,6 +475,79 @@ TEST_F(RobustCli, ForwardWritesLogitsWhenAsked) {
   EXPECT_FALSE(safetensors::load(path("n.st")).tensors.count("logits"));
 }
 
+// `generate` as a user runs it: greedy tokens are the arg max of `forward --logits` over the
+// prompt and the tokens before them, and the log-probabilities written are that forward's
+// log-softmax (the numbers a trainer computes for the same tokens).
+TEST_F(RobustCli, GenerateIsTheForwardsArgMaxWithItsLogProbabilities) {
+  const std::string ckpt = make_checkpoint("ckpt");
+  const std::vector<int64_t> prompt = {3, 1, 4, 1, 5, 9, 2};
+  write_tokens("ids.st", {{"input_ids", Tensor::from_vector<int64_t>({7}, prompt)}});
+  Result r = run({"generate", "--model", ckpt, "--tokens", "ids.st", "--max-new", "9", "--stop",
+                  "23", "--logprobs", "--prompt-logprobs", "--out", "g.st"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("tokens/s"), std::string::npos) << r.err;
+  const auto g = safetensors::load(path("g.st")).tensors;
+  const Tensor toks = g.at("tokens"), lp = g.at("logprobs"), plp = g.at("prompt_logprobs");
+  const int64_t N = toks.numel();
+  ASSERT_GE(N, 1);
+  std::vector<int64_t> all = prompt;
+  for (int64_t i = 0; i < N; ++i) all.push_back(toks.data<int64_t>()[i]);
+  // The streamed ids are the written ones.
+  std::string streamed;
+  for (int64_t i = 0; i < N; ++i) streamed += std::to_string(toks.data<int64_t>()[i]) + " ";
+  EXPECT_EQ(r.out, streamed + "\n");
+  write_tokens("all.st", {{"input_ids", Tensor::from_vector<int64_t>({int64_t(all.size())}, all)}});
+  r = run({"forward", "--model", ckpt, "--tokens", "all.st", "--out", "f.st", "--logits"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Tensor L = safetensors::load(path("f.st")).tensors.at("logits").contiguous();
+  const int64_t V = L.size(1), P = int64_t(prompt.size());
+  auto log_softmax_at = [&](int64_t row, int64_t tok) {
+    const float* x = L.data<float>() + row * V;
+    double m = -1e300, s = 0;
+    for (int64_t v = 0; v < V; ++v) m = std::max(m, double(x[v]));
+    for (int64_t v = 0; v < V; ++v) s += std::exp(double(x[v]) - m);
+    return double(x[tok]) - m - std::log(s);
+  };
+  for (int64_t i = 0; i < N; ++i) {
+    const float* x = L.data<float>() + (P - 1 + i) * V;
+    EXPECT_EQ(all[size_t(P + i)], int64_t(std::max_element(x, x + V) - x)) << "token " << i;
+    EXPECT_NEAR(lp.data<float>()[i], log_softmax_at(P - 1 + i, all[size_t(P + i)]), 2e-5);
+  }
+  ASSERT_EQ(plp.numel(), P - 1);
+  for (int64_t i = 0; i + 1 < P; ++i)
+    EXPECT_NEAR(plp.data<float>()[i], log_softmax_at(i, prompt[size_t(i + 1)]), 2e-5);
+}
+
+TEST_F(RobustCli, GenerateRefusesBadRequests) {
+  const std::string ckpt = make_checkpoint("ckpt");
+  write_tokens("ids.st", {{"input_ids", Tensor::from_vector<int64_t>({3}, {1, 2, 3})}});
+  write_tokens("big.st", {{"input_ids", Tensor::from_vector<int64_t>({3}, {1, 24, 3})}});
+  const std::string m = ckpt;
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "big.st"}), {"24"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m}), {"one of --prompt TEXT and --tokens"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--prompt", "hi"}),
+                      {"one of --prompt TEXT and --tokens"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--prompt", "hi"}), {"no tokenizer.json"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--max-new", "-1"}),
+                      {"--max-new"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--temperature",
+                           "nan"}),
+                      {"temperature"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--temperature", "1",
+                           "--top-p", "1.5"}),
+                      {"top_p"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--logprobs"}),
+                      {"--logprobs and --prompt-logprobs are written to --out"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--stop", "99"}),
+                      {"stop token 99"}));
+  std::ofstream(path("taken.st")) << "x";
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--out", "taken.st"}),
+                      {"exists"}));
+  EXPECT_EQ(read(path("taken.st")), "x");
+  EXPECT_TRUE(refused(run({"generate", "--model", path("none"), "--tokens", "ids.st"}),
+                      {"none"}));
+}
+
 TEST_F(RobustCli, NonUtf8HeaderBytesAreEscapedInTheErrorLine) {
   std::string h = "{\"x\xff\x1b[2J\":1}";
   std::vector<uint8_t> b(8 + h.size());
