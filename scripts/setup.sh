@@ -6,6 +6,7 @@ pkgs=(build-essential cmake ninja-build pkg-config git clang-format
       libgtest-dev libgmock-dev libbenchmark-dev libomp-dev
       libopenmpi-dev openmpi-bin gnuplot-nox
       libpcre2-dev libicu-dev  # the tokenizer: pre-tokenizer regexes (PCRE2), NFC (ICU)
+      libcpp-httplib-dev       # hybridlm serve
       clang libclang-rt-14-dev)  # the fuzz targets (scripts/fuzz.sh): clang 14 and libFuzzer
 missing=()
 for p in "${pkgs[@]}"; do

@@ -135,6 +135,7 @@ void run_generate(const GenerateArgs& a) {
     r.sampling = sp;
     r.stop = stop;
     r.prompt_logprobs = a.prompt_logprobs;
+    r.stream = uint64_t(reqs.size());  // prompt i samples from stream i
     gen.check(r);
     reqs.push_back(std::move(r));
   }
@@ -157,6 +158,7 @@ void run_generate(const GenerateArgs& a) {
   const auto t0 = std::chrono::steady_clock::now();
   double first_token_s = -1;
   const std::vector<infer::Result> res = gen.run(reqs, [&](const infer::TokenEvent& e) {
+    if (e.token < 0) return;  // a prompt scored, nothing generated
     if (first_token_s < 0)
       first_token_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++generated;

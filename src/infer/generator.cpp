@@ -125,8 +125,9 @@ std::vector<TokenEvent> Generator::step() {
     if (s.req.max_new == 0) {
       s.res.finish = "length";
       finished = true;
+      events.push_back({s.id, -1, 0.0, true});
     } else {
-      const Sampled t = sample_token(L + row * V, V, s.req.sampling, uint64_t(s.id),
+      const Sampled t = sample_token(L + row * V, V, s.req.sampling, s.req.stream,
                                      uint64_t(s.res.tokens.size()));
       s.res.tokens.push_back(t.token);
       s.res.logprobs.push_back(t.logprob);
@@ -146,6 +147,27 @@ std::vector<TokenEvent> Generator::step() {
   }
   running_ = std::move(still);
   return events;
+}
+
+bool Generator::cancel(int64_t id) {
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it)
+    if ((*it)->id == id) {
+      waiting_.erase(it);
+      return true;
+    }
+  for (auto it = running_.begin(); it != running_.end(); ++it)
+    if ((*it)->id == id) {
+      cache_.close((*it)->slot);
+      running_.erase(it);
+      return true;
+    }
+  return false;
+}
+
+void Generator::cancel_all() {
+  for (const auto& s : running_) cache_.close(s->slot);
+  running_.clear();
+  waiting_.clear();
 }
 
 Result Generator::take(int64_t id) {

@@ -4,9 +4,9 @@
 // Requests are submitted at any time. Each step() is one forward of the model over a packed
 // batch: the prompts of the requests admitted this step (prefill through the chunked paths) and
 // one token of every running request (decode), each sequence continuing its cache slot. The
-// next token of each sequence is sampled from its last row's logits (infer/sampling.h; the
-// sequence's stream is its request id, its counter the number of tokens it has generated), with
-// its log-probability under the model. A request ends at a stop token (emitted) or after max_new
+// next token of each sequence is sampled from its last row's logits (infer/sampling.h; the draw
+// is Philox at (sampling.seed, Request::stream, the number of tokens it has generated), so a
+// request's tokens do not depend on what else runs), with its log-probability under the model. A request ends at a stop token (emitted) or after max_new
 // tokens; its slot and pages are freed for the next.
 //
 // Admission: a request is admitted when a slot is free and the pool has the pages for its whole
@@ -32,6 +32,7 @@ struct Request {
   std::vector<int64_t> prompt;     // >= 1 token ids in [0, vocab)
   int64_t max_new = 16;            // tokens to generate at most (0: only score the prompt)
   SamplingParams sampling;         // greedy by default
+  uint64_t stream = 0;             // the Philox stream of its draws (with sampling.seed)
   std::vector<int64_t> stop;       // stop token ids (the stop token is the last one returned)
   bool prompt_logprobs = false;    // also log p(prompt[i + 1] | prompt[0..i])
 };
@@ -45,7 +46,7 @@ struct Result {
 
 struct TokenEvent {
   int64_t id = 0;     // the request
-  int64_t token = 0;  // the token generated
+  int64_t token = 0;  // the token generated; -1: a request with max_new 0 finished (no token)
   double logprob = 0;
   bool last = false;  // the request finished with it
 };
@@ -63,6 +64,11 @@ class Generator {
   // One forward over the admitted prompts and the running sequences; the tokens it produced.
   std::vector<TokenEvent> step();
   bool busy() const { return !waiting_.empty() || !running_.empty(); }
+  // Drops a waiting or running request (its slot and pages are freed; no result is kept).
+  // Returns false when the id is not queued or running.
+  bool cancel(int64_t id);
+  // Drops every request (after an error, so the generator can go on with new ones).
+  void cancel_all();
   // The result of a finished request (once; hlm::Error for an unknown or unfinished id).
   Result take(int64_t id);
 

@@ -5,6 +5,7 @@
 // the binary has not been built.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -546,6 +547,117 @@ TEST_F(RobustCli, GenerateRefusesBadRequests) {
   EXPECT_EQ(read(path("taken.st")), "x");
   EXPECT_TRUE(refused(run({"generate", "--model", path("none"), "--tokens", "ids.st"}),
                       {"none"}));
+}
+
+// `serve` on a loopback port: concurrent requests (greedy and seeded sampling, one streamed)
+// from clients in this test get the answers `generate` gives for the same prompts and settings,
+// while malformed requests sent alongside get HTTP 400 with a JSON message and harm nothing;
+// SIGINT stops the server with status 0.
+TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
+  const std::string ckpt = make_checkpoint("ckpt");
+  const pid_t server = start({"serve", "--model", ckpt, "--port", "0", "--max-batch", "3",
+                              "--cache-tokens", "128"});
+  const std::string server_out = out_;
+  int port = 0;
+  for (int i = 0; i < 400 && port == 0; ++i) {
+    const std::string o = read(server_out);
+    const size_t at = o.find("http://127.0.0.1:");
+    if (at != std::string::npos) port = std::atoi(o.c_str() + at + 17);
+    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GT(port, 0) << read(server_out) << read(err_);
+  struct Ask {
+    std::vector<int64_t> prompt;
+    double temperature;
+    bool stream;
+    json answer;
+    std::vector<int64_t> streamed;
+    int status = 0;
+  };
+  std::vector<Ask> asks;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int64_t> p;
+    for (int j = 0; j < 2 + 3 * i; ++j) p.push_back((7 * i + 5 * j + 1) % 24);
+    asks.push_back({p, i % 3 == 2 ? 0.9 : 0.0, i == 4, json(), {}, 0});
+  }
+  std::vector<std::thread> th;
+  for (Ask& a : asks)
+    th.emplace_back([&a, port] {
+      httplib::Client c("127.0.0.1", port);
+      c.set_read_timeout(60, 0);
+      const json body = {{"prompt", a.prompt},     {"max_tokens", 6}, {"temperature", a.temperature},
+                         {"top_k", 5},             {"seed", 3},       {"logprobs", 1},
+                         {"stream", a.stream}};
+      auto r = c.Post("/v1/completions", body.dump(), "application/json");
+      if (!r) return;
+      a.status = r->status;
+      if (!a.stream) {
+        a.answer = json::parse(r->body, nullptr, false);
+        return;
+      }
+      std::istringstream in(r->body);
+      for (std::string line; std::getline(in, line);)
+        if (line.rfind("data: {", 0) == 0) {
+          const json chunk = json::parse(line.substr(6));
+          for (const json& t : chunk["choices"][0]["token_ids"]) a.streamed.push_back(t.get<int64_t>());
+        }
+    });
+  // Malformed requests alongside.
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"{not json", "not JSON"},
+      {R"({"prompt": [1, 2, 99]})", "prompt token 2 is 99"},
+      {R"({"prompt": [1], "max_tokens": -5})", "'max_tokens' must be in"},
+      {R"({"prompt": [1], "temperature": "hot"})", "'temperature' must be a number"},
+      {R"({"prompt": [1], "stop": ["\n"]})", "stop strings are not supported"},
+      {R"({"prompt": "text"})", "needs the model's tokenizer.json"},
+      {R"({"prompt": [1], "n": 2})", "'n' must be in"},
+      {R"({"prompt": [1], "frequency_penalty": 1})", "unknown field 'frequency_penalty'"},
+      {R"([1, 2])", "must be a JSON object"},
+      {R"({"prompt": [], "max_tokens": 2})", "the prompt is empty"},
+      {R"({"prompt": [1], "max_tokens": 200})", "the cache holds 128"}};
+  for (const auto& [body, needle] : bad) {
+    httplib::Client c("127.0.0.1", port);
+    auto r = c.Post("/v1/completions", body, "application/json");
+    ASSERT_TRUE(r) << body;
+    EXPECT_EQ(r->status, 400) << body;
+    const json e = json::parse(r->body, nullptr, false);
+    ASSERT_TRUE(e.is_object() && e.contains("error")) << r->body;
+    EXPECT_NE(e["error"]["message"].get<std::string>().find(needle), std::string::npos)
+        << body << " -> " << r->body;
+  }
+  for (auto& t : th) t.join();
+  ::kill(server, SIGINT);
+  const Result sr = finish(server, 30);
+  EXPECT_TRUE(sr.exited && sr.code == 0) << sr.err;
+
+  for (size_t i = 0; i < asks.size(); ++i) {
+    const Ask& a = asks[i];
+    ASSERT_EQ(a.status, 200) << "request " << i;
+    write_tokens("p.st", {{"input_ids", Tensor::from_vector<int64_t>({int64_t(a.prompt.size())},
+                                                                     a.prompt)}});
+    fs::remove(path("g.st"));
+    std::vector<std::string> args = {"generate", "--model", ckpt,    "--tokens", "p.st",
+                                     "--max-new", "6",      "--out", "g.st",     "--logprobs"};
+    if (a.temperature > 0)
+      for (const char* x : {"--temperature", "0.9", "--top-k", "5", "--seed", "3"})
+        args.push_back(x);
+    const Result g = run(args);
+    ASSERT_EQ(g.code, 0) << g.err;
+    const auto out = safetensors::load(path("g.st")).tensors;
+    const Tensor toks = out.at("tokens");
+    const std::vector<int64_t> want(toks.data<int64_t>(), toks.data<int64_t>() + toks.numel());
+    if (a.stream) {
+      EXPECT_EQ(a.streamed, want) << "streamed request " << i;
+      continue;
+    }
+    const json& ch = a.answer["choices"][0];
+    EXPECT_EQ(ch["token_ids"].get<std::vector<int64_t>>(), want) << "request " << i;
+    const std::vector<double> lp = ch["logprobs"]["token_logprobs"].get<std::vector<double>>();
+    ASSERT_EQ(int64_t(lp.size()), toks.numel());
+    for (size_t j = 0; j < lp.size(); ++j)
+      EXPECT_NEAR(lp[j], out.at("logprobs").data<float>()[j], 2e-5) << "request " << i;
+    EXPECT_EQ(a.answer["usage"]["prompt_tokens"].get<int64_t>(), int64_t(a.prompt.size()));
+  }
 }
 
 TEST_F(RobustCli, NonUtf8HeaderBytesAreEscapedInTheErrorLine) {
