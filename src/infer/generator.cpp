@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
-#include "core/profile.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm::infer {
 
@@ -19,7 +19,11 @@ double token_logprob(const float* logits, int64_t V, int64_t token) {
 }
 
 Generator::Generator(const HybridModel& model, const CacheOptions& cache)
-    : model_(model), cache_(model.config(), model.compute_dtype(), cache) {}
+    : model_(model), cache_(model.config(), model.compute_dtype(), cache) {
+  HLM_CHECK(!cache.speculative || model.has_mtp(),
+            "generate: speculative decoding drafts with the MTP block; the model was built "
+            "without one");
+}
 
 int64_t Generator::pages_for(int64_t tokens) const {
   return (tokens + cache_.page_tokens() - 1) / cache_.page_tokens();
@@ -45,6 +49,8 @@ void Generator::check(const Request& r) const {
   HLM_CHECK(r.max_new >= 0 && r.max_new <= (int64_t(1) << 30),
             "generate: max_new must be in [0, 2^30], got {}", r.max_new);
   r.sampling.validate();
+  HLM_CHECK(!cache_.speculative() || r.sampling.greedy(),
+            "generate: speculative decoding is greedy only (temperature 0)");
   const int64_t most = P + std::max<int64_t>(0, r.max_new - 1);
   const int64_t room = cache_.bytes().num_pages * cache_.page_tokens();
   HLM_CHECK(pages_for(most) <= cache_.bytes().num_pages,
@@ -62,7 +68,7 @@ int64_t Generator::submit(Request r) {
   return waiting_.back()->id;
 }
 
-std::vector<TokenEvent> Generator::step() {
+void Generator::admit() {
   // Admit waiting requests in order while a slot and their whole budget are free.
   int64_t budget = cache_.free_pages() - reserved_pages();
   while (!waiting_.empty() && cache_.free_slots() > 0) {
@@ -75,6 +81,37 @@ std::vector<TokenEvent> Generator::step() {
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
+}
+
+bool Generator::emit(Seq& s, const float* row, int64_t V, std::vector<TokenEvent>& events) {
+  const Sampled t =
+      sample_token(row, V, s.req.sampling, s.req.stream, uint64_t(s.res.tokens.size()));
+  s.res.tokens.push_back(t.token);
+  s.res.logprobs.push_back(t.logprob);
+  const bool stop = std::find(s.req.stop.begin(), s.req.stop.end(), t.token) != s.req.stop.end();
+  const bool finished = stop || int64_t(s.res.tokens.size()) >= s.req.max_new;
+  if (finished) s.res.finish = stop ? "stop" : "length";
+  s.next = t.token;
+  events.push_back({s.id, t.token, t.logprob, finished});
+  return finished;
+}
+
+void Generator::retire(const std::vector<bool>& finished) {
+  std::vector<std::unique_ptr<Seq>> still;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (finished[i]) {
+      cache_.close(running_[i]->slot);
+      done_.emplace_back(running_[i]->id, std::move(running_[i]->res));
+    } else {
+      still.push_back(std::move(running_[i]));
+    }
+  }
+  running_ = std::move(still);
+}
+
+std::vector<TokenEvent> Generator::step() {
+  if (cache_.speculative()) return step_speculative();
+  admit();
   std::vector<TokenEvent> events;
   if (running_.empty()) return events;
 
@@ -111,7 +148,7 @@ std::vector<TokenEvent> Generator::step() {
   const int64_t V = logits.size(1);
   const float* L = logits.data<float>();
 
-  std::vector<std::unique_ptr<Seq>> still;
+  std::vector<bool> finished(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
     int64_t row = first_row[i];
@@ -121,31 +158,158 @@ std::vector<TokenEvent> Generator::step() {
           s.res.prompt_logprobs.push_back(token_logprob(L + (row++) * V, V, s.req.prompt[j + 1]));
       s.prefilled = true;
     }
-    bool finished = false;
     if (s.req.max_new == 0) {
       s.res.finish = "length";
-      finished = true;
+      finished[i] = true;
       events.push_back({s.id, -1, 0.0, true});
     } else {
-      const Sampled t = sample_token(L + row * V, V, s.req.sampling, s.req.stream,
-                                     uint64_t(s.res.tokens.size()));
-      s.res.tokens.push_back(t.token);
-      s.res.logprobs.push_back(t.logprob);
-      const bool stop =
-          std::find(s.req.stop.begin(), s.req.stop.end(), t.token) != s.req.stop.end();
-      finished = stop || int64_t(s.res.tokens.size()) >= s.req.max_new;
-      if (finished) s.res.finish = stop ? "stop" : "length";
-      s.next = t.token;
-      events.push_back({s.id, t.token, t.logprob, finished});
-    }
-    if (finished) {
-      cache_.close(s.slot);
-      done_.emplace_back(s.id, std::move(s.res));
-    } else {
-      still.push_back(std::move(running_[i]));
+      finished[i] = emit(s, L + row * V, V, events);
     }
   }
-  running_ = std::move(still);
+  retire(finished);
+  return events;
+}
+
+void Generator::draft(const std::vector<Seq*>& seqs, const std::vector<std::vector<int64_t>>& next,
+                      const std::vector<std::vector<int64_t>>& rows, const Tensor& pre_norm) {
+  if (seqs.empty()) return;
+  std::vector<int64_t> tok, all_rows, lengths, slots;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    tok.insert(tok.end(), next[i].begin(), next[i].end());
+    all_rows.insert(all_rows.end(), rows[i].begin(), rows[i].end());
+    lengths.push_back(int64_t(next[i].size()));
+    slots.push_back(seqs[i]->slot);
+  }
+  const Tensor logits =
+      model_
+          .mtp_forward_cached(Tensor::from_vector({int64_t(tok.size())}, tok),
+                              ops::gather_rows(pre_norm, all_rows),
+                              SeqLayout::from_lengths(lengths), cache_, slots)
+          .to(DType::f32)
+          .contiguous();
+  const int64_t V = logits.size(1);
+  int64_t end = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    end += lengths[i];
+    const float* row = logits.data<float>() + (end - 1) * V;
+    seqs[i]->draft = int64_t(std::max_element(row, row + V) - row);
+  }
+}
+
+std::vector<TokenEvent> Generator::step_speculative() {
+  admit();
+  std::vector<TokenEvent> events;
+  if (running_.empty()) return events;
+  Context ctx;
+  ctx.training = false;
+  std::vector<bool> finished(running_.size(), false);
+  const bool prefill = std::any_of(running_.begin(), running_.end(),
+                                   [](const auto& s) { return !s->prefilled; });
+  if (prefill) {
+    // The new prompts alone; then their MTP rows (each reading the token after its position:
+    // the prompt's next token, and for the last one the token just generated) and first drafts.
+    std::vector<int64_t> tokens, cu = {0}, slots, rows;
+    std::vector<size_t> idx;
+    std::vector<int64_t> first_row;
+    for (size_t i = 0; i < running_.size(); ++i) {
+      Seq& s = *running_[i];
+      if (s.prefilled) continue;
+      idx.push_back(i);
+      first_row.push_back(int64_t(rows.size()));
+      tokens.insert(tokens.end(), s.req.prompt.begin(), s.req.prompt.end());
+      if (s.req.prompt_logprobs)
+        for (int64_t r = cu.back(); r + 1 < int64_t(tokens.size()); ++r) rows.push_back(r);
+      rows.push_back(int64_t(tokens.size()) - 1);
+      cu.push_back(int64_t(tokens.size()));
+      slots.push_back(s.slot);
+    }
+    ModelInputs in;
+    in.tokens = Tensor::from_vector({int64_t(tokens.size())}, tokens);
+    in.cu_seqlens = Tensor::from_vector({int64_t(cu.size())}, cu);
+    in.cache = &cache_;
+    in.cache_slots = slots;
+    in.logit_rows = rows;
+    in.aux_losses = false;
+    const ModelOutput out = model_.forward(ctx, in);
+    ++forwards_;
+    const Tensor logits = out.logits.to(DType::f32).contiguous();
+    const int64_t V = logits.size(1);
+    const float* L = logits.data<float>();
+    std::vector<Seq*> drafting;
+    std::vector<std::vector<int64_t>> next, hrows;
+    for (size_t k = 0; k < idx.size(); ++k) {
+      Seq& s = *running_[idx[k]];
+      int64_t row = first_row[k];
+      if (s.req.prompt_logprobs)
+        for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
+          s.res.prompt_logprobs.push_back(token_logprob(L + (row++) * V, V, s.req.prompt[j + 1]));
+      s.prefilled = true;
+      if (s.req.max_new == 0) {
+        s.res.finish = "length";
+        finished[idx[k]] = true;
+        events.push_back({s.id, -1, 0.0, true});
+        continue;
+      }
+      finished[idx[k]] = emit(s, L + row * V, V, events);
+      if (finished[idx[k]]) continue;
+      drafting.push_back(&s);
+      next.emplace_back(s.req.prompt.begin() + 1, s.req.prompt.end());
+      next.back().push_back(s.next);
+      hrows.emplace_back();
+      for (int64_t r = cu[k]; r < cu[k + 1]; ++r) hrows.back().push_back(r);
+    }
+    draft(drafting, next, hrows, out.pre_norm);
+    retire(finished);
+    return events;
+  }
+
+  // Every sequence: [next, draft].
+  std::vector<int64_t> tokens, cu = {0}, slots;
+  for (const auto& s : running_) {
+    tokens.push_back(s->next);
+    tokens.push_back(s->draft);
+    cu.push_back(int64_t(tokens.size()));
+    slots.push_back(s->slot);
+  }
+  ModelInputs in;
+  in.tokens = Tensor::from_vector({int64_t(tokens.size())}, tokens);
+  in.cu_seqlens = Tensor::from_vector({int64_t(cu.size())}, cu);
+  in.cache = &cache_;
+  in.cache_slots = slots;
+  in.draft_last = true;
+  in.aux_losses = false;
+  const ModelOutput out = model_.forward(ctx, in);
+  ++forwards_;
+  const Tensor logits = out.logits.to(DType::f32).contiguous();
+  const int64_t V = logits.size(1);
+  const float* L = logits.data<float>();
+  std::vector<bool> accepted(running_.size(), false);
+  std::vector<Seq*> drafting;
+  std::vector<std::vector<int64_t>> next, hrows;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Seq& s = *running_[i];
+    const int64_t r0 = 2 * int64_t(i), r1 = r0 + 1;
+    finished[i] = emit(s, L + r0 * V, V, events);
+    ++drafts_;
+    accepted[i] = s.next == s.draft;
+    accepted_ += accepted[i];
+    if (finished[i]) continue;
+    if (!accepted[i]) {
+      drafting.push_back(&s);
+      next.push_back({s.next});
+      hrows.push_back({r0});
+      continue;
+    }
+    const int64_t y1 = s.next;
+    finished[i] = emit(s, L + r1 * V, V, events);
+    if (finished[i]) continue;
+    drafting.push_back(&s);
+    next.push_back({y1, s.next});
+    hrows.push_back({r0, r1});
+  }
+  cache_.accept_drafts(slots, accepted);
+  draft(drafting, next, hrows, out.pre_norm);
+  retire(finished);
   return events;
 }
 

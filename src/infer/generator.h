@@ -13,6 +13,13 @@
 // prompt + max_new beyond what the running requests may still take, so an admitted request never
 // runs out of cache; a request that could not fit even an empty cache is refused by submit().
 // Requests wait in submission order (no later request overtakes one that does not fit yet).
+//
+// Speculative decoding (a cache made with CacheOptions::speculative; greedy requests; a model
+// with its MTP block): the MTP block drafts the token after next, and a step feeds each
+// sequence's next token and its draft; the main model's arg max at the next token says whether
+// the draft is right, and when it is, its row gives one more token. A step then yields one or two
+// tokens per sequence, and they are the tokens plain greedy decoding yields. Prompts are
+// prefilled in steps of their own (the MTP rows of a prompt need its first generated token).
 #pragma once
 
 #include <cstdint>
@@ -79,6 +86,9 @@ class Generator {
 
   const ModelCache& cache() const { return cache_; }
   int64_t forwards() const { return forwards_; }  // steps that ran a forward
+  // Speculative decoding: drafts checked and drafts accepted.
+  int64_t drafts() const { return drafts_; }
+  int64_t accepted() const { return accepted_; }
 
  private:
   struct Seq {
@@ -86,15 +96,25 @@ class Generator {
     Request req;
     int64_t slot = -1;
     bool prefilled = false;
-    int64_t next = -1;  // the token to feed next (decode)
+    int64_t next = -1;   // the token to feed next (decode)
+    int64_t draft = -1;  // speculative: the MTP block's draft of the token after next
     Result res;
   };
+  void admit();
+  // Records token t (sampled from logits row `row`) for s; true when s is finished.
+  bool emit(Seq& s, const float* row, int64_t V, std::vector<TokenEvent>& events);
+  // Closes the finished sequences (finished[i] for running_[i]).
+  void retire(const std::vector<bool>& finished);
+  std::vector<TokenEvent> step_speculative();
+  // The MTP drafts of `seqs` from next tokens and pre-norm rows (per sequence, in order).
+  void draft(const std::vector<Seq*>& seqs, const std::vector<std::vector<int64_t>>& next,
+             const std::vector<std::vector<int64_t>>& rows, const Tensor& pre_norm);
   int64_t pages_for(int64_t tokens) const;  // pages a sequence of this many tokens takes
   int64_t reserved_pages() const;           // pages the running sequences may still take
 
   const HybridModel& model_;
   ModelCache cache_;
-  int64_t next_id_ = 0, forwards_ = 0;
+  int64_t next_id_ = 0, forwards_ = 0, drafts_ = 0, accepted_ = 0;
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::vector<std::unique_ptr<Seq>> running_;
   std::vector<std::pair<int64_t, Result>> done_;

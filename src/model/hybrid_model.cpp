@@ -319,7 +319,19 @@ struct CacheCall {
   ModelCache* cache = nullptr;
   const std::vector<int64_t>* slots = nullptr;
   int64_t layer = 0;
+  bool draft_last = false;  // every sequence is [token, draft]: keep the KDA states between them
 };
+
+// Rows `rows` of x [T, D] as [R, D], and the inverse: y's rows written at `rows` of out.
+Tensor rows_of(const Tensor& x, const std::vector<int64_t>& rows) {
+  return ops::gather_rows(ops::contiguous(x), rows);
+}
+void put_rows(Tensor& out, const std::vector<int64_t>& rows, const Tensor& y) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    Tensor dst = out.select(0, rows[i]);
+    ops::copy_into(dst, y.select(0, int64_t(i)));
+  }
+}
 
 // One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
 // post_attention_layernorm, mlp). Also used without mHC (plain residual) when mhc is off.
@@ -445,7 +457,23 @@ class DecoderLayer : public Module {
     ps_hc.end();
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor y;
-    if (kda_ && cc) {
+    if (kda_ && cc && cc->draft_last) {
+      // [token, draft] per sequence: the token from the slots' states, then the draft from the
+      // states after the token; both kept (the draft's until ModelCache::accept_drafts).
+      const int64_t N = cu.num_seqs();
+      std::vector<int64_t> first, last;
+      for (int64_t n = 0; n < N; ++n) first.push_back(2 * n), last.push_back(2 * n + 1);
+      const SeqLayout ones = SeqLayout::from_lengths(std::vector<int64_t>(size_t(N), 1));
+      const KdaState init = cc->cache->kda_states(cc->layer, *cc->slots);
+      KdaState mid, fin;
+      const Tensor y1 = kda_->forward(c, rows_of(a, first), ones, &init, nullptr, &mid);
+      const Tensor y2 = kda_->forward(c, rows_of(a, last), ones, &mid, nullptr, &fin);
+      cc->cache->store_kda_states(cc->layer, *cc->slots, mid);
+      cc->cache->store_kda_draft_states(cc->layer, *cc->slots, fin);
+      y = Tensor::empty({T, D}, y1.dtype());
+      put_rows(y, first, y1);
+      put_rows(y, last, y2);
+    } else if (kda_ && cc) {
       // Continue from the slots' states and keep the final ones.
       const KdaState init = cc->cache->kda_states(cc->layer, *cc->slots);
       KdaState fin;
@@ -583,7 +611,7 @@ class MtpBlock : public Module {
   // e [T, D] (embedding of the next token, zeros where there is none), h [T, D] (the main
   // stack's mean-contracted hidden) -> the normed output [T, D] for the shared head.
   Tensor forward(const Context& ctx, const Tensor& e, const Tensor& h, const SeqLayout& cu,
-                 Saved* s, Out* out, const Tensor& replay) const {
+                 Saved* s, Out* out, const Tensor& replay, const CacheCall* cc = nullptr) const {
     Context c = ctx;
     c.recompute = ctx.training && recompute_ == Recompute::selective;
     const bool train = ctx.training && s;
@@ -596,7 +624,10 @@ class MtpBlock : public Module {
     ops::copy_into(cat_h, hn);
     Tensor m = eh_.forward(c, cat, train ? &s->eh : nullptr);
     Tensor a = in_norm_->forward(c, m, train ? &s->in_norm : nullptr);
-    DsaLayer::Output o = dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
+    DsaCacheView view;
+    if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
+    DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view)
+                            : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
     if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
     Tensor m2 = add(m, o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
@@ -718,6 +749,48 @@ void HybridModel::set_dsa_stage(DsaStage stage) {
   if (mtp_) mtp_->dsa()->set_stage(stage);
 }
 
+Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& h,
+                                       const SeqLayout& seqs, ModelCache& cache,
+                                       const std::vector<int64_t>& slots) const {
+  HLM_CHECK(mtp_ != nullptr, "HybridModel::mtp_forward_cached: the model has no MTP block");
+  HLM_CHECK(cache.speculative(),
+            "HybridModel::mtp_forward_cached: the cache was made without speculative");
+  HLM_CHECK(embed_->value.is_cpu(),
+            "HybridModel::mtp_forward_cached: inference over a cache runs on the CPU");
+  const int64_t R = next_tokens.defined() ? next_tokens.numel() : 0, D = cfg_.hidden_size;
+  HLM_CHECK(R >= 1 && next_tokens.dim() == 1 && h.defined() && h.shape() == (Shape{R, D}),
+            "HybridModel::mtp_forward_cached: next_tokens [R >= 1] and h [R, {}], got {} and {}",
+            D, next_tokens.defined() ? next_tokens.describe() : "undefined",
+            h.defined() ? h.describe() : "undefined");
+  seqs.check_tokens(R, "HybridModel::mtp_forward_cached");
+  HLM_CHECK(int64_t(slots.size()) == seqs.num_seqs(),
+            "HybridModel::mtp_forward_cached: {} slots for {} sequences", slots.size(),
+            seqs.num_seqs());
+  const DType cdt = compute_dtype();
+  const Tensor tok = host_i64(next_tokens);
+  for (int64_t r = 0; r < R; ++r)
+    HLM_CHECK(tok.data<int64_t>()[r] >= 0 && tok.data<int64_t>()[r] < cfg_.vocab_size,
+              "HybridModel::mtp_forward_cached: next token {} is outside [0, {})",
+              tok.data<int64_t>()[r], cfg_.vocab_size);
+  std::vector<int64_t> counts;
+  for (int64_t n = 0; n < seqs.num_seqs(); ++n) counts.push_back(seqs.length(n));
+  // The MTP rows lie in the main sequence's pages: they may not run ahead of it.
+  for (size_t n = 0; n < slots.size(); ++n)
+    HLM_CHECK(cache.mtp_length(slots[n]) + counts[n] <= cache.length(slots[n]),
+              "HybridModel::mtp_forward_cached: slot {} has {} tokens, {} MTP rows and {} more "
+              "asked",
+              slots[n], cache.length(slots[n]), cache.mtp_length(slots[n]), counts[n]);
+  Context ctx;
+  ctx.training = false;
+  const Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, tok), cdt);
+  const CacheCall cc{&cache, &slots, cache.mtp_layer(), false};
+  const Tensor o = mtp_->forward(ctx, e, ops::as_dtype(h, cdt), seqs, nullptr, nullptr,
+                                 Tensor(), &cc);
+  cache.advance_mtp(slots, counts);
+  if (cfg_.tie_word_embeddings) lm_head_->weight().value = embed_->value;
+  return lm_head_->forward(ctx, o, nullptr);
+}
+
 int64_t HybridModel::num_moe_layers() const {
   int64_t n = 0;
   for (const auto& l : layers_) n += l->is_moe();
@@ -771,7 +844,18 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
               seqs.num_seqs());
     std::vector<int64_t> lengths;
     for (int64_t q = 0; q < seqs.num_seqs(); ++q) lengths.push_back(seqs.length(q));
+    if (in.draft_last) {
+      HLM_CHECK(in.cache->speculative(),
+                "HybridModel::forward: draft_last needs a cache made with speculative");
+      for (int64_t q = 0; q < seqs.num_seqs(); ++q)
+        HLM_CHECK(seqs.length(q) == 2,
+                  "HybridModel::forward: with draft_last every sequence is [token, draft]; "
+                  "sequence {} has {} tokens",
+                  q, seqs.length(q));
+    }
     in.cache->reserve(in.cache_slots, lengths);  // all or nothing, before anything is written
+  } else {
+    HLM_CHECK(!in.draft_last, "HybridModel::forward: draft_last needs a cache");
   }
   std::unique_ptr<Saved> s(new Saved);
   s->tokens = tokens;
@@ -812,7 +896,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
         given = prev_sel;
       }
     }
-    const CacheCall cc{in.cache, &in.cache_slots, int64_t(l)};
+    const CacheCall cc{in.cache, &in.cache_slots, int64_t(l), in.draft_last};
     x = layers_[l]->forward(ctx, x, seqs, train ? &s->layers[l] : nullptr, &lo, rp, given,
                             cached ? &cc : nullptr);
     if (layers_[l]->is_dsa()) {
@@ -829,13 +913,16 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     out.indexer_loss += lo.indexer_loss;
   }
   if (cached) {
+    // A draft joins its sequence only when accepted (ModelCache::accept_drafts).
     std::vector<int64_t> lengths;
-    for (int64_t q = 0; q < seqs.num_seqs(); ++q) lengths.push_back(seqs.length(q));
+    for (int64_t q = 0; q < seqs.num_seqs(); ++q)
+      lengths.push_back(seqs.length(q) - (in.draft_last ? 1 : 0));
     in.cache->advance(in.cache_slots, lengths);
   }
   profile::Scope ps_head("final norm + head + loss");
   Tensor h = cfg_.mhc.enabled ? ops::mhc_mean_contract(x) : x.reshape({T, D});
   s->h = h;
+  if (cached) out.pre_norm = h;
   out.hidden = norm_->forward(ctx, h, train ? &s->norm : nullptr);
   s->hidden = out.hidden;
 

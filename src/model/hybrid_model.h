@@ -102,6 +102,10 @@ struct ModelInputs {
   // ModelOutput::dsa_indices then holds positions within each sequence.
   ModelCache* cache = nullptr;
   std::vector<int64_t> cache_slots;
+  // With a speculative cache: every sequence is 2 tokens, the last a draft. The KDA layers keep
+  // the states before and after it; the lengths advance by 1 and ModelCache::accept_drafts
+  // settles each draft.
+  bool draft_last = false;
   // The token rows whose logits are computed (ModelOutput::logits [R, V] in this order); empty:
   // every row. Inference only (no targets).
   std::vector<int64_t> logit_rows;
@@ -109,6 +113,7 @@ struct ModelInputs {
 
 struct ModelOutput {
   Tensor hidden;      // [T, D] last_hidden_state, compute dtype
+  Tensor pre_norm;    // [T, D] the mean-contracted hidden before model.norm (the MTP's input)
   Tensor logits;      // [T, V] compute dtype (when computed)
   Tensor mtp_logits;  // [T, V] (training forward with MTP)
   double loss = 0;    // the whole objective
@@ -151,6 +156,15 @@ class HybridModel : public Module {
   void update_moe_bias(const std::vector<Tensor>& counts);
 
   int64_t num_moe_layers() const;
+  bool has_mtp() const { return mtp_ != nullptr; }
+
+  // The MTP block over a speculative cache (CPU; docs/inference.md, "Speculative decoding"):
+  // sequence n's rows are MTP positions mtp_length(slot) + r, row r reading next_tokens[r] (the
+  // token after that position) and h [R, D] (the main stack's pre-norm hidden at that position,
+  // ModelOutput::pre_norm). Returns the MTP logits [R, V] (each predicting the token two after its
+  // position) and advances the slots' MTP lengths.
+  Tensor mtp_forward_cached(const Tensor& next_tokens, const Tensor& h, const SeqLayout& seqs,
+                            ModelCache& cache, const std::vector<int64_t>& slots) const;
 
  private:
   ModelConfig cfg_;

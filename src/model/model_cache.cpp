@@ -51,6 +51,20 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
     per_page += b.page_tokens / P * cfg.indexer.head_dim;
     if (P > 1) b.per_sequence += es * 2 * P * cfg.indexer.head_dim;
   }
+  if (o.speculative) {
+    HLM_CHECK(cfg.mtp.num_layers >= 1,
+              "ModelCache: speculative decoding drafts with the MTP block, and the config has none "
+              "(num_nextn_predict_layers = 0)");
+    // The MTP block's DSA layer (its own indexer), and a second KDA state per slot.
+    per_page += b.page_tokens * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) +
+                b.page_tokens / P * cfg.indexer.head_dim;
+    if (P > 1) b.per_sequence += es * 2 * P * cfg.indexer.head_dim;
+    const KdaHparams& k = cfg.kda;
+    b.per_sequence += es * cfg.count_layers(LayerKind::kda) *
+                      ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim +
+                                              k.num_v_heads * k.v_head_dim) +
+                       k.num_v_heads * k.head_dim * k.v_head_dim);
+  }
   b.per_token = es * per_page / b.page_tokens;
   b.slots = b.per_sequence * o.max_seqs;
   b.pages = es * per_page * b.num_pages;
@@ -61,18 +75,25 @@ ModelCache::ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& 
     : dtype_(dtype), page_(page_of(cfg, o)), bytes_(plan(cfg, dtype, o)) {
   const int64_t S = o.max_seqs, R = bytes_.num_pages * page_;
   const int64_t P = std::max<int64_t>(1, cfg.indexer.kpool), d = cfg.indexer.head_dim;
-  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+  speculative_ = o.speculative;
+  const int64_t n_layers = cfg.num_hidden_layers + (speculative_ ? 1 : 0);
+  if (speculative_) mtp_layer_ = cfg.num_hidden_layers;
+  for (int64_t l = 0; l < n_layers; ++l) {
     Layer L;
-    if (cfg.layer_kind(l) == LayerKind::kda) {
+    if (l < cfg.num_hidden_layers && cfg.layer_kind(l) == LayerKind::kda) {
       const KdaHparams& k = cfg.kda;
       L.kda = true;
       L.conv = Tensor::zeros(
           {S, k.conv_kernel - 1, 2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim},
           dtype);
       L.state = Tensor::zeros({S, k.num_v_heads, k.head_dim, k.v_head_dim}, dtype);
+      if (speculative_) {
+        L.draft_conv = Tensor::zeros(L.conv.shape(), dtype);
+        L.draft_state = Tensor::zeros(L.state.shape(), dtype);
+      }
     } else {
       L.kv = Tensor::zeros({R, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim}, dtype);
-      if (has_indexer(cfg, l)) {
+      if (l == mtp_layer_ || has_indexer(cfg, l)) {
         L.keys = Tensor::zeros({R / P, d}, dtype);
         if (P > 1) {
           L.tail_k = Tensor::zeros({S, P, d}, dtype);
@@ -83,6 +104,7 @@ ModelCache::ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& 
     layers_.push_back(std::move(L));
   }
   len_.assign(size_t(S), -1);
+  mtp_len_.assign(size_t(S), 0);
   pages_.resize(size_t(S));
   free_.resize(size_t(bytes_.num_pages));
   // Taken from the back: page 0 first.
@@ -99,6 +121,7 @@ int64_t ModelCache::open() {
   for (size_t s = 0; s < len_.size(); ++s) {
     if (len_[s] >= 0) continue;
     len_[s] = 0;
+    mtp_len_[s] = 0;
     for (Layer& L : layers_)
       for (Tensor* t : {&L.conv, &L.state, &L.tail_k, &L.tail_gate})
         if (t->defined()) t->select(0, int64_t(s)).zero_();
@@ -196,6 +219,57 @@ void ModelCache::store_kda_states(int64_t layer, const std::vector<int64_t>& slo
   }
 }
 
+int64_t ModelCache::mtp_length(int64_t slot) const {
+  check_slot(slot, "mtp_length");
+  return mtp_len_[size_t(slot)];
+}
+
+void ModelCache::advance_mtp(const std::vector<int64_t>& slots,
+                             const std::vector<int64_t>& counts) {
+  HLM_CHECK(speculative_, "ModelCache::advance_mtp: the cache was made without speculative");
+  HLM_CHECK(slots.size() == counts.size(), "ModelCache::advance_mtp: {} slots and {} counts",
+            slots.size(), counts.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    check_slot(slots[i], "advance_mtp");
+    const int64_t n = mtp_len_[size_t(slots[i])] + counts[i];
+    HLM_CHECK(counts[i] >= 0 && n <= len_[size_t(slots[i])],
+              "ModelCache::advance_mtp: slot {} would hold {} MTP rows for {} tokens", slots[i], n,
+              len_[size_t(slots[i])]);
+    mtp_len_[size_t(slots[i])] = n;
+  }
+}
+
+void ModelCache::store_kda_draft_states(int64_t layer, const std::vector<int64_t>& slots,
+                                        const KdaState& s) {
+  Layer& L = layers_[size_t(layer)];
+  HLM_CHECK(L.kda && speculative_, "ModelCache: layer {} keeps no draft states", layer);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    Tensor c = L.draft_conv.select(0, slots[i]), r = L.draft_state.select(0, slots[i]);
+    ops::copy_into(c, ops::as_dtype(s.conv.select(0, int64_t(i)), dtype_));
+    ops::copy_into(r, ops::as_dtype(s.recurrent.select(0, int64_t(i)), dtype_));
+  }
+}
+
+void ModelCache::accept_drafts(const std::vector<int64_t>& slots,
+                               const std::vector<bool>& accepted) {
+  HLM_CHECK(speculative_, "ModelCache::accept_drafts: the cache was made without speculative");
+  HLM_CHECK(slots.size() == accepted.size(), "ModelCache::accept_drafts: {} slots, {} flags",
+            slots.size(), accepted.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    check_slot(slots[i], "accept_drafts");
+    if (!accepted[i]) continue;
+    HLM_CHECK(len_[size_t(slots[i])] + 1 <= int64_t(pages_[size_t(slots[i])].size()) * page_,
+              "ModelCache::accept_drafts: slot {} has no row for its draft", slots[i]);
+    ++len_[size_t(slots[i])];
+    for (Layer& L : layers_) {
+      if (!L.kda) continue;
+      Tensor c = L.conv.select(0, slots[i]), r = L.state.select(0, slots[i]);
+      ops::copy_into(c, L.draft_conv.select(0, slots[i]));
+      ops::copy_into(r, L.draft_state.select(0, slots[i]));
+    }
+  }
+}
+
 DsaCacheView ModelCache::dsa_view(int64_t layer, const std::vector<int64_t>& slots) const {
   const Layer& L = layers_[size_t(layer)];
   HLM_CHECK(!L.kda, "ModelCache: layer {} is a KDA layer", layer);
@@ -208,7 +282,7 @@ DsaCacheView ModelCache::dsa_view(int64_t layer, const std::vector<int64_t>& slo
   for (int64_t s : slots) {
     check_slot(s, "dsa_view");
     v.slot.push_back(s);
-    v.start.push_back(len_[size_t(s)]);
+    v.start.push_back(layer == mtp_layer_ ? mtp_len_[size_t(s)] : len_[size_t(s)]);
     v.pages.push_back(&pages_[size_t(s)]);
   }
   return v;

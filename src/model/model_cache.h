@@ -33,6 +33,11 @@ struct CacheOptions {
   int64_t max_seqs = 8;        // sequence slots
   int64_t max_tokens = 32768;  // token capacity of the page pool (rounded up to whole pages)
   int64_t page = 64;           // tokens per page (rounded up to a multiple of the KPool size)
+  // Speculative decoding with the MTP block as the drafter (docs/inference.md, "Speculative
+  // decoding"): the MTP block's DSA layer gets its own rows (in the same pages, its own length
+  // per slot), and every KDA layer a second state per slot, the state after a draft token until
+  // the draft is accepted or dropped.
+  bool speculative = false;
 };
 
 struct CacheBytes {
@@ -65,6 +70,19 @@ class ModelCache {
   int64_t page_tokens() const { return page_; }
   // Pages that counts more tokens of slot would take.
   int64_t pages_needed(int64_t slot, int64_t count) const;
+  // Speculative decoding (CacheOptions::speculative):
+  bool speculative() const { return speculative_; }
+  int64_t mtp_layer() const { return mtp_layer_; }  // the MTP block's entry (num_hidden_layers)
+  int64_t mtp_length(int64_t slot) const;           // MTP rows cached (at most length(slot))
+  void advance_mtp(const std::vector<int64_t>& slots, const std::vector<int64_t>& counts);
+  // After a forward whose last token per sequence was a draft (ModelInputs::draft_last; the
+  // forward advanced each length by the tokens before it): an accepted draft becomes part of its
+  // sequence (its KDA states become the slot's), a rejected one is dropped (its rows are left
+  // beyond the length, to be overwritten).
+  void accept_drafts(const std::vector<int64_t>& slots, const std::vector<bool>& accepted);
+  // The KDA states after the draft token (written by the draft forward).
+  void store_kda_draft_states(int64_t layer, const std::vector<int64_t>& slots, const KdaState& s);
+
   // Pages for counts[i] more tokens of slots[i] (distinct open slots), taken all or none: throws
   // hlm::Error naming the tokens asked and the room left when they do not fit.
   void reserve(const std::vector<int64_t>& slots, const std::vector<int64_t>& counts);
@@ -83,12 +101,16 @@ class ModelCache {
   struct Layer {
     bool kda = false;
     Tensor conv, state;              // KDA: [S, W-1, C], [S, HV, K, V]
+    Tensor draft_conv, draft_state;  // KDA, speculative: the states after a draft token
     Tensor kv, keys, tail_k, tail_gate;  // DSA / MLA
   };
   void check_slot(int64_t slot, const char* what) const;
 
   DType dtype_;
   int64_t page_ = 0;
+  bool speculative_ = false;
+  int64_t mtp_layer_ = -1;
+  std::vector<int64_t> mtp_len_;  // per slot
   CacheBytes bytes_;
   std::vector<Layer> layers_;
   std::vector<int64_t> len_;                // per slot; -1: free

@@ -1,0 +1,144 @@
+// Generation on the CPU (infer::Generator over a ModelCache): the time to the first token (the
+// prefill of one prompt) and the decode throughput at batch 1, 8 and 64, for a model config with
+// random weights.
+//
+//   bench_decode_cpu [--config FILE] [--prompt N] [--new N] [--batches 1,8,64] [--dtype f32|f64]
+//
+// Per batch B: B prompts of N random tokens are submitted to one Generator; its first step
+// prefills them all (one packed forward), every later step decodes one token of each. Reported:
+// the prefill time and tokens/s, and the decode steps' median time and tokens/s (B per step).
+// Greedy; the steps are timed with a steady clock around Generator::step, after a short
+// warm-up generation. HLM_PROFILE=1 prints where each batch's time went (core/profile.h).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/profile.h"
+#include "core/rng.h"
+#include "infer/generator.h"
+#include "model/config.h"
+#include "model/hybrid_model.h"
+
+namespace {
+
+using namespace hlm;
+
+struct Args {
+  std::string config = "configs/tiny.json";
+  int64_t prompt = 256, generate = 32;
+  std::vector<int64_t> batches = {1, 8, 64};
+  DType dtype = DType::f32;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr,
+               "bench_decode_cpu: %s\nusage: bench_decode_cpu [--config FILE] [--prompt N] "
+               "[--new N] [--batches 1,8,64] [--dtype f32|f64]\n",
+               why.c_str());
+  std::exit(2);
+}
+
+int64_t count(const char* v, const char* flag) {
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (*v == 0 || *end != 0 || x < 1 || x > (1 << 24)) usage(std::string(flag) + " needs a count");
+  return x;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (i + 1 >= argc) usage(f + " needs a value");
+    const char* v = argv[++i];
+    if (f == "--config") {
+      a.config = v;
+    } else if (f == "--prompt") {
+      a.prompt = count(v, "--prompt");
+    } else if (f == "--new") {
+      a.generate = count(v, "--new");
+    } else if (f == "--batches") {
+      a.batches.clear();
+      std::stringstream ss(v);
+      for (std::string s; std::getline(ss, s, ',');) a.batches.push_back(count(s.c_str(), f.c_str()));
+    } else if (f == "--dtype") {
+      const std::string d = v;
+      if (d != "f32" && d != "f64") usage("--dtype is f32 or f64");
+      a.dtype = d == "f64" ? DType::f64 : DType::f32;
+    } else {
+      usage("unknown option " + f);
+    }
+  }
+  return a;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  try {
+    const ModelConfig cfg = ModelConfig::load(a.config);
+    HybridModelOptions o;
+    o.dtype = a.dtype;
+    o.mtp = false;
+    o.seed = 1;
+    const HybridModel model(cfg, o);
+    std::printf("model %s (D %lld, %lld layers %s, vocab %lld), %s; prompts of %lld tokens, "
+                "%lld new tokens each\n",
+                a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
+                cfg.layer_pattern().c_str(),
+                (long long)cfg.vocab_size, dtype_name(a.dtype), (long long)a.prompt,
+                (long long)a.generate);
+    std::printf("%6s | %12s %14s | %14s %14s\n", "batch", "prefill ms", "prefill tok/s",
+                "decode step ms", "decode tok/s");
+    Rng rng(7);
+    {  // warm-up: the threads and the allocator's first pages
+      infer::Generator gen(model, {.max_seqs = 1, .max_tokens = 64});
+      infer::Request r;
+      r.prompt = {1, 2, 3, 4, 5, 6, 7, 8};
+      r.max_new = 4;
+      gen.run({r});
+    }
+    for (int64_t B : a.batches) {
+      infer::Generator gen(model, {.max_seqs = B, .max_tokens = B * (a.prompt + a.generate + 64)});
+      for (int64_t b = 0; b < B; ++b) {
+        infer::Request r;
+        for (int64_t i = 0; i < a.prompt; ++i)
+          r.prompt.push_back(int64_t(rng.next_u32() % uint32_t(cfg.vocab_size)));
+        r.max_new = a.generate;
+        r.stop = {};
+        gen.submit(r);
+      }
+      auto t0 = std::chrono::steady_clock::now();
+      gen.step();  // prefill of every prompt (+ their first tokens)
+      const double prefill = seconds_since(t0);
+      std::vector<double> steps;
+      while (gen.busy()) {
+        t0 = std::chrono::steady_clock::now();
+        gen.step();
+        steps.push_back(seconds_since(t0));
+      }
+      if (profile::enabled()) {
+        std::printf("%s", profile::report().c_str());
+        profile::reset();
+      }
+      std::sort(steps.begin(), steps.end());
+      const double med = steps.empty() ? 0 : steps[steps.size() / 2];
+      std::printf("%6lld | %12.2f %14.0f | %14.3f %14.1f\n", (long long)B, prefill * 1e3,
+                  double(B * a.prompt) / prefill, med * 1e3, med > 0 ? double(B) / med : 0.0);
+      std::fflush(stdout);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_decode_cpu: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
