@@ -3,7 +3,7 @@
 //   hybridlm generate --model DIR (--prompt TEXT | --tokens FILE) [--max-new N]
 //                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop ID ...]
 //                     [--logprobs] [--prompt-logprobs] [--out FILE] [--max-batch N]
-//                     [--dtype f32|f64]
+//                     [--dtype f32|f64] [--speculative]
 // --prompt is encoded with the checkpoint's tokenizer.json; --tokens reads input_ids as `forward`
 // does ([B, T] rows, or [T] with an optional cu_seqlens: B prompts generated together, with
 // continuous batching). Greedy unless --temperature is given. The generated text (or, without a
@@ -14,6 +14,8 @@
 // --prompt-logprobs prompt_logprobs F32 [sum (len - 1)] and prompt_cu_seqlens (log p of each
 // prompt token after the first, given the ones before it: what `forward --logits` gives).
 // Generation runs on the CPU; the stop tokens default to the config's eos_token_id.
+// --speculative drafts with the checkpoint's MTP block (greedy only; the tokens are plain greedy
+// decoding's) and reports how many drafts were accepted.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -40,7 +42,7 @@ struct GenerateArgs {
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
   std::vector<int64_t> stop;
-  bool stop_given = false, logprobs = false, prompt_logprobs = false;
+  bool stop_given = false, logprobs = false, prompt_logprobs = false, speculative = false;
 };
 
 void run_generate(const GenerateArgs& a) {
@@ -53,7 +55,13 @@ void run_generate(const GenerateArgs& a) {
   const ModelConfig cfg = ModelConfig::load(a.model);
   HybridModelOptions opt;
   opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
-  opt.mtp = false;
+  opt.mtp = a.speculative;
+  if (a.speculative) {
+    HLM_CHECK(cfg.mtp.num_layers >= 1,
+              "generate --speculative: the model has no MTP block to draft with "
+              "(num_nextn_predict_layers = 0)");
+    HLM_CHECK(a.temperature == 0, "generate --speculative: greedy only (no --temperature)");
+  }
   infer::SamplingParams sp;
   sp.temperature = a.temperature;
   sp.top_k = a.top_k;
@@ -109,23 +117,35 @@ void run_generate(const GenerateArgs& a) {
   for (int64_t i = 0; i < co.max_seqs; ++i) first_batch += lens[size_t(i)];
   longest = lens[0];
   co.max_tokens = first_batch + co.max_seqs * co.page;  // a partial page per sequence
+  co.speculative = a.speculative;
   const CacheBytes cb = ModelCache::plan(cfg, compute_dtype(opt.dtype), co);
   Workload w;
   w.tokens = first_batch;
   w.max_seq_len = longest;
   w.dtype = opt.dtype;
-  w.mtp = false;
+  w.mtp = a.speculative;
   checkpoint::LoadOptions lo;
-  lo.ignore_layers_from = cfg.num_hidden_layers;
+  if (!a.speculative) lo.ignore_layers_from = cfg.num_hidden_layers;
   lo.allow_missing = cfg.tie_word_embeddings;
-  checkpoint::check_against_config(a.model, cfg, opt.mtp, lo);
+  // --speculative reads the MTP block's weights too: say so when they are missing.
+  auto with_mtp_note = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      if (!a.speculative) throw;
+      throw Error(fmt::format("generate --speculative needs the MTP block's weights "
+                              "(model.layers.{}.*): {}",
+                              cfg.num_hidden_layers, e.what()));
+    }
+  };
+  with_mtp_note([&] { checkpoint::check_against_config(a.model, cfg, opt.mtp, lo); });
   check_memory_for(cfg, w, "generate");
   check_memory(estimate_memory(cfg, w).total() + uint64_t(cb.total()),
                fmt::format("generate: the weights, a prefill of {} tokens and a cache of {}",
                            first_batch, format_bytes(double(cb.total()))));
 
   HybridModel model(cfg, opt);
-  checkpoint::load_module(a.model, model, lo);
+  with_mtp_note([&] { checkpoint::load_module(a.model, model, lo); });
   infer::Generator gen(model, co);
   std::vector<infer::Request> reqs;
   for (const auto& p : prompts) {
@@ -186,6 +206,9 @@ void run_generate(const GenerateArgs& a) {
                std::max(first_token_s, 0.0), (long long)gen.forwards());
   for (size_t i = 0; i < res.size(); ++i)
     std::fprintf(stderr, "%s%s", i ? ", " : "", res[i].finish.c_str());
+  if (a.speculative)
+    std::fprintf(stderr, "; MTP drafts accepted %lld of %lld", (long long)gen.accepted(),
+                 (long long)gen.drafts());
   std::fprintf(stderr, "\n");
 
   if (a.out.empty()) return;
@@ -233,6 +256,8 @@ std::function<void()> setup_generate(CLI::App& app) {
   app.add_option("--max-batch", a->max_batch, "prompts generated together at most (default 16)")
       ->check(count_range(1, 4096));
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
+  app.add_flag("--speculative", a->speculative,
+               "draft with the MTP block (greedy; the same tokens, fewer forwards when accepted)");
   return [a] { run_generate(*a); };
 }
 

@@ -169,10 +169,10 @@ class RobustCli : public ::testing::Test {
     return ::testing::AssertionSuccess();
   }
   // A small checkpoint directory of kModel (random weights) for `forward`.
-  std::string make_checkpoint(const std::string& name) {
+  std::string make_checkpoint(const std::string& name, bool mtp = false) {
     const ModelConfig cfg = ModelConfig::from_json(json::parse(kModel), "model");
     HybridModelOptions o;
-    o.mtp = false;
+    o.mtp = mtp;
     HybridModel m(cfg, o);
     checkpoint::save_module(path(name), m, &cfg);
     return path(name);
@@ -517,6 +517,19 @@ TEST_F(RobustCli, GenerateIsTheForwardsArgMaxWithItsLogProbabilities) {
   ASSERT_EQ(plp.numel(), P - 1);
   for (int64_t i = 0; i + 1 < P; ++i)
     EXPECT_NEAR(plp.data<float>()[i], log_softmax_at(i, prompt[size_t(i + 1)]), 2e-5);
+  // --speculative needs the MTP weights, and then gives the same tokens.
+  EXPECT_TRUE(refused(run({"generate", "--model", ckpt, "--tokens", "ids.st", "--speculative"}),
+                      {"needs the MTP block's weights (model.layers.2.*)"}));
+  const std::string with_mtp = make_checkpoint("ckpt_mtp", true);
+  r = run({"generate", "--model", with_mtp, "--tokens", "ids.st", "--max-new", "9", "--out",
+           "s0.st"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run({"generate", "--model", with_mtp, "--tokens", "ids.st", "--max-new", "9", "--out",
+           "s1.st", "--speculative"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("MTP drafts accepted"), std::string::npos) << r.err;
+  EXPECT_TRUE(testing::bit_equal(safetensors::load(path("s1.st")).tensors.at("tokens"),
+                                 safetensors::load(path("s0.st")).tensors.at("tokens")));
 }
 
 TEST_F(RobustCli, GenerateRefusesBadRequests) {
