@@ -373,7 +373,8 @@ TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
   for (const char* line :
        {"pattern      KDK", "mlp          dEE", "GEMMs native (the checkpoint's dtype float32)",
         "published layout, 107 tensors, 41614 values (= the config's model without lm_head)",
-        "decode cache one sequence of 1024 tokens"})
+        "decode cache one sequence of 1024 tokens",
+        "hybridlm cache one sequence of 1024 tokens, f32 (generate / serve)"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   EXPECT_TRUE(refused(run({"inspect", path("missing")}), {"cannot open the file"}));
   EXPECT_TRUE(refused(run({"inspect", hf, "--seq-len", "0"}), {"--seq-len"}));
