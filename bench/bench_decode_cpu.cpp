@@ -8,7 +8,8 @@
 // prefills them all (one packed forward), every later step decodes one token of each. Reported:
 // the prefill time and tokens/s, and the decode steps' median time and tokens/s (B per step).
 // Greedy; the steps are timed with a steady clock around Generator::step, after a short
-// warm-up generation. HLM_PROFILE=1 prints where each batch's time went (core/profile.h).
+// warm-up generation. HLM_PROFILE=1 prints where each batch's decode steps spent their time
+// (core/profile.h).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -120,6 +121,7 @@ int main(int argc, char** argv) {
       auto t0 = std::chrono::steady_clock::now();
       gen.step();  // prefill of every prompt (+ their first tokens)
       const double prefill = seconds_since(t0);
+      profile::reset();  // the report covers the decode steps
       std::vector<double> steps;
       while (gen.busy()) {
         t0 = std::chrono::steady_clock::now();
