@@ -65,7 +65,8 @@ Args parse(int argc, char** argv) {
     } else if (f == "--batches") {
       a.batches.clear();
       std::stringstream ss(v);
-      for (std::string s; std::getline(ss, s, ',');) a.batches.push_back(count(s.c_str(), f.c_str()));
+      for (std::string s; std::getline(ss, s, ',');)
+        a.batches.push_back(count(s.c_str(), f.c_str()));
     } else if (f == "--dtype") {
       const std::string d = v;
       if (d != "f32" && d != "f64") usage("--dtype is f32 or f64");
@@ -92,12 +93,12 @@ int main(int argc, char** argv) {
     o.mtp = false;
     o.seed = 1;
     const HybridModel model(cfg, o);
-    std::printf("model %s (D %lld, %lld layers %s, vocab %lld), %s; prompts of %lld tokens, "
-                "%lld new tokens each\n",
-                a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
-                cfg.layer_pattern().c_str(),
-                (long long)cfg.vocab_size, dtype_name(a.dtype), (long long)a.prompt,
-                (long long)a.generate);
+    std::printf(
+        "model %s (D %lld, %lld layers %s, vocab %lld), %s; prompts of %lld tokens, "
+        "%lld new tokens each\n",
+        a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
+        cfg.layer_pattern().c_str(), (long long)cfg.vocab_size, dtype_name(a.dtype),
+        (long long)a.prompt, (long long)a.generate);
     std::printf("%6s | %12s %14s | %14s %14s\n", "batch", "prefill ms", "prefill tok/s",
                 "decode step ms", "decode tok/s");
     Rng rng(7);

@@ -133,9 +133,10 @@ void run_generate(const GenerateArgs& a) {
       f();
     } catch (const Error& e) {
       if (!a.speculative) throw;
-      throw Error(fmt::format("generate --speculative needs the MTP block's weights "
-                              "(model.layers.{}.*): {}",
-                              cfg.num_hidden_layers, e.what()));
+      throw Error(
+          fmt::format("generate --speculative needs the MTP block's weights "
+                      "(model.layers.{}.*): {}",
+                      cfg.num_hidden_layers, e.what()));
     }
   };
   with_mtp_note([&] { checkpoint::check_against_config(a.model, cfg, opt.mtp, lo); });
@@ -164,8 +165,8 @@ void run_generate(const GenerateArgs& a) {
                "sequences, %lld tokens)\n",
                prompts.size(), (long long)a.max_new,
                sp.greedy() ? "greedy"
-                           : fmt::format("temperature {} top-k {} top-p {} seed {}",
-                                         sp.temperature, sp.top_k, sp.top_p, sp.seed)
+                           : fmt::format("temperature {} top-k {} top-p {} seed {}", sp.temperature,
+                                         sp.top_k, sp.top_p, sp.seed)
                                  .c_str(),
                format_bytes(double(cb.total())).c_str(), (long long)co.max_seqs,
                (long long)(cb.num_pages * cb.page_tokens));

@@ -116,11 +116,12 @@ void run_inspect(const InspectArgs& a) {
   co.max_seqs = 1;
   co.max_tokens = a.seq_len;
   const CacheBytes cb = ModelCache::plan(c, DType::f32, co);
-  std::printf("hybridlm cache one sequence of %lld tokens, f32 (generate / serve): %s (a slot of %s; "
-              "%s per token in pages of %lld)\n",
-              (long long)a.seq_len, format_bytes(double(cb.total())).c_str(),
-              format_bytes(double(cb.per_sequence)).c_str(),
-              format_bytes(double(cb.per_token)).c_str(), (long long)cb.page_tokens);
+  std::printf(
+      "hybridlm cache one sequence of %lld tokens, f32 (generate / serve): %s (a slot of %s; "
+      "%s per token in pages of %lld)\n",
+      (long long)a.seq_len, format_bytes(double(cb.total())).c_str(),
+      format_bytes(double(cb.per_sequence)).c_str(), format_bytes(double(cb.per_token)).c_str(),
+      (long long)cb.page_tokens);
 }
 
 std::function<void()> setup_inspect(CLI::App& app) {

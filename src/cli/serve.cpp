@@ -176,8 +176,8 @@ Parsed parse_request(const std::string& body, const ModelConfig& cfg,
   }
   if (!j.is_object()) throw BadRequest("the body must be a JSON object");
   static const std::set<std::string> known = {
-      "model",  "prompt",   "max_tokens",      "temperature", "top_p", "top_k",
-      "seed",   "logprobs", "prompt_logprobs", "stream",      "n",     "stop",
+      "model",          "prompt",   "max_tokens",      "temperature", "top_p", "top_k",
+      "seed",           "logprobs", "prompt_logprobs", "stream",      "n",     "stop",
       "stop_token_ids", "user"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!known.count(it.key())) throw BadRequest(fmt::format("unknown field '{}'", it.key()));
@@ -190,8 +190,7 @@ Parsed parse_request(const std::string& body, const ModelConfig& cfg,
   };
   auto integer = [&](const char* k, int64_t lo, int64_t hi, int64_t def) {
     if (!j.contains(k) || j[k].is_null()) return def;
-    if (!j[k].is_number_integer())
-      throw BadRequest(fmt::format("'{}' must be an integer", k));
+    if (!j[k].is_number_integer()) throw BadRequest(fmt::format("'{}' must be an integer", k));
     const int64_t v = j[k].get<int64_t>();
     if (v < lo || v > hi) throw BadRequest(fmt::format("'{}' must be in [{}, {}]", k, lo, hi));
     return v;
@@ -269,8 +268,8 @@ void run_serve(const ServeArgs& a) {
   w.dtype = opt.dtype;
   w.mtp = false;
   check_memory(estimate_memory(cfg, w).total() + uint64_t(cb.total()),
-               fmt::format("serve: the weights, a prefill of {} tokens and a cache of {}",
-                           w.tokens, format_bytes(double(cb.total()))));
+               fmt::format("serve: the weights, a prefill of {} tokens and a cache of {}", w.tokens,
+                           format_bytes(double(cb.total()))));
   std::unique_ptr<tokenizer::Tokenizer> tok;
   std::error_code ec;
   if (fs::exists(fs::path(a.model) / "tokenizer.json", ec))
@@ -320,7 +319,7 @@ void run_serve(const ServeArgs& a) {
                         {"token_ids", {e.token}},
                         {"logprobs", p.logprobs ? json{{"tokens", {piece(tok.get(), e.token)}},
                                                        {"token_logprobs", {e.logprob}}}
-                                                 : json(nullptr)},
+                                                : json(nullptr)},
                         {"finish_reason", nullptr}};
               if (e.last) c["finish_reason"] = ch->result.finish;
               const json chunk = {{"id", id},
@@ -370,8 +369,11 @@ void run_serve(const ServeArgs& a) {
       for (int64_t t : r.tokens) toks.push_back(piece(tok.get(), t));
       lp = {{"tokens", toks}, {"token_logprobs", r.logprobs}};
     }
-    json choice = {{"index", 0},         {"text", text},           {"token_ids", r.tokens},
-                   {"logprobs", lp},     {"finish_reason", r.finish}};
+    json choice = {{"index", 0},
+                   {"text", text},
+                   {"token_ids", r.tokens},
+                   {"logprobs", lp},
+                   {"finish_reason", r.finish}};
     if (p.req.prompt_logprobs) choice["prompt_logprobs"] = r.prompt_logprobs;
     const json out = {{"id", id},
                       {"object", "text_completion"},

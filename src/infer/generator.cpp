@@ -180,13 +180,12 @@ void Generator::draft(const std::vector<Seq*>& seqs, const std::vector<std::vect
     lengths.push_back(int64_t(next[i].size()));
     slots.push_back(seqs[i]->slot);
   }
-  const Tensor logits =
-      model_
-          .mtp_forward_cached(Tensor::from_vector({int64_t(tok.size())}, tok),
-                              ops::gather_rows(pre_norm, all_rows),
-                              SeqLayout::from_lengths(lengths), cache_, slots)
-          .to(DType::f32)
-          .contiguous();
+  const Tensor logits = model_
+                            .mtp_forward_cached(Tensor::from_vector({int64_t(tok.size())}, tok),
+                                                ops::gather_rows(pre_norm, all_rows),
+                                                SeqLayout::from_lengths(lengths), cache_, slots)
+                            .to(DType::f32)
+                            .contiguous();
   const int64_t V = logits.size(1);
   int64_t end = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -203,8 +202,8 @@ std::vector<TokenEvent> Generator::step_speculative() {
   Context ctx;
   ctx.training = false;
   std::vector<bool> finished(running_.size(), false);
-  const bool prefill = std::any_of(running_.begin(), running_.end(),
-                                   [](const auto& s) { return !s->prefilled; });
+  const bool prefill =
+      std::any_of(running_.begin(), running_.end(), [](const auto& s) { return !s->prefilled; });
   if (prefill) {
     // The new prompts alone; then their MTP rows (each reading the token after its position:
     // the prompt's next token, and for the last one the token just generated) and first drafts.

@@ -6,8 +6,9 @@
 // one token of every running request (decode), each sequence continuing its cache slot. The
 // next token of each sequence is sampled from its last row's logits (infer/sampling.h; the draw
 // is Philox at (sampling.seed, Request::stream, the number of tokens it has generated), so a
-// request's tokens do not depend on what else runs), with its log-probability under the model. A request ends at a stop token (emitted) or after max_new
-// tokens; its slot and pages are freed for the next.
+// request's tokens do not depend on what else runs), with its log-probability under the model. A
+// request ends at a stop token (emitted) or after max_new tokens; its slot and pages are freed for
+// the next.
 //
 // Admission: a request is admitted when a slot is free and the pool has the pages for its whole
 // prompt + max_new beyond what the running requests may still take, so an admitted request never
@@ -36,19 +37,19 @@
 namespace hlm::infer {
 
 struct Request {
-  std::vector<int64_t> prompt;     // >= 1 token ids in [0, vocab)
-  int64_t max_new = 16;            // tokens to generate at most (0: only score the prompt)
-  SamplingParams sampling;         // greedy by default
-  uint64_t stream = 0;             // the Philox stream of its draws (with sampling.seed)
-  std::vector<int64_t> stop;       // stop token ids (the stop token is the last one returned)
-  bool prompt_logprobs = false;    // also log p(prompt[i + 1] | prompt[0..i])
+  std::vector<int64_t> prompt;   // >= 1 token ids in [0, vocab)
+  int64_t max_new = 16;          // tokens to generate at most (0: only score the prompt)
+  SamplingParams sampling;       // greedy by default
+  uint64_t stream = 0;           // the Philox stream of its draws (with sampling.seed)
+  std::vector<int64_t> stop;     // stop token ids (the stop token is the last one returned)
+  bool prompt_logprobs = false;  // also log p(prompt[i + 1] | prompt[0..i])
 };
 
 struct Result {
-  std::vector<int64_t> tokens;           // generated
-  std::vector<double> logprobs;          // of each generated token under the model
-  std::vector<double> prompt_logprobs;   // [prompt - 1] when asked
-  std::string finish;                    // "stop" or "length"
+  std::vector<int64_t> tokens;          // generated
+  std::vector<double> logprobs;         // of each generated token under the model
+  std::vector<double> prompt_logprobs;  // [prompt - 1] when asked
+  std::string finish;                   // "stop" or "length"
 };
 
 struct TokenEvent {

@@ -626,8 +626,8 @@ class MtpBlock : public Module {
     Tensor a = in_norm_->forward(c, m, train ? &s->in_norm : nullptr);
     DsaCacheView view;
     if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
-    DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view)
-                            : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
+    DsaLayer::Output o =
+        cc ? dsa_->forward_cached(a, cu, view) : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
     if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
     Tensor m2 = add(m, o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
@@ -759,8 +759,8 @@ Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& 
             "HybridModel::mtp_forward_cached: inference over a cache runs on the CPU");
   const int64_t R = next_tokens.defined() ? next_tokens.numel() : 0, D = cfg_.hidden_size;
   HLM_CHECK(R >= 1 && next_tokens.dim() == 1 && h.defined() && h.shape() == (Shape{R, D}),
-            "HybridModel::mtp_forward_cached: next_tokens [R >= 1] and h [R, {}], got {} and {}",
-            D, next_tokens.defined() ? next_tokens.describe() : "undefined",
+            "HybridModel::mtp_forward_cached: next_tokens [R >= 1] and h [R, {}], got {} and {}", D,
+            next_tokens.defined() ? next_tokens.describe() : "undefined",
             h.defined() ? h.describe() : "undefined");
   seqs.check_tokens(R, "HybridModel::mtp_forward_cached");
   HLM_CHECK(int64_t(slots.size()) == seqs.num_seqs(),
@@ -784,8 +784,8 @@ Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& 
   ctx.training = false;
   const Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, tok), cdt);
   const CacheCall cc{&cache, &slots, cache.mtp_layer(), false};
-  const Tensor o = mtp_->forward(ctx, e, ops::as_dtype(h, cdt), seqs, nullptr, nullptr,
-                                 Tensor(), &cc);
+  const Tensor o =
+      mtp_->forward(ctx, e, ops::as_dtype(h, cdt), seqs, nullptr, nullptr, Tensor(), &cc);
   cache.advance_mtp(slots, counts);
   if (cfg_.tie_word_embeddings) lm_head_->weight().value = embed_->value;
   return lm_head_->forward(ctx, o, nullptr);
@@ -833,8 +833,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
                   in.replay.empty() && in.dsa_indices.empty(),
               "HybridModel::forward: a forward over a cache is inference only (no training, "
               "targets, output processor, replay or given selections)");
-    HLM_CHECK(dev == Device::cpu, "HybridModel::forward: inference over a cache runs on the CPU "
-                                  "for now (the model is on {})",
+    HLM_CHECK(dev == Device::cpu,
+              "HybridModel::forward: inference over a cache runs on the CPU "
+              "for now (the model is on {})",
               device_name(dev));
     HLM_CHECK(in.cache->dtype() == cdt,
               "HybridModel::forward: the cache holds {}, the model computes in {}",

@@ -26,7 +26,8 @@ int64_t page_of(const ModelConfig& cfg, const CacheOptions& o) {
 
 CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOptions& o) {
   HLM_CHECK(dtype == DType::f32 || dtype == DType::f64,
-            "ModelCache: the cache holds f32 or f64 (the compute dtype), got {}", dtype_name(dtype));
+            "ModelCache: the cache holds f32 or f64 (the compute dtype), got {}",
+            dtype_name(dtype));
   HLM_CHECK(o.max_seqs >= 1 && o.max_seqs <= (int64_t(1) << 20),
             "ModelCache: max_seqs must be in [1, 2^20], got {}", o.max_seqs);
   HLM_CHECK(o.max_tokens >= 1 && o.max_tokens <= (int64_t(1) << 40),
@@ -41,8 +42,8 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     if (cfg.layer_kind(l) == LayerKind::kda) {
       const KdaHparams& k = cfg.kda;
-      b.per_sequence += es * ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim +
-                                                     k.num_v_heads * k.v_head_dim) +
+      b.per_sequence += es * ((k.conv_kernel - 1) *
+                                  (2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim) +
                               k.num_v_heads * k.head_dim * k.v_head_dim);
       continue;
     }
@@ -60,10 +61,10 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
                 b.page_tokens / P * cfg.indexer.head_dim;
     if (P > 1) b.per_sequence += es * 2 * P * cfg.indexer.head_dim;
     const KdaHparams& k = cfg.kda;
-    b.per_sequence += es * cfg.count_layers(LayerKind::kda) *
-                      ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim +
-                                              k.num_v_heads * k.v_head_dim) +
-                       k.num_v_heads * k.head_dim * k.v_head_dim);
+    b.per_sequence +=
+        es * cfg.count_layers(LayerKind::kda) *
+        ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim) +
+         k.num_v_heads * k.head_dim * k.v_head_dim);
   }
   b.per_token = es * per_page / b.page_tokens;
   b.slots = b.per_sequence * o.max_seqs;

@@ -41,13 +41,13 @@ struct CacheOptions {
 };
 
 struct CacheBytes {
-  int64_t per_token = 0;      // page storage per token (every DSA / MLA layer)
-  int64_t per_sequence = 0;   // one slot: the KDA states and the KPool tails
-  int64_t slots = 0;          // all slots
-  int64_t pages = 0;          // the page pool
+  int64_t per_token = 0;     // page storage per token (every DSA / MLA layer)
+  int64_t per_sequence = 0;  // one slot: the KDA states and the KPool tails
+  int64_t slots = 0;         // all slots
+  int64_t pages = 0;         // the page pool
   int64_t total() const { return slots + pages; }
-  int64_t page_tokens = 0;    // tokens per page
-  int64_t num_pages = 0;      // pages in the pool
+  int64_t page_tokens = 0;  // tokens per page
+  int64_t num_pages = 0;    // pages in the pool
 };
 
 class ModelCache {
@@ -100,8 +100,8 @@ class ModelCache {
  private:
   struct Layer {
     bool kda = false;
-    Tensor conv, state;              // KDA: [S, W-1, C], [S, HV, K, V]
-    Tensor draft_conv, draft_state;  // KDA, speculative: the states after a draft token
+    Tensor conv, state;                  // KDA: [S, W-1, C], [S, HV, K, V]
+    Tensor draft_conv, draft_state;      // KDA, speculative: the states after a draft token
     Tensor kv, keys, tail_k, tail_gate;  // DSA / MLA
   };
   void check_slot(int64_t slot, const char* what) const;
@@ -113,7 +113,7 @@ class ModelCache {
   std::vector<int64_t> mtp_len_;  // per slot
   CacheBytes bytes_;
   std::vector<Layer> layers_;
-  std::vector<int64_t> len_;                // per slot; -1: free
+  std::vector<int64_t> len_;                 // per slot; -1: free
   std::vector<std::vector<int64_t>> pages_;  // per slot
   std::vector<int64_t> free_;                // free pages (taken from the back)
 };

@@ -522,8 +522,8 @@ TEST_F(RobustCli, GenerateIsTheForwardsArgMaxWithItsLogProbabilities) {
   EXPECT_TRUE(refused(run({"generate", "--model", ckpt, "--tokens", "ids.st", "--speculative"}),
                       {"needs the MTP block's weights (model.layers.2.*)"}));
   const std::string with_mtp = make_checkpoint("ckpt_mtp", true);
-  r = run({"generate", "--model", with_mtp, "--tokens", "ids.st", "--max-new", "9", "--out",
-           "s0.st"});
+  r = run(
+      {"generate", "--model", with_mtp, "--tokens", "ids.st", "--max-new", "9", "--out", "s0.st"});
   ASSERT_EQ(r.code, 0) << r.err;
   r = run({"generate", "--model", with_mtp, "--tokens", "ids.st", "--max-new", "9", "--out",
            "s1.st", "--speculative"});
@@ -545,12 +545,11 @@ TEST_F(RobustCli, GenerateRefusesBadRequests) {
   EXPECT_TRUE(refused(run({"generate", "--model", m, "--prompt", "hi"}), {"no tokenizer.json"}));
   EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--max-new", "-1"}),
                       {"--max-new"}));
-  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--temperature",
-                           "nan"}),
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--temperature", "nan"}),
                       {"temperature"}));
-  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--temperature", "1",
-                           "--top-p", "1.5"}),
-                      {"top_p"}));
+  EXPECT_TRUE(refused(
+      run({"generate", "--model", m, "--tokens", "ids.st", "--temperature", "1", "--top-p", "1.5"}),
+      {"top_p"}));
   EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--logprobs"}),
                       {"--logprobs and --prompt-logprobs are written to --out"}));
   EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--stop", "99"}),
@@ -559,8 +558,7 @@ TEST_F(RobustCli, GenerateRefusesBadRequests) {
   EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--out", "taken.st"}),
                       {"exists"}));
   EXPECT_EQ(read(path("taken.st")), "x");
-  EXPECT_TRUE(refused(run({"generate", "--model", path("none"), "--tokens", "ids.st"}),
-                      {"none"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", path("none"), "--tokens", "ids.st"}), {"none"}));
 }
 
 // `serve` on a loopback port: concurrent requests (greedy and seeded sampling, one streamed)
@@ -569,8 +567,8 @@ TEST_F(RobustCli, GenerateRefusesBadRequests) {
 // SIGINT stops the server with status 0.
 TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   const std::string ckpt = make_checkpoint("ckpt");
-  const pid_t server = start({"serve", "--model", ckpt, "--port", "0", "--max-batch", "3",
-                              "--cache-tokens", "128"});
+  const pid_t server =
+      start({"serve", "--model", ckpt, "--port", "0", "--max-batch", "3", "--cache-tokens", "128"});
   const std::string server_out = out_;
   int port = 0;
   for (int i = 0; i < 400 && port == 0; ++i) {
@@ -599,8 +597,8 @@ TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
     th.emplace_back([&a, port] {
       httplib::Client c("127.0.0.1", port);
       c.set_read_timeout(60, 0);
-      const json body = {{"prompt", a.prompt},     {"max_tokens", 6}, {"temperature", a.temperature},
-                         {"top_k", 5},             {"seed", 3},       {"logprobs", 1},
+      const json body = {{"prompt", a.prompt}, {"max_tokens", 6}, {"temperature", a.temperature},
+                         {"top_k", 5},         {"seed", 3},       {"logprobs", 1},
                          {"stream", a.stream}};
       auto r = c.Post("/v1/completions", body.dump(), "application/json");
       if (!r) return;
@@ -613,7 +611,8 @@ TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
       for (std::string line; std::getline(in, line);)
         if (line.rfind("data: {", 0) == 0) {
           const json chunk = json::parse(line.substr(6));
-          for (const json& t : chunk["choices"][0]["token_ids"]) a.streamed.push_back(t.get<int64_t>());
+          for (const json& t : chunk["choices"][0]["token_ids"])
+            a.streamed.push_back(t.get<int64_t>());
         }
     });
   // Malformed requests alongside.
@@ -647,11 +646,11 @@ TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   for (size_t i = 0; i < asks.size(); ++i) {
     const Ask& a = asks[i];
     ASSERT_EQ(a.status, 200) << "request " << i;
-    write_tokens("p.st", {{"input_ids", Tensor::from_vector<int64_t>({int64_t(a.prompt.size())},
-                                                                     a.prompt)}});
+    write_tokens("p.st", {{"input_ids",
+                           Tensor::from_vector<int64_t>({int64_t(a.prompt.size())}, a.prompt)}});
     fs::remove(path("g.st"));
-    std::vector<std::string> args = {"generate", "--model", ckpt,    "--tokens", "p.st",
-                                     "--max-new", "6",      "--out", "g.st",     "--logprobs"};
+    std::vector<std::string> args = {"generate",  "--model", ckpt,    "--tokens", "p.st",
+                                     "--max-new", "6",       "--out", "g.st",     "--logprobs"};
     if (a.temperature > 0)
       for (const char* x : {"--temperature", "0.9", "--top-k", "5", "--seed", "3"})
         args.push_back(x);

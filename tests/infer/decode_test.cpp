@@ -8,9 +8,9 @@
 
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "infer_models.h"
 #include "model/hybrid_model.h"
 #include "model/model_cache.h"
-#include "infer_models.h"
 #include "testing.h"
 
 namespace hlm {
@@ -148,9 +148,9 @@ TEST(Decode, ABatchOfDifferentLengthsDecodesAsEachAlone) {
     for (size_t b = 0; b < batch.size(); ++b) {
       const int i = int(who[b]);
       const int64_t n = int64_t(batch[b].size());
-      worst = std::max(worst, max_row_rel(o.logits.slice(0, row, row + n),
-                                          alone[size_t(i)].slice(0, next[size_t(i)],
-                                                                 next[size_t(i)] + n)));
+      worst = std::max(
+          worst, max_row_rel(o.logits.slice(0, row, row + n),
+                             alone[size_t(i)].slice(0, next[size_t(i)], next[size_t(i)] + n)));
       next[size_t(i)] += n;
       row += n;
     }
@@ -201,7 +201,8 @@ TEST(Decode, CacheBytesFollowTheShapes) {
   // The GLM-5.3-Flash shapes: per token the 512-wide latent of each DSA layer plus its pooled
   // key share d_I / P; per sequence every KDA layer's conv and recurrent state and each KPool
   // layer's tail.
-  const ModelConfig cfg = ModelConfig::load(std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json");
+  const ModelConfig cfg =
+      ModelConfig::load(std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json");
   const CacheBytes b = ModelCache::plan(cfg, DType::f32, {.max_seqs = 4, .max_tokens = 1 << 16});
   const int64_t n_dsa = cfg.count_layers(LayerKind::dsa) + cfg.count_layers(LayerKind::mla);
   const int64_t n_kda = cfg.count_layers(LayerKind::kda);
@@ -213,12 +214,11 @@ TEST(Decode, CacheBytesFollowTheShapes) {
             (cfg.indexer_kinds.empty() || cfg.indexer_kinds[size_t(l)] == IndexerKind::full);
   EXPECT_EQ(b.per_token,
             4 * (n_dsa * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)) + 4 * n_ix * d / P);
-  EXPECT_EQ(b.per_sequence,
-            4 * n_kda *
-                    ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim +
-                                            k.num_v_heads * k.v_head_dim) +
-                     k.num_v_heads * k.head_dim * k.v_head_dim) +
-                4 * n_ix * 2 * P * d);
+  EXPECT_EQ(b.per_sequence, 4 * n_kda *
+                                    ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim +
+                                                            k.num_v_heads * k.v_head_dim) +
+                                     k.num_v_heads * k.head_dim * k.v_head_dim) +
+                                4 * n_ix * 2 * P * d);
   EXPECT_EQ(b.pages, b.per_token * b.num_pages * b.page_tokens);
 }
 

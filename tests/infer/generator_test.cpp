@@ -54,9 +54,9 @@ TEST(Generator, GreedyIsTheFullForwardsArgMaxWithItsLogProbabilities) {
     }
     ASSERT_EQ(res.prompt_logprobs.size(), size_t(P - 1));
     for (int64_t i = 0; i + 1 < P; ++i)
-      worst = std::max(worst, std::fabs(res.prompt_logprobs[size_t(i)] -
-                                        token_logprob(L.data<float>() + i * V, V,
-                                                      r.prompt[size_t(i + 1)])));
+      worst = std::max(
+          worst, std::fabs(res.prompt_logprobs[size_t(i)] -
+                           token_logprob(L.data<float>() + i * V, V, r.prompt[size_t(i + 1)])));
     EXPECT_LT(worst, 2e-5);
     EXPECT_EQ(g.forwards(), 14);  // one prefill, 13 decode steps (the last token is not fed)
   }
@@ -110,9 +110,8 @@ TEST(Generator, StopTokensAndScoring) {
   // Stop at the third token generated: it is returned and ends the request.
   r.stop = {free_run.tokens[2]};
   const Result stopped = g.run({r})[0];
-  const size_t first =
-      size_t(std::find(free_run.tokens.begin(), free_run.tokens.end(), r.stop[0]) -
-             free_run.tokens.begin());
+  const size_t first = size_t(std::find(free_run.tokens.begin(), free_run.tokens.end(), r.stop[0]) -
+                              free_run.tokens.begin());
   ASSERT_EQ(stopped.tokens.size(), first + 1);
   EXPECT_EQ(stopped.finish, "stop");
   // Scoring only.
@@ -126,8 +125,7 @@ TEST(Generator, StopTokensAndScoring) {
   const Tensor L = full_logits(m, r.prompt);
   for (size_t i = 0; i + 1 < r.prompt.size(); ++i)
     EXPECT_NEAR(scored.prompt_logprobs[i],
-                token_logprob(L.data<float>() + int64_t(i) * L.size(1), L.size(1),
-                              r.prompt[i + 1]),
+                token_logprob(L.data<float>() + int64_t(i) * L.size(1), L.size(1), r.prompt[i + 1]),
                 2e-5);
 }
 

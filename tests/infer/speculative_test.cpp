@@ -63,8 +63,8 @@ TEST(Speculative, MtpOverTheCacheGivesTheTrainingForwardsMtpLogits) {
     in.targets = Tensor::from_vector({L}, tgt);
     const ModelOutput full = m.forward(eval_ctx(), in);
     ASSERT_TRUE(full.mtp_logits.defined());
-    ModelCache c(cfg, DType::f32, {.max_seqs = 1, .max_tokens = 32, .page = 4,
-                                   .speculative = true});
+    ModelCache c(cfg, DType::f32,
+                 {.max_seqs = 1, .max_tokens = 32, .page = 4, .speculative = true});
     const int64_t slot = c.open();
     const ModelOutput o = cached(m, c, tok, slot);
     // MTP rows 0..5 at once, then one at a time (row i reads token i + 1 and h_i).
@@ -72,9 +72,9 @@ TEST(Speculative, MtpOverTheCacheGivesTheTrainingForwardsMtpLogits) {
     for (int64_t r0 = 0; r0 < L - 1;) {
       const int64_t r1 = r0 == 0 ? 6 : r0 + 1;
       const std::vector<int64_t> next(tok.begin() + r0 + 1, tok.begin() + r1 + 1);
-      const Tensor lg = m.mtp_forward_cached(
-          Tensor::from_vector({r1 - r0}, next), o.pre_norm.slice(0, r0, r1).contiguous(),
-          SeqLayout::single(r1 - r0), c, {slot});
+      const Tensor lg = m.mtp_forward_cached(Tensor::from_vector({r1 - r0}, next),
+                                             o.pre_norm.slice(0, r0, r1).contiguous(),
+                                             SeqLayout::single(r1 - r0), c, {slot});
       worst = std::max(worst, max_row_rel(lg, full.mtp_logits.slice(0, r0, r1)));
       r0 = r1;
     }
@@ -94,8 +94,8 @@ TEST(Speculative, AcceptedAndRejectedDraftsContinueAsPlainDecoding) {
     ModelInputs in;
     in.tokens = Tensor::from_vector({L}, tok);
     const Tensor full = m.forward(eval_ctx(), in).logits;
-    ModelCache c(cfg, DType::f32, {.max_seqs = 2, .max_tokens = 40, .page = 4,
-                                   .speculative = true});
+    ModelCache c(cfg, DType::f32,
+                 {.max_seqs = 2, .max_tokens = 40, .page = 4, .speculative = true});
     const int64_t slot = c.open();
     cached(m, c, std::vector<int64_t>(tok.begin(), tok.begin() + kPrompt), slot);
     // Feed [tok[q], draft]: the right token (accepted) on even steps, a wrong one on odd steps.
@@ -150,9 +150,9 @@ TEST(Speculative, TheGeneratorYieldsPlainGreedyTokens) {
     }
     EXPECT_GT(spec.accepted(), 0);
     EXPECT_LT(spec.accepted(), spec.drafts());
-    std::printf("[ spec ] %-45s drafts %lld, accepted %lld; forwards %lld (plain %lld)\n",
-                st.name, (long long)spec.drafts(), (long long)spec.accepted(),
-                (long long)spec.forwards(), (long long)plain.forwards());
+    std::printf("[ spec ] %-45s drafts %lld, accepted %lld; forwards %lld (plain %lld)\n", st.name,
+                (long long)spec.drafts(), (long long)spec.accepted(), (long long)spec.forwards(),
+                (long long)plain.forwards());
     EXPECT_EQ(spec.cache().free_slots(), 3);
   }
 }
@@ -178,8 +178,11 @@ TEST(Speculative, RefusesWhatItCannotDo) {
   testing::expect_error([&] { cached(m, c, {1, 2, 3}, s, true); }, "[token, draft]");
   ModelCache plain_cache(cfg, DType::f32, {.max_seqs = 1, .max_tokens = 16});
   const int64_t s2 = plain_cache.open();
-  testing::expect_error([&] { cached(m, plain_cache, {1, 2}, s2, true); },
-                        "needs a cache made with speculative");
+  testing::expect_error(
+      [&] {
+        cached(m, plain_cache, {1, 2}, s2, true);
+      },
+      "needs a cache made with speculative");
 }
 
 }  // namespace

@@ -74,8 +74,8 @@ ops::dsa_detail::Pattern pattern_of(const std::vector<int64_t>& rows, int64_t T,
 
 }  // namespace
 
-DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs,
-                                          DsaCacheView& c, const Tensor& given) const {
+DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs, DsaCacheView& c,
+                                          const Tensor& given) const {
   HLM_CHECK(x.defined() && x.is_cpu() && device() == Device::cpu,
             "{}: inference over a cache runs on the CPU (x: {}, parameters on {})", kOp,
             x.defined() ? x.describe() : "undefined", device_name(device()));
@@ -111,10 +111,10 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
   std::vector<int32_t> sel;
   const bool sparse = indexer_ && lcfg_.stage == DsaStage::sparse;
   if (given.defined()) {
-    HLM_CHECK(given.is_cpu() && given.dim() == 2 && given.size(0) == T &&
-                  given.dtype() == DType::i32,
-              "{}: given must be a CPU i32 [{}, W] tensor of positions, got {}", kOp, T,
-              given.describe());
+    HLM_CHECK(
+        given.is_cpu() && given.dim() == 2 && given.size(0) == T && given.dtype() == DType::i32,
+        "{}: given must be a CPU i32 [{}, W] tensor of positions, got {}", kOp, T,
+        given.describe());
     W = given.size(1);
     const Tensor g = given.contiguous();
     sel.assign(g.data<int32_t>(), g.data<int32_t>() + T * W);
@@ -157,7 +157,8 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
         const Tensor tk = c.tail_k.select(0, c.slot[n]), tg = c.tail_gate.select(0, c.slot[n]);
         put_row(tk, j, k, t);
         put_row(tg, j, gate, t);
-        if (j == P - 1) put_row(c.keys, c.pool_row(n, r / P, P), emulate(ix.pool_key(tk, tg), "k"), 0);
+        if (j == P - 1)
+          put_row(c.keys, c.pool_row(n, r / P, P), emulate(ix.pool_key(tk, tg), "k"), 0);
       }
     }
     so.fp8 = false;  // applied above
@@ -172,8 +173,8 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     std::vector<int64_t> rows(static_cast<size_t>(T * Ws), -1);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < ncand[size_t(t)]; ++j)
-        rows[size_t(t * Ws + j)] = P == 1 ? c.row(seq_of[size_t(t)], j)
-                                          : c.pool_row(seq_of[size_t(t)], j, P);
+        rows[size_t(t * Ws + j)] =
+            P == 1 ? c.row(seq_of[size_t(t)], j) : c.pool_row(seq_of[size_t(t)], j, P);
     Tensor scores = Tensor::empty({T, Ws}, cdt);
     ops::cpu::indexer_scores(qs, c.keys, ops::contiguous(tp.w), pattern_of(rows, T, Ws), so,
                              so.scale > 0 ? so.scale : 1.0 / std::sqrt(double(d)), scores, kOp);
@@ -182,9 +183,8 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     sel.assign(size_t(T * W), -1);
     for (int64_t t = 0; t < T; ++t) {
       const std::vector<int32_t> best =
-          cdt == DType::f64
-              ? best_of(scores.data<double>() + t * Ws, ncand[size_t(t)], K / P)
-              : best_of(scores.data<float>() + t * Ws, ncand[size_t(t)], K / P);
+          cdt == DType::f64 ? best_of(scores.data<double>() + t * Ws, ncand[size_t(t)], K / P)
+                            : best_of(scores.data<float>() + t * Ws, ncand[size_t(t)], K / P);
       int32_t* row = sel.data() + t * W;
       for (size_t g = 0; g < best.size(); ++g)
         for (int64_t j = 0; j < P; ++j) row[int64_t(g) * P + j] = int32_t(best[g] * P + j);

@@ -330,8 +330,8 @@ Tensor DsaIndexer::pool_key(const Tensor& k, const Tensor& gate) const {
   HLM_CHECK(P > 1 && k.dim() == 2 && k.size(0) == P && gate.shape() == k.shape(),
             "DsaIndexer::pool_key: needs KPool and k, gate [{}, {}], got {} and {}", P,
             cfg_.head_dim, k.describe(), gate.describe());
-  Tensor pooled = ops::kpool_compress(k, gate, as_dt(ape_->value, compute_dtype()),
-                                      SeqLayout::single(P));
+  Tensor pooled =
+      ops::kpool_compress(k, gate, as_dt(ape_->value, compute_dtype()), SeqLayout::single(P));
   if (cfg_.hadamard) ops::hadamard_inplace(pooled);
   return pooled;
 }

@@ -11,7 +11,7 @@
 namespace hlm::ops::cpu {
 
 Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
-                   const char* what) {
+                           const char* what) {
   const int64_t D = x.size(-1), rows = x.numel() / std::max<int64_t>(D, 1);
   const std::vector<double> v = x.to_f64_vector();
   std::vector<double> o(v.size());

@@ -15,7 +15,8 @@
 namespace hlm::ops::cpu {
 
 // Quantise-dequantise each 128-channel block of every row of x (IndexerScoreOptions::fp8): the
-// values the FP8 scoring computes with, in x's dtype. A non-finite entry throws, naming op and what.
+// values the FP8 scoring computes with, in x's dtype. A non-finite entry throws, naming op and
+// what.
 Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
                            const char* what);
 // scores [T, p.W]: the pattern's entries, -inf elsewhere.
