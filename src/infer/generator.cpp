@@ -29,12 +29,16 @@ int64_t Generator::pages_for(int64_t tokens) const {
   return (tokens + cache_.page_tokens() - 1) / cache_.page_tokens();
 }
 
+int64_t Generator::most_tokens(const Request& r) const {
+  // The last token generated is never fed; a speculative step also writes a draft's rows.
+  return int64_t(r.prompt.size()) + std::max<int64_t>(0, r.max_new - 1) +
+         (cache_.speculative() ? 1 : 0);
+}
+
 int64_t Generator::reserved_pages() const {
   int64_t r = 0;
-  for (const auto& s : running_) {
-    const int64_t most = int64_t(s->req.prompt.size()) + std::max<int64_t>(0, s->req.max_new - 1);
-    r += pages_for(most) - pages_for(cache_.length(s->slot));
-  }
+  for (const auto& s : running_)
+    r += std::max<int64_t>(0, pages_for(most_tokens(s->req)) - cache_.pages_held(s->slot));
   return r;
 }
 
@@ -51,7 +55,7 @@ void Generator::check(const Request& r) const {
   r.sampling.validate();
   HLM_CHECK(!cache_.speculative() || r.sampling.greedy(),
             "generate: speculative decoding is greedy only (temperature 0)");
-  const int64_t most = P + std::max<int64_t>(0, r.max_new - 1);
+  const int64_t most = most_tokens(r);
   const int64_t room = cache_.bytes().num_pages * cache_.page_tokens();
   HLM_CHECK(pages_for(most) <= cache_.bytes().num_pages,
             "generate: the prompt ({} tokens) and max_new ({}) need {} tokens of cache, the cache "
@@ -73,8 +77,7 @@ void Generator::admit() {
   int64_t budget = cache_.free_pages() - reserved_pages();
   while (!waiting_.empty() && cache_.free_slots() > 0) {
     Seq& s = *waiting_.front();
-    const int64_t need =
-        pages_for(int64_t(s.req.prompt.size()) + std::max<int64_t>(0, s.req.max_new - 1));
+    const int64_t need = pages_for(most_tokens(s.req));
     if (need > budget) break;
     budget -= need;
     s.slot = cache_.open();

@@ -111,6 +111,7 @@ class Generator {
   void draft(const std::vector<Seq*>& seqs, const std::vector<std::vector<int64_t>>& next,
              const std::vector<std::vector<int64_t>>& rows, const Tensor& pre_norm);
   int64_t pages_for(int64_t tokens) const;  // pages a sequence of this many tokens takes
+  int64_t most_tokens(const Request& r) const;  // cache rows a request may write
   int64_t reserved_pages() const;           // pages the running sequences may still take
 
   const HybridModel& model_;

@@ -151,6 +151,11 @@ int64_t ModelCache::free_slots() const {
   return int64_t(std::count(len_.begin(), len_.end(), int64_t(-1)));
 }
 
+int64_t ModelCache::pages_held(int64_t slot) const {
+  check_slot(slot, "pages_held");
+  return int64_t(pages_[size_t(slot)].size());
+}
+
 int64_t ModelCache::pages_needed(int64_t slot, int64_t count) const {
   check_slot(slot, "reserve");
   const int64_t need = (len_[size_t(slot)] + count + page_ - 1) / page_;

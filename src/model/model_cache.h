@@ -68,6 +68,7 @@ class ModelCache {
   int64_t free_slots() const;
   int64_t free_pages() const { return int64_t(free_.size()); }
   int64_t page_tokens() const { return page_; }
+  int64_t pages_held(int64_t slot) const;  // pages the slot's sequence holds
   // Pages that counts more tokens of slot would take.
   int64_t pages_needed(int64_t slot, int64_t count) const;
   // Speculative decoding (CacheOptions::speculative):

@@ -157,6 +157,22 @@ TEST(Speculative, TheGeneratorYieldsPlainGreedyTokens) {
   }
 }
 
+TEST(Speculative, ACacheSizedForTheRequestIsEnough) {
+  // A request takes prompt + max_new - 1 rows, and a speculative step one more for the draft:
+  // the admission counts it, so a cache of exactly that many rows never runs out mid-request.
+  const ModelConfig cfg = mtp_config(stacks()[1], 5);
+  const HybridModel m(cfg, {.dtype = DType::f32, .seed = 21});
+  Request r;
+  r.prompt = {1, 2, 3};
+  r.max_new = 6;
+  Generator plain(m, {.max_seqs = 1, .max_tokens = 8, .page = 2});
+  const Result want = plain.run({r})[0];
+  Generator spec(m, {.max_seqs = 1, .max_tokens = 9, .page = 2, .speculative = true});
+  EXPECT_EQ(spec.run({r})[0].tokens, want.tokens);
+  Generator small(m, {.max_seqs = 1, .max_tokens = 8, .page = 2, .speculative = true});
+  testing::expect_error([&] { small.submit(r); }, "need 9 tokens of cache, the cache holds 8");
+}
+
 TEST(Speculative, RefusesWhatItCannotDo) {
   const ModelConfig no_mtp = config_of(stacks()[0]);
   const HybridModel m0(no_mtp, {.dtype = DType::f32, .seed = 1, .mtp = false});
