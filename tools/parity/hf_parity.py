@@ -18,6 +18,7 @@ Then `hybridlm forward --model DIR --tokens DIR/tokens.safetensors --grad-probe 
 import argparse, json, os
 
 import torch
+from hf_config import transformers_kwargs
 from hf_random import randomize
 from safetensors.torch import save_file
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
@@ -34,19 +35,7 @@ dtype = getattr(torch, args.dtype)
 
 with open(os.path.join(args.dir, "config.json")) as f:
     cfg = json.load(f)
-if cfg.get("model_type") == "glm5_next" and "text_config" in cfg:
-    cfg = cfg["text_config"]
-cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
-# Our compact forms -> the per-layer lists transformers reads.
-L = cfg["num_hidden_layers"]
-if "layer_pattern" in cfg:
-    cfg["layer_types"] = ["linear_attention" if c == "K" else "deepseek_sparse_attention"
-                          for c in cfg.pop("layer_pattern")]
-if "mlp_layer_types" not in cfg and "first_k_dense_replace" in cfg:
-    k = cfg.pop("first_k_dense_replace")
-    cfg["mlp_layer_types"] = ["dense"] * k + ["sparse"] * (L - k)
-cfg.setdefault("indexer_types", ["full"] * L)
-cfg.setdefault("pad_token_id", None)  # transformers' default (154820) is outside a small vocab
+cfg = transformers_kwargs(cfg)
 with open(os.path.join(args.dir, "config.ours.json"), "w") as f:
     json.dump(cfg | {"model_type": "glm5_next_text"}, f, indent=1)
 config = Glm5NextTextConfig(**cfg)
