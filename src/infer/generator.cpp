@@ -112,62 +112,78 @@ void Generator::retire(const std::vector<bool>& finished) {
   running_ = std::move(still);
 }
 
+// A packed forward's inputs, sequence by sequence, and where each sequence's logits rows start.
+struct Generator::Batch {
+  std::vector<int64_t> tokens, cu = {0}, slots, rows, first_row;
+  // Seq s's prompt: logits for every prompt row when it scores its prompt, else for its last.
+  void add_prompt(const Seq& s) {
+    first_row.push_back(int64_t(rows.size()));
+    tokens.insert(tokens.end(), s.req.prompt.begin(), s.req.prompt.end());
+    if (s.req.prompt_logprobs)
+      for (int64_t r = cu.back(); r + 1 < int64_t(tokens.size()); ++r) rows.push_back(r);
+    rows.push_back(int64_t(tokens.size()) - 1);
+    end(s);
+  }
+  // Tokens of s, with logits for each.
+  void add_tokens(const Seq& s, std::initializer_list<int64_t> t) {
+    first_row.push_back(int64_t(rows.size()));
+    for (int64_t v : t) {
+      rows.push_back(int64_t(tokens.size()));
+      tokens.push_back(v);
+    }
+    end(s);
+  }
+  void end(const Seq& s) {
+    cu.push_back(int64_t(tokens.size()));
+    slots.push_back(s.slot);
+  }
+};
+
+ModelOutput Generator::forward(const Batch& b, bool draft_last) {
+  ModelInputs in;
+  in.tokens = Tensor::from_vector({int64_t(b.tokens.size())}, b.tokens);
+  in.cu_seqlens = Tensor::from_vector({int64_t(b.cu.size())}, b.cu);
+  in.cache = &cache_;
+  in.cache_slots = b.slots;
+  in.logit_rows = b.rows;
+  in.draft_last = draft_last;
+  in.aux_losses = false;
+  Context ctx;
+  ctx.training = false;
+  ModelOutput out = model_.forward(ctx, in);
+  out.logits = out.logits.to(DType::f32).contiguous();
+  ++forwards_;
+  return out;
+}
+
+bool Generator::finish_prefill(Seq& s, const float* logits, int64_t V, int64_t row,
+                               std::vector<TokenEvent>& events) {
+  if (s.req.prompt_logprobs)
+    for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
+      s.res.prompt_logprobs.push_back(token_logprob(logits + (row++) * V, V, s.req.prompt[j + 1]));
+  s.prefilled = true;
+  if (s.req.max_new > 0) return emit(s, logits + row * V, V, events);
+  s.res.finish = "length";
+  events.push_back({s.id, -1, 0.0, true});
+  return true;
+}
+
 std::vector<TokenEvent> Generator::step() {
   if (cache_.speculative()) return step_speculative();
   admit();
   std::vector<TokenEvent> events;
   if (running_.empty()) return events;
-
   // The packed batch: each new sequence's prompt, one token of each running one.
-  std::vector<int64_t> tokens, cu = {0}, slots, rows;
-  std::vector<int64_t> first_row(running_.size());
-  for (size_t i = 0; i < running_.size(); ++i) {
-    Seq& s = *running_[i];
-    first_row[i] = int64_t(rows.size());
-    if (s.prefilled) {
-      tokens.push_back(s.next);
-    } else {
-      tokens.insert(tokens.end(), s.req.prompt.begin(), s.req.prompt.end());
-      // Every prompt row for its log-probabilities, else its last.
-      if (s.req.prompt_logprobs)
-        for (int64_t r = cu.back(); r + 1 < int64_t(tokens.size()); ++r) rows.push_back(r);
-    }
-    rows.push_back(int64_t(tokens.size()) - 1);
-    cu.push_back(int64_t(tokens.size()));
-    slots.push_back(s.slot);
-  }
-  ModelInputs in;
-  in.tokens = Tensor::from_vector({int64_t(tokens.size())}, tokens);
-  in.cu_seqlens = Tensor::from_vector({int64_t(cu.size())}, cu);
-  in.cache = &cache_;
-  in.cache_slots = slots;
-  in.logit_rows = rows;
-  in.aux_losses = false;
-  Context ctx;
-  ctx.training = false;
-  const ModelOutput out = model_.forward(ctx, in);
-  ++forwards_;
-  const Tensor logits = out.logits.to(DType::f32).contiguous();
-  const int64_t V = logits.size(1);
-  const float* L = logits.data<float>();
-
+  Batch b;
+  for (const auto& s : running_) s->prefilled ? b.add_tokens(*s, {s->next}) : b.add_prompt(*s);
+  const ModelOutput out = forward(b, false);
+  const int64_t V = out.logits.size(1);
+  const float* L = out.logits.data<float>();
   std::vector<bool> finished(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
-    int64_t row = first_row[i];
-    if (!s.prefilled) {
-      if (s.req.prompt_logprobs)
-        for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
-          s.res.prompt_logprobs.push_back(token_logprob(L + (row++) * V, V, s.req.prompt[j + 1]));
-      s.prefilled = true;
-    }
-    if (s.req.max_new == 0) {
-      s.res.finish = "length";
-      finished[i] = true;
-      events.push_back({s.id, -1, 0.0, true});
-    } else {
-      finished[i] = emit(s, L + row * V, V, events);
-    }
+    finished[i] = s.prefilled ? emit(s, L + b.first_row[i] * V, V, events)
+                              : finish_prefill(s, L, V, b.first_row[i], events);
   }
   retire(finished);
   return events;
@@ -202,63 +218,32 @@ std::vector<TokenEvent> Generator::step_speculative() {
   admit();
   std::vector<TokenEvent> events;
   if (running_.empty()) return events;
-  Context ctx;
-  ctx.training = false;
   std::vector<bool> finished(running_.size(), false);
+  std::vector<Seq*> drafting;
+  std::vector<std::vector<int64_t>> next, hrows;
   const bool prefill =
       std::any_of(running_.begin(), running_.end(), [](const auto& s) { return !s->prefilled; });
   if (prefill) {
     // The new prompts alone; then their MTP rows (each reading the token after its position:
     // the prompt's next token, and for the last one the token just generated) and first drafts.
-    std::vector<int64_t> tokens, cu = {0}, slots, rows;
+    Batch b;
     std::vector<size_t> idx;
-    std::vector<int64_t> first_row;
-    for (size_t i = 0; i < running_.size(); ++i) {
-      Seq& s = *running_[i];
-      if (s.prefilled) continue;
-      idx.push_back(i);
-      first_row.push_back(int64_t(rows.size()));
-      tokens.insert(tokens.end(), s.req.prompt.begin(), s.req.prompt.end());
-      if (s.req.prompt_logprobs)
-        for (int64_t r = cu.back(); r + 1 < int64_t(tokens.size()); ++r) rows.push_back(r);
-      rows.push_back(int64_t(tokens.size()) - 1);
-      cu.push_back(int64_t(tokens.size()));
-      slots.push_back(s.slot);
-    }
-    ModelInputs in;
-    in.tokens = Tensor::from_vector({int64_t(tokens.size())}, tokens);
-    in.cu_seqlens = Tensor::from_vector({int64_t(cu.size())}, cu);
-    in.cache = &cache_;
-    in.cache_slots = slots;
-    in.logit_rows = rows;
-    in.aux_losses = false;
-    const ModelOutput out = model_.forward(ctx, in);
-    ++forwards_;
-    const Tensor logits = out.logits.to(DType::f32).contiguous();
-    const int64_t V = logits.size(1);
-    const float* L = logits.data<float>();
-    std::vector<Seq*> drafting;
-    std::vector<std::vector<int64_t>> next, hrows;
+    for (size_t i = 0; i < running_.size(); ++i)
+      if (!running_[i]->prefilled) {
+        idx.push_back(i);
+        b.add_prompt(*running_[i]);
+      }
+    const ModelOutput out = forward(b, false);
+    const int64_t V = out.logits.size(1);
     for (size_t k = 0; k < idx.size(); ++k) {
       Seq& s = *running_[idx[k]];
-      int64_t row = first_row[k];
-      if (s.req.prompt_logprobs)
-        for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
-          s.res.prompt_logprobs.push_back(token_logprob(L + (row++) * V, V, s.req.prompt[j + 1]));
-      s.prefilled = true;
-      if (s.req.max_new == 0) {
-        s.res.finish = "length";
-        finished[idx[k]] = true;
-        events.push_back({s.id, -1, 0.0, true});
-        continue;
-      }
-      finished[idx[k]] = emit(s, L + row * V, V, events);
+      finished[idx[k]] = finish_prefill(s, out.logits.data<float>(), V, b.first_row[k], events);
       if (finished[idx[k]]) continue;
       drafting.push_back(&s);
       next.emplace_back(s.req.prompt.begin() + 1, s.req.prompt.end());
       next.back().push_back(s.next);
       hrows.emplace_back();
-      for (int64_t r = cu[k]; r < cu[k + 1]; ++r) hrows.back().push_back(r);
+      for (int64_t r = b.cu[k]; r < b.cu[k + 1]; ++r) hrows.back().push_back(r);
     }
     draft(drafting, next, hrows, out.pre_norm);
     retire(finished);
@@ -266,28 +251,12 @@ std::vector<TokenEvent> Generator::step_speculative() {
   }
 
   // Every sequence: [next, draft].
-  std::vector<int64_t> tokens, cu = {0}, slots;
-  for (const auto& s : running_) {
-    tokens.push_back(s->next);
-    tokens.push_back(s->draft);
-    cu.push_back(int64_t(tokens.size()));
-    slots.push_back(s->slot);
-  }
-  ModelInputs in;
-  in.tokens = Tensor::from_vector({int64_t(tokens.size())}, tokens);
-  in.cu_seqlens = Tensor::from_vector({int64_t(cu.size())}, cu);
-  in.cache = &cache_;
-  in.cache_slots = slots;
-  in.draft_last = true;
-  in.aux_losses = false;
-  const ModelOutput out = model_.forward(ctx, in);
-  ++forwards_;
-  const Tensor logits = out.logits.to(DType::f32).contiguous();
-  const int64_t V = logits.size(1);
-  const float* L = logits.data<float>();
+  Batch b;
+  for (const auto& s : running_) b.add_tokens(*s, {s->next, s->draft});
+  const ModelOutput out = forward(b, true);
+  const int64_t V = out.logits.size(1);
+  const float* L = out.logits.data<float>();
   std::vector<bool> accepted(running_.size(), false);
-  std::vector<Seq*> drafting;
-  std::vector<std::vector<int64_t>> next, hrows;
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
     const int64_t r0 = 2 * int64_t(i), r1 = r0 + 1;
@@ -309,7 +278,7 @@ std::vector<TokenEvent> Generator::step_speculative() {
     next.push_back({y1, s.next});
     hrows.push_back({r0, r1});
   }
-  cache_.accept_drafts(slots, accepted);
+  cache_.accept_drafts(b.slots, accepted);
   draft(drafting, next, hrows, out.pre_norm);
   retire(finished);
   return events;

@@ -101,18 +101,25 @@ class Generator {
     int64_t draft = -1;  // speculative: the MTP block's draft of the token after next
     Result res;
   };
+  struct Batch;
   void admit();
-  // Records token t (sampled from logits row `row`) for s; true when s is finished.
+  // The forward of a packed batch over the cache; logits f32 contiguous.
+  ModelOutput forward(const Batch& b, bool draft_last);
+  // Samples s's next token from logits `row` and records it; true when s is finished.
   bool emit(Seq& s, const float* row, int64_t V, std::vector<TokenEvent>& events);
+  // After s's prompt ran (its logits rows from `row`): the prompt's log-probabilities when asked,
+  // then its first token (or, with max_new 0, its end); true when s is finished.
+  bool finish_prefill(Seq& s, const float* logits, int64_t V, int64_t row,
+                      std::vector<TokenEvent>& events);
   // Closes the finished sequences (finished[i] for running_[i]).
   void retire(const std::vector<bool>& finished);
   std::vector<TokenEvent> step_speculative();
   // The MTP drafts of `seqs` from next tokens and pre-norm rows (per sequence, in order).
   void draft(const std::vector<Seq*>& seqs, const std::vector<std::vector<int64_t>>& next,
              const std::vector<std::vector<int64_t>>& rows, const Tensor& pre_norm);
-  int64_t pages_for(int64_t tokens) const;  // pages a sequence of this many tokens takes
+  int64_t pages_for(int64_t tokens) const;      // pages a sequence of this many tokens takes
   int64_t most_tokens(const Request& r) const;  // cache rows a request may write
-  int64_t reserved_pages() const;           // pages the running sequences may still take
+  int64_t reserved_pages() const;               // pages the running sequences may still take
 
   const HybridModel& model_;
   ModelCache cache_;

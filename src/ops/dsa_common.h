@@ -1,4 +1,5 @@
-// Shared plumbing of the DSA ops (internal to src/ops/dsa_* and their tests): the sequence
+// Shared plumbing of the DSA ops (internal to src/ops/dsa_*, their tests, and the DSA layer's
+// forward over an inference cache, which runs the CPU ops on patterns of its own): the sequence
 // layout's offsets, KPool pool offsets, and the "pattern" every DSA op iterates over. Host code:
 // the front doors (ops/dsa_*.cpp) build the patterns of CPU ops while they check the arguments and
 // hand them to the implementations; for CUDA tensors the same pattern is built and checked on the
@@ -12,6 +13,8 @@
 // result does not depend on the thread count.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -26,6 +29,26 @@ inline F dot(const F* a, const F* b, int64_t n) {
   F s = 0;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// The top-k rule of every DSA selection: the best min(k, n) of row[0, n) by (higher score first,
+// NaN last, lower index first on ties), in increasing index order, into cand (resized to them).
+template <class F>
+void best_indices(const F* row, int64_t n, int64_t k, std::vector<int32_t>& cand) {
+  cand.resize(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) cand[size_t(j)] = int32_t(j);
+  const int64_t m = std::min(k, n);
+  if (m >= n) return;
+  auto better = [row](int32_t a, int32_t b) {
+    const F x = row[a], y = row[b];
+    const bool nx = std::isnan(x), ny = std::isnan(y);
+    if (nx != ny) return ny;
+    if (!nx && x != y) return x > y;
+    return a < b;
+  };
+  std::nth_element(cand.begin(), cand.begin() + m, cand.end(), better);
+  cand.resize(size_t(m));
+  std::sort(cand.begin(), cand.end());
 }
 
 // The offsets [N+1] of a layout, after checking that it covers the op's T tokens.

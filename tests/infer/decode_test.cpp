@@ -19,23 +19,6 @@ namespace {
 using testing::test_seed;
 using namespace infer_test;
 
-// Max over rows of ||a_r - b_r|| / ||b_r|| (both [R, V]).
-double max_row_rel(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_f64_vector(), y = b.to_f64_vector();
-  const int64_t R = a.size(0), V = a.size(1);
-  double worst = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    double d = 0, n = 0;
-    for (int64_t v = 0; v < V; ++v) {
-      const double e = x[size_t(r * V + v)] - y[size_t(r * V + v)];
-      d += e * e;
-      n += y[size_t(r * V + v)] * y[size_t(r * V + v)];
-    }
-    worst = std::max(worst, std::sqrt(d / std::max(n, 1e-300)));
-  }
-  return worst;
-}
-
 // Whether every row of a and b (i32 [R, *] positions, -1 = empty) lists the same entries in the
 // same order (the dense sets' width is the batch's longest sequence in the full forward).
 ::testing::AssertionResult same_sets(const Tensor& a, const Tensor& b) {

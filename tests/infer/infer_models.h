@@ -4,9 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/rng.h"
+#include "core/tensor.h"
 #include "layers/module.h"
 #include "model/config.h"
 
@@ -73,6 +76,23 @@ inline Context eval_ctx() {
   Context c;
   c.training = false;
   return c;
+}
+
+// Max over rows of ||a_r - b_r|| / ||b_r|| (both [R, V]).
+inline double max_row_rel(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.to_f64_vector(), y = b.to_f64_vector();
+  const int64_t R = a.size(0), V = a.size(1);
+  double worst = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    double d = 0, n = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      const double e = x[size_t(r * V + v)] - y[size_t(r * V + v)];
+      d += e * e;
+      n += y[size_t(r * V + v)] * y[size_t(r * V + v)];
+    }
+    worst = std::max(worst, std::sqrt(d / std::max(n, 1e-300)));
+  }
+  return worst;
 }
 
 }  // namespace hlm::infer_test

@@ -22,22 +22,6 @@ ModelConfig mtp_config(const Stack& st, int64_t vocab = 40) {
   return ModelConfig::from_json(j, st.name);
 }
 
-double max_row_rel(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(DType::f64).contiguous(), y = b.to(DType::f64).contiguous();
-  const int64_t R = x.size(0), V = x.size(1);
-  double worst = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    double d = 0, n = 0;
-    for (int64_t v = 0; v < V; ++v) {
-      const double u = x.data<double>()[r * V + v], w = y.data<double>()[r * V + v];
-      d += (u - w) * (u - w);
-      n += w * w;
-    }
-    worst = std::max(worst, std::sqrt(d / std::max(n, 1e-300)));
-  }
-  return worst;
-}
-
 ModelOutput cached(const HybridModel& m, ModelCache& c, const std::vector<int64_t>& tok,
                    int64_t slot, bool draft_last = false) {
   ModelInputs in;

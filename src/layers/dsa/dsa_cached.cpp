@@ -2,8 +2,8 @@
 // the CPU. The new tokens' latent rows and indexer keys are written into the cache first, then
 // every query's set is selected among all its sequence's tokens and attended, through the CPU
 // ops of the training forward run over the cache's storage rows (a pattern of storage rows in
-// place of packed token ids), so the scores, the selection and each query's slot order are the
-// training forward's.
+// place of packed token ids), so the scores, the selection (ops/dsa_common.h's best_indices, the
+// rule of topk_select) and each query's slot order are the training forward's.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,28 +29,6 @@ uint8_t* row_ptr(const Tensor& t, int64_t r) {
 // dst row dr = src row sr (the same row width and dtype).
 void put_row(const Tensor& dst, int64_t dr, const Tensor& src, int64_t sr) {
   std::memcpy(row_ptr(dst, dr), row_ptr(src, sr), src.nbytes() / size_t(src.size(0)));
-}
-
-// The best min(k, n) of row[0, n) by (higher score first, NaN last, lower index first on ties),
-// ascending: ops::topk_select's rule.
-template <class F>
-std::vector<int32_t> best_of(const F* row, int64_t n, int64_t k) {
-  std::vector<int32_t> cand(static_cast<size_t>(n));
-  for (int64_t j = 0; j < n; ++j) cand[size_t(j)] = int32_t(j);
-  const int64_t m = std::min(k, n);
-  if (m < n) {
-    auto better = [row](int32_t a, int32_t b) {
-      const F x = row[a], y = row[b];
-      const bool nx = std::isnan(x), ny = std::isnan(y);
-      if (nx != ny) return ny;
-      if (!nx && x != y) return x > y;
-      return a < b;
-    };
-    std::nth_element(cand.begin(), cand.begin() + m, cand.end(), better);
-    cand.resize(size_t(m));
-    std::sort(cand.begin(), cand.end());
-  }
-  return cand;
 }
 
 // A pattern from rows [T, W] of storage rows (-1 = empty slot).
@@ -182,9 +160,12 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     W = P == 1 ? K : K + (tail ? P - 1 : 0);
     sel.assign(size_t(T * W), -1);
     for (int64_t t = 0; t < T; ++t) {
-      const std::vector<int32_t> best =
-          cdt == DType::f64 ? best_of(scores.data<double>() + t * Ws, ncand[size_t(t)], K / P)
-                            : best_of(scores.data<float>() + t * Ws, ncand[size_t(t)], K / P);
+      std::vector<int32_t> best;
+      if (cdt == DType::f64)
+        ops::dsa_detail::best_indices(scores.data<double>() + t * Ws, ncand[size_t(t)], K / P,
+                                      best);
+      else
+        ops::dsa_detail::best_indices(scores.data<float>() + t * Ws, ncand[size_t(t)], K / P, best);
       int32_t* row = sel.data() + t * W;
       for (size_t g = 0; g < best.size(); ++g)
         for (int64_t j = 0; j < P; ++j) row[int64_t(g) * P + j] = int32_t(best[g] * P + j);

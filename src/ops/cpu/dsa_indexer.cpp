@@ -144,23 +144,9 @@ void topk_rows(const Tensor& sc, const std::vector<int64_t>& cu, int64_t kk, int
 #pragma omp parallel for schedule(dynamic, 8)
     for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
       const int64_t n = (t - cu[d] + 1) / pool;
-      const F* row = s + t * W;
       thread_local std::vector<int32_t> cand;
-      cand.resize(size_t(n));
-      for (int64_t j = 0; j < n; ++j) cand[size_t(j)] = int32_t(j);
-      const int64_t m = std::min(kk, n);
-      if (m < n) {
-        // Strict total order: higher score first, NaN last, lower index first on ties.
-        auto better = [row](int32_t a, int32_t b) {
-          const F x = row[a], y = row[b];
-          const bool nx = std::isnan(x), ny = std::isnan(y);
-          if (nx != ny) return ny;
-          if (!nx && x != y) return x > y;
-          return a < b;
-        };
-        std::nth_element(cand.begin(), cand.begin() + m, cand.end(), better);
-        std::sort(cand.begin(), cand.begin() + m);
-      }
+      dsa_detail::best_indices(s + t * W, n, kk, cand);
+      const int64_t m = int64_t(cand.size());
       int32_t* orow = o + t * kk;
       for (int64_t j = 0; j < m; ++j) orow[j] = int32_t(cp[d] + cand[size_t(j)]);
       for (int64_t j = m; j < kk; ++j) orow[j] = -1;
