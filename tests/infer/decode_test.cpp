@@ -90,6 +90,34 @@ TEST(Decode, PrefillThenDecodeEqualsTheFullForwardAtEverySplit) {
   }
 }
 
+TEST(Decode, Fp8ScoringSelectsAsTheFullForward) {
+  // Many candidate pools per query (a 64-token sequence, 3 of up to 32 pools selected), so that
+  // the FP8 emulation of the scoring inputs decides selections: the cached path quantizes each
+  // pooled key once, when its pool completes, and must select as the full forward does.
+  constexpr int64_t L = 64;
+  nlohmann::json j = base_json();
+  j.merge_patch({{"layer_pattern", "DKD"}, {"dsa_indexer_kpool_use_quantization", true}});
+  const ModelConfig cfg = ModelConfig::from_json(j, "fp8 scoring");
+  const HybridModel m(cfg, {.dtype = DType::f32, .seed = 12, .mtp = false});
+  Rng rng(test_seed());
+  const std::vector<int64_t> tok = random_tokens(L, cfg.vocab_size, rng);
+  ModelInputs in;
+  in.tokens = Tensor::from_vector({L}, tok);
+  const ModelOutput full = m.forward(eval_ctx(), in);
+  ModelCache cache(cfg, DType::f32, {.max_seqs = 1, .max_tokens = L, .page = 8});
+  const int64_t slot = cache.open();
+  ModelOutput o = cached_forward(m, cache, {{tok.begin(), tok.begin() + 9}}, {slot});
+  double worst = max_row_rel(o.logits, full.logits.slice(0, 0, 9));
+  for (int64_t t = 9; t < L; ++t) {
+    o = cached_forward(m, cache, {{tok[size_t(t)]}}, {slot});
+    worst = std::max(worst, max_row_rel(o.logits, full.logits.slice(0, t, t + 1)));
+    for (size_t d = 0; d < o.dsa_indices.size(); ++d)
+      EXPECT_TRUE(same_sets(o.dsa_indices[d], full.dsa_indices[d].slice(0, t, t + 1)))
+          << "dsa layer " << d << " token " << t;
+  }
+  EXPECT_LT(worst, 1e-5);
+}
+
 TEST(Decode, ABatchOfDifferentLengthsDecodesAsEachAlone) {
   const ModelConfig cfg = config_of(stacks()[3]);
   const HybridModel m(cfg, {.dtype = DType::f32, .seed = 7, .mtp = false});

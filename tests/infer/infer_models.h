@@ -57,6 +57,10 @@ inline std::vector<Stack> stacks() {
         {"index_topk", 5},
         {"indexer_types", {"full", "full", "shared", "full"}}}},
       {"no mHC", {{"layer_pattern", "KD"}, {"num_hidden_layers", 2}, {"mhc", false}}},
+      {"FP8 pooled scoring, bf16 latents",
+       {{"layer_pattern", "DKD"},
+        {"dsa_indexer_kpool_use_quantization", true},
+        {"gemm_precision", "bf16"}}},
   };
 }
 

@@ -68,6 +68,11 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
                 c.kv.is_contiguous(),
             "{}: the cache's latent rows must be a contiguous {} [R, {}] tensor, got {}", kOp,
             dtype_name(cdt), Dkv, c.kv.defined() ? c.kv.describe() : "undefined");
+  for (size_t n = 0; n < N; ++n)
+    HLM_CHECK(c.pages[n] && c.start[n] >= 0 &&
+                  int64_t(c.pages[n]->size()) * c.page >= c.start[n] + (cu[n + 1] - cu[n]),
+              "{}: sequence {} has pages for {} tokens, its {} cached and {} new need more", kOp, n,
+              c.pages[n] ? int64_t(c.pages[n]->size()) * c.page : 0, c.start[n], cu[n + 1] - cu[n]);
   std::vector<int64_t> pos(static_cast<size_t>(T));
   std::vector<size_t> seq_of(static_cast<size_t>(T));
   for (size_t n = 0; n < N; ++n)
