@@ -19,7 +19,8 @@
 // "text", "token_ids", "logprobs": {"tokens", "token_logprobs"} or null, "prompt_logprobs",
 // "finish_reason": "stop" | "length"}], "usage": {"prompt_tokens", "completion_tokens",
 // "total_tokens"}}. A bad request gets HTTP 400 and {"error": {"message", "type":
-// "invalid_request_error"}}; other requests are unaffected. GET /health answers 200 "ok".
+// "invalid_request_error"}} (a body over 64 MiB: 413); other requests are unaffected. GET /health
+// answers 200 "ok".
 // Requests run concurrently: one engine thread steps the Generator, admitting requests as the
 // cache allows; an HTTP thread per connection waits for its request's tokens.
 #include <httplib.h>
@@ -282,6 +283,9 @@ void run_serve(const ServeArgs& a) {
   std::atomic<int64_t> serial{0};
 
   httplib::Server svr;
+  // A request body is a prompt and a few settings: 64 MiB is far more than a prompt the cache
+  // holds, and keeps a hostile body from taking the memory.
+  svr.set_payload_max_length(size_t(64) << 20);
   svr.Get("/health", [](const httplib::Request&, httplib::Response& res) {
     res.set_content("ok", "text/plain");
   });

@@ -638,6 +638,12 @@ TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
     EXPECT_NE(e["error"]["message"].get<std::string>().find(needle), std::string::npos)
         << body << " -> " << r->body;
   }
+  {  // A body over the limit is refused before it is read whole.
+    httplib::Client c("127.0.0.1", port);
+    auto r = c.Post("/v1/completions", std::string(size_t(65) << 20, ' '), "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 413);
+  }
   for (auto& t : th) t.join();
   ::kill(server, SIGINT);
   const Result sr = finish(server, 30);
