@@ -843,8 +843,6 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     HLM_CHECK(int64_t(in.cache_slots.size()) == seqs.num_seqs(),
               "HybridModel::forward: {} cache slots for {} sequences", in.cache_slots.size(),
               seqs.num_seqs());
-    std::vector<int64_t> lengths;
-    for (int64_t q = 0; q < seqs.num_seqs(); ++q) lengths.push_back(seqs.length(q));
     if (in.draft_last) {
       HLM_CHECK(in.cache->speculative(),
                 "HybridModel::forward: draft_last needs a cache made with speculative");
@@ -854,9 +852,14 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
                   "sequence {} has {} tokens",
                   q, seqs.length(q));
     }
-    in.cache->reserve(in.cache_slots, lengths);  // all or nothing, before anything is written
   } else {
     HLM_CHECK(!in.draft_last, "HybridModel::forward: draft_last needs a cache");
+  }
+  if (!in.logit_rows.empty()) {
+    HLM_CHECK(!has_targets && !in.output_processor,
+              "HybridModel::forward: logit_rows is for inference (no targets)");
+    for (int64_t r : in.logit_rows)
+      HLM_CHECK(r >= 0 && r < T, "HybridModel::forward: logit row {} is outside [0, {})", r, T);
   }
   std::unique_ptr<Saved> s(new Saved);
   s->tokens = tokens;
@@ -879,6 +882,13 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   HLM_CHECK(in.dsa_indices.empty() || int64_t(in.dsa_indices.size()) == n_dsa,
             "HybridModel::forward: dsa_indices must hold one entry per DSA layer ({}), got {}",
             n_dsa, in.dsa_indices.size());
+  if (cached) {
+    // Every input is checked (the token ids by the embedding): the pages for the new tokens, all
+    // or nothing, before anything is written.
+    std::vector<int64_t> lengths;
+    for (int64_t q = 0; q < seqs.num_seqs(); ++q) lengths.push_back(seqs.length(q));
+    in.cache->reserve(in.cache_slots, lengths);
+  }
   int64_t moe_i = 0, dsa_i = 0;
   Tensor prev_sel;  // the last DSA layer's attended sets ("shared" indexer layers reuse them)
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -952,10 +962,6 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     objective += out.lm_loss;
   }
   if (!in.logit_rows.empty()) {
-    HLM_CHECK(!has_targets && !in.output_processor,
-              "HybridModel::forward: logit_rows is for inference (no targets)");
-    for (int64_t r : in.logit_rows)
-      HLM_CHECK(r >= 0 && r < T, "HybridModel::forward: logit row {} is outside [0, {})", r, T);
     out.logits = lm_head_->forward(ctx, ops::gather_rows(out.hidden, in.logit_rows), nullptr);
   } else if ((in.logits || has_targets) && !in.output_processor && !fused) {
     out.logits = lm_head_->forward(ctx, out.hidden, train ? &s->head : nullptr);

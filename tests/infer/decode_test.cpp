@@ -195,6 +195,19 @@ TEST(Decode, TheBudgetRefusesWhatDoesNotFitAndChangesNothing) {
   testing::expect_error([&] { cache.open(); }, "all 2 sequence slots are in use");
   testing::expect_error([&] { cached_forward(m, cache, {{1}, {2}}, {a, a}); }, "appears twice");
   testing::expect_error([&] { cached_forward(m, cache, {{1}}, {7}); }, "slot 7 is not an open");
+  // A bad token id or logits row is refused before the cache is touched.
+  const int64_t pages = cache.free_pages();
+  testing::expect_error([&] { cached_forward(m, cache, {{1, 99}}, {b}); }, "99");
+  {
+    ModelInputs in;
+    in.tokens = Tensor::from_vector<int64_t>({2}, {1, 2});
+    in.cache = &cache;
+    in.cache_slots = {b};
+    in.logit_rows = {0, 2};
+    testing::expect_error([&] { m.forward(eval_ctx(), in); }, "logit row 2 is outside [0, 2)");
+  }
+  EXPECT_EQ(cache.length(b), 0);
+  EXPECT_EQ(cache.free_pages(), pages);
   cache.close(a);
   EXPECT_EQ(cache.free_pages(), 2);
   cached_forward(m, cache, {random_tokens(8, cfg.vocab_size, rng)}, {b});
