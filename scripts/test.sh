@@ -5,8 +5,8 @@
 #  2. the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
 #  3. where the CUDA toolkit is installed, the GPU tests on the CPU emulation of CUDA
 #     (tools/cuda_emu: the same kernels compiled as C++), with the race check on;
-#  4. the fuzz targets (scripts/fuzz.sh: clang + libFuzzer, HLM_FUZZ_SECONDS each, default 30) on
-#     top of their seed corpus; any crash fails.
+#  4. the fuzz targets (scripts/fuzz.sh: clang + libFuzzer, HLM_FUZZ_SECONDS each, 20 here; the
+#     script's own default is 30) on top of their seed corpus; any crash fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -42,5 +42,6 @@ else
 fi
 
 # ---- fuzzing ---------------------------------------------------------------------------------
-echo "== fuzz targets (clang + libFuzzer, ${HLM_FUZZ_SECONDS:-30} s each) =="
+export HLM_FUZZ_SECONDS=${HLM_FUZZ_SECONDS:-20}
+echo "== fuzz targets (clang + libFuzzer, ${HLM_FUZZ_SECONDS} s each) =="
 bash scripts/fuzz.sh

@@ -244,10 +244,8 @@ std::string piece(const tokenizer::Tokenizer* tok, int64_t id) {
   return tok ? tok->decode(std::vector<uint32_t>{uint32_t(id)}) : std::string();
 }
 
-std::atomic<bool> g_stop{false};
 httplib::Server* g_server = nullptr;
 void on_signal(int) {
-  g_stop = true;
   if (g_server) g_server->stop();
 }
 

@@ -529,8 +529,11 @@ TEST(KdaChunkBwdGpu, SavedForwardMatchesRecompute) {
                       false,
                       true,
                       Gate::standard});
-  saved_vs_recompute(
-      {"saved bf16 wide tile", w.lens, w.H, w.HV, 128, 128, DType::bf16, false, true, Gate::plain});
+  // The wide state tile's saved path on the GPU only: the emulation covers the wide tile in
+  // WideStateTile and the saved path in the other cases here.
+  if (!cuda_emulated())
+    saved_vs_recompute({"saved bf16 wide tile", w.lens, w.H, w.HV, 128, 128, DType::bf16, false,
+                        true, Gate::plain});
   saved_vs_recompute(
       {"saved f32 K32 V96", {1, 63, 65, 200}, 1, 3, 32, 96, DType::f32, true, true, Gate::plain});
 }
