@@ -218,11 +218,7 @@ void ModelCache::store_kda_states(int64_t layer, const std::vector<int64_t>& slo
                                   const KdaState& s) {
   Layer& L = layers_[size_t(layer)];
   HLM_CHECK(L.kda, "ModelCache: layer {} is not a KDA layer", layer);
-  for (size_t i = 0; i < slots.size(); ++i) {
-    Tensor c = L.conv.select(0, slots[i]), r = L.state.select(0, slots[i]);
-    ops::copy_into(c, ops::as_dtype(s.conv.select(0, int64_t(i)), dtype_));
-    ops::copy_into(r, ops::as_dtype(s.recurrent.select(0, int64_t(i)), dtype_));
-  }
+  put_states(L.conv, L.state, slots, s);
 }
 
 int64_t ModelCache::mtp_length(int64_t slot) const {
@@ -249,8 +245,13 @@ void ModelCache::store_kda_draft_states(int64_t layer, const std::vector<int64_t
                                         const KdaState& s) {
   Layer& L = layers_[size_t(layer)];
   HLM_CHECK(L.kda && speculative_, "ModelCache: layer {} keeps no draft states", layer);
+  put_states(L.draft_conv, L.draft_state, slots, s);
+}
+
+void ModelCache::put_states(Tensor& conv, Tensor& state, const std::vector<int64_t>& slots,
+                            const KdaState& s) const {
   for (size_t i = 0; i < slots.size(); ++i) {
-    Tensor c = L.draft_conv.select(0, slots[i]), r = L.draft_state.select(0, slots[i]);
+    Tensor c = conv.select(0, slots[i]), r = state.select(0, slots[i]);
     ops::copy_into(c, ops::as_dtype(s.conv.select(0, int64_t(i)), dtype_));
     ops::copy_into(r, ops::as_dtype(s.recurrent.select(0, int64_t(i)), dtype_));
   }

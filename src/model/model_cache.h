@@ -106,6 +106,9 @@ class ModelCache {
     Tensor kv, keys, tail_k, tail_gate;  // DSA / MLA
   };
   void check_slot(int64_t slot, const char* what) const;
+  // Row i of s's states into rows slots[i] of conv / state.
+  void put_states(Tensor& conv, Tensor& state, const std::vector<int64_t>& slots,
+                  const KdaState& s) const;
 
   DType dtype_;
   int64_t page_ = 0;
