@@ -2,7 +2,7 @@
 on the same checkpoint and prompts, in one run (the PyTorch baseline of docs/inference.md).
 
     python3 bench/decode_torch.py --hybridlm BUILD/hybridlm [--config configs/tiny.json]
-        [--prompt 256] [--new 32] [--batches 1,8,64] [--dir WORK] [--threads N]
+        [--prompt 256] [--new 32] [--batches 1,8,64] [--dir WORK] [--threads N] [--device cpu|cuda]
 
 The script builds the model from a hybridlm config with tied embeddings (so that the text model's
 checkpoint carries the output head), draws every parameter at random (tools/parity/hf_random.py),
@@ -11,9 +11,12 @@ saves it with save_pretrained, and for each batch size B draws B prompts of --pr
   transformers  a greedy loop under torch.no_grad(): the prompts in one forward with use_cache
                 (the time to the first token), then one token per sequence per forward over the
                 cache (DynamicCache: the KDA conv / recurrent states and the DSA keys); logits =
-                last_hidden_state @ embed_tokens^T. FP32, eager attention, torch's CPU threads.
-  hybridlm      `hybridlm generate --tokens P --max-new N --max-batch B` (greedy, FP32): its own
-                report of the time to the first token (the prefill) and of the whole generation.
+                last_hidden_state @ embed_tokens^T. FP32, eager attention, torch's CPU threads;
+                with --device cuda on the GPU (its KDA through FLA's kernels when FLA imports,
+                else transformers' torch code), timed after torch.cuda.synchronize().
+  hybridlm      `hybridlm generate --tokens P --max-new N --max-batch B --device D` (greedy,
+                FP32): its own report of the time to the first token (the prefill) and of the
+                whole generation.
 
 Reported per batch: the time to the first token, the decode tokens/s of the steps after it
 ((B (N - 1)) / (total - first)), the ratio hybridlm / transformers of decode tokens/s, and how many
@@ -44,6 +47,7 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--dir", default="/tmp/hlm_decode_torch")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
@@ -59,8 +63,15 @@ def main():
     model = Glm5NextTextModel(config).float().eval()
     randomize(model, 0.02)
     model.save_pretrained(a.dir, safe_serialization=True)
+    model = model.to(a.device)
+
+    def sync():
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+
     E = model.embed_tokens.weight
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads); model {a.config}: "
+    print(f"torch {torch.__version__} on {a.device} ({torch.get_num_threads()} threads); "
+          f"model {a.config}: "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; prompts of {a.prompt} "
           f"tokens, {a.new} new tokens each", flush=True)
     print(f"{'batch':>5} | {'first token ms':>14} {'decode tok/s':>12} | {'first token ms':>14} "
@@ -69,11 +80,14 @@ def main():
         ids = torch.randint(0, config.vocab_size, (B, a.prompt))
         tok_file = os.path.join(a.dir, f"prompts_{B}.safetensors")
         save_file({"input_ids": ids.contiguous()}, tok_file)
+        ids = ids.to(a.device)
         # transformers
         with torch.no_grad():
+            sync()
             t0 = time.perf_counter()
             out = model(input_ids=ids, use_cache=True)
             nxt = (out.last_hidden_state[:, -1] @ E.T).argmax(-1)
+            sync()
             first = time.perf_counter() - t0
             cache = out.past_key_values
             gen = [nxt]
@@ -83,15 +97,17 @@ def main():
                 cache = out.past_key_values
                 nxt = (out.last_hidden_state[:, -1] @ E.T).argmax(-1)
                 gen.append(nxt)
+            sync()
             decode = time.perf_counter() - t1
-        ref = torch.stack(gen, 1)
+        ref = torch.stack(gen, 1).cpu()
         torch_tps = B * (a.new - 1) / decode
         # hybridlm
         out_file = os.path.join(a.dir, f"gen_{B}.safetensors")
         if os.path.exists(out_file):
             os.remove(out_file)
         r = subprocess.run([a.hybridlm, "generate", "--model", a.dir, "--tokens", tok_file,
-                            "--max-new", str(a.new), "--max-batch", str(B), "--out", out_file],
+                            "--max-new", str(a.new), "--max-batch", str(B), "--out", out_file,
+                            "--device", a.device],
                            capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(f"decode_torch.py: hybridlm generate failed: {r.stderr.strip()}")

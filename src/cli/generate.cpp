@@ -3,7 +3,7 @@
 //   hybridlm generate --model DIR (--prompt TEXT | --tokens FILE) [--max-new N]
 //                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop ID ...]
 //                     [--logprobs] [--prompt-logprobs] [--out FILE] [--max-batch N]
-//                     [--dtype f32|f64] [--speculative]
+//                     [--dtype f32|f64] [--device cpu|cuda] [--speculative]
 // --prompt is encoded with the checkpoint's tokenizer.json; --tokens reads input_ids as `forward`
 // does ([B, T] rows, or [T] with an optional cu_seqlens: B prompts generated together, with
 // continuous batching). Greedy unless --temperature is given. The generated text (or, without a
@@ -13,7 +13,8 @@
 // (each token's log-probability under the model's distribution before sampling), with
 // --prompt-logprobs prompt_logprobs F32 [sum (len - 1)] and prompt_cu_seqlens (log p of each
 // prompt token after the first, given the ones before it: what `forward --logits` gives).
-// Generation runs on the CPU; the stop tokens default to the config's eos_token_id.
+// --device cuda runs the model and its cache on the GPU (f32; the GEMMs as the config's precision
+// says, FP8 block GEMMs excepted); the stop tokens default to the config's eos_token_id.
 // --speculative drafts with the checkpoint's MTP block (greedy only; the tokens are plain greedy
 // decoding's) and reports how many drafts were accepted.
 #include <chrono>
@@ -22,6 +23,7 @@
 #include <memory>
 
 #include "cli/command.h"
+#include "core/device.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "infer/generator.h"
@@ -37,7 +39,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct GenerateArgs {
-  std::string model, prompt, tokens, out, dtype = "f32";
+  std::string model, prompt, tokens, out, dtype = "f32", device = "cpu";
   int64_t max_new = 64, top_k = 0, max_batch = 16;
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
@@ -53,6 +55,15 @@ void run_generate(const GenerateArgs& a) {
   if (!a.out.empty())
     HLM_CHECK(!fs::exists(a.out), "generate: --out {} exists; not overwriting it", a.out);
   const ModelConfig cfg = ModelConfig::load(a.model);
+  const Device dev = a.device == "cuda" ? Device::cuda : Device::cpu;
+  if (dev == Device::cuda) {
+    HLM_CHECK(cuda_available(), "generate --device cuda: no CUDA device is present");
+    HLM_CHECK(a.dtype == "f32", "generate --device cuda: computes in f32 (not --dtype {})",
+              a.dtype);
+    HLM_CHECK(cfg.precision.default_kind != GemmKind::fp8_block,
+              "generate --device cuda: the FP8 block GEMMs (gemm_precision fp8_block) have no "
+              "CUDA implementation yet");
+  }
   HybridModelOptions opt;
   opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
   opt.mtp = a.speculative;
@@ -147,6 +158,7 @@ void run_generate(const GenerateArgs& a) {
 
   HybridModel model(cfg, opt);
   with_mtp_note([&] { checkpoint::load_module(a.model, model, lo); });
+  if (dev == Device::cuda) model.to(Device::cuda);
   infer::Generator gen(model, co);
   std::vector<infer::Request> reqs;
   for (const auto& p : prompts) {
@@ -257,6 +269,8 @@ std::function<void()> setup_generate(CLI::App& app) {
   app.add_option("--max-batch", a->max_batch, "prompts generated together at most (default 16)")
       ->check(count_range(1, 4096));
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
+  app.add_option("--device", a->device, "cpu or cuda: where the model and its cache run")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("--speculative", a->speculative,
                "draft with the MTP block (greedy; the same tokens, fewer forwards when accepted)");
   return [a] { run_generate(*a); };
@@ -264,7 +278,7 @@ std::function<void()> setup_generate(CLI::App& app) {
 
 }  // namespace
 
-HLM_REGISTER_COMMAND("generate", "generate text from a checkpoint (CPU, with caches)",
+HLM_REGISTER_COMMAND("generate", "generate text from a checkpoint (CPU or CUDA, with caches)",
                      setup_generate);
 
 }  // namespace hlm::cli

@@ -18,8 +18,24 @@ double token_logprob(const float* logits, int64_t V, int64_t token) {
   return double(logits[token]) - m - std::log(sum);
 }
 
+namespace {
+
+// The cache options with the model's device.
+CacheOptions on_model(const HybridModel& model, CacheOptions o) {
+  o.device = model.device();
+  return o;
+}
+
+// Logits as contiguous f32 on the host, where sampling reads them.
+Tensor host_f32(const Tensor& logits) {
+  const Tensor f = ops::as_dtype(logits, DType::f32);
+  return f.is_cpu() ? f.contiguous() : f.to(Device::cpu);
+}
+
+}  // namespace
+
 Generator::Generator(const HybridModel& model, const CacheOptions& cache)
-    : model_(model), cache_(model.config(), model.compute_dtype(), cache) {
+    : model_(model), cache_(model.config(), model.compute_dtype(), on_model(model, cache)) {
   HLM_CHECK(!cache.speculative || model.has_mtp(),
             "generate: speculative decoding drafts with the MTP block; the model was built "
             "without one");
@@ -151,7 +167,7 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last) {
   Context ctx;
   ctx.training = false;
   ModelOutput out = model_.forward(ctx, in);
-  out.logits = out.logits.to(DType::f32).contiguous();
+  out.logits = host_f32(out.logits);
   ++forwards_;
   return out;
 }
@@ -199,12 +215,9 @@ void Generator::draft(const std::vector<Seq*>& seqs, const std::vector<std::vect
     lengths.push_back(int64_t(next[i].size()));
     slots.push_back(seqs[i]->slot);
   }
-  const Tensor logits = model_
-                            .mtp_forward_cached(Tensor::from_vector({int64_t(tok.size())}, tok),
-                                                ops::gather_rows(pre_norm, all_rows),
-                                                SeqLayout::from_lengths(lengths), cache_, slots)
-                            .to(DType::f32)
-                            .contiguous();
+  const Tensor logits = host_f32(model_.mtp_forward_cached(
+      Tensor::from_vector({int64_t(tok.size())}, tok), ops::gather_rows(pre_norm, all_rows),
+      SeqLayout::from_lengths(lengths), cache_, slots));
   const int64_t V = logits.size(1);
   int64_t end = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {

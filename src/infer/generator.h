@@ -61,7 +61,8 @@ struct TokenEvent {
 
 class Generator {
  public:
-  // The model must compute on the CPU in f32 or f64 (the cache's dtype is its compute dtype).
+  // The cache lives on the model's device (CPU or CUDA; cache.device is overridden), in the
+  // model's compute dtype; sampling reads each step's logits on the host.
   Generator(const HybridModel& model, const CacheOptions& cache);
 
   // hlm::Error naming what is wrong with a request: an empty prompt, a token id outside the

@@ -326,12 +326,6 @@ struct CacheCall {
 Tensor rows_of(const Tensor& x, const std::vector<int64_t>& rows) {
   return ops::gather_rows(ops::contiguous(x), rows);
 }
-void put_rows(Tensor& out, const std::vector<int64_t>& rows, const Tensor& y) {
-  for (size_t i = 0; i < rows.size(); ++i) {
-    Tensor dst = out.select(0, rows[i]);
-    ops::copy_into(dst, y.select(0, int64_t(i)));
-  }
-}
 
 // One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
 // post_attention_layernorm, mlp). Also used without mHC (plain residual) when mhc is off.
@@ -470,9 +464,9 @@ class DecoderLayer : public Module {
       const Tensor y2 = kda_->forward(c, rows_of(a, last), ones, &mid, nullptr, &fin);
       cc->cache->store_kda_states(cc->layer, *cc->slots, mid);
       cc->cache->store_kda_draft_states(cc->layer, *cc->slots, fin);
-      y = Tensor::empty({T, D}, y1.dtype());
-      put_rows(y, first, y1);
-      put_rows(y, last, y2);
+      y = Tensor::empty({T, D}, y1.dtype(), y1.device());
+      ops::scatter_rows(y, first, ops::contiguous(y1));
+      ops::scatter_rows(y, last, ops::contiguous(y2));
     } else if (kda_ && cc) {
       // Continue from the slots' states and keep the final ones.
       const KdaState init = cc->cache->kda_states(cc->layer, *cc->slots);
@@ -749,14 +743,20 @@ void HybridModel::set_dsa_stage(DsaStage stage) {
   if (mtp_) mtp_->dsa()->set_stage(stage);
 }
 
+Device HybridModel::device() const {
+  return embed_->value.device();
+}
+
 Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& h,
                                        const SeqLayout& seqs, ModelCache& cache,
                                        const std::vector<int64_t>& slots) const {
   HLM_CHECK(mtp_ != nullptr, "HybridModel::mtp_forward_cached: the model has no MTP block");
   HLM_CHECK(cache.speculative(),
             "HybridModel::mtp_forward_cached: the cache was made without speculative");
-  HLM_CHECK(embed_->value.is_cpu(),
-            "HybridModel::mtp_forward_cached: inference over a cache runs on the CPU");
+  const Device dev = embed_->value.device();
+  HLM_CHECK(cache.device() == dev,
+            "HybridModel::mtp_forward_cached: the cache is on {}, the model on {}",
+            device_name(cache.device()), device_name(dev));
   const int64_t R = next_tokens.defined() ? next_tokens.numel() : 0, D = cfg_.hidden_size;
   HLM_CHECK(R >= 1 && next_tokens.dim() == 1 && h.defined() && h.shape() == (Shape{R, D}),
             "HybridModel::mtp_forward_cached: next_tokens [R >= 1] and h [R, {}], got {} and {}", D,
@@ -782,10 +782,10 @@ Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& 
               slots[n], cache.length(slots[n]), cache.mtp_length(slots[n]), counts[n]);
   Context ctx;
   ctx.training = false;
-  const Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, tok), cdt);
+  const Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, on(dev, tok)), cdt);
   const CacheCall cc{&cache, &slots, cache.mtp_layer(), false};
   const Tensor o =
-      mtp_->forward(ctx, e, ops::as_dtype(h, cdt), seqs, nullptr, nullptr, Tensor(), &cc);
+      mtp_->forward(ctx, e, ops::as_dtype(on(dev, h), cdt), seqs, nullptr, nullptr, Tensor(), &cc);
   cache.advance_mtp(slots, counts);
   if (cfg_.tie_word_embeddings) lm_head_->weight().value = embed_->value;
   return lm_head_->forward(ctx, o, nullptr);
@@ -833,10 +833,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
                   in.replay.empty() && in.dsa_indices.empty(),
               "HybridModel::forward: a forward over a cache is inference only (no training, "
               "targets, output processor, replay or given selections)");
-    HLM_CHECK(dev == Device::cpu,
-              "HybridModel::forward: inference over a cache runs on the CPU "
-              "for now (the model is on {})",
-              device_name(dev));
+    HLM_CHECK(in.cache->device() == dev,
+              "HybridModel::forward: the cache is on {}, the model on {}",
+              device_name(in.cache->device()), device_name(dev));
     HLM_CHECK(in.cache->dtype() == cdt,
               "HybridModel::forward: the cache holds {}, the model computes in {}",
               dtype_name(in.cache->dtype()), dtype_name(cdt));

@@ -142,6 +142,7 @@ class HybridModel : public Module {
   const ModelConfig& config() const { return cfg_; }
   const HybridModelOptions& options() const { return opt_; }
   DType compute_dtype() const;         // f64 for f64 parameters, else f32
+  Device device() const;               // where the parameters live (Module::to)
   void set_dsa_stage(DsaStage stage);  // every DSA layer (warm-up / sparse indexer training)
 
   // Forward. With saved != nullptr and ctx.training, *saved receives what backward needs.

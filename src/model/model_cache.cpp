@@ -73,7 +73,7 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
 }
 
 ModelCache::ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& o)
-    : dtype_(dtype), page_(page_of(cfg, o)), bytes_(plan(cfg, dtype, o)) {
+    : dtype_(dtype), device_(o.device), page_(page_of(cfg, o)), bytes_(plan(cfg, dtype, o)) {
   const int64_t S = o.max_seqs, R = bytes_.num_pages * page_;
   const int64_t P = std::max<int64_t>(1, cfg.indexer.kpool), d = cfg.indexer.head_dim;
   speculative_ = o.speculative;
@@ -86,19 +86,19 @@ ModelCache::ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& 
       L.kda = true;
       L.conv = Tensor::zeros(
           {S, k.conv_kernel - 1, 2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim},
-          dtype);
-      L.state = Tensor::zeros({S, k.num_v_heads, k.head_dim, k.v_head_dim}, dtype);
+          dtype, device_);
+      L.state = Tensor::zeros({S, k.num_v_heads, k.head_dim, k.v_head_dim}, dtype, device_);
       if (speculative_) {
-        L.draft_conv = Tensor::zeros(L.conv.shape(), dtype);
-        L.draft_state = Tensor::zeros(L.state.shape(), dtype);
+        L.draft_conv = Tensor::zeros(L.conv.shape(), dtype, device_);
+        L.draft_state = Tensor::zeros(L.state.shape(), dtype, device_);
       }
     } else {
-      L.kv = Tensor::zeros({R, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim}, dtype);
+      L.kv = Tensor::zeros({R, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim}, dtype, device_);
       if (l == mtp_layer_ || has_indexer(cfg, l)) {
-        L.keys = Tensor::zeros({R / P, d}, dtype);
+        L.keys = Tensor::zeros({R / P, d}, dtype, device_);
         if (P > 1) {
-          L.tail_k = Tensor::zeros({S, P, d}, dtype);
-          L.tail_gate = Tensor::zeros({S, P, d}, dtype);
+          L.tail_k = Tensor::zeros({S, P, d}, dtype, device_);
+          L.tail_gate = Tensor::zeros({S, P, d}, dtype, device_);
         }
       }
     }
@@ -205,7 +205,7 @@ KdaState ModelCache::kda_states(int64_t layer, const std::vector<int64_t>& slots
     Shape shape = t.shape();
     const int64_t S = shape[0], row = t.numel() / std::max<int64_t>(S, 1);
     shape[0] = int64_t(slots.size());
-    if (row == 0) return Tensor::zeros(shape, t.dtype());
+    if (row == 0) return Tensor::zeros(shape, t.dtype(), t.device());
     return ops::gather_rows(t.view({S, row}), slots).view(shape);
   };
   KdaState s;

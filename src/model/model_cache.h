@@ -12,7 +12,8 @@
 //                    given back when it closes.
 //
 // So a long sequence takes pages only for what grows with its length, and the KDA layers cost a
-// fixed slot. Storage is in the model's compute dtype (f32; f64 for f64 models) on the CPU.
+// fixed slot. Storage is in the model's compute dtype (f32; f64 for f64 models) on the model's
+// device (CacheOptions::device).
 //
 // Use: open() a slot per sequence, reserve() pages for the tokens of the next forward (all or
 // nothing: a request that does not fit changes nothing), run the forward with the slots
@@ -38,6 +39,7 @@ struct CacheOptions {
   // per slot), and every KDA layer a second state per slot, the state after a draft token until
   // the draft is accepted or dropped.
   bool speculative = false;
+  Device device = Device::cpu;  // where the storage lives: the model's device
 };
 
 struct CacheBytes {
@@ -58,6 +60,7 @@ class ModelCache {
   static CacheBytes plan(const ModelConfig& cfg, DType dtype, const CacheOptions& opt);
   const CacheBytes& bytes() const { return bytes_; }
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   int64_t max_seqs() const { return int64_t(len_.size()); }
 
   // A free slot with an empty sequence and zero states; hlm::Error when every slot is taken.
@@ -111,6 +114,7 @@ class ModelCache {
                   const KdaState& s) const;
 
   DType dtype_;
+  Device device_ = Device::cpu;
   int64_t page_ = 0;
   bool speculative_ = false;
   int64_t mtp_layer_ = -1;

@@ -172,4 +172,22 @@ Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t
   return p;
 }
 
+void check_pattern(Pattern& p, int64_t nkeys, const char* op, const char* what) {
+  const int64_t E = p.entries();
+  HLM_CHECK(p.T >= 0 && p.W >= 0 && int64_t(p.row_ptr.size()) == p.T + 1 && p.row_ptr[0] == 0 &&
+                p.row_ptr.back() == E && int64_t(p.key.size()) == E &&
+                int64_t(p.slot.size()) == E && int64_t(p.query.size()) == E,
+            "{}: {} is not a pattern of {} queries and {} entries", op, what, p.T, E);
+  for (int64_t t = 0; t < p.T; ++t) {
+    HLM_CHECK(p.row_ptr[size_t(t)] <= p.row_ptr[size_t(t + 1)],
+              "{}: {}: the entries of query {} end before they start", op, what, t);
+    for (int64_t e = p.row_ptr[size_t(t)]; e < p.row_ptr[size_t(t + 1)]; ++e)
+      HLM_CHECK(p.query[size_t(e)] == t && p.slot[size_t(e)] >= 0 && p.slot[size_t(e)] < p.W &&
+                    p.key[size_t(e)] >= 0 && p.key[size_t(e)] < nkeys,
+                "{}: {}: entry {} of query {} (slot {}, row {}) is outside [0, {}) x [0, {})", op,
+                what, e, t, p.slot[size_t(e)], p.key[size_t(e)], p.W, nkeys);
+  }
+  p.nkeys = nkeys;
+}
+
 }  // namespace hlm::ops::dsa_detail

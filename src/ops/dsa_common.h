@@ -85,6 +85,10 @@ Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W);
 Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
                      const char* op, const char* what, bool with_inverse = true);
 
+// Checks a host-built pattern over nkeys key rows (the forward over an inference cache): row_ptr
+// has T + 1 ascending entries ending at the entry count, every slot is in [0, W), every key row in
+// [0, nkeys); otherwise throws, naming op and what. Sets p.nkeys.
+void check_pattern(Pattern& p, int64_t nkeys, const char* op, const char* what);
 // Builds the inverse map of a pattern whose forward part is filled.
 void build_inverse(Pattern& p);
 

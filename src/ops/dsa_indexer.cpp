@@ -116,6 +116,50 @@ Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, cons
   return out;
 }
 
+Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
+                              const dsa_detail::Pattern& p_, const IndexerScoreOptions& opt) {
+  const char* op = "indexer_scores_pattern";
+  detail::require_float_dev(q, op, "q");
+  HLM_CHECK(q.dim() == 3 && q.size(0) == p_.T, "{}: q must be [T = {}, H_I, d_I], got {}", op, p_.T,
+            q.describe());
+  HLM_CHECK(k.defined() && k.dim() == 2, "{}: k must be [R, d_I], got {}", op,
+            k.defined() ? k.describe() : "undefined");
+  ScoreArgs a;
+  a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
+  detail::require_like(k, q, {k.size(0), a.D}, op, "k (key rows [R, d_I])", "q");
+  detail::require_like(w, q, {a.T, a.H}, op, "w", "q");
+  a.dev = q.device();
+  HLM_CHECK(!opt.fp8 || opt.fp8_amax_floor > 0, "{}: fp8_amax_floor must be positive, got {}", op,
+            opt.fp8_amax_floor);
+  HLM_CHECK(opt.scale >= 0, "{}: scale must be positive (or 0 for d_I^-1/2), got {}", op,
+            opt.scale);
+  a.scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(double(a.D));
+  a.q = q.contiguous(), a.k = k.contiguous(), a.w = w.contiguous();
+  Pattern p = p_;
+  dsa_detail::check_pattern(p, k.size(0), op, "the key rows");
+  Tensor out = new_scores(a, p.W);
+  if (a.dev == Device::cpu) {
+    cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
+  } else {
+    HLM_CUDA_PATH(op, cuda::indexer_scores_rows(a.q, a.k, a.w, cuda::upload_pattern(p, false), opt,
+                                                a.scale, out, op));
+  }
+  return out;
+}
+
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                           const char* what) {
+  detail::require_float_dev(x, op, what);
+  HLM_CHECK(x.dim() >= 1 && opt.fp8_amax_floor > 0,
+            "{}: fp8 emulation of {} needs a tensor [..., d] and a positive amax floor, got {} "
+            "and {}",
+            op, what, x.describe(), opt.fp8_amax_floor);
+  if (x.is_cpu()) return cpu::indexer_fp8_emulate(x.contiguous(), opt, op, what);
+  Tensor out;
+  HLM_CUDA_PATH(op, out = cuda::indexer_fp8_emulate(x.contiguous(), opt, op, what));
+  return out;
+}
+
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                           const SeqLayout& seqs, const Tensor& d_scores_,
                                           const IndexerScoreOptions& opt) {

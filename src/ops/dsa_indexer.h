@@ -33,6 +33,10 @@
 
 namespace hlm::ops {
 
+namespace dsa_detail {
+struct Pattern;
+}
+
 struct IndexerScoreOptions {
   int64_t pool = 1;  // 1: token keys; P > 1: KPool pooled keys
   double scale = 0;  // inner scale on q.k; 0 means d_I^-1/2
@@ -76,6 +80,20 @@ IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, c
                                              const SeqLayout& seqs, const Tensor& rows,
                                              const Tensor& d_scores,
                                              const IndexerScoreOptions& opt = {});
+
+// The forward over an inference cache (layers/dsa/dsa_cached.cpp) scores storage rows of the
+// cache, not a packed batch's keys: p (built on the host) lists each query's key rows of k in slot
+// order, p.W the score width. Each key row must be in [0, k.size(0)) (checked); no document or
+// causality rule applies (the cache's page tables give the rows). q [p.T, H_I, d_I], w [p.T, H_I],
+// k [R, d_I], dtypes as for indexer_scores; scores [p.T, p.W], -inf off the pattern. CUDA copies
+// the pattern to the device.
+Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
+                              const dsa_detail::Pattern& p, const IndexerScoreOptions& opt);
+// The values the FP8 scoring computes with (IndexerScoreOptions::fp8) for every row of x [...,
+// d_I]: x quantised and dequantised per row and 128-channel block, in x's computation dtype (the
+// same numbers on both devices). A non-finite entry throws, naming op and what.
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                           const char* what);
 
 // Top-k selection over dense-layout scores [T, W] (pool = 1: tokens; pool = P: pools).
 // Query t has n_t candidates (r + 1 tokens, or floor((r + 1) / P) pools, r = t - doc_start); the

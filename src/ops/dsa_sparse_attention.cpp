@@ -98,6 +98,34 @@ SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const T
   return r;
 }
 
+SparseAttentionOut sparse_attention_pattern(const Tensor& q_, const Tensor& kv_,
+                                            const dsa_detail::Pattern& p_, int64_t d_v,
+                                            double scale) {
+  const char* op = "sparse_attention_pattern";
+  detail::require_float_dev(q_, op, "q");
+  HLM_CHECK(q_.dim() == 3 && q_.size(0) == p_.T, "{}: q must be [T = {}, H, D_qk], got {}", op,
+            p_.T, q_.describe());
+  HLM_CHECK(kv_.defined() && kv_.dim() == 2, "{}: kv must be [R, D_qk], got {}", op,
+            kv_.defined() ? kv_.describe() : "undefined");
+  AttnDims a;
+  a.T = q_.size(0), a.H = q_.size(1), a.D = q_.size(2), a.dev = q_.device();
+  detail::require_like(kv_, q_, {kv_.size(0), a.D}, op, "kv (latent rows [R, D_qk])", "q");
+  HLM_CHECK(d_v >= 1 && d_v <= a.D, "{}: d_v must be in [1, D_qk = {}], got {}", op, a.D, d_v);
+  HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
+            scale);
+  dsa_detail::Pattern p = p_;
+  dsa_detail::check_pattern(p, kv_.size(0), op, "the latent rows");
+  const Tensor q = q_.contiguous(), kv = kv_.contiguous();
+  SparseAttentionOut r = new_forward_outputs(a, q, d_v);
+  if (a.dev == Device::cpu) {
+    cpu::sparse_attention(q, kv, p, d_v, scale, r.out, r.lse);
+  } else {
+    HLM_CUDA_PATH(op, cuda::sparse_attention(q, kv, cuda::upload_pattern(p, false), d_v, scale,
+                                             r.out, r.lse));
+  }
+  return r;
+}
+
 SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& kv_,
                                                const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out_,

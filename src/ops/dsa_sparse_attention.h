@@ -28,6 +28,10 @@
 
 namespace hlm::ops {
 
+namespace dsa_detail {
+struct Pattern;
+}
+
 struct SparseAttentionOut {
   Tensor out;  // [T, H, d_v]
   Tensor lse;  // [T, H], natural log
@@ -45,6 +49,14 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& kv
                                                const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out,
                                                const Tensor& lse, const Tensor& d_out);
+
+// The same attention over storage rows of an inference cache (layers/dsa/dsa_cached.cpp): p (built
+// on the host) lists each query's rows of kv [R, D_qk] in slot order, each checked to be in
+// [0, R); no document or causality rule applies. q [p.T, H, D_qk]. CUDA copies the pattern to the
+// device.
+SparseAttentionOut sparse_attention_pattern(const Tensor& q, const Tensor& kv,
+                                            const dsa_detail::Pattern& p, int64_t d_v,
+                                            double scale);
 
 // Dense causal attention: the same math over the causal set of each query's own document (keys
 // doc_start .. t in increasing order, i.e. sparse_attention with every causal token ascending),

@@ -145,6 +145,36 @@ Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {
   return out;
 }
 
+void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src_) {
+  constexpr const char* op = "scatter_rows";
+  HLM_CHECK(dst.defined() && dst.dim() == 2 && dst.is_contiguous(),
+            "{}: dst must be a contiguous 2-D tensor, got {}", op,
+            dst.defined() ? dst.describe() : "undefined");
+  const int64_t N = dst.size(0), R = int64_t(rows.size());
+  HLM_CHECK(src_.defined() && src_.shape() == Shape({R, dst.size(1)}) &&
+                src_.dtype() == dst.dtype() && src_.device() == dst.device(),
+            "{}: src must be {} [{}, {}] on dst's device, got {}", op, dtype_name(dst.dtype()), R,
+            dst.size(1), src_.defined() ? src_.describe() : "undefined");
+  std::vector<char> taken(size_t(N), 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = rows[size_t(r)];
+    HLM_CHECK(i >= 0 && i < N, "{}: rows[{}] = {} is outside [0, {})", op, r, i, N);
+    HLM_CHECK(!taken[size_t(i)], "{}: rows[{}] = {} appears twice", op, r, i);
+    taken[size_t(i)] = 1;
+  }
+  if (R == 0 || dst.size(1) == 0) return;
+  const Tensor src = contiguous(src_);
+  if (dst.is_cpu()) {
+    const size_t rb = size_t(dst.size(1)) * dst.element_size();
+    const auto* s = static_cast<const unsigned char*>(src.raw());
+    auto* d = static_cast<unsigned char*>(dst.raw());
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(d + size_t(rows[size_t(r)]) * rb, s + size_t(r) * rb, rb);
+    return;
+  }
+  HLM_CUDA_PATH(op, cuda::scatter_rows(dst, rows, src));
+}
+
 void causal_conv1d_final_state_backward(const Tensor& dfinal_, const std::vector<int64_t>& cu,
                                         int64_t width, Tensor& dx, Tensor* dinitial) {
   constexpr const char* op = "causal_conv1d_final_state_backward";

@@ -39,6 +39,10 @@ void scale_(Tensor& c, double beta);
 // in the order given, as a new contiguous [R, C] tensor on src's device. rows are host indices,
 // each in [0, N) (else an error naming the position and the index).
 Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows);
+// dst[rows[r], :] = src[r, :]: the inverse, into a contiguous 2-D dst [N, C] of src's device and
+// dtype (src [R, C], any strides: made contiguous first). rows are host indices, each in [0, N) and
+// none twice (else an error naming the position and the index).
+void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
 
 // The gradient of the final conv state that causal_conv1d_forward returns (conv1d.h), routed back
 // to where each entry was copied from: final[n, i] is the input at local position

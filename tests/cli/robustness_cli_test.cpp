@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/device.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
 #include "model/checkpoint.h"
@@ -559,6 +560,11 @@ TEST_F(RobustCli, GenerateRefusesBadRequests) {
                       {"exists"}));
   EXPECT_EQ(read(path("taken.st")), "x");
   EXPECT_TRUE(refused(run({"generate", "--model", path("none"), "--tokens", "ids.st"}), {"none"}));
+  EXPECT_TRUE(refused(run({"generate", "--model", m, "--tokens", "ids.st", "--device", "gpu"}),
+                      {"--device"}));
+  EXPECT_TRUE(refused(
+      run({"generate", "--model", m, "--tokens", "ids.st", "--device", "cuda", "--dtype", "f64"}),
+      {cuda_available() ? "computes in f32" : "no CUDA device is present"}));
 }
 
 // `serve` on a loopback port: concurrent requests (greedy and seeded sampling, one streamed)

@@ -19,39 +19,6 @@ namespace {
 using testing::test_seed;
 using namespace infer_test;
 
-// Whether every row of a and b (i32 [R, *] positions, -1 = empty) lists the same entries in the
-// same order (the dense sets' width is the batch's longest sequence in the full forward).
-::testing::AssertionResult same_sets(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_f64_vector(), y = b.to_f64_vector();
-  if (a.size(0) != b.size(0)) return ::testing::AssertionFailure() << "row counts differ";
-  for (int64_t r = 0; r < a.size(0); ++r) {
-    std::vector<double> u, v;
-    for (int64_t j = 0; j < a.size(1); ++j)
-      if (x[size_t(r * a.size(1) + j)] >= 0) u.push_back(x[size_t(r * a.size(1) + j)]);
-    for (int64_t j = 0; j < b.size(1); ++j)
-      if (y[size_t(r * b.size(1) + j)] >= 0) v.push_back(y[size_t(r * b.size(1) + j)]);
-    if (u != v) return ::testing::AssertionFailure() << "row " << r << " differs";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// Forward of `tokens` over slot `slot` of the cache: logits of every new token.
-ModelOutput cached_forward(const HybridModel& m, ModelCache& cache,
-                           const std::vector<std::vector<int64_t>>& seqs,
-                           const std::vector<int64_t>& slots) {
-  std::vector<int64_t> flat, lengths;
-  for (const auto& s : seqs) {
-    flat.insert(flat.end(), s.begin(), s.end());
-    lengths.push_back(int64_t(s.size()));
-  }
-  ModelInputs in;
-  in.tokens = Tensor::from_vector({int64_t(flat.size())}, flat);
-  in.cu_seqlens = testing::cu_of(lengths);
-  in.cache = &cache;
-  in.cache_slots = slots;
-  return m.forward(eval_ctx(), in);
-}
-
 TEST(Decode, PrefillThenDecodeEqualsTheFullForwardAtEverySplit) {
   constexpr int64_t L = 17;
   for (const Stack& st : stacks()) {

@@ -1,18 +1,20 @@
-// DsaLayer::forward_cached (layers/dsa/dsa_layer.h): the DSA layer over an inference cache, on
-// the CPU. The new tokens' latent rows and indexer keys are written into the cache first, then
-// every query's set is selected among all its sequence's tokens and attended, through the CPU
-// ops of the training forward run over the cache's storage rows (a pattern of storage rows in
-// place of packed token ids), so the scores, the selection (ops/dsa_common.h's best_indices, the
-// rule of topk_select) and each query's slot order are the training forward's.
+// DsaLayer::forward_cached (layers/dsa/dsa_layer.h): the DSA layer over an inference cache, on the
+// CPU or CUDA. The new tokens' latent rows and indexer keys are written into the cache first, then
+// every query's set is selected among all its sequence's tokens and attended, through the ops of
+// the training forward run over the cache's storage rows (a pattern of storage rows in place of
+// packed token ids: ops::indexer_scores_pattern, ops::sparse_attention_pattern), so the scores, the
+// selection (ops/dsa_common.h's best_indices, the rule of topk_select) and each query's slot order
+// are the training forward's. The patterns are built on the host, and the selection runs there
+// over the scores read back: one device-to-host copy per layer on CUDA.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/profile.h"
 #include "layers/dsa/dsa_layer.h"
-#include "ops/cpu/dsa_indexer.h"
-#include "ops/cpu/dsa_sparse_attention.h"
 #include "ops/dsa_common.h"
+#include "ops/dsa_indexer.h"
+#include "ops/dsa_sparse_attention.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm {
@@ -20,16 +22,6 @@ namespace hlm {
 namespace {
 
 constexpr const char* kOp = "DsaLayer::forward_cached";
-
-// Row r of a contiguous 2-D (or [rows, ...]) CPU tensor, as bytes.
-uint8_t* row_ptr(const Tensor& t, int64_t r) {
-  return static_cast<uint8_t*>(t.raw()) + size_t(r) * (t.nbytes() / size_t(t.size(0)));
-}
-
-// dst row dr = src row sr (the same row width and dtype).
-void put_row(const Tensor& dst, int64_t dr, const Tensor& src, int64_t sr) {
-  std::memcpy(row_ptr(dst, dr), row_ptr(src, sr), src.nbytes() / size_t(src.size(0)));
-}
 
 // A pattern from rows [T, W] of storage rows (-1 = empty slot).
 ops::dsa_detail::Pattern pattern_of(const std::vector<int64_t>& rows, int64_t T, int64_t W) {
@@ -50,13 +42,25 @@ ops::dsa_detail::Pattern pattern_of(const std::vector<int64_t>& rows, int64_t T,
   return p;
 }
 
+// [a; b]: the rows of two contiguous [*, C] tensors of one device and dtype, stacked.
+Tensor stack_rows(const Tensor& a, const Tensor& b) {
+  Tensor out = Tensor::empty({a.size(0) + b.size(0), a.size(1)}, a.dtype(), a.device());
+  Tensor top = out.slice(0, 0, a.size(0)), bottom = out.slice(0, a.size(0), out.size(0));
+  if (a.size(0) > 0) ops::copy_into(top, a);
+  if (b.size(0) > 0) ops::copy_into(bottom, b);
+  return out;
+}
+
 }  // namespace
 
 DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs, DsaCacheView& c,
                                           const Tensor& given) const {
-  HLM_CHECK(x.defined() && x.is_cpu() && device() == Device::cpu,
-            "{}: inference over a cache runs on the CPU (x: {}, parameters on {})", kOp,
-            x.defined() ? x.describe() : "undefined", device_name(device()));
+  HLM_CHECK(x.defined() && x.device() == device() && c.kv.defined() && c.kv.device() == device(),
+            "{}: x, the parameters and the cache must be on one device (x: {}, parameters on {}, "
+            "cache on {})",
+            kOp, x.defined() ? x.describe() : "undefined", device_name(device()),
+            c.kv.defined() ? device_name(c.kv.device()) : "none");
+  const Device dev = device();
   const int64_t T = x.size(0);
   const std::vector<int64_t>& cu = (seqs.check_tokens(T, kOp), seqs.offsets());
   const size_t N = cu.size() - 1;
@@ -64,29 +68,30 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
             "{}: the cache view describes {} sequences, the batch has {}", kOp, c.slot.size(), N);
   const DType cdt = compute_dtype();
   const int64_t rkv = config().kv_lora_rank, Dkv = rkv + config().qk_rope_head_dim;
-  HLM_CHECK(c.kv.defined() && c.kv.dtype() == cdt && c.kv.dim() == 2 && c.kv.size(1) == Dkv &&
-                c.kv.is_contiguous(),
+  HLM_CHECK(c.kv.dtype() == cdt && c.kv.dim() == 2 && c.kv.size(1) == Dkv && c.kv.is_contiguous(),
             "{}: the cache's latent rows must be a contiguous {} [R, {}] tensor, got {}", kOp,
-            dtype_name(cdt), Dkv, c.kv.defined() ? c.kv.describe() : "undefined");
+            dtype_name(cdt), Dkv, c.kv.describe());
   for (size_t n = 0; n < N; ++n)
     HLM_CHECK(c.pages[n] && c.start[n] >= 0 &&
                   int64_t(c.pages[n]->size()) * c.page >= c.start[n] + (cu[n + 1] - cu[n]),
               "{}: sequence {} has pages for {} tokens, its {} cached and {} new need more", kOp, n,
               c.pages[n] ? int64_t(c.pages[n]->size()) * c.page : 0, c.start[n], cu[n + 1] - cu[n]);
-  std::vector<int64_t> pos(static_cast<size_t>(T));
+  std::vector<int64_t> pos(static_cast<size_t>(T)), row(static_cast<size_t>(T));
   std::vector<size_t> seq_of(static_cast<size_t>(T));
   for (size_t n = 0; n < N; ++n)
     for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
       pos[size_t(t)] = c.start[n] + (t - cu[n]);
       seq_of[size_t(t)] = n;
+      row[size_t(t)] = c.row(n, pos[size_t(t)]);
     }
 
   const Context ctx;
   profile::Scope ps_proj("projections");
   const Projected p = project(ctx, x, seqs, nullptr, &c.start);
-  const Tensor q_abs = ops::contiguous(attention_operand(absorb_query(p.q)));
-  const Tensor kv = ops::contiguous(attention_operand(p.kv));
-  for (int64_t t = 0; t < T; ++t) put_row(c.kv, c.row(seq_of[size_t(t)], pos[size_t(t)]), kv, t);
+  // The attention's operands as the cache keeps them: the compute dtype (values that are bf16
+  // under a bf16 attention operand, exactly).
+  const Tensor q_abs = ops::contiguous(ops::as_dtype(attention_operand(absorb_query(p.q)), cdt));
+  ops::scatter_rows(c.kv, row, ops::as_dtype(attention_operand(p.kv), cdt));
   ps_proj.end();
 
   // Each query's set as positions within its sequence, in the training forward's layout.
@@ -94,12 +99,11 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
   std::vector<int32_t> sel;
   const bool sparse = indexer_ && lcfg_.stage == DsaStage::sparse;
   if (given.defined()) {
-    HLM_CHECK(
-        given.is_cpu() && given.dim() == 2 && given.size(0) == T && given.dtype() == DType::i32,
-        "{}: given must be a CPU i32 [{}, W] tensor of positions, got {}", kOp, T,
-        given.describe());
+    HLM_CHECK(given.dim() == 2 && given.size(0) == T && given.dtype() == DType::i32,
+              "{}: given must be an i32 [{}, W] tensor of positions, got {}", kOp, T,
+              given.describe());
     W = given.size(1);
-    const Tensor g = given.contiguous();
+    const Tensor g = given.is_cpu() ? given.contiguous() : given.to(Device::cpu);
     sel.assign(g.data<int32_t>(), g.data<int32_t>() + T * W);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < W; ++j) {
@@ -114,7 +118,8 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     const IndexerConfig& ic = ix.config();
     const int64_t P = ic.kpool, K = ic.topk, d = ic.head_dim;
     HLM_CHECK(c.keys.defined() && c.keys.dtype() == cdt && c.keys.dim() == 2 &&
-                  c.keys.size(1) == d && c.keys.is_contiguous() && c.page % P == 0,
+                  c.keys.size(1) == d && c.keys.is_contiguous() && c.keys.device() == dev &&
+                  c.page % P == 0,
               "{}: the cache's indexer keys must be a contiguous {} [R, {}] tensor (page {} a "
               "multiple of {}), got {}",
               kOp, dtype_name(cdt), d, c.page, P, c.keys.defined() ? c.keys.describe() : "none");
@@ -122,27 +127,45 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     ops::IndexerScoreOptions so = ix.score_options();
     // The FP8 emulation is per query head and per key row: applied here once, to the new rows.
     auto emulate = [&](const Tensor& v, const char* what) {
-      return so.fp8 ? ops::cpu::indexer_fp8_emulate(ops::contiguous(v), so, kOp, what)
-                    : ops::contiguous(v);
+      return so.fp8 ? ops::indexer_fp8_emulate(v, so, kOp, what) : ops::contiguous(v);
     };
     const Tensor qs = emulate(tp.q, "q");
     if (P == 1) {
-      const Tensor k = emulate(tp.k, "k");
-      for (int64_t t = 0; t < T; ++t)
-        put_row(c.keys, c.row(seq_of[size_t(t)], pos[size_t(t)]), k, t);
+      ops::scatter_rows(c.keys, row, emulate(tp.k, "k"));
     } else {
-      // The incomplete pool's keys and gates wait in the slot's tail; a pool that completes
-      // becomes one pooled key row.
+      // A pool that completes becomes one pooled key row: its tokens come from this call's new
+      // rows or, when cached before, from the slot's tail (the incomplete pool's keys and gates).
+      // Then the tail keeps each sequence's last P tokens, token r at row r % P: the incomplete
+      // pool's, and a completed pool's when a rejected draft completed it (the next call's pool
+      // takes its first tokens from there).
+      HLM_CHECK(c.tail_k.defined() && c.tail_k.dim() == 3 && c.tail_k.size(1) == P &&
+                    c.tail_k.size(2) == d && c.tail_gate.shape() == c.tail_k.shape(),
+                "{}: the cache's KPool tails must be [slots, {}, {}]", kOp, P, d);
+      const int64_t SP = c.tail_k.size(0) * P;
       const Tensor k = ops::contiguous(tp.k), gate = ops::contiguous(tp.gate);
-      for (int64_t t = 0; t < T; ++t) {
-        const size_t n = seq_of[size_t(t)];
-        const int64_t r = pos[size_t(t)], j = r % P;
-        const Tensor tk = c.tail_k.select(0, c.slot[n]), tg = c.tail_gate.select(0, c.slot[n]);
-        put_row(tk, j, k, t);
-        put_row(tg, j, gate, t);
-        if (j == P - 1)
-          put_row(c.keys, c.pool_row(n, r / P, P), emulate(ix.pool_key(tk, tg), "k"), 0);
+      Tensor tail_k = c.tail_k.view({SP, d}), tail_g = c.tail_gate.view({SP, d});
+      std::vector<int64_t> from, pool_rows, tail_to, tail_from;
+      for (size_t n = 0; n < N; ++n) {
+        const int64_t s0 = c.start[n], s1 = s0 + (cu[n + 1] - cu[n]), slot = c.slot[n];
+        for (int64_t j = s0 / P; j < s1 / P; ++j) {
+          pool_rows.push_back(c.pool_row(n, j, P));
+          for (int64_t i = 0; i < P; ++i) {
+            const int64_t r = j * P + i;  // [tails; new rows]
+            from.push_back(r < s0 ? slot * P + i : SP + cu[n] + (r - s0));
+          }
+        }
+        for (int64_t r = std::max(s0, s1 - P); r < s1; ++r) {
+          tail_to.push_back(slot * P + r % P);
+          tail_from.push_back(cu[n] + (r - s0));
+        }
       }
+      if (!pool_rows.empty()) {
+        const Tensor pk = ops::gather_rows(stack_rows(tail_k, k), from);
+        const Tensor pg = ops::gather_rows(stack_rows(tail_g, gate), from);
+        ops::scatter_rows(c.keys, pool_rows, emulate(ix.pool_keys(pk, pg), "k"));
+      }
+      ops::scatter_rows(tail_k, tail_to, ops::gather_rows(k, tail_from));
+      ops::scatter_rows(tail_g, tail_to, ops::gather_rows(gate, tail_from));
     }
     so.fp8 = false;  // applied above
     so.pool = P;
@@ -158,9 +181,9 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
       for (int64_t j = 0; j < ncand[size_t(t)]; ++j)
         rows[size_t(t * Ws + j)] =
             P == 1 ? c.row(seq_of[size_t(t)], j) : c.pool_row(seq_of[size_t(t)], j, P);
-    Tensor scores = Tensor::empty({T, Ws}, cdt);
-    ops::cpu::indexer_scores(qs, c.keys, ops::contiguous(tp.w), pattern_of(rows, T, Ws), so,
-                             so.scale > 0 ? so.scale : 1.0 / std::sqrt(double(d)), scores, kOp);
+    Tensor scores =
+        ops::indexer_scores_pattern(qs, c.keys, ops::contiguous(tp.w), pattern_of(rows, T, Ws), so);
+    if (!scores.is_cpu()) scores = scores.to(Device::cpu);
     const bool tail = P > 1 && ic.kpool_always_select_tail;
     W = P == 1 ? K : K + (tail ? P - 1 : 0);
     sel.assign(size_t(T * W), -1);
@@ -171,13 +194,13 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
                                       best);
       else
         ops::dsa_detail::best_indices(scores.data<float>() + t * Ws, ncand[size_t(t)], K / P, best);
-      int32_t* row = sel.data() + t * W;
+      int32_t* out_row = sel.data() + t * W;
       for (size_t g = 0; g < best.size(); ++g)
-        for (int64_t j = 0; j < P; ++j) row[int64_t(g) * P + j] = int32_t(best[g] * P + j);
+        for (int64_t j = 0; j < P; ++j) out_row[int64_t(g) * P + j] = int32_t(best[g] * P + j);
       if (tail) {
         const int64_t r = pos[size_t(t)], first = (r + 1) / P * P;
         for (int64_t j = 0; j + 1 < P; ++j)
-          if (first + j <= r) row[K + j] = int32_t(first + j);
+          if (first + j <= r) out_row[K + j] = int32_t(first + j);
       }
     }
   } else {
@@ -195,14 +218,12 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
       const int32_t s = sel[size_t(t * W + j)];
       if (s >= 0) rows[size_t(t * W + j)] = c.row(seq_of[size_t(t)], s);
     }
-  Tensor o_lat = Tensor::empty({T, config().num_heads, rkv}, cdt);
-  Tensor lse = Tensor::empty({T, config().num_heads}, cdt);
-  ops::cpu::sparse_attention(q_abs, c.kv, pattern_of(rows, T, W), rkv,
-                             config().softmax_scale_value(), o_lat, lse);
+  const ops::SparseAttentionOut att = ops::sparse_attention_pattern(
+      q_abs, c.kv, pattern_of(rows, T, W), rkv, config().softmax_scale_value());
   ps_att.end();
   HLM_PROFILE("output");
   Output out;
-  out.y = ops::as_dtype(output(ctx, attention_operand(o_lat), nullptr), x.dtype());
+  out.y = ops::as_dtype(output(ctx, attention_operand(att.out), nullptr), x.dtype());
   out.indices = Tensor::from_vector<int32_t>({T, W}, sel);
   return out;
 }

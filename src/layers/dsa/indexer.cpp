@@ -325,13 +325,14 @@ DsaIndexer::TokenProjection DsaIndexer::project_tokens(const Tensor& h, const Te
   return TokenProjection{s.q, s.k, s.gate_out, s.w};
 }
 
-Tensor DsaIndexer::pool_key(const Tensor& k, const Tensor& gate) const {
+Tensor DsaIndexer::pool_keys(const Tensor& k, const Tensor& gate) const {
   const int64_t P = cfg_.kpool;
-  HLM_CHECK(P > 1 && k.dim() == 2 && k.size(0) == P && gate.shape() == k.shape(),
-            "DsaIndexer::pool_key: needs KPool and k, gate [{}, {}], got {} and {}", P,
+  HLM_CHECK(P > 1 && k.dim() == 2 && k.size(0) % P == 0 && k.size(1) == cfg_.head_dim &&
+                gate.shape() == k.shape(),
+            "DsaIndexer::pool_keys: needs KPool and k, gate [M * {}, {}], got {} and {}", P,
             cfg_.head_dim, k.describe(), gate.describe());
-  Tensor pooled =
-      ops::kpool_compress(k, gate, as_dt(ape_->value, compute_dtype()), SeqLayout::single(P));
+  Tensor pooled = ops::kpool_compress(k, gate, as_dt(ape_->value, compute_dtype()),
+                                      SeqLayout::single(k.size(0)));
   if (cfg_.hadamard) ops::hadamard_inplace(pooled);
   return pooled;
 }

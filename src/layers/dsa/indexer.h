@@ -205,9 +205,9 @@ class DsaIndexer : public Module {
   };
   TokenProjection project_tokens(const Tensor& h, const Tensor& c_q,
                                  const std::vector<int64_t>& pos) const;
-  // KPool: the scoring key [1, d_I] of one complete pool from its P keys and gates [P, d_I] (as
-  // TokenProjection gives them): ops::kpool_compress, then the Hadamard rotation.
-  Tensor pool_key(const Tensor& k, const Tensor& gate) const;
+  // KPool: the scoring keys [M, d_I] of M complete pools from their keys and gates [M P, d_I], pool
+  // after pool (as TokenProjection gives them): ops::kpool_compress, then the Hadamard rotation.
+  Tensor pool_keys(const Tensor& k, const Tensor& gate) const;
   // The scoring options of forward (pool size, ReLU, the FP8 emulation).
   ops::IndexerScoreOptions score_options() const;
 

@@ -53,8 +53,8 @@ ScoreArgs args_of(const Tensor& q, const Tensor& k, const Tensor& w, const Index
                   double scale, const char* op) {
   ScoreArgs a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
-  a.q = opt.fp8 ? indexer_fp8_emulate(q, opt, op, "q") : q;
-  a.k = opt.fp8 ? indexer_fp8_emulate(k, opt, op, "k") : k;
+  a.q = opt.fp8 ? cpu::indexer_fp8_emulate(q, opt, op, "q") : q;
+  a.k = opt.fp8 ? cpu::indexer_fp8_emulate(k, opt, op, "k") : k;
   a.w = w;
   a.scale = scale;
   return a;

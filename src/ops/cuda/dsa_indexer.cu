@@ -818,18 +818,25 @@ ScoreInputs score_inputs(const Tensor& q, const Tensor& k, const IndexerScoreOpt
 }
 
 // After the kernels are queued: the CPU's error for a non-finite q or k under the FP8 emulation.
+// The CPU's error for the first non-finite value of x (found on the host, after the device flagged
+// one).
+void throw_non_finite(const Tensor& x, const char* op, const char* what) {
+  const int64_t D = x.size(-1);
+  const std::vector<double> v = x.to(Device::cpu).to_f64_vector();
+  for (size_t i = 0; i < v.size(); ++i)
+    HLM_CHECK(std::isfinite(float(v[i])),
+              "{}: fp8 emulation: {} holds a non-finite value at row {}, channel {}", op, what,
+              int64_t(i) / D, int64_t(i) % D);
+}
+
+bool flagged(const Tensor& bad) {
+  return bad.defined() && bad.to(Device::cpu).data<int>()[0] != 0;
+}
+
 void check_fp8_inputs(const ScoreInputs& in, const char* op) {
-  if (!in.bad.defined() || in.bad.to(Device::cpu).data<int>()[0] == 0) return;
-  for (const auto& [x, what] : {std::pair{in.q_in, "q"}, std::pair{in.k_in, "k"}}) {
-    const int64_t D = x->size(-1);
-    const std::vector<double> v = x->to(Device::cpu).to_f64_vector();
-    for (size_t i = 0; i < v.size(); ++i) {
-      const float f = float(v[i]);
-      HLM_CHECK(std::isfinite(f),
-                "{}: fp8 emulation: {} holds a non-finite value at row {}, channel {}", op, what,
-                int64_t(i) / D, int64_t(i) % D);
-    }
-  }
+  if (!flagged(in.bad)) return;
+  throw_non_finite(*in.q_in, op, "q");
+  throw_non_finite(*in.k_in, op, "k");
 }
 
 // f(T{}, TQ{}): T the storage type of q, k, w; TQ that of what the kernels read as q and k.
@@ -908,6 +915,19 @@ void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, cons
       by_tm(T{});
     check_fp8_inputs(in, op);
   });
+}
+
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                           const char* what) {
+  Tensor out;
+  dispatch_storage(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    Tensor bad = alloc({1}, DType::i32);
+    bad.zero_();
+    out = fp8_emulate<T>(x, opt, bad);
+    if (flagged(bad)) throw_non_finite(x, op, what);
+  });
+  return out;
 }
 
 void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tensor& w,

@@ -29,6 +29,9 @@ void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
 void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, const DsaPatternDev& p,
                          const IndexerScoreOptions& opt, double scale, Tensor& scores,
                          const char* op);
+// The dequantised FP8 values of every row of x (ops::indexer_fp8_emulate), computation dtype.
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                           const char* what);
 // g.dq, g.dk, g.dw written; d_scores [T, W] in the dense layout.
 void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                    const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,

@@ -226,23 +226,50 @@ __global__ void gather_rows_kernel(const W* src, const int64_t* rows, int64_t R,
   }
 }
 
+// One thread per word of src: row r goes to row rows[r] of dst.
+template <class W>
+__global__ void scatter_rows_kernel(const W* src, const int64_t* rows, int64_t R, int64_t words,
+                                    W* dst) {
+  const int64_t n = R * words;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / words, w = i - r * words;
+    dst[rows[r] * words + w] = src[i];
+  }
+}
+
+// The word the row copies move: 4 bytes when a row is a whole number of them, else bytes.
+template <class Fn>
+void by_word(size_t row_bytes, Fn&& f) {
+  if (row_bytes % 4 == 0)
+    f(uint32_t{}, int64_t(row_bytes / 4));
+  else
+    f(uint8_t{}, int64_t(row_bytes));
+}
+
 }  // namespace
+
+void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
+  const int64_t R = int64_t(rows.size());
+  const Tensor rows_dev = to_device(rows);
+  by_word(size_t(dst.size(1)) * dst.element_size(), [&](auto w, int64_t words) {
+    using W = decltype(w);
+    scatter_rows_kernel<W><<<grid_for(R * words), kThreads>>>(static_cast<const W*>(src.raw()),
+                                                              cptr<int64_t>(rows_dev), R, words,
+                                                              static_cast<W*>(dst.raw()));
+  });
+  check_launch("scatter_rows");
+}
 
 void gather_rows(const Tensor& src, const std::vector<int64_t>& rows, Tensor& out) {
   const int64_t R = int64_t(rows.size());
-  const size_t rb = size_t(src.size(1)) * src.element_size();
   const Tensor rows_dev = to_device(rows);
-  if (rb % 4 == 0) {
-    const int64_t words = int64_t(rb / 4);
-    gather_rows_kernel<uint32_t><<<grid_for(R * words), kThreads>>>(
-        static_cast<const uint32_t*>(src.raw()), cptr<int64_t>(rows_dev), R, words,
-        static_cast<uint32_t*>(out.raw()));
-  } else {
-    const int64_t words = int64_t(rb);
-    gather_rows_kernel<uint8_t><<<grid_for(R * words), kThreads>>>(
-        static_cast<const uint8_t*>(src.raw()), cptr<int64_t>(rows_dev), R, words,
-        static_cast<uint8_t*>(out.raw()));
-  }
+  by_word(size_t(src.size(1)) * src.element_size(), [&](auto w, int64_t words) {
+    using W = decltype(w);
+    gather_rows_kernel<W><<<grid_for(R * words), kThreads>>>(static_cast<const W*>(src.raw()),
+                                                             cptr<int64_t>(rows_dev), R, words,
+                                                             static_cast<W*>(out.raw()));
+  });
   check_launch("gather_rows");
 }
 

@@ -17,6 +17,8 @@ void sum_rows(const Tensor& x, Tensor& out);     // contiguous, one dtype (f32 /
 void scale_(Tensor& c, double beta);             // 2-D, any strides
 // out [R, C] = src[rows] (both contiguous, one dtype; rows checked by the front door).
 void gather_rows(const Tensor& src, const std::vector<int64_t>& rows, Tensor& out);
+// dst[rows] = src [R, C] (both contiguous, one dtype; rows checked by the front door).
+void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
 void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,
                                         int64_t width, Tensor& dx, Tensor* dinitial);
 
