@@ -23,7 +23,7 @@
 #include <memory>
 
 #include "cli/command.h"
-#include "core/device.h"
+#include "cli/infer_load.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "infer/generator.h"
@@ -55,15 +55,7 @@ void run_generate(const GenerateArgs& a) {
   if (!a.out.empty())
     HLM_CHECK(!fs::exists(a.out), "generate: --out {} exists; not overwriting it", a.out);
   const ModelConfig cfg = ModelConfig::load(a.model);
-  const Device dev = a.device == "cuda" ? Device::cuda : Device::cpu;
-  if (dev == Device::cuda) {
-    HLM_CHECK(cuda_available(), "generate --device cuda: no CUDA device is present");
-    HLM_CHECK(a.dtype == "f32", "generate --device cuda: computes in f32 (not --dtype {})",
-              a.dtype);
-    HLM_CHECK(cfg.precision.default_kind != GemmKind::fp8_block,
-              "generate --device cuda: the FP8 block GEMMs (gemm_precision fp8_block) have no "
-              "CUDA implementation yet");
-  }
+  const Device dev = inference_device(a.device, a.dtype, cfg, "generate");
   HybridModelOptions opt;
   opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
   opt.mtp = a.speculative;
@@ -82,10 +74,7 @@ void run_generate(const GenerateArgs& a) {
 
   // The prompts.
   std::vector<std::vector<int64_t>> prompts;
-  std::unique_ptr<tokenizer::Tokenizer> tok;
-  std::error_code ec;
-  if (fs::exists(fs::path(a.model) / "tokenizer.json", ec))
-    tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::load(a.model));
+  const std::unique_ptr<tokenizer::Tokenizer> tok = tokenizer_if_any(a.model);
   if (!a.prompt.empty()) {
     HLM_CHECK(tok != nullptr,
               "generate --prompt: {} has no tokenizer.json to encode the text; give token ids "
@@ -150,16 +139,10 @@ void run_generate(const GenerateArgs& a) {
                       cfg.num_hidden_layers, e.what()));
     }
   };
-  with_mtp_note([&] { checkpoint::check_against_config(a.model, cfg, opt.mtp, lo); });
-  check_memory_for(cfg, w, "generate");
-  check_memory(estimate_memory(cfg, w).total() + uint64_t(cb.total()),
-               fmt::format("generate: the weights, a prefill of {} tokens and a cache of {}",
-                           first_batch, format_bytes(double(cb.total()))));
-
-  HybridModel model(cfg, opt);
-  with_mtp_note([&] { checkpoint::load_module(a.model, model, lo); });
-  if (dev == Device::cuda) model.to(Device::cuda);
-  infer::Generator gen(model, co);
+  check_inference_memory(cfg, w, cb.total(), "generate");
+  std::unique_ptr<HybridModel> model;
+  with_mtp_note([&] { model = load_inference_model(a.model, cfg, opt, lo, dev); });
+  infer::Generator gen(*model, co);
   std::vector<infer::Request> reqs;
   for (const auto& p : prompts) {
     infer::Request r;

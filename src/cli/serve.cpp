@@ -2,7 +2,7 @@
 // batching (docs/inference.md, "hybridlm serve"), on cpp-httplib.
 //
 //   hybridlm serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-batch 16]
-//                  [--cache-tokens 65536] [--dtype f32|f64]
+//                  [--cache-tokens 65536] [--dtype f32|f64] [--device cpu|cuda]
 // --port 0 takes a free port; the line "serve: listening on http://HOST:PORT" on stdout names it.
 //
 // POST /v1/completions, a JSON object:
@@ -41,6 +41,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/infer_load.h"
 #include "core/memory.h"
 #include "infer/generator.h"
 #include "model/checkpoint.h"
@@ -55,7 +56,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 struct ServeArgs {
-  std::string model, host = "127.0.0.1", dtype = "f32";
+  std::string model, host = "127.0.0.1", dtype = "f32", device = "cpu";
   int64_t port = 8000, max_batch = 16, cache_tokens = 65536;
 };
 
@@ -251,6 +252,7 @@ void on_signal(int) {
 
 void run_serve(const ServeArgs& a) {
   const ModelConfig cfg = ModelConfig::load(a.model);
+  const Device dev = inference_device(a.device, a.dtype, cfg, "serve");
   HybridModelOptions opt;
   opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
   opt.mtp = false;
@@ -261,22 +263,14 @@ void run_serve(const ServeArgs& a) {
   checkpoint::LoadOptions lo;
   lo.ignore_layers_from = cfg.num_hidden_layers;
   lo.allow_missing = cfg.tie_word_embeddings;
-  checkpoint::check_against_config(a.model, cfg, opt.mtp, lo);
   Workload w;
   w.tokens = std::min<int64_t>(a.cache_tokens, cfg.max_position_embeddings);
   w.dtype = opt.dtype;
   w.mtp = false;
-  check_memory(estimate_memory(cfg, w).total() + uint64_t(cb.total()),
-               fmt::format("serve: the weights, a prefill of {} tokens and a cache of {}", w.tokens,
-                           format_bytes(double(cb.total()))));
-  std::unique_ptr<tokenizer::Tokenizer> tok;
-  std::error_code ec;
-  if (fs::exists(fs::path(a.model) / "tokenizer.json", ec))
-    tok = std::make_unique<tokenizer::Tokenizer>(tokenizer::Tokenizer::load(a.model));
-
-  HybridModel model(cfg, opt);
-  checkpoint::load_module(a.model, model, lo);
-  Engine engine(model, co);
+  check_inference_memory(cfg, w, cb.total(), "serve");
+  const std::unique_ptr<tokenizer::Tokenizer> tok = tokenizer_if_any(a.model);
+  const std::unique_ptr<HybridModel> model = load_inference_model(a.model, cfg, opt, lo, dev);
+  Engine engine(*model, co);
   const std::string name = fs::path(a.model).filename().string();
   std::atomic<int64_t> serial{0};
 
@@ -434,12 +428,15 @@ std::function<void()> setup_serve(CLI::App& app) {
                  "tokens the cache holds over all sequences (65536)")
       ->check(count_range(1, int64_t(1) << 34));
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
+  app.add_option("--device", a->device, "cpu or cuda: where the model and its cache run")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   return [a] { run_serve(*a); };
 }
 
 }  // namespace
 
-HLM_REGISTER_COMMAND("serve", "an OpenAI-compatible completions server (CPU, continuous batching)",
+HLM_REGISTER_COMMAND("serve",
+                     "an OpenAI-compatible completions server (CPU or CUDA, continuous batching)",
                      setup_serve);
 
 }  // namespace hlm::cli

@@ -467,6 +467,9 @@ class DecoderLayer : public Module {
       y = Tensor::empty({T, D}, y1.dtype(), y1.device());
       ops::scatter_rows(y, first, ops::contiguous(y1));
       ops::scatter_rows(y, last, ops::contiguous(y2));
+    } else if (kda_ && cc && T == cu.num_seqs() && a.dtype() == DType::f32) {
+      // A decode step (one token per sequence): the recurrent states advance in place.
+      y = kda_->decode_step(a, cc->cache->kda_pool(cc->layer), *cc->slots);
     } else if (kda_ && cc) {
       // Continue from the slots' states and keep the final ones.
       const KdaState init = cc->cache->kda_states(cc->layer, *cc->slots);

@@ -214,6 +214,12 @@ KdaState ModelCache::kda_states(int64_t layer, const std::vector<int64_t>& slots
   return s;
 }
 
+KdaState ModelCache::kda_pool(int64_t layer) const {
+  const Layer& L = layers_[size_t(layer)];
+  HLM_CHECK(L.kda, "ModelCache: layer {} is not a KDA layer", layer);
+  return KdaState{L.conv, L.state};
+}
+
 void ModelCache::store_kda_states(int64_t layer, const std::vector<int64_t>& slots,
                                   const KdaState& s) {
   Layer& L = layers_[size_t(layer)];

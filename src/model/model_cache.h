@@ -98,6 +98,9 @@ class ModelCache {
   // The KDA states of `slots` gathered [N, ...] (compute dtype), and written back.
   KdaState kda_states(int64_t layer, const std::vector<int64_t>& slots) const;
   void store_kda_states(int64_t layer, const std::vector<int64_t>& slots, const KdaState& s);
+  // A KDA layer's state pools themselves ([S, ...], shared storage): what KdaLayer::decode_step
+  // advances in place.
+  KdaState kda_pool(int64_t layer) const;
   // A DSA / MLA layer's view for a forward over `slots`, whose new tokens start at length(slot).
   DsaCacheView dsa_view(int64_t layer, const std::vector<int64_t>& slots) const;
 

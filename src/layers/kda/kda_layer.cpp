@@ -37,8 +37,10 @@
 #include "core/enum_names.h"
 #include "core/profile.h"
 #include "core/rng.h"
+#include "ops/activations.h"
 #include "ops/conv1d.h"
 #include "ops/kda.h"
+#include "ops/kda_decode.h"
 #include "ops/rmsnorm.h"
 #include "ops/tensor_ops.h"
 
@@ -501,6 +503,75 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const SeqLayo
     s->core = core_saved;
   }
   return y;
+}
+
+Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
+                             const std::vector<int64_t>& slots) const {
+  check_input(x);
+  const std::string w = where();
+  const int64_t N = x.dim() == 2 ? x.size(0) : -1, H = cfg_.num_heads, HV = cfg_.num_v_heads,
+                K = cfg_.head_k_dim, V = cfg_.head_v_dim, Wm = cfg_.conv_kernel - 1,
+                C = cfg_.conv_dim();
+  HLM_CHECK(N >= 1 && int64_t(slots.size()) == N,
+            "{}: decode_step takes x [N >= 1, D] and N slots, got {} and {} slots", w, x.describe(),
+            slots.size());
+  const DType cdt = hlm::compute_dtype(x.dtype());
+  HLM_CHECK(cdt == DType::f32, "{}: decode_step computes in f32, x is {}", w, x.describe());
+  HLM_CHECK(pool.conv.defined() && pool.recurrent.defined() && pool.conv.dim() == 3 &&
+                pool.conv.size(1) == Wm && pool.conv.size(2) == C &&
+                pool.recurrent.shape() == Shape({pool.conv.size(0), HV, K, V}) &&
+                pool.conv.dtype() == DType::f32 && pool.recurrent.dtype() == DType::f32 &&
+                pool.conv.device() == x.device() && pool.recurrent.device() == x.device() &&
+                pool.conv.is_contiguous() && pool.recurrent.is_contiguous(),
+            "{}: decode_step needs contiguous f32 state pools [S, {}, {}] and [S, {}, {}, {}] on "
+            "x's device",
+            w, Wm, C, HV, K, V);
+  const int64_t S = pool.conv.size(0);
+  const Context ctx{false, false};
+  const Tensor xc = ops::contiguous(as_dtype(x, cdt));
+
+  // Projections; the short conv of each part advanced by one token from the slots' conv states.
+  Tensor conv = ops::gather_rows(pool.conv.view({S, Wm * C}), slots).view({N, Wm, C});
+  Tensor act[3], st[3];
+  const Linear* proj[3] = {&q_proj_, &k_proj_, &v_proj_};
+  int64_t off = 0;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t ch = conv_[i].channels;
+    st[i] = ops::contiguous(conv.slice(2, off, off + ch));
+    act[i] = ops::causal_conv1d_update(proj[i]->forward(ctx, xc, nullptr), st[i],
+                                       conv_weight(i, cdt), /*silu=*/true);
+    off += ch;
+  }
+  Tensor pool_conv = pool.conv.view({S, Wm * C});
+  ops::scatter_rows(pool_conv, slots, cat_last({st[0], st[1], st[2]}).view({N, Wm * C}));
+
+  // The decay gate, beta, and the recurrent step in place.
+  const Tensor z = f_a_ ? f_b_->forward(ctx, f_a_->forward(ctx, xc, nullptr), nullptr)
+                        : f_b_->forward(ctx, xc, nullptr);
+  ops::KdaGateArgs ga;
+  ga.z = z.view({N, HV, K});
+  ga.A_log = A_log_->value;
+  ga.dt_bias = dt_bias_->value;
+  ga.kind = cfg_.gate;
+  ga.lower_bound = cfg_.lower_bound;
+  ops::KdaDecodeArgs da;
+  da.q = act[0].view({N, H, K});
+  da.k = act[1].view({N, H, K});
+  da.v = act[2].view({N, HV, V});
+  da.g = ops::kda_gate(ga);
+  da.beta = ops::sigmoid_forward(b_proj_.forward(ctx, xc, nullptr)).view({N, HV});
+  da.state = pool.recurrent;
+  da.state_indices = Tensor::from_vector<int64_t>({N}, slots);
+  if (!x.is_cpu()) da.state_indices = da.state_indices.to(x.device());
+  da.use_qk_l2norm = true;
+  const Tensor o = ops::kda_decode_step(da);
+
+  // Output gate, gated RMSNorm, output projection.
+  const Tensor og = g_a_ ? g_b_->forward(ctx, g_a_->forward(ctx, xc, nullptr), nullptr)
+                         : g_b_->forward(ctx, xc, nullptr);
+  const ops::RmsNormResult nr = ops::gated_rmsnorm_forward(
+      o, og.view({N, HV, V}), as_dtype(o_norm_->value, cdt), cfg_.norm_eps);
+  return as_dtype(o_proj_.forward(ctx, nr.y.view({N, HV * V}), nullptr), x.dtype());
 }
 
 // ---- backward ---------------------------------------------------------------------------------

@@ -171,6 +171,15 @@ class KdaLayer : public Module {
   Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                  const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
 
+  // Inference: one decode step of N sequences, one token each (x [N, D], computing in f32), over
+  // the state pools of an inference cache (pool.conv [S, W-1, 2HK + HV V] and pool.recurrent
+  // [S, HV, K, V], f32, on x's device; slots: N distinct rows of them). The conv states of the
+  // slots are gathered, advanced and written back (small); the recurrent states are advanced in
+  // place by ops::kda_decode_step through its slot indices, so they are never copied. The math of
+  // forward over one-token sequences from those states, by the recurrent step.
+  Tensor decode_step(const Tensor& x, const KdaState& pool,
+                     const std::vector<int64_t>& slots) const;
+
   // dy [T, D]; d_final: optional gradients of the final states (either part may be undefined).
   Grads backward(const Context& ctx, const Tensor& dy, const Saved& saved,
                  const KdaState* d_final = nullptr);
