@@ -1,8 +1,9 @@
-// Generation on the CPU (infer::Generator over a ModelCache): the time to the first token (the
-// prefill of one prompt) and the decode throughput at batch 1, 8 and 64, for a model config with
-// random weights.
+// Generation (infer::Generator over a ModelCache) on the CPU or CUDA: the time to the first token
+// (the prefill of the prompts) and the decode throughput at batch 1, 8 and 64, for a model config
+// with random weights.
 //
-//   bench_decode_cpu [--config FILE] [--prompt N] [--new N] [--batches 1,8,64] [--dtype f32|f64]
+//   bench_decode [--config FILE] [--prompt N] [--new N] [--batches 1,8,64] [--dtype f32|f64]
+//                [--device cpu|cuda]
 //
 // Per batch B: B prompts of N random tokens are submitted to one Generator; its first step
 // prefills them all (one packed forward), every later step decodes one token of each. Reported:
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/profile.h"
 #include "core/rng.h"
 #include "infer/generator.h"
@@ -33,12 +35,13 @@ struct Args {
   int64_t prompt = 256, generate = 32;
   std::vector<int64_t> batches = {1, 8, 64};
   DType dtype = DType::f32;
+  Device device = Device::cpu;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
-               "bench_decode_cpu: %s\nusage: bench_decode_cpu [--config FILE] [--prompt N] "
-               "[--new N] [--batches 1,8,64] [--dtype f32|f64]\n",
+               "bench_decode: %s\nusage: bench_decode [--config FILE] [--prompt N] "
+               "[--new N] [--batches 1,8,64] [--dtype f32|f64] [--device cpu|cuda]\n",
                why.c_str());
   std::exit(2);
 }
@@ -71,6 +74,10 @@ Args parse(int argc, char** argv) {
       const std::string d = v;
       if (d != "f32" && d != "f64") usage("--dtype is f32 or f64");
       a.dtype = d == "f64" ? DType::f64 : DType::f32;
+    } else if (f == "--device") {
+      const std::string d = v;
+      if (d != "cpu" && d != "cuda") usage("--device is cpu or cuda");
+      a.device = d == "cuda" ? Device::cuda : Device::cpu;
     } else {
       usage("unknown option " + f);
     }
@@ -92,13 +99,15 @@ int main(int argc, char** argv) {
     o.dtype = a.dtype;
     o.mtp = false;
     o.seed = 1;
-    const HybridModel model(cfg, o);
+    if (a.device == Device::cuda && !cuda_available()) usage("--device cuda: no CUDA device");
+    HybridModel model(cfg, o);
+    if (a.device == Device::cuda) model.to(Device::cuda);
     std::printf(
-        "model %s (D %lld, %lld layers %s, vocab %lld), %s; prompts of %lld tokens, "
+        "model %s (D %lld, %lld layers %s, vocab %lld), %s on %s; prompts of %lld tokens, "
         "%lld new tokens each\n",
         a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
         cfg.layer_pattern().c_str(), (long long)cfg.vocab_size, dtype_name(a.dtype),
-        (long long)a.prompt, (long long)a.generate);
+        device_name(a.device), (long long)a.prompt, (long long)a.generate);
     std::printf("%6s | %12s %14s | %14s %14s\n", "batch", "prefill ms", "prefill tok/s",
                 "decode step ms", "decode tok/s");
     Rng rng(7);
@@ -140,7 +149,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_decode_cpu: %s\n", e.what());
+    std::fprintf(stderr, "bench_decode: %s\n", e.what());
     return 2;
   }
   return 0;
