@@ -19,10 +19,14 @@ saves it with save_pretrained, and for each batch size B draws B prompts of --pr
                 whole generation.
 
 Reported per batch: the time to the first token, the decode tokens/s of the steps after it
-((B (N - 1)) / (total - first)), the ratio hybridlm / transformers of decode tokens/s, and how many
-generated tokens the two agree on (greedy; a near-tie can flip one token and everything after it).
+((B (N - 1)) / (total - first)), the ratio hybridlm / transformers of decode tokens/s, how many
+generated tokens the two agree on (greedy; a near-tie can flip one token and everything after it),
+and, as a check of the baseline itself, how many of transformers' cached greedy tokens are the arg
+max of its own full forward over the prompt and the generated tokens. The cache goes to the model
+under the keyword its forward takes (`cache` in transformers 5.25; `past_key_values` before).
 """
 import argparse
+import inspect
 import json
 import os
 import re
@@ -70,12 +74,13 @@ def main():
             torch.cuda.synchronize()
 
     E = model.embed_tokens.weight
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     print(f"torch {torch.__version__} on {a.device} ({torch.get_num_threads()} threads); "
           f"model {a.config}: "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; prompts of {a.prompt} "
           f"tokens, {a.new} new tokens each", flush=True)
     print(f"{'batch':>5} | {'first token ms':>14} {'decode tok/s':>12} | {'first token ms':>14} "
-          f"{'decode tok/s':>12} | {'ratio':>6} | agree", flush=True)
+          f"{'decode tok/s':>12} | {'ratio':>6} | agree | torch cached = its full forward", flush=True)
     for B in [int(b) for b in a.batches.split(",")]:
         ids = torch.randint(0, config.vocab_size, (B, a.prompt))
         tok_file = os.path.join(a.dir, f"prompts_{B}.safetensors")
@@ -93,13 +98,17 @@ def main():
             gen = [nxt]
             t1 = time.perf_counter()
             for _ in range(a.new - 1):
-                out = model(input_ids=nxt[:, None], cache=cache, use_cache=True)
+                out = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: cache})
                 cache = out.past_key_values
                 nxt = (out.last_hidden_state[:, -1] @ E.T).argmax(-1)
                 gen.append(nxt)
             sync()
             decode = time.perf_counter() - t1
-        ref = torch.stack(gen, 1).cpu()
+        ref = torch.stack(gen, 1)
+        with torch.no_grad():  # the baseline's own check: its full forward's arg max
+            full = model(input_ids=torch.cat([ids, ref], 1)).last_hidden_state[:, a.prompt - 1:-1]
+            own = int(((full @ E.T).argmax(-1) == ref).sum())
+        ref = ref.cpu()
         torch_tps = B * (a.new - 1) / decode
         # hybridlm
         out_file = os.path.join(a.dir, f"gen_{B}.safetensors")
@@ -118,7 +127,8 @@ def main():
         ours = g["tokens"].view(B, a.new)
         agree = int((ours == ref).sum())
         print(f"{B:>5} | {first * 1e3:>14.1f} {torch_tps:>12.1f} | {ours_first * 1e3:>14.1f} "
-              f"{ours_tps:>12.1f} | {ours_tps / torch_tps:>5.2f}x | {agree}/{B * a.new}", flush=True)
+              f"{ours_tps:>12.1f} | {ours_tps / torch_tps:>5.2f}x | {agree}/{B * a.new} | "
+              f"{own}/{B * a.new}", flush=True)
     print("columns: transformers | hybridlm | ratio of decode tokens/s (hybridlm / transformers)")
 
 
