@@ -109,6 +109,9 @@ def main():
             full = model(input_ids=torch.cat([ids, ref], 1)).last_hidden_state[:, a.prompt - 1:-1]
             own = int(((full @ E.T).argmax(-1) == ref).sum())
         ref = ref.cpu()
+        del out, cache, full
+        if a.device == "cuda":
+            torch.cuda.empty_cache()  # hybridlm runs next, in another process on the same GPU
         torch_tps = B * (a.new - 1) / decode
         # hybridlm
         out_file = os.path.join(a.dir, f"gen_{B}.safetensors")

@@ -16,7 +16,7 @@ for b in "${bins[@]}"; do [ -f "$build/$b" ] && cp "$build/$b" "$pack/"; done
 # Libraries from Debian packages that a CUDA image may lack (the CUDA ones are on the machine).
 for b in "$pack"/*; do
   [ -f "$b" ] || continue
-  ldd "$b" | awk '/=> \//{print $3}' | grep -E 'fmt|openblas|gfortran|quadmath|benchmark|gomp|pcre2|icu|httplib|brotli' || true
+  ldd "$b" | awk '/=> \//{print $3}' | grep -E 'fmt|openblas|gfortran|quadmath|benchmark|gomp|pcre2|icu|httplib|brotli|mpi|open-pal|open-rte|hwloc|event|pmix|udev|ltdl' || true
 done | sort -u | while read -r lib; do cp -L "$lib" "$pack/lib/"; done
 du -sh "$pack"
 if [ -n "$tarball" ]; then

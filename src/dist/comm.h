@@ -1,0 +1,76 @@
+// Communicators: the processes of a job and the groups built from them (docs/parallel.md).
+//
+// A Comm is a group of `size()` processes, this one being `rank()`. Each backend moves bytes
+// (barrier, broadcast, all-gather, all-to-all, send / recv, split into sub-groups); the tensor
+// collectives on top are written once, here, and are deterministic: every sum over ranks is taken
+// in rank order 0, 1, ..., N-1 for every element, whatever order the messages arrive in, so all
+// ranks get the same bits and a run repeats bit for bit for a given N.
+//
+//   allreduce_sum   = reduce_scatter_sum (all-to-all of 1/N chunks, each summed in rank order by
+//                     the rank that owns it) + all-gather of the summed chunks: the volume of a
+//                     ring all-reduce, 2 (N-1)/N of the tensor per rank.
+//
+// Backends: self (one process; every collective is the identity) and MPI (Debian's OpenMPI;
+// `mpirun -np N hybridlm ...`). world() is MPI's world when the process was started by an MPI
+// launcher (and the build has MPI), else self.
+// Tensors are contiguous CPU tensors; the sums support f32, f64, i32 and i64 (in the tensor's own
+// dtype). A collective whose arguments differ between ranks (shapes, dtypes, roots) is an error
+// on the rank that detects it; a rank that dies ends the job (the MPI launcher stops the others).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/tensor.h"
+
+namespace hlm::dist {
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend() const = 0;
+
+  // ---- the transport every backend provides (bytes; every rank calls, with the same sizes) ----
+  virtual void barrier() = 0;
+  virtual void broadcast_bytes(void* data, size_t bytes, int root) = 0;
+  // recv holds size() blocks of `bytes`: block r is rank r's send.
+  virtual void allgather_bytes(const void* send, size_t bytes, void* recv) = 0;
+  // send holds size() blocks of `bytes`, block r for rank r; recv gets block r from rank r.
+  virtual void alltoall_bytes(const void* send, size_t bytes, void* recv) = 0;
+  virtual void send_bytes(const void* data, size_t bytes, int dst, int tag) = 0;
+  virtual void recv_bytes(void* data, size_t bytes, int src, int tag) = 0;
+  // The ranks that pass the same color, ordered by (key, rank), as a new communicator.
+  virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+
+  // ---- tensors (contiguous, CPU), deterministic ----
+  // t = the sum of every rank's t, in rank order; the same bits on every rank.
+  void allreduce_sum(Tensor& t);
+  // t [N m, ...] (first dimension a multiple of N): rows [r m, (r+1) m) summed over the ranks in
+  // rank order, as a new [m, ...] tensor.
+  Tensor reduce_scatter_sum(const Tensor& t);
+  // t [m, ...] from every rank: [N m, ...], rank r's rows at [r m, (r+1) m).
+  Tensor allgather(const Tensor& t);
+  // t = root's t (same shape and dtype on every rank).
+  void broadcast(Tensor& t, int root);
+
+ protected:
+  // Checks (on every rank) that all ranks passed the same shape and dtype; `what` names the call.
+  void check_same(const Tensor& t, const char* what);
+};
+
+// One process: rank 0 of 1.
+std::unique_ptr<Comm> self_comm();
+
+// Whether this build has the MPI backend, and whether the process was started by an MPI launcher
+// (mpirun / mpiexec: the launcher's environment is set).
+bool have_mpi();
+bool launched_by_mpi();
+
+// The job's communicator: MPI's world under an MPI launcher (MPI is initialised on the first call
+// and finalised at exit), else self. Under a launcher in a build without MPI: hlm::Error.
+Comm& world();
+
+}  // namespace hlm::dist

@@ -1,0 +1,161 @@
+// The collectives of dist/comm.h across real processes: run as `mpirun -np N hlm_dist_check`
+// (tests/dist/dist_test.cpp launches it with N = 2 and 4). Every rank computes what every other
+// rank sends (the inputs are functions of the rank), so each result is checked against the sum in
+// rank order computed here, bit for bit, and the results are compared across ranks. Prints one
+// line per rank and exits 0 when every check passed, 1 otherwise.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "dist/comm.h"
+
+namespace {
+
+using hlm::DType;
+using hlm::Shape;
+using hlm::Tensor;
+using hlm::dist::Comm;
+
+int failures = 0, checks = 0;
+
+void expect(bool ok, const std::string& what, int rank) {
+  ++checks;
+  if (ok) return;
+  ++failures;
+  std::printf("dist_check: rank %d: FAILED %s\n", rank, what.c_str());
+}
+
+// Rank r's input: values of very different magnitudes so that the order of the sum shows.
+double value(int r, int64_t i) {
+  return std::sin(0.37 * double(i) + 1.3 * r) * std::pow(10.0, (r * 7 + i) % 5 - 2);
+}
+
+template <class T>
+Tensor input(int r, int64_t n, DType dt) {
+  std::vector<T> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    v[size_t(i)] = std::is_integral_v<T> ? T(int64_t(value(r, i) * 1000)) : T(value(r, i));
+  return Tensor::from_vector<T>({n}, v);
+}
+
+// The sum over ranks 0..N-1 in that order, in T.
+template <class T>
+std::vector<T> ordered_sum(int N, int64_t n, DType dt) {
+  std::vector<T> s(static_cast<size_t>(n));
+  for (int r = 0; r < N; ++r) {
+    const Tensor x = input<T>(r, n, dt);
+    for (int64_t i = 0; i < n; ++i)
+      s[size_t(i)] = r == 0 ? x.data<T>()[i] : s[size_t(i)] + x.data<T>()[i];
+  }
+  return s;
+}
+
+template <class T>
+void check_allreduce(Comm& c, int64_t n, DType dt, const char* name) {
+  Tensor t = input<T>(c.rank(), n, dt);
+  c.allreduce_sum(t);
+  const std::vector<T> want = ordered_sum<T>(c.size(), n, dt);
+  expect(std::memcmp(t.raw(), want.data(), want.size() * sizeof(T)) == 0,
+         std::string("allreduce_sum ") + name + " equals the rank-ordered sum", c.rank());
+  // The same bits on every rank.
+  const Tensor all = c.allgather(t);
+  bool same = true;
+  for (int r = 0; r < c.size(); ++r)
+    same = same && std::memcmp(all.data<T>() + r * n, t.raw(), t.nbytes()) == 0;
+  expect(same, std::string("allreduce_sum ") + name + " is the same on every rank", c.rank());
+}
+
+}  // namespace
+
+int main() {
+  try {
+    Comm& w = hlm::dist::world();
+    const int R = w.rank(), N = w.size();
+    // Sums: sizes that do and do not divide by N, one element, none.
+    for (int64_t n : {int64_t(1000), int64_t(1), int64_t(N * 37), int64_t(0)}) {
+      check_allreduce<float>(w, n, DType::f32, "f32");
+      check_allreduce<double>(w, n, DType::f64, "f64");
+      check_allreduce<int64_t>(w, n, DType::i64, "i64");
+    }
+    // reduce_scatter: rank r's rows of the rank-ordered sum.
+    {
+      const int64_t m = 5, n = N * m * 3;
+      const Tensor t = input<float>(R, n, DType::f32).view({N * m, 3});
+      const Tensor mine = w.reduce_scatter_sum(t);
+      const std::vector<float> want = ordered_sum<float>(N, n, DType::f32);
+      expect(mine.shape() == Shape({m, 3}) &&
+                 std::memcmp(mine.raw(), want.data() + R * m * 3, size_t(m * 3) * 4) == 0,
+             "reduce_scatter_sum gives this rank's rows of the ordered sum", R);
+    }
+    // allgather and broadcast.
+    {
+      const Tensor t = input<double>(R, 6, DType::f64).view({2, 3});
+      const Tensor all = w.allgather(t);
+      bool ok = all.shape() == Shape({2 * N, 3});
+      for (int r = 0; r < N && ok; ++r)
+        ok =
+            std::memcmp(all.data<double>() + r * 6, input<double>(r, 6, DType::f64).raw(), 48) == 0;
+      expect(ok, "allgather stacks every rank's rows in rank order", R);
+      Tensor b = input<double>(R, 7, DType::f64);
+      w.broadcast(b, N - 1);
+      expect(std::memcmp(b.raw(), input<double>(N - 1, 7, DType::f64).raw(), 56) == 0,
+             "broadcast from the last rank", R);
+    }
+    // all-to-all: block q from rank s holds 1000 s + q.
+    {
+      std::vector<int64_t> send(static_cast<size_t>(N) * 4), recv(send.size());
+      for (int q = 0; q < N; ++q)
+        for (int j = 0; j < 4; ++j) send[size_t(q * 4 + j)] = 1000 * R + q + 100 * j;
+      w.alltoall_bytes(send.data(), 4 * sizeof(int64_t), recv.data());
+      bool ok = true;
+      for (int s = 0; s < N; ++s)
+        for (int j = 0; j < 4; ++j) ok = ok && recv[size_t(s * 4 + j)] == 1000 * s + R + 100 * j;
+      expect(ok, "alltoall_bytes delivers block r of every rank to rank r", R);
+    }
+    // A ring of send / recv (even ranks send first: no deadlock at any N).
+    if (N > 1) {
+      const int next = (R + 1) % N, prev = (R + N - 1) % N;
+      int64_t out = 77 * R + 5, in = -1;
+      if (R % 2 == 0) {
+        w.send_bytes(&out, sizeof(out), next, 3);
+        w.recv_bytes(&in, sizeof(in), prev, 3);
+      } else {
+        w.recv_bytes(&in, sizeof(in), prev, 3);
+        w.send_bytes(&out, sizeof(out), next, 3);
+      }
+      expect(in == 77 * prev + 5, "send / recv around the ring", R);
+    }
+    // Groups: color = rank % 2 (data-parallel-like groups of the even and the odd ranks).
+    {
+      std::unique_ptr<Comm> g = w.split(R % 2, R);
+      const int G = (N - R % 2 + 1) / 2;
+      expect(g->size() == G && g->rank() == R / 2, "split gives groups in rank order", R);
+      Tensor t = Tensor::from_vector<double>({1}, {double(R) + 0.25});
+      g->allreduce_sum(t);
+      double want = 0;
+      for (int r = R % 2; r < N; r += 2) want += double(r) + 0.25;
+      expect(t.data<double>()[0] == want, "allreduce_sum within a group", R);
+    }
+    // A mismatch between ranks is an error on every rank (not a hang or garbage).
+    if (N > 1) {
+      bool threw = false;
+      try {
+        Tensor t = Tensor::zeros({R == 0 ? int64_t(3) : int64_t(4)}, DType::f32);
+        w.allreduce_sum(t);
+      } catch (const hlm::Error& e) {
+        threw = std::string(e.what()).find("different shape") != std::string::npos;
+      }
+      expect(threw, "a shape mismatch between ranks is refused on every rank", R);
+    }
+    w.barrier();
+    std::printf("dist_check: rank %d of %d (%s): %d of %d checks passed\n", R, N, w.backend(),
+                checks - failures, checks);
+    return failures == 0 ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::printf("dist_check: error: %s\n", e.what());
+    return 1;
+  }
+}

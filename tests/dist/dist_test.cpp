@@ -1,0 +1,67 @@
+// dist/comm.h: the self backend in this process, and the MPI backend across 2 and 4 processes
+// (`mpirun --oversubscribe`, this machine's cores) through tests/dist/dist_check.cpp, whose ranks
+// check every collective bit for bit against the rank-ordered sums they compute themselves.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "dist/comm.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+TEST(Dist, TheSelfBackendIsOneRank) {
+  std::unique_ptr<dist::Comm> c = dist::self_comm();
+  EXPECT_EQ(c->rank(), 0);
+  EXPECT_EQ(c->size(), 1);
+  Tensor t = Tensor::from_vector<float>({3}, {1.5f, -2.f, 3.25f});
+  const Tensor before = t.contiguous().to(DType::f32);
+  c->allreduce_sum(t);
+  EXPECT_TRUE(testing::bit_equal(t, before));
+  EXPECT_TRUE(testing::bit_equal(c->reduce_scatter_sum(t), before));
+  EXPECT_TRUE(testing::bit_equal(c->allgather(t), before));
+  int64_t out = 42, in = 0;
+  c->send_bytes(&out, sizeof(out), 0, 7);
+  c->recv_bytes(&in, sizeof(in), 0, 7);
+  EXPECT_EQ(in, 42);
+  testing::expect_error([&] { c->recv_bytes(&in, sizeof(in), 0, 7); }, "no matching send");
+  testing::expect_error([&] { c->broadcast(t, 1); }, "root 1 is not a rank of 1");
+  Tensor h = Tensor::zeros({2}, DType::bf16);
+  testing::expect_error([&] { c->allreduce_sum(h); }, "sums f32, f64, i32 or i64");
+}
+
+// Runs `command` (stderr with stdout), returns its exit status and output.
+std::pair<int, std::string> run(const std::string& command) {
+  std::string out;
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(Dist, CollectivesAcrossProcesses) {
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  for (int n : {2, 4}) {
+    SCOPED_TRACE(n);
+    const auto [rc, out] =
+        run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
+            "timeout 120 mpirun --oversubscribe -np " +
+            std::to_string(n) + " " + HLM_DIST_CHECK);
+    EXPECT_EQ(rc, 0) << out;
+    int passed = 0;
+    for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;
+    EXPECT_EQ(passed, n) << out;
+    EXPECT_NE(out.find("of " + std::to_string(n) + " (mpi)"), std::string::npos) << out;
+    EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+  }
+}
+
+}  // namespace
+}  // namespace hlm
