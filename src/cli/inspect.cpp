@@ -1,12 +1,14 @@
 // `hybridlm inspect PATH`: what a checkpoint (or a config.json alone) holds, read from the config
 // and the safetensors headers only (no weights are loaded):
 //
-//   hybridlm inspect DIR|config.json [--seq-len L] [--tokens T]
+//   hybridlm inspect DIR|config.json [--seq-len L] [--tokens T] [--parallel dp=8,ep=8,cp=2,tp=1]
 //
 // architecture and layer pattern, parameters (total, active per token), the precision policy, the
 // checkpoint's layout, files, tensors and dtypes, and the memory a training step of T tokens in
 // sequences of L tokens needs and the decode cache of one sequence of L tokens
-// (docs/model_config.md, "Inspect").
+// (docs/model_config.md, "Inspect"). --parallel lays the training step out over GPUs: the groups,
+// memory per GPU and the bytes each parallelism sends per step (model/parallel_plan.h,
+// docs/parallel.md); T then defaults to one sequence per data-parallel rank.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -20,6 +22,7 @@
 #include "model/config.h"
 #include "model/config_limits.h"
 #include "model/model_cache.h"
+#include "model/parallel_plan.h"
 
 namespace hlm::cli {
 namespace {
@@ -27,7 +30,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct InspectArgs {
-  std::string path;
+  std::string path, parallel;
   int64_t seq_len = 4096, tokens = 0;
 };
 
@@ -36,11 +39,55 @@ std::string billions(int64_t n) {
                          : fmt::format("{:.2f} M", double(n) / 1e6);
 }
 
+std::string members(const std::vector<int64_t>& g) {
+  std::string s = "{";
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (i == 8 && g.size() > 10) {
+      s += fmt::format(", ... {}", g.back());
+      break;
+    }
+    s += fmt::format("{}{}", i ? ", " : "", g[i]);
+  }
+  return s + "}";
+}
+
+void print_plan(const ParallelPlan& p) {
+  const ParallelLayout& l = p.layout;
+  auto b = [](uint64_t x) { return format_bytes(double(x)); };
+  std::printf(
+      "parallel     dp %lld x cp %lld x tp %lld = %lld GPUs; routed experts over ep %lld (%lld "
+      "per GPU)\n",
+      (long long)l.dp, (long long)l.cp, (long long)l.tp, (long long)l.world(), (long long)l.ep,
+      (long long)p.experts_per_gpu);
+  std::printf("groups       of rank 0: tp %s, cp %s, dp %s, ep %s\n",
+              members(p.tp_group(0)).c_str(), members(p.cp_group(0)).c_str(),
+              members(p.dp_group(0)).c_str(), members(p.ep_group(0)).c_str());
+  std::printf(
+      "per GPU      %lld tokens of a step of %lld (sequences of %lld, %lld per GPU slice); %s "
+      "(%s): weights %s, gradients %s, optimizer %s, activations %s\n",
+      (long long)p.tokens_per_gpu, (long long)p.tokens, (long long)p.seq_len,
+      (long long)(p.seq_len / l.cp), b(p.memory()).c_str(),
+      fmt::format("{} + {} parameters", p.held_dense, p.held_experts).c_str(), b(p.weights).c_str(),
+      b(p.gradients).c_str(), b(p.optimizer).c_str(), b(p.activations).c_str());
+  std::printf(
+      "traffic      per GPU per step %s: dp gradients %s, dp parameters %s, ep all-to-all %s, "
+      "cp %s, tp %s\n",
+      b(p.traffic()).c_str(), b(p.dp_gradients).c_str(), b(p.dp_parameters).c_str(),
+      b(p.ep_alltoall).c_str(), b(p.cp_exchange).c_str(), b(p.tp_allreduce).c_str());
+  std::printf("compute      %.1f TFLOP per GPU per step (6 x active parameters x tokens / GPUs)\n",
+              p.flops_per_gpu / 1e12);
+}
+
 void run_inspect(const InspectArgs& a) {
   std::error_code ec;
   const bool dir = fs::is_directory(a.path, ec);
   const ModelConfig c = ModelConfig::load(a.path);
-  const int64_t T = a.tokens > 0 ? a.tokens : a.seq_len;
+  const ParallelLayout pl =
+      a.parallel.empty() ? ParallelLayout{} : ParallelLayout::parse(a.parallel);
+  const int64_t T = a.tokens > 0 ? a.tokens : a.seq_len * pl.dp;
+  const bool mtp_on = c.mtp.num_layers > 0;
+  // Checked before anything is printed: a layout that does not fit is an error alone.
+  const ParallelPlan plan = plan_parallel(c, pl, T, a.seq_len, mtp_on);
 
   std::string mlp;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) mlp.push_back(c.is_moe_layer(l) ? 'E' : 'd');
@@ -54,7 +101,7 @@ void run_inspect(const InspectArgs& a) {
   std::printf("mlp          %s (d = dense, E = MoE: %lld experts, top %lld, %lld shared)\n",
               mlp.c_str(), (long long)c.moe.n_routed_experts, (long long)c.moe.num_experts_per_tok,
               (long long)c.moe.n_shared_experts);
-  const bool mtp = c.mtp.num_layers > 0;
+  const bool mtp = mtp_on;
   const int64_t total = parameter_count(c, mtp), active = active_parameter_count(c, mtp);
   std::printf(
       "parameters   %lld total (%s), %lld active per token (%s)%s\n", (long long)total,
@@ -122,6 +169,7 @@ void run_inspect(const InspectArgs& a) {
       (long long)a.seq_len, format_bytes(double(cb.total())).c_str(),
       format_bytes(double(cb.per_sequence)).c_str(), format_bytes(double(cb.per_token)).c_str(),
       (long long)cb.page_tokens);
+  if (!a.parallel.empty()) print_plan(plan);
 }
 
 std::function<void()> setup_inspect(CLI::App& app) {
@@ -130,8 +178,11 @@ std::function<void()> setup_inspect(CLI::App& app) {
       ->required();
   app.add_option("--seq-len", a->seq_len, "sequence length of the estimates")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
-  app.add_option("--tokens", a->tokens, "tokens per training step (default: --seq-len)")
+  app.add_option("--tokens", a->tokens,
+                 "tokens per training step (default: --seq-len, times dp with --parallel)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
+  app.add_option("--parallel", a->parallel,
+                 "lay the step out over GPUs: dp=N,ep=N,cp=N,tp=N (any of them; the rest 1)");
   return [a] { run_inspect(*a); };
 }
 

@@ -331,14 +331,27 @@ MemoryEstimate estimate_memory(const ModelConfig& c, const Workload& w) {
   return m;
 }
 
+namespace {
+
+int64_t moe_layer_count(const ModelConfig& c, bool mtp) {
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.is_moe_layer(l) ? 1 : 0;
+  if (mtp && c.mtp.num_layers > 0 && c.mtp_mlp_kind() == MlpKind::moe) ++moe_layers;
+  return moe_layers;
+}
+
+}  // namespace
+
+int64_t routed_expert_parameter_count(const ModelConfig& c, bool mtp) {
+  return mul(moe_layer_count(c, mtp), c.moe.n_routed_experts,
+             mul(3, c.hidden_size, c.moe.moe_intermediate_size));
+}
+
 int64_t active_parameter_count(const ModelConfig& c, bool mtp) {
   int64_t n = parameter_count(c, mtp);
   const int64_t unused = c.moe.n_routed_experts - c.moe.num_experts_per_tok;
   const int64_t expert = mul(3, c.hidden_size, c.moe.moe_intermediate_size);
-  int64_t moe_layers = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.is_moe_layer(l) ? 1 : 0;
-  if (mtp && c.mtp.num_layers > 0 && c.mtp_mlp_kind() == MlpKind::moe) ++moe_layers;
-  if (unused > 0) n -= mul(moe_layers, unused, expert);
+  if (unused > 0) n -= mul(moe_layer_count(c, mtp), unused, expert);
   return n - mul(c.vocab_size - 1, c.hidden_size);
 }
 

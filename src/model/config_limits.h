@@ -75,6 +75,10 @@ struct MemoryEstimate {
 };
 MemoryEstimate estimate_memory(const ModelConfig& c, const Workload& w);
 
+// The routed experts' parameters (3 D moe_intermediate_size per expert of every MoE layer, the
+// MTP block's when mtp): what expert parallelism shards.
+int64_t routed_expert_parameter_count(const ModelConfig& c, bool mtp = true);
+
 // Parameters one token runs through: parameter_count less the routed experts a token does not
 // use ((n_routed_experts - num_experts_per_tok) experts of every MoE layer) and the embedding rows
 // but its own (the vocab_size - 1 other rows of embed_tokens).

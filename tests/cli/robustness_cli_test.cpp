@@ -379,6 +379,19 @@ TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   EXPECT_TRUE(refused(run({"inspect", path("missing")}), {"cannot open the file"}));
   EXPECT_TRUE(refused(run({"inspect", hf, "--seq-len", "0"}), {"--seq-len"}));
+  // --parallel lays a step out over GPUs (model/parallel_plan.h); a layout that does not fit is
+  // refused before anything is printed.
+  const std::string flash = std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json";
+  r = run({"inspect", flash, "--seq-len", "8192", "--parallel", "dp=8,ep=8,cp=2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* line : {"dp 8 x cp 2 x tp 1 = 16 GPUs; routed experts over ep 8 (36 per GPU)",
+                           "groups       of rank 0: tp {0}, cp {0, 1}, dp {0, 2, 4,",
+                           "per GPU      4096 tokens of a step of 65536", "ep all-to-all"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  r = run({"inspect", flash, "--parallel", "dp=3,ep=2"});
+  EXPECT_TRUE(refused(r, {"ep = 2 must divide dp x cp = 3"}));
+  EXPECT_EQ(r.out, "");
+  EXPECT_TRUE(refused(run({"inspect", flash, "--parallel", "dp=8,xx=1"}), {"unknown key 'xx'"}));
 
   // forward with no config edit: the layout and precision in one line; gradients named as the
   // file names the parameters, or as PyTorch's module tree.

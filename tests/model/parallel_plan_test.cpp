@@ -1,0 +1,107 @@
+// The layout of a parallel training step (model/parallel_plan.h) on GLM-5.3-Flash's shapes: one
+// GPU is the unsharded training estimate; over a layout the shards add up to the whole (every
+// parameter held by its ep group, every optimizer state once per tp rank); the groups partition
+// the ranks; the traffic of a parallelism is zero when it is off and follows the ring volumes;
+// layouts that do not fit the model or the step are refused, naming the reason.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "model/config.h"
+#include "model/config_limits.h"
+#include "model/parallel_plan.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+ModelConfig flash() {
+  return ModelConfig::load(std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json");
+}
+
+TEST(ParallelPlan, OneGpuIsTheUnshardedEstimate) {
+  const ModelConfig c = flash();
+  const ParallelPlan p = plan_parallel(c, {}, 4096, 4096, true);
+  const int64_t P = parameter_count(c, true);
+  EXPECT_EQ(p.held_dense + p.held_experts, P);
+  EXPECT_EQ(p.weights, uint64_t(2 * P));
+  EXPECT_EQ(p.gradients, uint64_t(4 * P));
+  EXPECT_EQ(p.optimizer, uint64_t(12 * P));
+  Workload w;
+  w.tokens = 4096;
+  w.max_seq_len = 4096;
+  w.training = true;
+  w.dtype = DType::bf16;
+  EXPECT_EQ(p.activations, estimate_memory(c, w).activations);
+  EXPECT_EQ(p.traffic(), 0u);
+  // 288 experts of 3 x 4096 x moe_intermediate_size in every MoE layer and the MTP block's.
+  EXPECT_EQ(routed_expert_parameter_count(c, true),
+            (c.num_hidden_layers - 3 + 1) * 288 * 3 * c.hidden_size * c.moe.moe_intermediate_size);
+}
+
+TEST(ParallelPlan, ShardsAddUpAndGroupsPartitionTheRanks) {
+  const ModelConfig c = flash();
+  const int64_t P = parameter_count(c, true), Pe = routed_expert_parameter_count(c, true);
+  for (const char* spec : {"dp=8,ep=8,cp=2", "dp=4,ep=2", "dp=2,cp=2,tp=2,ep=4", "tp=4"}) {
+    SCOPED_TRACE(spec);
+    const ParallelLayout l = ParallelLayout::parse(spec);
+    const ParallelPlan p = plan_parallel(c, l, l.dp * 8192, 8192, true);
+    EXPECT_EQ(p.held_experts * l.ep, Pe);
+    EXPECT_NEAR(double(p.held_dense * l.tp), double(P - Pe), double(l.tp));  // rounded down
+    EXPECT_EQ(p.tokens_per_gpu * l.dp * l.cp, p.tokens);
+    // Every parameter's optimizer state once per tp rank over all the GPUs (to rounding).
+    const double states = double(p.optimizer) * double(l.world()) / 12.0;
+    EXPECT_NEAR(states, double(P - Pe) + double(Pe) * double(l.tp), 1e-9 * double(P) + l.world());
+    // Each kind of group partitions the world; a rank's groups hold it.
+    for (auto group : {&ParallelPlan::tp_group, &ParallelPlan::cp_group, &ParallelPlan::dp_group,
+                       &ParallelPlan::ep_group}) {
+      std::multiset<int64_t> seen;
+      for (int64_t r = 0; r < l.world(); ++r) {
+        const std::vector<int64_t> g = (p.*group)(r);
+        EXPECT_TRUE(std::find(g.begin(), g.end(), r) != g.end()) << r;
+        if (g.front() == r) seen.insert(g.begin(), g.end());
+      }
+      EXPECT_EQ(int64_t(seen.size()), l.world());
+      EXPECT_EQ(int64_t(std::set<int64_t>(seen.begin(), seen.end()).size()), l.world());
+    }
+    EXPECT_EQ(int64_t(p.ep_group(0).size()), l.ep);
+    EXPECT_EQ(int64_t(p.dp_group(0).size()), l.dp);
+  }
+}
+
+TEST(ParallelPlan, TrafficFollowsTheRingVolumes) {
+  const ModelConfig c = flash();
+  // Expert all-to-all: 4 t k D 2 (ep - 1) / ep per MoE layer (46 with the MTP block's).
+  const ParallelPlan a = plan_parallel(c, ParallelLayout::parse("dp=4,ep=4"), 4 * 8192, 8192, true);
+  EXPECT_EQ(a.ep_alltoall, uint64_t(4.0 * 8192 * 8 * 4096 * 2 * 0.75 * 43 + 0.5));
+  EXPECT_EQ(a.cp_exchange, 0u);
+  EXPECT_EQ(a.tp_allreduce, 0u);
+  // Twice the ranks per expert group: (n - 1) / n goes from 3/4 to 7/8.
+  const ParallelPlan b = plan_parallel(c, ParallelLayout::parse("dp=8,ep=8"), 8 * 8192, 8192, true);
+  EXPECT_NEAR(double(b.ep_alltoall) / double(a.ep_alltoall), (7.0 / 8) / (3.0 / 4), 1e-9);
+  // Gradients: FP32 reduce-scatter, twice the BF16 all-gather of the parameters.
+  EXPECT_NEAR(double(a.dp_gradients), 2.0 * double(a.dp_parameters), 2.0);
+  // Context parallelism moves states and key rows; tensor parallelism activations.
+  const ParallelPlan d = plan_parallel(c, ParallelLayout::parse("cp=2,tp=2"), 8192, 8192, true);
+  EXPECT_GT(d.cp_exchange, 0u);
+  EXPECT_EQ(d.tp_allreduce, uint64_t(4.0 * 4096 * 4096 * 2 * 2 * 0.5 * 46 + 0.5));
+}
+
+TEST(ParallelPlan, LayoutsThatDoNotFitAreRefused) {
+  const ModelConfig c = flash();
+  auto plan = [&](const char* spec, int64_t T, int64_t L) {
+    plan_parallel(c, ParallelLayout::parse(spec), T, L, true);
+  };
+  testing::expect_error([&] { plan("dp=3,ep=2", 3 * 4096, 4096); }, "must divide dp x cp = 3");
+  testing::expect_error([&] { plan("dp=64,ep=64", 64 * 4096, 4096); }, "the 288 routed experts");
+  testing::expect_error([&] { plan("tp=3", 4096, 4096); }, "tp = 3 must divide");
+  testing::expect_error([&] { plan("cp=3", 4096, 4096); }, "cp = 3 must divide the sequence");
+  testing::expect_error([&] { plan("dp=2", 4096, 4096); }, "whole sequences");
+  for (const char* bad : {"dp=0", "dp=x", "dp", "zz=2", "dp=2,dp=2", "", "dp=2,", "tp=-1"})
+    testing::expect_error([&] { ParallelLayout::parse(bad); }, "--parallel");
+}
+
+}  // namespace
+}  // namespace hlm
