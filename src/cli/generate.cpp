@@ -127,21 +127,9 @@ void run_generate(const GenerateArgs& a) {
   checkpoint::LoadOptions lo;
   if (!a.speculative) lo.ignore_layers_from = cfg.num_hidden_layers;
   lo.allow_missing = cfg.tie_word_embeddings;
-  // --speculative reads the MTP block's weights too: say so when they are missing.
-  auto with_mtp_note = [&](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      if (!a.speculative) throw;
-      throw Error(
-          fmt::format("generate --speculative needs the MTP block's weights "
-                      "(model.layers.{}.*): {}",
-                      cfg.num_hidden_layers, e.what()));
-    }
-  };
   check_inference_memory(cfg, w, cb.total(), "generate");
-  std::unique_ptr<HybridModel> model;
-  with_mtp_note([&] { model = load_inference_model(a.model, cfg, opt, lo, dev); });
+  const std::unique_ptr<HybridModel> model =
+      load_inference_model(a.model, cfg, opt, lo, dev, "generate");
   infer::Generator gen(*model, co);
   std::vector<infer::Request> reqs;
   for (const auto& p : prompts) {

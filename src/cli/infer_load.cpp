@@ -32,10 +32,19 @@ void check_inference_memory(const ModelConfig& cfg, const Workload& w, int64_t c
 
 std::unique_ptr<HybridModel> load_inference_model(const std::string& dir, const ModelConfig& cfg,
                                                   const HybridModelOptions& opt,
-                                                  const checkpoint::LoadOptions& lo, Device dev) {
-  checkpoint::check_against_config(dir, cfg, opt.mtp, lo);
-  auto model = std::make_unique<HybridModel>(cfg, opt);
-  checkpoint::load_module(dir, *model, lo);
+                                                  const checkpoint::LoadOptions& lo, Device dev,
+                                                  const char* command) {
+  std::unique_ptr<HybridModel> model;
+  try {
+    checkpoint::check_against_config(dir, cfg, opt.mtp, lo);
+    model = std::make_unique<HybridModel>(cfg, opt);
+    checkpoint::load_module(dir, *model, lo);
+  } catch (const Error& e) {
+    if (!opt.mtp) throw;
+    throw Error(
+        fmt::format("{} --speculative needs the MTP block's weights (model.layers.{}.*): {}",
+                    command, cfg.num_hidden_layers, e.what()));
+  }
   if (dev != Device::cpu) model->to(dev);
   return model;
 }

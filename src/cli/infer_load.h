@@ -23,10 +23,13 @@ Device inference_device(const std::string& device, const std::string& dtype, con
 void check_inference_memory(const ModelConfig& cfg, const Workload& w, int64_t cache_bytes,
                             const std::string& what);
 
-// The checkpoint in dir checked against cfg, then the model built, loaded and moved to dev.
+// The checkpoint in dir checked against cfg, then the model built, loaded and moved to dev. With
+// opt.mtp (`command --speculative`) an error in the checkpoint says that the MTP block's weights
+// are needed.
 std::unique_ptr<HybridModel> load_inference_model(const std::string& dir, const ModelConfig& cfg,
                                                   const HybridModelOptions& opt,
-                                                  const checkpoint::LoadOptions& lo, Device dev);
+                                                  const checkpoint::LoadOptions& lo, Device dev,
+                                                  const char* command);
 
 // dir's tokenizer.json, or null when it has none.
 std::unique_ptr<tokenizer::Tokenizer> tokenizer_if_any(const std::string& dir);

@@ -2,7 +2,7 @@
 // batching (docs/inference.md, "hybridlm serve"), on cpp-httplib.
 //
 //   hybridlm serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-batch 16]
-//                  [--cache-tokens 65536] [--dtype f32|f64] [--device cpu|cuda]
+//                  [--cache-tokens 65536] [--dtype f32|f64] [--device cpu|cuda] [--speculative]
 // --port 0 takes a free port; the line "serve: listening on http://HOST:PORT" on stdout names it.
 //
 // POST /v1/completions, a JSON object:
@@ -21,6 +21,9 @@
 // "total_tokens"}}. A bad request gets HTTP 400 and {"error": {"message", "type":
 // "invalid_request_error"}} (a body over 64 MiB: 413); other requests are unaffected. GET /health
 // answers 200 "ok".
+// --speculative drafts with the checkpoint's MTP block (its weights are read); every request must
+// then be greedy (temperature 0: a sampled one gets HTTP 400), and its answer is plain greedy
+// decoding's.
 // Requests run concurrently: one engine thread steps the Generator, admitting requests as the
 // cache allows; an HTTP thread per connection waits for its request's tokens.
 #include <httplib.h>
@@ -58,6 +61,7 @@ using nlohmann::json;
 struct ServeArgs {
   std::string model, host = "127.0.0.1", dtype = "f32", device = "cpu";
   int64_t port = 8000, max_batch = 16, cache_tokens = 65536;
+  bool speculative = false;
 };
 
 // What an HTTP thread and the engine thread share about one request.
@@ -76,14 +80,18 @@ class Engine {
   Engine(const HybridModel& model, const CacheOptions& co) : gen_(model, co) {
     thread_ = std::thread([this] { loop(); });
   }
-  ~Engine() {
+  ~Engine() { stop(); }
+  // Ends the engine thread (idempotent); the generator's counters are then safe to read.
+  void stop() {
     {
       std::lock_guard<std::mutex> l(mu_);
       stop_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
+  // After stop(): speculative decoding's drafts checked and accepted.
+  std::pair<int64_t, int64_t> drafts() const { return {gen_.drafts(), gen_.accepted()}; }
   // hlm::Error for a bad request (nothing queued).
   std::shared_ptr<Channel> submit(infer::Request r) {
     std::lock_guard<std::mutex> l(mu_);
@@ -253,23 +261,28 @@ void on_signal(int) {
 void run_serve(const ServeArgs& a) {
   const ModelConfig cfg = ModelConfig::load(a.model);
   const Device dev = inference_device(a.device, a.dtype, cfg, "serve");
+  HLM_CHECK(!a.speculative || cfg.mtp.num_layers >= 1,
+            "serve --speculative: the model has no MTP block to draft with "
+            "(num_nextn_predict_layers = 0)");
   HybridModelOptions opt;
   opt.dtype = a.dtype == "f64" ? DType::f64 : DType::f32;
-  opt.mtp = false;
+  opt.mtp = a.speculative;
   CacheOptions co;
   co.max_seqs = a.max_batch;
   co.max_tokens = a.cache_tokens;
+  co.speculative = a.speculative;
   const CacheBytes cb = ModelCache::plan(cfg, compute_dtype(opt.dtype), co);
   checkpoint::LoadOptions lo;
-  lo.ignore_layers_from = cfg.num_hidden_layers;
+  if (!a.speculative) lo.ignore_layers_from = cfg.num_hidden_layers;
   lo.allow_missing = cfg.tie_word_embeddings;
   Workload w;
   w.tokens = std::min<int64_t>(a.cache_tokens, cfg.max_position_embeddings);
   w.dtype = opt.dtype;
-  w.mtp = false;
+  w.mtp = a.speculative;
   check_inference_memory(cfg, w, cb.total(), "serve");
   const std::unique_ptr<tokenizer::Tokenizer> tok = tokenizer_if_any(a.model);
-  const std::unique_ptr<HybridModel> model = load_inference_model(a.model, cfg, opt, lo, dev);
+  const std::unique_ptr<HybridModel> model =
+      load_inference_model(a.model, cfg, opt, lo, dev, "serve");
   Engine engine(*model, co);
   const std::string name = fs::path(a.model).filename().string();
   std::atomic<int64_t> serial{0};
@@ -411,6 +424,10 @@ void run_serve(const ServeArgs& a) {
               (long long)co.max_seqs, (long long)(cb.num_pages * cb.page_tokens));
   std::fflush(stdout);
   svr.listen_after_bind();
+  engine.stop();
+  if (a.speculative)
+    std::fprintf(stderr, "serve: MTP drafts accepted %lld of %lld\n",
+                 (long long)engine.drafts().second, (long long)engine.drafts().first);
   g_server = nullptr;
   std::printf("serve: stopped\n");
 }
@@ -430,6 +447,8 @@ std::function<void()> setup_serve(CLI::App& app) {
   app.add_option("--dtype", a->dtype, "compute dtype")->check(CLI::IsMember({"f32", "f64"}));
   app.add_option("--device", a->device, "cpu or cuda: where the model and its cache run")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--speculative", a->speculative,
+               "draft with the MTP block (requests greedy only: temperature 0)");
   return [a] { run_serve(*a); };
 }
 

@@ -70,7 +70,7 @@ void Generator::check(const Request& r) const {
             "generate: max_new must be in [0, 2^30], got {}", r.max_new);
   r.sampling.validate();
   HLM_CHECK(!cache_.speculative() || r.sampling.greedy(),
-            "generate: speculative decoding is greedy only (temperature 0)");
+            "speculative decoding is greedy only (temperature 0)");
   const int64_t most = most_tokens(r);
   const int64_t room = cache_.bytes().num_pages * cache_.page_tokens();
   HLM_CHECK(pages_for(most) <= cache_.bytes().num_pages,

@@ -112,6 +112,21 @@ ModelCache::ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& 
   std::iota(free_.rbegin(), free_.rend(), int64_t(0));
 }
 
+CacheBytes ModelCache::allocated() const {
+  CacheBytes b;
+  auto add = [](int64_t& to, const Tensor& t) { to += t.defined() ? int64_t(t.nbytes()) : 0; };
+  for (const Layer& L : layers_) {
+    for (const Tensor* t : {&L.conv, &L.state, &L.draft_conv, &L.draft_state, &L.tail_k,
+                            &L.tail_gate})
+      add(b.slots, *t);
+    add(b.pages, L.kv);
+    add(b.pages, L.keys);
+  }
+  b.page_tokens = page_;
+  b.num_pages = bytes_.num_pages;
+  return b;
+}
+
 void ModelCache::check_slot(int64_t slot, const char* what) const {
   HLM_CHECK(slot >= 0 && slot < max_seqs() && len_[size_t(slot)] >= 0,
             "ModelCache::{}: slot {} is not an open sequence (slots 0..{})", what, slot,

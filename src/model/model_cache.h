@@ -59,6 +59,8 @@ class ModelCache {
   // The bytes a cache of these options takes (nothing allocated).
   static CacheBytes plan(const ModelConfig& cfg, DType dtype, const CacheOptions& opt);
   const CacheBytes& bytes() const { return bytes_; }
+  // The bytes of the tensors this cache allocated: slots (KDA states, KPool tails) and pages.
+  CacheBytes allocated() const;
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   int64_t max_seqs() const { return int64_t(len_.size()); }

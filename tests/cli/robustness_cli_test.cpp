@@ -698,6 +698,66 @@ TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   }
 }
 
+// `serve --speculative` drafts with the MTP block: greedy requests get plain greedy decoding's
+// answers (generate's), a sampled one gets HTTP 400, and a checkpoint without the MTP block is
+// refused at start.
+TEST_F(RobustCli, ServeSpeculativeAnswersAsPlainGreedy) {
+  EXPECT_TRUE(
+      refused(run({"serve", "--model", make_checkpoint("plain"), "--port", "0", "--speculative"}),
+              {"needs the MTP block's weights", "model.layers."}));
+  const std::string ckpt = make_checkpoint("with_mtp", true);
+  const pid_t server = start({"serve", "--model", ckpt, "--port", "0", "--max-batch", "2",
+                              "--cache-tokens", "128", "--speculative"});
+  const std::string server_out = out_;
+  int port = 0;
+  for (int i = 0; i < 400 && port == 0; ++i) {
+    const std::string o = read(server_out);
+    const size_t at = o.find("http://127.0.0.1:");
+    if (at != std::string::npos) port = std::atoi(o.c_str() + at + 17);
+    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GT(port, 0) << read(server_out) << read(err_);
+  const std::vector<std::vector<int64_t>> prompts = {{3, 9, 1}, {5, 5, 20, 7, 2, 11}, {0}};
+  std::vector<json> answers(prompts.size());
+  std::vector<std::thread> th;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    th.emplace_back([&, i] {
+      httplib::Client c("127.0.0.1", port);
+      c.set_read_timeout(60, 0);
+      const json body = {{"prompt", prompts[i]}, {"max_tokens", 7}, {"temperature", 0}};
+      auto r = c.Post("/v1/completions", body.dump(), "application/json");
+      if (r && r->status == 200) answers[i] = json::parse(r->body, nullptr, false);
+    });
+  {
+    httplib::Client c("127.0.0.1", port);
+    auto r =
+        c.Post("/v1/completions", R"({"prompt": [1, 2], "temperature": 0.7})", "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(r->body.find("greedy only"), std::string::npos) << r->body;
+  }
+  for (auto& t : th) t.join();
+  ::kill(server, SIGINT);
+  const Result sr = finish(server, 30);
+  EXPECT_TRUE(sr.exited && sr.code == 0) << sr.err;
+  EXPECT_NE(sr.err.find("serve: MTP drafts accepted"), std::string::npos) << sr.err;
+  EXPECT_EQ(sr.err.find("accepted 0 of 0"), std::string::npos) << sr.err;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    write_tokens(
+        "p.st",
+        {{"input_ids", Tensor::from_vector<int64_t>({int64_t(prompts[i].size())}, prompts[i])}});
+    fs::remove(path("g.st"));
+    const Result g =
+        run({"generate", "--model", ckpt, "--tokens", "p.st", "--max-new", "7", "--out", "g.st"});
+    ASSERT_EQ(g.code, 0) << g.err;
+    const Tensor toks = safetensors::load(path("g.st")).tensors.at("tokens");
+    ASSERT_TRUE(answers[i].is_object()) << "request " << i;
+    EXPECT_EQ(answers[i]["choices"][0]["token_ids"].get<std::vector<int64_t>>(),
+              std::vector<int64_t>(toks.data<int64_t>(), toks.data<int64_t>() + toks.numel()))
+        << "request " << i;
+  }
+}
+
 TEST_F(RobustCli, NonUtf8HeaderBytesAreEscapedInTheErrorLine) {
   std::string h = "{\"x\xff\x1b[2J\":1}";
   std::vector<uint8_t> b(8 + h.size());

@@ -210,7 +210,27 @@ TEST(Decode, CacheBytesFollowTheShapes) {
                                                             k.num_v_heads * k.v_head_dim) +
                                      k.num_v_heads * k.head_dim * k.v_head_dim) +
                                 4 * n_ix * 2 * P * d);
-  EXPECT_EQ(b.pages, b.per_token * b.num_pages * b.page_tokens);
+}
+
+TEST(Decode, ThePlanIsWhatTheCacheAllocates) {
+  // ModelCache::plan (what inspect and the memory checks use) against the tensors a cache of the
+  // same options allocates, for every test stack, with and without speculative decoding.
+  for (const Stack& st : stacks()) {
+    SCOPED_TRACE(st.name);
+    nlohmann::json j = base_json();
+    j.merge_patch(st.patch);
+    j["num_nextn_predict_layers"] = 1;
+    const ModelConfig cfg = ModelConfig::from_json(j, st.name);
+    for (const bool spec : {false, true}) {
+      const CacheOptions o{.max_seqs = 3, .max_tokens = 50, .page = 4, .speculative = spec};
+      const CacheBytes plan = ModelCache::plan(cfg, DType::f32, o);
+      const CacheBytes got = ModelCache(cfg, DType::f32, o).allocated();
+      EXPECT_EQ(plan.slots, got.slots) << "speculative " << spec;
+      EXPECT_EQ(plan.pages, got.pages) << "speculative " << spec;
+      EXPECT_EQ(plan.slots, plan.per_sequence * 3);
+      EXPECT_GE(plan.num_pages * plan.page_tokens, 50);
+    }
+  }
 }
 
 }  // namespace
