@@ -116,8 +116,8 @@ CacheBytes ModelCache::allocated() const {
   CacheBytes b;
   auto add = [](int64_t& to, const Tensor& t) { to += t.defined() ? int64_t(t.nbytes()) : 0; };
   for (const Layer& L : layers_) {
-    for (const Tensor* t : {&L.conv, &L.state, &L.draft_conv, &L.draft_state, &L.tail_k,
-                            &L.tail_gate})
+    for (const Tensor* t :
+         {&L.conv, &L.state, &L.draft_conv, &L.draft_state, &L.tail_k, &L.tail_gate})
       add(b.slots, *t);
     add(b.pages, L.kv);
     add(b.pages, L.keys);

@@ -178,6 +178,16 @@ class RobustCli : public ::testing::Test {
     checkpoint::save_module(path(name), m, &cfg);
     return path(name);
   }
+  // The port a `serve --port 0` just started prints ("http://127.0.0.1:PORT"); 0 after 20 s.
+  int wait_for_port() {
+    for (int i = 0; i < 400; ++i) {
+      const std::string o = read(out_);
+      const size_t at = o.find("http://127.0.0.1:");
+      if (at != std::string::npos) return std::atoi(o.c_str() + at + 17);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return 0;
+  }
   void write_tokens(const std::string& name, const safetensors::TensorMap& m) {
     safetensors::save(path(name), m);
   }
@@ -588,15 +598,8 @@ TEST_F(RobustCli, ServeAnswersConcurrentRequestsAsGenerateDoes) {
   const std::string ckpt = make_checkpoint("ckpt");
   const pid_t server =
       start({"serve", "--model", ckpt, "--port", "0", "--max-batch", "3", "--cache-tokens", "128"});
-  const std::string server_out = out_;
-  int port = 0;
-  for (int i = 0; i < 400 && port == 0; ++i) {
-    const std::string o = read(server_out);
-    const size_t at = o.find("http://127.0.0.1:");
-    if (at != std::string::npos) port = std::atoi(o.c_str() + at + 17);
-    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_GT(port, 0) << read(server_out) << read(err_);
+  const int port = wait_for_port();
+  ASSERT_GT(port, 0) << read(out_) << read(err_);
   struct Ask {
     std::vector<int64_t> prompt;
     double temperature;
@@ -708,15 +711,8 @@ TEST_F(RobustCli, ServeSpeculativeAnswersAsPlainGreedy) {
   const std::string ckpt = make_checkpoint("with_mtp", true);
   const pid_t server = start({"serve", "--model", ckpt, "--port", "0", "--max-batch", "2",
                               "--cache-tokens", "128", "--speculative"});
-  const std::string server_out = out_;
-  int port = 0;
-  for (int i = 0; i < 400 && port == 0; ++i) {
-    const std::string o = read(server_out);
-    const size_t at = o.find("http://127.0.0.1:");
-    if (at != std::string::npos) port = std::atoi(o.c_str() + at + 17);
-    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_GT(port, 0) << read(server_out) << read(err_);
+  const int port = wait_for_port();
+  ASSERT_GT(port, 0) << read(out_) << read(err_);
   const std::vector<std::vector<int64_t>> prompts = {{3, 9, 1}, {5, 5, 20, 7, 2, 11}, {0}};
   std::vector<json> answers(prompts.size());
   std::vector<std::thread> th;
