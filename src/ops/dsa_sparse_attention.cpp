@@ -6,11 +6,13 @@
 // derived on the device).
 #include "ops/dsa_sparse_attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/cpu/dsa_sparse_attention.h"
 #include "ops/cuda/dsa_attention.cuh"
 #include "ops/cuda/dsa_common.cuh"
+#include "ops/cuda/dsa_select.cuh"
 #include "ops/dispatch.h"
 #include "ops/dsa_common.h"
 #include "ops/op_checks.h"
@@ -123,6 +125,109 @@ SparseAttentionOut sparse_attention_pattern(const Tensor& q_, const Tensor& kv_,
     HLM_CUDA_PATH(op, cuda::sparse_attention(q, kv, cuda::upload_pattern(p, false), d_v, scale,
                                              r.out, r.lse));
   }
+  return r;
+}
+
+CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& scores_,
+                                           const CachedSelection& s, int64_t d_v, double scale) {
+  const char* op = "cached_sparse_attention";
+  detail::require_float_dev(q, op, "q");
+  const int64_t T = q.dim() == 3 ? q.size(0) : -1, W = s.width();
+  HLM_CHECK(T >= 0 && kv.defined() && kv.dim() == 2, "{}: q [T, H, D_qk] and kv [R, D_qk], got {}",
+            op, q.describe());
+  detail::require_like(kv, q, {kv.size(0), q.size(2)}, op, "kv (latent rows [R, D_qk])", "q");
+  HLM_CHECK(d_v >= 1 && d_v <= q.size(2) && std::isfinite(scale) && scale > 0,
+            "{}: d_v must be in [1, {}] and scale positive, got {} and {}", op, q.size(2), d_v,
+            scale);
+  HLM_CHECK(T >= 0 && int64_t(s.pos.size()) == T && int64_t(s.ncand.size()) == T &&
+                int64_t(s.seq_of.size()) == T && s.page > 0 && s.P >= 1 && s.K >= s.P &&
+                s.K % s.P == 0,
+            "{}: q [T, H, D_qk] with T positions, candidate counts and sequences, a page size and "
+            "K a multiple of P; got q {}, {} positions, K {}, P {}",
+            op, q.describe(), s.pos.size(), s.K, s.P);
+  int64_t most = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const size_t n = size_t(s.seq_of[size_t(t)]);
+    HLM_CHECK(n < s.pages.size() && s.pages[n] &&
+                  s.ncand[size_t(t)] == (s.pos[size_t(t)] + 1) / s.P &&
+                  int64_t(s.pages[n]->size()) * s.page > s.pos[size_t(t)],
+              "{}: query {} (position {}, sequence {}) has no page for its position or a wrong "
+              "candidate count",
+              op, t, s.pos[size_t(t)], n);
+    most = std::max(most, s.ncand[size_t(t)]);
+  }
+  HLM_CHECK(scores_.defined() && scores_.dim() == 2 && scores_.size(0) == T &&
+                scores_.size(1) >= most && scores_.device() == q.device() &&
+                scores_.dtype() == detail::compute_dtype(q.dtype()),
+            "{}: scores must be a {} [{}, >= {}] tensor on q's device, got {}", op,
+            dtype_name(detail::compute_dtype(q.dtype())), T, most,
+            scores_.defined() ? scores_.describe() : "undefined");
+  // Each query's entries: its selected pools' tokens, then its tail (counts known from pos).
+  const int64_t G = s.K / s.P;
+  std::vector<int64_t> row_ptr(size_t(T + 1), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = s.ncand[size_t(t)], tail = s.tail ? s.pos[size_t(t)] + 1 - n * s.P : 0;
+    row_ptr[size_t(t + 1)] = row_ptr[size_t(t)] + std::min(G, n) * s.P + tail;
+  }
+  auto row_of = [&](int64_t t, int64_t p) {
+    const std::vector<int64_t>& pg = *s.pages[size_t(s.seq_of[size_t(t)])];
+    return pg[size_t(p / s.page)] * s.page + p % s.page;
+  };
+  CachedAttentionOut r;
+  dsa_detail::Pattern pat;
+  pat.T = T, pat.W = W, pat.nkeys = kv.dim() == 2 ? kv.size(0) : 0;
+  pat.row_ptr = row_ptr;
+  if (q.is_cpu()) {
+    const Tensor scores = scores_.contiguous();
+    std::vector<int32_t> sel(size_t(T * W), -1), best;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = s.ncand[size_t(t)];
+      if (scores.dtype() == DType::f64)
+        dsa_detail::best_indices(scores.data<double>() + t * scores.size(1), n, G, best);
+      else
+        dsa_detail::best_indices(scores.data<float>() + t * scores.size(1), n, G, best);
+      int32_t* row = sel.data() + t * W;
+      for (size_t g = 0; g < best.size(); ++g)
+        for (int64_t i = 0; i < s.P; ++i) row[int64_t(g) * s.P + i] = int32_t(best[g] * s.P + i);
+      if (s.tail)
+        for (int64_t i = 0; n * s.P + i <= s.pos[size_t(t)]; ++i)
+          row[s.K + i] = int32_t(n * s.P + i);
+      for (int64_t j = 0; j < W; ++j)
+        if (row[j] >= 0) {
+          pat.slot.push_back(int32_t(j));
+          pat.key.push_back(row_of(t, row[j]));
+          pat.query.push_back(t);
+        }
+    }
+    const SparseAttentionOut a = sparse_attention_pattern(q, kv, pat, d_v, scale);
+    r.out = a.out, r.lse = a.lse;
+    r.sel = Tensor::from_vector<int32_t>({T, W}, sel);
+    return r;
+  }
+  HLM_CUDA_PATH(op, {
+    size_t max_pages = 1;
+    for (const auto* p : s.pages) max_pages = std::max(max_pages, p->size());
+    std::vector<int64_t> flat(s.pages.size() * max_pages, 0);
+    for (size_t n = 0; n < s.pages.size(); ++n)
+      std::copy(s.pages[n]->begin(), s.pages[n]->end(), flat.begin() + int64_t(n * max_pages));
+    auto up = [](const std::vector<int64_t>& v, const Shape& shape) {
+      return Tensor::from_vector<int64_t>(shape, v).to(Device::cuda);
+    };
+    const int64_t E = row_ptr.back();
+    cuda::DsaPatternDev d;
+    d.T = T, d.W = W, d.nkeys = pat.nkeys, d.entries = E;
+    d.row_ptr = up(row_ptr, {T + 1});
+    d.slot = detail::new_output({E}, DType::i32, Device::cuda);
+    d.key = detail::new_output({E}, DType::i64, Device::cuda);
+    d.query = detail::new_output({E}, DType::i64, Device::cuda);
+    r.sel = detail::new_output({T, W}, DType::i32, Device::cuda);
+    cuda::cached_select(scores_.contiguous(), up(s.ncand, {T}), up(s.pos, {T}), up(s.seq_of, {T}),
+                        up(flat, {int64_t(s.pages.size()), int64_t(max_pages)}), s.page, s.K, s.P,
+                        d.row_ptr, r.sel, d.slot, d.key, d.query);
+    r.out = detail::new_output({T, q.size(1), d_v}, q.dtype(), Device::cuda);
+    r.lse = detail::new_output({T, q.size(1)}, detail::compute_dtype(q.dtype()), Device::cuda);
+    cuda::sparse_attention(q.contiguous(), kv.contiguous(), d, d_v, scale, r.out, r.lse);
+  });
   return r;
 }
 

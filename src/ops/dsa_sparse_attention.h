@@ -58,6 +58,31 @@ SparseAttentionOut sparse_attention_pattern(const Tensor& q, const Tensor& kv,
                                             const dsa_detail::Pattern& p, int64_t d_v,
                                             double scale);
 
+// The selection and attention of the DSA layer's forward over an inference cache
+// (layers/dsa/dsa_cached.cpp). Query t, at position pos[t] of sequence seq_of[t] (whose page table
+// is pages[seq_of[t]]: position p is cache row pages[p / page] page + p % page), selects the best
+// min(K / P, ncand[t]) of its candidates' scores[t, 0 .. ncand[t]) (pools of P tokens, or tokens
+// for P = 1) by the rule of topk_select, each expanded to its P tokens (columns g P .. g P + P - 1,
+// pools ascending), and with `tail` its incomplete pool's tokens ncand[t] P .. pos[t] (columns
+// K ..); then attends them in that slot order over the cache rows kv (sparse_attention's math).
+// CPU: on the host. CUDA: the top-k, the expansion to cache rows and the attention on the device;
+// the per-query numbers and the page tables are copied there, nothing is read back.
+struct CachedSelection {
+  std::vector<int64_t> pos, ncand, seq_of;         // per query
+  std::vector<const std::vector<int64_t>*> pages;  // per sequence
+  int64_t page = 0, K = 0, P = 1;
+  bool tail = false;
+  int64_t width() const { return K + (tail ? P - 1 : 0); }
+};
+struct CachedAttentionOut {
+  Tensor out, lse;  // as sparse_attention's
+  Tensor sel;       // i32 [T, width()]: the selected positions (-1 empty), on the op's device
+};
+// q [T, H, D_qk], kv [R, D_qk] (one device, q's dtype), scores [T, >= max ncand] in q's
+// computation dtype.
+CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& scores,
+                                           const CachedSelection& s, int64_t d_v, double scale);
+
 // Dense causal attention: the same math over the causal set of each query's own document (keys
 // doc_start .. t in increasing order, i.e. sparse_attention with every causal token ascending),
 // without an index tensor. Same argument checks and dtype rules as sparse_attention. The CPU runs

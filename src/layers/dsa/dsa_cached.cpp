@@ -4,8 +4,9 @@
 // the training forward run over the cache's storage rows (a pattern of storage rows in place of
 // packed token ids: ops::indexer_scores_pattern, ops::sparse_attention_pattern), so the scores, the
 // selection (ops/dsa_common.h's best_indices, the rule of topk_select) and each query's slot order
-// are the training forward's. The patterns are built on the host, and the selection runs there
-// over the scores read back: one device-to-host copy per layer on CUDA.
+// are the training forward's. The patterns of the candidates are built on the host; the sparse
+// stage's top-k, its expansion to cache rows and the attention run where the op runs
+// (ops::cached_sparse_attention: on the device for CUDA, nothing read back).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -94,7 +95,15 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
   ops::scatter_rows(c.kv, row, ops::as_dtype(attention_operand(p.kv), cdt));
   ps_proj.end();
 
-  // Each query's set as positions within its sequence, in the training forward's layout.
+  // The output projection of the attended latents; indices: each query's set as positions
+  // within its sequence, in the training forward's layout.
+  auto finish = [&](const Tensor& o_lat, Tensor indices) {
+    HLM_PROFILE("output");
+    Output out;
+    out.y = ops::as_dtype(output(ctx, attention_operand(o_lat), nullptr), x.dtype());
+    out.indices = std::move(indices);
+    return out;
+  };
   int64_t W = 1;
   std::vector<int32_t> sel;
   const bool sparse = indexer_ && lcfg_.stage == DsaStage::sparse;
@@ -113,7 +122,7 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
                   pos[size_t(t)]);
       }
   } else if (sparse) {
-    HLM_PROFILE("indexer");
+    profile::Scope ps_ix("indexer");
     const DsaIndexer& ix = *indexer_;
     const IndexerConfig& ic = ix.config();
     const int64_t P = ic.kpool, K = ic.topk, d = ic.head_dim;
@@ -181,28 +190,24 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
       for (int64_t j = 0; j < ncand[size_t(t)]; ++j)
         rows[size_t(t * Ws + j)] =
             P == 1 ? c.row(seq_of[size_t(t)], j) : c.pool_row(seq_of[size_t(t)], j, P);
-    Tensor scores =
+    const Tensor scores =
         ops::indexer_scores_pattern(qs, c.keys, ops::contiguous(tp.w), pattern_of(rows, T, Ws), so);
-    if (!scores.is_cpu()) scores = scores.to(Device::cpu);
-    const bool tail = P > 1 && ic.kpool_always_select_tail;
-    W = P == 1 ? K : K + (tail ? P - 1 : 0);
-    sel.assign(size_t(T * W), -1);
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<int32_t> best;
-      if (cdt == DType::f64)
-        ops::dsa_detail::best_indices(scores.data<double>() + t * Ws, ncand[size_t(t)], K / P,
-                                      best);
-      else
-        ops::dsa_detail::best_indices(scores.data<float>() + t * Ws, ncand[size_t(t)], K / P, best);
-      int32_t* out_row = sel.data() + t * W;
-      for (size_t g = 0; g < best.size(); ++g)
-        for (int64_t j = 0; j < P; ++j) out_row[int64_t(g) * P + j] = int32_t(best[g] * P + j);
-      if (tail) {
-        const int64_t r = pos[size_t(t)], first = (r + 1) / P * P;
-        for (int64_t j = 0; j + 1 < P; ++j)
-          if (first + j <= r) out_row[K + j] = int32_t(first + j);
-      }
-    }
+    // The selection and the attention in one op (on the device for CUDA: nothing read back).
+    ops::CachedSelection cs;
+    cs.pos = pos;
+    cs.ncand = ncand;
+    for (size_t n : seq_of) cs.seq_of.push_back(int64_t(n));
+    cs.pages = c.pages;
+    cs.page = c.page;
+    cs.K = K;
+    cs.P = P;
+    cs.tail = P > 1 && ic.kpool_always_select_tail;
+    ps_ix.end();
+    profile::Scope ps_att("attention");
+    ops::CachedAttentionOut att =
+        ops::cached_sparse_attention(q_abs, c.kv, scores, cs, rkv, config().softmax_scale_value());
+    ps_att.end();
+    return finish(att.out, std::move(att.sel));
   } else {
     // Every causal token, ascending (Mla::causal_indices).
     for (int64_t t = 0; t < T; ++t) W = std::max(W, pos[size_t(t)] + 1);
@@ -221,11 +226,7 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
   const ops::SparseAttentionOut att = ops::sparse_attention_pattern(
       q_abs, c.kv, pattern_of(rows, T, W), rkv, config().softmax_scale_value());
   ps_att.end();
-  HLM_PROFILE("output");
-  Output out;
-  out.y = ops::as_dtype(output(ctx, attention_operand(att.out), nullptr), x.dtype());
-  out.indices = Tensor::from_vector<int32_t>({T, W}, sel);
-  return out;
+  return finish(att.out, Tensor::from_vector<int32_t>({T, W}, sel));
 }
 
 }  // namespace hlm

@@ -123,7 +123,7 @@ template <class F>
 __global__ void __launch_bounds__(kThreads)
     topk_kernel(const F* __restrict__ scores, int64_t W, const int64_t* __restrict__ doc_start,
                 const int64_t* __restrict__ key_base, int64_t pool, int64_t k,
-                int32_t* __restrict__ out) {
+                int32_t* __restrict__ out, const int64_t* __restrict__ ncand = nullptr) {
   using K = OrderKey<F>;
   using U = typename K::U;
   __shared__ int cnt[kBins][kThreads];
@@ -131,7 +131,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int scan_sh[kWarps];
   const int tid = threadIdx.x;
   const int64_t t = blockIdx.x;
-  const int64_t n = (t - doc_start[t] + 1) / pool, base = key_base[t];
+  // Candidates: the query's visible keys of its document, or (ncand) the first ncand[t] columns.
+  const int64_t n = ncand ? ncand[t] : (t - doc_start[t] + 1) / pool,
+                base = ncand ? 0 : key_base[t];
   const int64_t m = n < k ? n : k;
   const F* row = scores + t * W;
   int32_t* orow = out + t * k;
@@ -316,7 +318,57 @@ std::vector<T> to_host(const Tensor& t) {
   return std::vector<T>(c.data<T>(), c.data<T>() + c.numel());
 }
 
+// The forward over a cache: column j < K of query t holds position best[g] P + i (g = j / P,
+// i = j % P) of its selected pools, the tail columns K + i the positions ncand P + i <= pos[t];
+// each position's storage row (its sequence's page table) goes into the pattern entry at row_ptr[t]
+// plus its rank among the row's filled columns (pools first, then the tail: slot order).
+__global__ void cached_expand_kernel(
+    const int32_t* __restrict__ best, const int64_t* __restrict__ ncand,
+    const int64_t* __restrict__ pos, const int64_t* __restrict__ seq_of,
+    const int64_t* __restrict__ pages, int64_t max_pages, int64_t page, int64_t T, int64_t W,
+    int64_t K, int64_t P, const int64_t* __restrict__ row_ptr, int32_t* __restrict__ sel,
+    int32_t* __restrict__ slot, int64_t* __restrict__ key, int64_t* __restrict__ query) {
+  const int64_t G = K / P;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < T * W;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / W, j = idx - t * W, n = ncand[t], m = n < G ? n : G;
+    int64_t p = -1, rank = 0;
+    if (j < K) {
+      const int64_t g = j / P;
+      if (g < m) p = int64_t(best[t * G + g]) * P + j % P, rank = j;
+    } else {
+      const int64_t q = n * P + (j - K);
+      if (q <= pos[t]) p = q, rank = m * P + (j - K);
+    }
+    sel[idx] = int32_t(p);
+    if (p < 0) continue;
+    const int64_t e = row_ptr[t] + rank;
+    key[e] = pages[seq_of[t] * max_pages + p / page] * page + p % page;
+    slot[e] = int32_t(j);
+    query[e] = t;
+  }
+}
+
 }  // namespace
+
+void cached_select(const Tensor& scores, const Tensor& ncand, const Tensor& pos,
+                   const Tensor& seq_of, const Tensor& pages, int64_t page, int64_t K, int64_t P,
+                   const Tensor& row_ptr, Tensor& sel, Tensor& slot, Tensor& key, Tensor& query) {
+  const int64_t T = scores.size(0), W = sel.size(1), G = K / P;
+  if (T == 0) return;
+  Tensor best = alloc({T, G}, DType::i32);
+  dispatch_real(scores.dtype(), [&](auto f) {
+    using F = decltype(f);
+    topk_kernel<F><<<unsigned(T), kThreads>>>(cptr<F>(scores), scores.size(1), nullptr, nullptr, 1,
+                                              G, mptr<int32_t>(best), cptr<int64_t>(ncand));
+  });
+  check_launch("cached_select top-k");
+  cached_expand_kernel<<<blocks_for(T * W, kThreads), kThreads>>>(
+      cptr<int32_t>(best), cptr<int64_t>(ncand), cptr<int64_t>(pos), cptr<int64_t>(seq_of),
+      cptr<int64_t>(pages), pages.size(1), page, T, W, K, P, cptr<int64_t>(row_ptr),
+      mptr<int32_t>(sel), mptr<int32_t>(slot), mptr<int64_t>(key), mptr<int64_t>(query));
+  check_launch("cached_select expand");
+}
 
 void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
                  Tensor& out) {

@@ -17,6 +17,14 @@ namespace hlm::ops::cuda {
 // in increasing index order, -1 padded.
 void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
                  Tensor& out);
+// The selection of the forward over an inference cache (ops::cached_sparse_attention): per query
+// t the best min(K / P, ncand[t]) of scores[t, 0 .. ncand[t]) (the topk_select rule), expanded to
+// positions sel [T, W] (i32, -1 empty; W = K, or K + P - 1 with the tail columns) and to the
+// pattern entries slot / key / query at row_ptr[t] .. (key: the storage row from the sequence's
+// page table pages [N, max_pages], page tokens each). ncand, pos, seq_of, row_ptr: i64.
+void cached_select(const Tensor& scores, const Tensor& ncand, const Tensor& pos,
+                   const Tensor& seq_of, const Tensor& pages, int64_t page, int64_t K, int64_t P,
+                   const Tensor& row_ptr, Tensor& sel, Tensor& slot, Tensor& key, Tensor& query);
 // indices i32 [T, K (+ P - 1)] from the selected pools i32 [T, K / P] (KPoolSelection).
 void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
                           bool always_select_tail, Tensor& indices);
