@@ -11,6 +11,7 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/file_io.h"
+#include "dist/comm.h"
 
 namespace hlm::cli {
 
@@ -125,7 +126,8 @@ int parse_command_line(CLI::App& app, int argc, const char* const* argv,
   return -1;
 }
 
-int run_action(const std::function<void()>& action) {
+namespace {
+int run_action_in_process(const std::function<void()>& action) {
   try {
     action();
   } catch (const ExitStatus& e) {
@@ -152,6 +154,16 @@ int run_action(const std::function<void()>& action) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int run_action(const std::function<void()>& action) {
+  const int status = run_action_in_process(action);
+  // An error in one process of an MPI job ends them all (the others may wait in a collective);
+  // an interrupt (128 + signal) reaches every rank at the same step and ends each one normally.
+  if (status == 1 || status == 2) dist::end_job_on_error(status);
+  return status;
 }
 
 }  // namespace hlm::cli

@@ -11,6 +11,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "dist/comm.h"
 #include "train/train_limits.h"
 #include "train/trainer.h"
 
@@ -91,7 +92,9 @@ void run_train(const TrainArgs& a) {
       throw Error("--data and --resume exclude each other: a resumed run keeps its data");
     if (!a.tokenizer.empty())
       throw Error("--tokenizer and --resume exclude each other: a resumed run keeps its tokenizer");
-    const train::TrainerCheckpoint ck = train::read_trainer_checkpoint(a.resume);
+    // Rank 0 of a data-parallel job may hold the directory's lock already.
+    const train::TrainerCheckpoint ck =
+        train::read_trainer_checkpoint(a.resume, dist::world().rank() == 0);
     const train::SplitOverrides ov = train::split_overrides(a.sets);
     if (!ov.model.empty())
       throw Error(
@@ -121,6 +124,8 @@ void run_train(const TrainArgs& a) {
       opts.out_dir = a.out;
     }
   }
+  // Under mpirun the processes train one model data-parallel (train/data_parallel.h).
+  if (dist::world().size() > 1) opts.comm = &dist::world();
   train::Trainer trainer(cfg, opts);
   const train::TrainSummary sum = trainer.run();
   if (sum.interrupted_by) throw ExitStatus{128 + sum.interrupted_by};

@@ -82,6 +82,7 @@ class SelfComm final : public Comm {
     it->second.erase(it->second.begin());
   }
   std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SelfComm>(); }
+  void abort_job(int) override {}
 
  private:
   static void check_root(int r) {
@@ -171,6 +172,10 @@ bool launched_by_mpi() {
   return false;
 }
 
+namespace {
+Comm* g_world = nullptr;  // set once world() has built it
+}  // namespace
+
 Comm& world() {
   static std::unique_ptr<Comm> w = [] {
     if (!launched_by_mpi()) return self_comm();
@@ -179,7 +184,12 @@ Comm& world() {
               "(install libopenmpi-dev and rebuild)");
     return mpi_world();
   }();
+  g_world = w.get();
   return *w;
+}
+
+void end_job_on_error(int status) {
+  if (g_world != nullptr && g_world->size() > 1) g_world->abort_job(status);
 }
 
 }  // namespace hlm::dist

@@ -44,6 +44,9 @@ class Comm {
   virtual void recv_bytes(void* data, size_t bytes, int src, int tag) = 0;
   // The ranks that pass the same color, ordered by (key, rank), as a new communicator.
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+  // Ends every process of the job with `status` (MPI_Abort), so that ranks waiting in a
+  // collective for this one do not hang; a single process returns (the caller exits).
+  virtual void abort_job(int status) = 0;
 
   // ---- tensors (contiguous, CPU), deterministic ----
   // t = the sum of every rank's t, in rank order; the same bits on every rank.
@@ -72,5 +75,8 @@ bool launched_by_mpi();
 // The job's communicator: MPI's world under an MPI launcher (MPI is initialised on the first call
 // and finalised at exit), else self. Under a launcher in a build without MPI: hlm::Error.
 Comm& world();
+// After an error that ends this process: in a job of several processes whose world() was started,
+// ends them all with `status` (Comm::abort_job); otherwise returns.
+void end_job_on_error(int status);
 
 }  // namespace hlm::dist

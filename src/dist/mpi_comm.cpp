@@ -4,6 +4,7 @@
 #include "dist/mpi_comm.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -119,6 +120,11 @@ class MpiComm final : public Comm {
     check(MPI_Comm_split(c_, color, key, &nc), "Comm_split");
     check(MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN), "Comm_set_errhandler");
     return std::make_unique<MpiComm>(nc, true);
+  }
+  void abort_job(int status) override {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    MPI_Abort(c_, status);
   }
 
  private:

@@ -343,7 +343,8 @@ class DecoderLayer : public Module {
   };
   struct Out : FeedForward::Out {
     double indexer_loss = 0;
-    Tensor indices;  // DSA only: the attended sets
+    int64_t indexer_rows = 0;  // the rows the indexer loss averages over (0: none)
+    Tensor indices;            // DSA only: the attended sets
   };
 
   DecoderLayer(const ModelConfig& c, int64_t index, const HybridModelOptions& o)
@@ -485,7 +486,10 @@ class DecoderLayer : public Module {
                               : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
       y = o.y;
       if (out) {
-        if (o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
+        if (o.has_indexer_loss) {
+          out->indexer_loss = o.indexer_loss;
+          out->indexer_rows = o.indexer_loss_rows;
+        }
         out->indices = o.indices;
       }
     }
@@ -568,6 +572,7 @@ class MtpBlock : public Module {
   };
   struct Out : FeedForward::Out {
     double indexer_loss = 0;
+    int64_t indexer_rows = 0;
   };
 
   MtpBlock(const ModelConfig& c, const HybridModelOptions& o) : recompute_(o.recompute) {
@@ -625,7 +630,10 @@ class MtpBlock : public Module {
     if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
     DsaLayer::Output o =
         cc ? dsa_->forward_cached(a, cu, view) : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
-    if (out && o.has_indexer_loss) out->indexer_loss = o.indexer_loss;
+    if (out && o.has_indexer_loss) {
+      out->indexer_loss = o.indexer_loss;
+      out->indexer_rows = o.indexer_loss_rows;
+    }
     Tensor m2 = add(m, o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
     Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay);
@@ -667,6 +675,10 @@ struct HybridModel::Saved {
   std::vector<int64_t> cu_vec;
   bool training = false;
   bool aux = true;
+  // The gradient factors of the losses' shares (ModelInputs' normalizers): 1 in a one-part step.
+  double aux_scale = 1;  // non-empty sequences here / aux_sequences
+  int64_t lm_norm = 0;   // the main CE's denominator (0: its own count)
+  int64_t mtp_norm = 0;  // the MTP CE's
   std::vector<DecoderLayer::Saved> layers;
   std::vector<Tensor> replay;  // per MoE layer (as given)
   Tensor h;                    // [T, D] mean-contracted hidden (before model.norm)
@@ -871,6 +883,28 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   s->training = ctx.training;
   s->aux = in.aux_losses;
   s->replay = in.replay;
+  HLM_CHECK(in.lm_normalizer >= 0 && in.mtp_normalizer >= 0 && in.aux_sequences >= 0,
+            "HybridModel::forward: the loss normalizers must be >= 0, got {}, {}, {}",
+            in.lm_normalizer, in.mtp_normalizer, in.aux_sequences);
+  HLM_CHECK((in.lm_normalizer == 0 && in.mtp_normalizer == 0 && in.aux_sequences == 0) ||
+                (has_targets && !in.output_processor),
+            "HybridModel::forward: loss normalizers need targets (and no output processor)");
+  if (in.aux_sequences > 0) {
+    int64_t nonempty = 0;
+    for (int64_t q = 0; q < seqs.num_seqs(); ++q) nonempty += seqs.length(q) > 0;
+    HLM_CHECK(nonempty <= in.aux_sequences,
+              "HybridModel::forward: aux_sequences {} is below this batch's {} sequences",
+              in.aux_sequences, nonempty);
+    s->aux_scale = double(nonempty) / double(in.aux_sequences);
+  }
+  s->lm_norm = in.lm_normalizer;
+  s->mtp_norm = in.mtp_normalizer;
+  // A normalizer below this part's own count would make a share larger than the whole.
+  auto normalizer = [](int64_t given, int64_t own, const char* what) {
+    HLM_CHECK(given == 0 || given >= own,
+              "HybridModel::forward: {} {} is below this batch's {} targets", what, given, own);
+    return given > 0 ? given : own;
+  };
   s->layers.resize(layers_.size());
 
   ModelOutput out;
@@ -916,10 +950,12 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
       ++dsa_i;
       prev_sel = lo.indices;
       out.dsa_indices.push_back(lo.indices);
+      out.indexer_losses.push_back(lo.indexer_loss);
+      out.indexer_rows.push_back(lo.indexer_rows);
     }
     if (layers_[l]->is_moe()) {
       ++moe_i;
-      out.aux_loss += lo.aux_loss;
+      out.aux_loss += lo.aux_loss * s->aux_scale;
       out.expert_counts.push_back(lo.counts);
       out.expert_topk.push_back(lo.topk);
     }
@@ -956,8 +992,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->targets = host_i64(in.targets);
     s->targets_dev = on(dev, s->targets);
     out.lm_count = count_targets(s->targets.data<int64_t>(), s->targets.numel());
-    HeadLoss hl = chunked_head_loss(ctx, *lm_head_, out.hidden, s->targets_dev, out.lm_count, 1.0,
-                                    opt_.loss_chunk_rows);
+    HeadLoss hl = chunked_head_loss(ctx, *lm_head_, out.hidden, s->targets_dev,
+                                    normalizer(in.lm_normalizer, out.lm_count, "lm_normalizer"),
+                                    1.0, opt_.loss_chunk_rows);
     out.lm_loss = hl.loss;
     s->fused_head = true;
     s->d_hidden_head = hl.d_hidden;
@@ -973,8 +1010,10 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->targets = host_i64(in.targets);
     s->targets_dev = on(dev, s->targets);
     s->ce = ops::cross_entropy_forward(out.logits, s->targets_dev);
-    out.lm_loss = s->ce.loss;
     out.lm_count = s->ce.count;
+    const int64_t norm = normalizer(in.lm_normalizer, out.lm_count, "lm_normalizer");
+    out.lm_loss =
+        norm == out.lm_count ? s->ce.loss : s->ce.loss * double(out.lm_count) / double(norm);
     s->has_lm = true;
     objective += out.lm_loss;
   }
@@ -1005,16 +1044,20 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     Tensor o = mtp_->forward(ctx, en, h, seqs, train ? &s->mtp : nullptr, &mo,
                              mtp_->is_moe() ? replay_of(moe_i) : Tensor());
     if (mtp_->is_moe()) {
-      out.aux_loss += mo.aux_loss;
+      out.aux_loss += mo.aux_loss * s->aux_scale;
       out.expert_counts.push_back(mo.counts);
       out.expert_topk.push_back(mo.topk);
     }
     out.indexer_loss += mo.indexer_loss;
+    out.indexer_losses.push_back(mo.indexer_loss);
+    out.indexer_rows.push_back(mo.indexer_rows);
     s->mtp_scale = cfg_.mtp.loss_scaling_factor;
     if (fused) {
       out.mtp_count = count_targets(mt.data(), int64_t(mt.size()));
-      HeadLoss hl = chunked_head_loss(ctx, *lm_head_, o, s->mtp_targets, out.mtp_count,
-                                      s->mtp_scale, opt_.loss_chunk_rows);
+      HeadLoss hl =
+          chunked_head_loss(ctx, *lm_head_, o, s->mtp_targets,
+                            normalizer(in.mtp_normalizer, out.mtp_count, "mtp_normalizer"),
+                            s->mtp_scale, opt_.loss_chunk_rows);
       out.mtp_loss = hl.loss;
       s->mtp_fused = true;
       s->d_mtp_out = hl.d_hidden;
@@ -1022,8 +1065,10 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
       out.mtp_logits = lm_head_->forward(ctx, o, train ? &s->mtp_head : nullptr);
       s->mtp_logits = out.mtp_logits;
       s->mtp_ce = ops::cross_entropy_forward(out.mtp_logits, s->mtp_targets);
-      out.mtp_loss = s->mtp_ce.loss;
       out.mtp_count = s->mtp_ce.count;
+      const int64_t norm = normalizer(in.mtp_normalizer, out.mtp_count, "mtp_normalizer");
+      out.mtp_loss = norm == out.mtp_count ? s->mtp_ce.loss
+                                           : s->mtp_ce.loss * double(out.mtp_count) / double(norm);
     }
     s->has_mtp = true;
     objective += s->mtp_scale * out.mtp_loss;
@@ -1034,12 +1079,27 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   return out;
 }
 
-void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tensor& d_extra) {
+void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tensor& d_extra,
+                           const std::vector<double>& indexer_scales) {
   Saved& s = const_cast<Saved&>(saved_in);  // layer backward re-runs consume their Saved
   HLM_CHECK(s.training, "HybridModel::backward: the forward did not run in training mode");
   const int64_t T = s.tokens.size(0), D = cfg_.hidden_size;
   const DType cdt = compute_dtype();
-  const double d_aux = s.aux ? 1.0 : 0.0;
+  const double d_aux = s.aux ? s.aux_scale : 0.0;
+  int64_t n_dsa = s.has_mtp ? 1 : 0;
+  for (const auto& l : layers_) n_dsa += l->is_dsa();
+  HLM_CHECK(indexer_scales.empty() || int64_t(indexer_scales.size()) == n_dsa,
+            "HybridModel::backward: indexer_scales must hold one factor per DSA layer ({}), got {}",
+            n_dsa, indexer_scales.size());
+  for (double f : indexer_scales)
+    HLM_CHECK(std::isfinite(f) && f >= 0,
+              "HybridModel::backward: indexer scale {} is not finite "
+              "and >= 0",
+              f);
+  // The factor of DSA layer i's indexer loss (ModelOutput::indexer_rows' order).
+  auto indexer_scale = [&](int64_t i) {
+    return (s.aux ? 1.0 : 0.0) * (indexer_scales.empty() ? 1.0 : indexer_scales[size_t(i)]);
+  };
   if (cfg_.tie_word_embeddings) {
     lm_head_->weight().value = embed_->value;
     lm_head_->weight().grad = embed_->grad;
@@ -1048,7 +1108,7 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   profile::Scope ps_head("final norm + head + loss");
   Tensor d_hidden;
   if (s.has_lm) {
-    Tensor dlogits = ops::cross_entropy_backward(s.logits, s.targets_dev, s.ce, 1.0);
+    Tensor dlogits = ops::cross_entropy_backward(s.logits, s.targets_dev, s.ce, 1.0, s.lm_norm);
     d_hidden = lm_head_->backward(ctx, dlogits, s.head);
   }
   if (s.fused_head) d_hidden = s.d_hidden_head;
@@ -1064,13 +1124,13 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   // MTP: its loss reaches h, the embedding (through the next tokens) and its own block.
   if (s.has_mtp) {
     HLM_PROFILE("mtp");
-    Tensor dout = s.mtp_fused
-                      ? s.d_mtp_out
-                      : lm_head_->backward(ctx,
-                                           ops::cross_entropy_backward(s.mtp_logits, s.mtp_targets,
-                                                                       s.mtp_ce, s.mtp_scale),
-                                           s.mtp_head);
-    auto [de, dh_mtp] = mtp_->backward(ctx, dout, s.mtp, d_aux, d_aux);
+    Tensor dout = s.mtp_fused ? s.d_mtp_out
+                              : lm_head_->backward(
+                                    ctx,
+                                    ops::cross_entropy_backward(s.mtp_logits, s.mtp_targets,
+                                                                s.mtp_ce, s.mtp_scale, s.mtp_norm),
+                                    s.mtp_head);
+    auto [de, dh_mtp] = mtp_->backward(ctx, dout, s.mtp, d_aux, indexer_scale(n_dsa - 1));
     dh = add(dh, dh_mtp);
     const uint8_t* valid = s.next_valid.data<uint8_t>();
     for (int64_t i = 0; i < T; ++i)
@@ -1080,13 +1140,15 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   const int64_t n = cfg_.mhc.streams();
   Tensor dx = cfg_.mhc.enabled ? ops::mhc_mean_contract_backward(dh, n) : dh.reshape({T, 1, D});
   int64_t moe_i = num_moe_layers() - (mtp_ && mtp_->is_moe() ? 1 : 0);
+  int64_t dsa_i = n_dsa - (s.has_mtp ? 1 : 0);
   for (size_t l = layers_.size(); l-- > 0;) {
     Tensor rp;
     if (layers_[l]->is_moe()) {
       --moe_i;
       if (!s.replay.empty()) rp = s.replay[size_t(moe_i)];
     }
-    dx = layers_[l]->backward(ctx, dx, s.layers[l], s.seqs, d_aux, d_aux, rp);
+    const double ix = layers_[l]->is_dsa() ? indexer_scale(--dsa_i) : 0.0;
+    dx = layers_[l]->backward(ctx, dx, s.layers[l], s.seqs, d_aux, ix, rp);
   }
   HLM_PROFILE("embedding");
   Tensor de = cfg_.mhc.enabled ? ops::mhc_expand_backward(dx) : dx.reshape({T, D});

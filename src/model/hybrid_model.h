@@ -109,6 +109,14 @@ struct ModelInputs {
   // The token rows whose logits are computed (ModelOutput::logits [R, V] in this order); empty:
   // every row. Inference only (no targets).
   std::vector<int64_t> logit_rows;
+  // Data parallelism (train/data_parallel.h): this call is one part of a global batch split by
+  // whole sequences, and these are the global batch's denominators of the mean losses: the targets
+  // of the main and the MTP cross-entropy and the non-empty sequences the MoE sequence-wise aux
+  // loss averages over. 0: this call's own. The losses returned (and their gradients) are then
+  // this part's shares: summed over the parts they are the global batch's losses.
+  int64_t lm_normalizer = 0;
+  int64_t mtp_normalizer = 0;
+  int64_t aux_sequences = 0;
 };
 
 struct ModelOutput {
@@ -123,6 +131,12 @@ struct ModelOutput {
   std::vector<Tensor> expert_counts;
   std::vector<Tensor> expert_topk;
   std::vector<Tensor> dsa_indices;  // per DSA layer of the main stack: the attended sets
+  // Per DSA layer (main stack in order, then the MTP block's) in a training forward: its indexer
+  // KL loss (coefficient applied) and the query rows that loss averages over (0: no loss). A
+  // data-parallel step turns the per-part means into the global mean with backward's
+  // indexer_scales.
+  std::vector<double> indexer_losses;
+  std::vector<int64_t> indexer_rows;
 };
 
 class DecoderLayer;
@@ -150,7 +164,10 @@ class HybridModel : public Module {
   // Backward of the objective of the forward (when it had targets or an output processor), plus
   // sum(hidden * d_hidden_extra) when d_hidden_extra is given ([T, D]): the grad-probe of the
   // parity tool. Parameter gradients accumulate (+=).
-  void backward(const Context& ctx, const Saved& saved, const Tensor& d_hidden_extra = {});
+  // indexer_scales: per DSA layer (ModelOutput::indexer_rows' order), the factor of its indexer
+  // loss's gradient (empty: 1 each; data parallelism passes local rows / global rows).
+  void backward(const Context& ctx, const Saved& saved, const Tensor& d_hidden_extra = {},
+                const std::vector<double>& indexer_scales = {});
 
   // After the optimizer step: the aux-loss-free bias update of every MoE layer from the counts of
   // the last forward (ModelOutput::expert_counts), rate = moe.bias_update_rate.

@@ -145,7 +145,7 @@ const Tensor& AdamW::exp_avg_sq(const std::string& name) const {
   return slot(name).v;
 }
 
-GradNorm AdamW::grad_norm() const {
+double AdamW::grad_sum_squares() const {
   struct Task {
     size_t slot;
     int64_t begin, end;
@@ -196,8 +196,16 @@ GradNorm AdamW::grad_norm() const {
     for (double d : device_partial[i]) ps += d;
     total += ps;
   }
+  return total;
+}
+
+GradNorm AdamW::grad_norm() const {
+  return grad_norm_from(grad_sum_squares());
+}
+
+GradNorm AdamW::grad_norm_from(double sum_squares) const {
   GradNorm r;
-  r.norm = std::sqrt(total);
+  r.norm = std::sqrt(sum_squares);
   r.finite = std::isfinite(r.norm);
   if (r.finite && cfg_.max_grad_norm > 0 && r.norm > cfg_.max_grad_norm)
     r.clip_scale = cfg_.max_grad_norm / r.norm;
@@ -205,8 +213,13 @@ GradNorm AdamW::grad_norm() const {
 }
 
 StepResult AdamW::step(double lr) {
+  return step(lr, grad_norm());
+}
+
+StepResult AdamW::step(double lr, const GradNorm& gn) {
   HLM_CHECK(std::isfinite(lr) && lr >= 0, "AdamW::step: lr must be finite and >= 0, got {}", lr);
-  const GradNorm gn = grad_norm();
+  HLM_CHECK(!gn.finite || (std::isfinite(gn.clip_scale) && gn.clip_scale > 0),
+            "AdamW::step: the clip scale must be finite and > 0, got {}", gn.clip_scale);
   StepResult r;
   r.grad_norm = gn.norm;
   r.clip_scale = gn.clip_scale;

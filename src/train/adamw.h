@@ -92,8 +92,15 @@ class AdamW {
   // The global gradient norm and clip factor; every parameter must have a gradient of its shape
   // (f32 or f64). Gradients are not modified.
   GradNorm grad_norm() const;
-  // One AdamW update at learning rate lr (finite, >= 0), unless the gradient norm is not finite.
+  // The sum of the squared gradients (the norm before its square root), in the norm's order, and
+  // the norm and clip factor of a sum of squares: a distributed optimizer adds its shards' sums
+  // (train/data_parallel.h).
+  double grad_sum_squares() const;
+  GradNorm grad_norm_from(double sum_squares) const;
+  // One AdamW update at learning rate lr (finite, >= 0), unless the gradient norm is not finite;
+  // the second form takes the norm (and clip factor) from the caller.
   StepResult step(double lr);
+  StepResult step(double lr, const GradNorm& norm);
 
   // The optimizer's state of one parameter (views of the live tensors).
   const Tensor& master(const std::string& name) const;

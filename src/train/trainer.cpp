@@ -456,11 +456,12 @@ TrainConfig make_train_config(json j, const std::vector<std::string>& overrides,
 
 // ---- checkpoint reading -----------------------------------------------------------------------
 
-TrainerCheckpoint read_trainer_checkpoint(const std::string& dir) {
+TrainerCheckpoint read_trainer_checkpoint(const std::string& dir, bool check_lock) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
     throw Error(fmt::format("'{}' is not a directory: no training run to resume", dir));
-  RunLock::check_free(dir);  // a run still writing there: say so, not "damaged" or "missing"
+  if (check_lock)
+    RunLock::check_free(dir);  // a run still writing there: say so, not "damaged" or "missing"
   const std::string path = path_in(dir, kTrainerStateFile);
   if (!fs::exists(path, ec))
     throw Error(fmt::format(
@@ -518,6 +519,17 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   // Every count bounded and the memory of a step estimated before anything large is allocated
   // or the run directory is created.
   check_train_limits(cfg_, cfg_.model);
+  const int nproc = opts_.comm ? opts_.comm->size() : 1;
+  root_ = !opts_.comm || opts_.comm->rank() == 0;
+  if (!root_) {
+    opts_.log = nullptr;
+    opts_.plot = false;
+    opts_.print_summary = false;
+  }
+  HLM_CHECK(nproc == 1 || opts_.device == Device::cpu,
+            "--device {} with {} processes: data parallelism on GPUs needs the NCCL backend, "
+            "which is not built yet; train on one GPU or on the CPU",
+            device_name(opts_.device), nproc);
   if (opts_.device != Device::cpu) {
     HLM_CHECK(cuda_available(), "--device {}: no CUDA device is present",
               device_name(opts_.device));
@@ -533,7 +545,12 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   mo.mtp = cfg_.mtp;
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
-  opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
+  if (nproc > 1) {
+    dp_ = std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters());
+    opt_ = std::make_unique<AdamW>(dp_->owned(), cfg_.adamw);
+  } else {
+    opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
+  }
   sched_ = std::make_unique<LrSchedule>(cfg_.schedule_config());
   if (cfg_.data_path.empty()) {
     auto t = std::make_unique<MqarTask>(cfg_.mqar_config());
@@ -561,11 +578,13 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "(set model.vocab_size={})",
               cfg_.data_path, data_->vocab_size(), cfg_.model.vocab_size, data_->vocab_size());
   }
+  // Every rank needs a sequence of each global batch (the first batch tells; all are alike).
+  if (dp_) (void)shard_batch(data_->batch(1), dp_->rank(), dp_->size());
   if (opts_.resume) {
     // The lock before the state is read: a run still writing there is refused, not raced.
     std::error_code ec;
-    if (fs::exists(path_in(opts_.out_dir, kTrainerStateFile), ec) ||
-        fs::exists(path_in(opts_.out_dir, kLockFile), ec))
+    if (root_ && (fs::exists(path_in(opts_.out_dir, kTrainerStateFile), ec) ||
+                  fs::exists(path_in(opts_.out_dir, kLockFile), ec)))
       lock_ = std::make_unique<RunLock>(opts_.out_dir);
     resume_from_checkpoint();
     HLM_CHECK(!opts_.stop_after || *opts_.stop_after >= step_,
@@ -617,7 +636,7 @@ double Trainer::chance_accuracy() const {
 
 void Trainer::resume_from_checkpoint() {
   const std::string& dir = opts_.out_dir;
-  TrainerCheckpoint ck = read_trainer_checkpoint(dir);
+  TrainerCheckpoint ck = read_trainer_checkpoint(dir, root_);
   const std::string state_path = path_in(dir, kTrainerStateFile);
   TrainConfig ckcfg;
   try {
@@ -638,7 +657,13 @@ void Trainer::resume_from_checkpoint() {
             "dtype {} and mtp {}",
             dir, dtype_name(ckcfg.dtype), ckcfg.mtp, dtype_name(cfg_.dtype), cfg_.mtp);
   try {
-    opt_->load_state_dict(ck.state.tensors, "optimizer.");
+    if (dp_) {
+      // This rank's shard, then every parameter's value from its owner.
+      opt_->load_state_dict(dp_->shard_state(ck.state.tensors, "optimizer."), "optimizer.");
+      dp_->share_values();
+    } else {
+      opt_->load_state_dict(ck.state.tensors, "optimizer.");
+    }
   } catch (const Error& e) {
     throw Error(
         fmt::format("{}: the optimizer state does not fit the model: {}", state_path, e.what()));
@@ -738,16 +763,16 @@ void Trainer::write_param_list() const {
   int64_t decayed = 0, kept = 0, n_decayed = 0;
   std::map<std::string, int64_t> reasons;
   auto params = model_->named_parameters();
-  for (size_t i = 0; i < opt_->size(); ++i) {
+  for (size_t i = 0; i < params.size(); ++i) {
     const Param* p = params[i].second;
-    const DecayDecision& d = opt_->decision(i);
+    const DecayDecision d = weight_decay_decision(*p, cfg_.adamw);
     std::string shape;
     for (int64_t s : p->value.shape()) {
       if (!shape.empty()) shape += 'x';
       shape += std::to_string(s);
     }
-    text += fmt::format("{}  {}  [{}]  {}{}\n", opt_->name(i), dtype_name(p->value.dtype()), shape,
-                        d.decay ? "decay" : "no decay: ", d.decay ? "" : d.reason);
+    text += fmt::format("{}  {}  [{}]  {}{}\n", params[i].first, dtype_name(p->value.dtype()),
+                        shape, d.decay ? "decay" : "no decay: ", d.decay ? "" : d.reason);
     if (d.decay)
       ++decayed, n_decayed += p->value.numel();
     else
@@ -798,11 +823,15 @@ void Trainer::save() {
   meta["step"] = std::to_string(step_);
   meta["skipped_steps"] = std::to_string(skipped_);
   meta["train_config"] = cfg_.to_json().dump();
+  // With N > 1 processes every rank sends its shard to rank 0, which writes the one-process
+  // layout.
+  const safetensors::TensorMap state =
+      dp_ ? dp_->gather_state(*opt_, "optimizer.") : opt_->state_dict("optimizer.");
+  if (!root_) return;
   checkpoint::SaveOptions so;
   so.after_temp_written = opts_.hooks.after_temp_written;
   // The commit point first: once it is renamed, the checkpoint of step_ exists.
-  checkpoint::save_tensor_map(path_in(dir, kTrainerStateFile), opt_->state_dict("optimizer."), meta,
-                              so);
+  checkpoint::save_tensor_map(path_in(dir, kTrainerStateFile), state, meta, so);
   checkpoint::SaveOptions mo;
   mo.metadata["hlm_train_step"] = std::to_string(step_);
   mo.after_temp_written = opts_.hooks.after_temp_written;
@@ -816,27 +845,27 @@ TrainSummary Trainer::run() {
   // Ctrl-C / SIGTERM from here on end the run with a checkpoint (train/interrupt.h).
   std::optional<InterruptGuard> guard;
   if (opts_.handle_signals) guard.emplace();
-  {
+  if (root_) {
     std::error_code ec;
     fs::create_directories(dir, ec);
     HLM_CHECK(!ec && fs::is_directory(dir, ec), "run directory '{}' cannot be created: {}", dir,
               ec ? ec.message() : "a file of that name exists");
   }
-  if (!lock_) lock_ = std::make_unique<RunLock>(dir);
+  if (!lock_ && root_) lock_ = std::make_unique<RunLock>(dir);
   // The lock lasts as long as the run: released when run() returns or throws.
   struct Release {
     std::unique_ptr<RunLock>& lock;
     ~Release() { lock.reset(); }
   } release{lock_};
-  remove_stale_temporaries(dir);
-  if (!opts_.resume) {
+  if (root_) remove_stale_temporaries(dir);
+  if (!opts_.resume && root_) {
     // A fresh run replaces what a previous run left here.
     std::error_code ec;
     for (const char* f : {kTrainerStateFile, checkpoint::kSingleFile, checkpoint::kConfigFile})
       fs::remove(path_in(dir, f), ec);
   }
   const int64_t end = opts_.stop_after ? std::min(*opts_.stop_after, cfg_.steps) : cfg_.steps;
-  {
+  if (root_) {
     const std::string text = cfg_.to_json().dump(2) + "\n";
     checkpoint::write_file_atomic(path_in(dir, kTrainConfigFile),
                                   std::vector<uint8_t>(text.begin(), text.end()));
@@ -856,7 +885,13 @@ TrainSummary Trainer::run() {
                     mqar_->num_values()));
   log(fmt::format("schedule: {}; AdamW betas ({}, {}), eps {}, grad clip {}", sched_->describe(),
                   cfg_.adamw.beta1, cfg_.adamw.beta2, cfg_.adamw.eps, cfg_.adamw.max_grad_norm));
-  write_param_list();
+  if (dp_)
+    log(fmt::format(
+        "data parallel: {} processes ({} backend), each a part of every global batch "
+        "(whole sequences); AdamW states sharded, rank 0 holds {} of {} parameter "
+        "tensors",
+        dp_->size(), dp_->comm().backend(), opt_->size(), model_->named_parameters().size()));
+  if (root_) write_param_list();
   move_to_device();
   if (opts_.resume)
     log(fmt::format("resumed from {} at step {} ({} skipped so far)", dir, step_, skipped_));
@@ -864,8 +899,10 @@ TrainSummary Trainer::run() {
                   cfg_.steps, cfg_.tokens_per_step, dir));
 
   const std::string metrics_path = path_in(dir, kMetricsFile);
-  auto metrics = std::make_unique<MetricsWriter>(
-      metrics_path, opts_.resume ? std::optional<int64_t>(step_) : std::nullopt);
+  std::unique_ptr<MetricsWriter> metrics;
+  if (root_)
+    metrics = std::make_unique<MetricsWriter>(
+        metrics_path, opts_.resume ? std::optional<int64_t>(step_) : std::nullopt);
   std::unique_ptr<ProgressBar> bar;
   if (opts_.log && end > step_)
     bar = std::make_unique<ProgressBar>(end, step_, opts_.log, opts_.progress);
@@ -876,6 +913,7 @@ TrainSummary Trainer::run() {
 
   TrainSummary sum;
   sum.start_step = step_;
+  sum.processes = dp_ ? dp_->size() : 1;
   sum.chance_accuracy = chance_accuracy();
   int64_t last_ckpt = opts_.resume ? step_ : -1;
   double train_time = 0, interval_time = 0;
@@ -897,9 +935,26 @@ TrainSummary Trainer::run() {
   const Context ctx{true, false};
 
   int interrupted = 0;
+  // A signal reaches the ranks of a job at different moments: they stop at the same step.
+  auto pending_signal = [&] {
+    if (!opts_.handle_signals) return 0;
+    std::vector<int64_t> sig{InterruptGuard::pending()};
+    if (dp_) {
+      std::vector<int64_t> all(size_t(dp_->size()), 0);
+      all[size_t(dp_->rank())] = sig[0];
+      dp_->allreduce(all);
+      sig[0] = 0;
+      for (int64_t v : all)
+        if (v != 0) {
+          sig[0] = v;
+          break;
+        }
+    }
+    return int(sig[0]);
+  };
   for (int64_t s = step_ + 1; s <= end; ++s) {
     // A signal during the previous step (or before the first): stop before this one.
-    if (opts_.handle_signals && (interrupted = InterruptGuard::pending()) != 0) break;
+    if ((interrupted = pending_signal()) != 0) break;
     const bool dense = cfg_.dsa_dense_warmup_steps < 0 || s <= cfg_.dsa_dense_warmup_steps;
     const DsaStage want = dense ? DsaStage::dense_warmup : DsaStage::sparse;
     if (!have_stage || want != stage) {
@@ -909,7 +964,8 @@ TrainSummary Trainer::run() {
       stage = want;
       have_stage = true;
     }
-    const Batch batch = data_->batch(s);
+    const Batch global = data_->batch(s);
+    const Batch batch = dp_ ? shard_batch(global, dp_->rank(), dp_->size()) : global;
     const double lr = sched_->at(s);
     const double t0 = now_s();
     const bool on_gpu = opts_.device != Device::cpu;
@@ -921,34 +977,73 @@ TrainSummary Trainer::run() {
     in.cu_seqlens = batch.cu_seqlens;
     in.targets = batch.targets;
     in.logits = false;  // on CUDA: the head and the loss in chunks (no [T, V] logits held)
+    if (dp_) {
+      const LossNormalizers nz = global_normalizers(global);
+      in.lm_normalizer = nz.lm;
+      in.mtp_normalizer = nz.mtp;
+      in.aux_sequences = nz.sequences;
+    }
     HybridModel::SavedPtr saved;
     profile::Scope ps_fwd("forward");
     ModelOutput out = model_->forward(ctx, in, &saved);
     ps_fwd.end();
+    std::vector<double> indexer_scales;
+    if (dp_) {
+      // The indexer losses average over rows known only now; then every loss is the sum of the
+      // ranks' shares.
+      std::vector<int64_t> rows = out.indexer_rows;
+      dp_->allreduce(rows);
+      double indexer = 0;
+      for (size_t l = 0; l < rows.size(); ++l) {
+        indexer_scales.push_back(rows[l] > 0 ? double(out.indexer_rows[l]) / double(rows[l]) : 0.0);
+        indexer += out.indexer_losses[l] * indexer_scales[l];
+      }
+      std::vector<double> v{out.loss - out.indexer_loss + indexer, out.lm_loss, out.mtp_loss,
+                            out.aux_loss, indexer};
+      dp_->allreduce(v);
+      out.loss = v[0];
+      out.lm_loss = v[1];
+      out.mtp_loss = v[2];
+      out.aux_loss = v[3];
+      out.indexer_loss = v[4];
+    }
     StepResult r;
     std::string bad;
     if (!std::isfinite(out.loss)) {
       bad = nonfinite_loss_message(out);
     } else {
       profile::Scope ps_bwd("backward");
-      model_->backward(ctx, *saved);
+      model_->backward(ctx, *saved, {}, indexer_scales);
       ps_bwd.end();
       if (opts_.hooks.after_backward) opts_.hooks.after_backward(s, *model_);
       HLM_PROFILE("optimizer");
-      r = opt_->step(lr);
+      if (dp_) {
+        dp_->reduce_gradients();
+        r = opt_->step(lr, dp_->grad_norm(*opt_));
+        if (r.applied) dp_->share_values();
+      } else {
+        r = opt_->step(lr);
+      }
       if (!r.finite || !std::isfinite(r.grad_norm))
         bad = nonfinite_gradient_message(*model_, r.grad_norm);
     }
     saved.reset();
-    if (bad.empty()) model_->update_moe_bias(out.expert_counts);
+    if (bad.empty()) {
+      if (dp_)
+        for (Tensor& c : out.expert_counts) {
+          c = c.clone();
+          dp_->comm().allreduce_sum(c);  // the load of the global batch
+        }
+      model_->update_moe_bias(out.expert_counts);
+    }
     ps_step.end();
     const uint64_t peak = on_gpu ? cuda_memory_stats().peak_in_use_bytes : 0;
     sum.peak_device_bytes = std::max(sum.peak_device_bytes, peak);
     const double dt = now_s() - t0;
     train_time += dt;
     interval_time += dt;
-    interval_tokens += batch.num_tokens();
-    sum.tokens += batch.num_tokens();
+    interval_tokens += global.num_tokens();
+    sum.tokens += global.num_tokens();
     step_ = s;
     last_loss = out.lm_loss;
 
@@ -967,7 +1062,7 @@ TrainSummary Trainer::run() {
 
     if (!bad.empty()) {
       if (cfg_.nonfinite == NonfinitePolicy::stop) {
-        metrics->write(rec);
+        if (metrics) metrics->write(rec);
         if (bar) bar->finish();
         throw Error(fmt::format(
             "step {}: {}; training stopped (nonfinite = \"stop\"). {}; set nonfinite=skip to "
@@ -984,7 +1079,9 @@ TrainSummary Trainer::run() {
 
     const bool is_log = (cfg_.log_interval > 0 && s % cfg_.log_interval == 0) || s == end ||
                         s == sum.start_step + 1;
-    const bool is_eval = (cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end;
+    // Rank 0 evaluates (the weights are the same everywhere).
+    const bool is_eval =
+        root_ && ((cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end);
     if (is_eval) {
       const EvalResult ev = evaluate();
       if (ev.has_accuracy) rec.eval_accuracy = ev.accuracy.value();
@@ -1000,7 +1097,7 @@ TrainSummary Trainer::run() {
         line(fmt::format("step {}: eval loss {:.4f} ({} targets)", s, ev.loss, ev.targets));
     }
     if (is_log || is_eval || !bad.empty()) {
-      metrics->write(rec);
+      if (metrics) metrics->write(rec);
       interval_time = 0;
       interval_tokens = 0;
     }
@@ -1012,7 +1109,7 @@ TrainSummary Trainer::run() {
     }
   }
   if (bar) bar->finish();
-  if (opts_.handle_signals && !interrupted) interrupted = InterruptGuard::pending();
+  if (!interrupted) interrupted = pending_signal();
   if (last_ckpt != step_) {
     // Interrupted between checkpoints, or stopped before the first step (--stop-after 0).
     save();
@@ -1031,7 +1128,7 @@ TrainSummary Trainer::run() {
   }
   if (end <= sum.start_step) {
     // Nothing to train (resumed at the total): evaluate for the summary.
-    sum.eval = evaluate();
+    if (root_) sum.eval = evaluate();
     if (opts_.resume)
       log(fmt::format("the checkpoint is already at step {} of {}: nothing to train", step_,
                       cfg_.steps));
@@ -1078,8 +1175,12 @@ void print_summary(std::FILE* out, const TrainSummary& s, const TrainConfig& cfg
         s.eval.accuracy.value(), s.eval.accuracy.total, s.chance_accuracy, ratio);
   }
   t += fmt::format("  eval loss      {:.4f} over {} targets\n", s.eval.loss, s.eval.targets);
-  t += fmt::format("  throughput     {} tokens/s ({} tokens trained in this process)\n",
-                   format_rate(s.tokens_per_s), s.tokens);
+  if (s.processes > 1)
+    t += fmt::format("  throughput     {} tokens/s over {} data-parallel processes ({} tokens)\n",
+                     format_rate(s.tokens_per_s), s.processes, s.tokens);
+  else
+    t += fmt::format("  throughput     {} tokens/s ({} tokens trained in this process)\n",
+                     format_rate(s.tokens_per_s), s.tokens);
   if (s.peak_device_bytes > 0)
     t += fmt::format("  device memory  {:.2f} GiB at most in use during a step\n",
                      double(s.peak_device_bytes) / double(1ull << 30));

@@ -36,9 +36,11 @@
 #include <string>
 #include <vector>
 
+#include "dist/comm.h"
 #include "model/hybrid_model.h"
 #include "train/adamw.h"
 #include "train/data.h"
+#include "train/data_parallel.h"
 #include "train/metrics.h"
 #include "train/run_lock.h"
 #include "train/schedule.h"
@@ -162,6 +164,11 @@ struct TrainerOptions {
   bool plot = true;           // write the plot at the end
   bool print_summary = true;  // the final summary on `log`
   TrainerHooks hooks;
+  // The processes that train together (train/data_parallel.h), e.g. &dist::world() under mpirun;
+  // nullptr or a group of one: this process alone. With N > 1 every rank runs the same config
+  // on its part of each global batch; rank 0 alone writes the run directory (logs, metrics,
+  // checkpoints) and evaluates, the others are silent. CPU only for now.
+  dist::Comm* comm = nullptr;
 };
 
 struct EvalResult {
@@ -180,7 +187,8 @@ struct TrainSummary {
   double chance_accuracy = 0;
   double tokens_per_s = 0;  // training tokens / training time, this process
   double wall_s = 0;        // this process
-  int64_t tokens = 0;       // trained in this process
+  int64_t tokens = 0;       // trained in this process (the global batches' tokens)
+  int processes = 1;        // data-parallel processes
   // On CUDA: the most device memory the allocator had in use during any step of this process
   // (0 on the CPU). Each step's own peak is in the metrics ("peak_device_gib").
   uint64_t peak_device_bytes = 0;
@@ -196,8 +204,10 @@ struct TrainerCheckpoint {
   safetensors::Contents state;  // optimizer tensors + metadata
 };
 // Reads DIR/trainer_state.safetensors. hlm::Error with a clear message when the directory holds
-// no checkpoint or the file is damaged or inconsistent.
-TrainerCheckpoint read_trainer_checkpoint(const std::string& dir);
+// no checkpoint or the file is damaged or inconsistent, or when another process holds the
+// directory's lock (a run still writing there); check_lock false skips that check (the ranks of a
+// data-parallel job other than 0, whose rank 0 holds the lock for the job).
+TrainerCheckpoint read_trainer_checkpoint(const std::string& dir, bool check_lock = true);
 inline constexpr const char* kTrainerStateFile = "trainer_state.safetensors";
 inline constexpr const char* kTrainConfigFile = "train_config.json";
 inline constexpr const char* kMetricsFile = "metrics.jsonl";
@@ -219,7 +229,7 @@ class Trainer {
 
   const TrainConfig& config() const { return cfg_; }
   HybridModel& model() { return *model_; }
-  AdamW& optimizer() { return *opt_; }
+  AdamW& optimizer() { return *opt_; }  // with N > 1 processes: this rank's shard
   int64_t step() const { return step_; }
   const DataSource& data() const { return *data_; }
   double chance_accuracy() const;  // MQAR; 0 for token streams
@@ -238,8 +248,10 @@ class Trainer {
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<LrSchedule> sched_;
   std::unique_ptr<DataSource> data_;
-  const MqarTask* mqar_ = nullptr;  // data_ when it is MQAR
-  std::unique_ptr<RunLock> lock_;   // the run directory's lock (train/run_lock.h)
+  const MqarTask* mqar_ = nullptr;    // data_ when it is MQAR
+  std::unique_ptr<RunLock> lock_;     // the run directory's lock (train/run_lock.h)
+  std::unique_ptr<DataParallel> dp_;  // N > 1 processes: opt_ is this rank's shard
+  bool root_ = true;                  // rank 0 (or alone): writes the run directory
   int64_t step_ = 0;
   int64_t skipped_ = 0;
   int64_t start_step_ = 0;

@@ -3,6 +3,7 @@
 // modes give bit-identical gradients, save -> load gives identical outputs, tied embeddings, the
 // HF parameter names, and bad input.
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -198,6 +199,85 @@ TEST(HybridModel, PackedBatchEqualsSequencesOneByOne) {
       p += l;
     }
   }
+}
+
+// Data parallelism's decomposition (train/data_parallel.h): parts of a batch (whole sequences)
+// run with the whole batch's loss denominators and indexer-row factors give losses that sum to
+// the whole batch's and gradients that sum to its gradients (FP64, every loss term: main and MTP
+// cross-entropy, MoE sequence aux loss, DSA indexer KL).
+TEST(HybridModel, PartsWithTheWholeBatchsNormalizersSumToTheWholeBatch) {
+  HybridModel m(tiny_config(), {.dtype = DType::f64, .seed = test_seed()});
+  Rng rng(test_seed());
+  const std::vector<int64_t> lengths{20, 11, 7, 15, 1};
+  const Batch whole = random_batch(lengths, 24, rng);
+  Context ctx;
+  m.zero_grad();
+  HybridModel::SavedPtr saved;
+  const ModelOutput ref = m.forward(ctx, inputs_of(whole, true), &saved);
+  m.backward(ctx, *saved);
+  saved.reset();
+  ASSERT_GT(ref.aux_loss, 0);
+  ASSERT_GT(ref.indexer_loss, 0);
+  ASSERT_EQ(ref.indexer_rows.size(), 2u);  // the DSA layer and the MTP block's
+  std::map<std::string, Tensor> want;
+  for (auto& [n, p] : m.named_parameters()) want[n] = p->grad.clone();
+
+  for (const std::vector<size_t>& cut : {std::vector<size_t>{2}, std::vector<size_t>{1, 3, 4}}) {
+    SCOPED_TRACE(cut.size() + 1);
+    // The parts' batches: sequences [cut[i-1], cut[i]).
+    std::vector<Batch> parts;
+    size_t q0 = 0;
+    int64_t t0 = 0;
+    for (size_t i = 0; i <= cut.size(); ++i) {
+      const size_t q1 = i < cut.size() ? cut[i] : lengths.size();
+      const std::vector<int64_t> len(lengths.begin() + ptrdiff_t(q0),
+                                     lengths.begin() + ptrdiff_t(q1));
+      Batch b;
+      b.lengths = len;
+      b.tokens = whole.tokens.slice(0, t0, t0 + testing::total(len)).clone();
+      b.targets = whole.targets.slice(0, t0, t0 + testing::total(len)).clone();
+      b.cu = testing::cu_of(len);
+      parts.push_back(b);
+      t0 += testing::total(len);
+      q0 = q1;
+    }
+    m.zero_grad();
+    std::vector<ModelOutput> outs;
+    std::vector<HybridModel::SavedPtr> saves(parts.size());
+    for (size_t i = 0; i < parts.size(); ++i) {
+      ModelInputs in = inputs_of(parts[i], true);
+      in.lm_normalizer = ref.lm_count;
+      in.mtp_normalizer = ref.mtp_count;
+      in.aux_sequences = int64_t(lengths.size());
+      outs.push_back(m.forward(ctx, in, &saves[i]));
+    }
+    std::vector<int64_t> rows(ref.indexer_rows.size(), 0);
+    for (const auto& o : outs)
+      for (size_t l = 0; l < rows.size(); ++l) rows[l] += o.indexer_rows[l];
+    EXPECT_EQ(rows, ref.indexer_rows);
+    double lm = 0, mtp = 0, aux = 0, indexer = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      std::vector<double> scales;
+      for (size_t l = 0; l < rows.size(); ++l) {
+        scales.push_back(double(outs[i].indexer_rows[l]) / double(rows[l]));
+        indexer += outs[i].indexer_losses[l] * scales[l];
+      }
+      lm += outs[i].lm_loss;
+      mtp += outs[i].mtp_loss;
+      aux += outs[i].aux_loss;
+      m.backward(ctx, *saves[i], {}, scales);
+    }
+    EXPECT_NEAR(lm, ref.lm_loss, 1e-12 * ref.lm_loss);
+    EXPECT_NEAR(mtp, ref.mtp_loss, 1e-12 * ref.mtp_loss);
+    EXPECT_NEAR(aux, ref.aux_loss, 1e-12 * ref.aux_loss);
+    EXPECT_NEAR(indexer, ref.indexer_loss, 1e-12 * ref.indexer_loss);
+    for (auto& [n, p] : m.named_parameters())
+      EXPECT_TRUE(testing::close(p->grad, want.at(n), {1e-11, 1e-12})) << n;
+  }
+  // A normalizer below the part's own count is refused.
+  ModelInputs bad = inputs_of(whole, true);
+  bad.lm_normalizer = 3;
+  testing::expect_error([&] { m.forward(ctx, bad); }, "lm_normalizer 3 is below");
 }
 
 TEST(HybridModel, RecomputeModesGiveBitIdenticalGradients) {

@@ -1,0 +1,268 @@
+// Data parallelism with a distributed optimizer (train/data_parallel.h).
+#include "train/data_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace hlm::train {
+namespace {
+
+std::vector<int64_t> i64_vector(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  const int64_t* p = c.data<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+Tensor rows(const Tensor& t, int64_t a, int64_t b) {
+  return t.defined() ? t.slice(0, a, b).clone() : t;
+}
+
+// The master dtype AdamW keeps for a parameter (adamw.h): FP64 for f64 values, else FP32.
+DType master_dtype(const Param& p) {
+  return p.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+}  // namespace
+
+Batch shard_batch(const Batch& global, int rank, int size) {
+  HLM_CHECK(size >= 1 && rank >= 0 && rank < size, "shard_batch: rank {} of {}", rank, size);
+  if (size == 1) return global;
+  const std::vector<int64_t> cu = i64_vector(global.cu_seqlens);
+  const int64_t S = int64_t(cu.size()) - 1, T = cu.back();
+  HLM_CHECK(S >= size,
+            "data parallelism over {} processes needs at least {} sequences per step; this step's "
+            "batch has {} (more sequences per step: raise tokens_per_step, or lower seq_len for a "
+            "token stream)",
+            size, size, S);
+  // Boundary r: the sequence start nearest to r T / N, leaving every part at least one sequence.
+  std::vector<int64_t> b(size_t(size) + 1, 0);
+  b[size_t(size)] = S;
+  for (int r = 1; r < size; ++r) {
+    const int64_t lo = b[size_t(r - 1)] + 1, hi = S - (size - r);
+    const double target = double(T) * double(r) / double(size);
+    int64_t best = lo;
+    for (int64_t q = lo; q <= hi; ++q)
+      if (std::abs(double(cu[size_t(q)]) - target) < std::abs(double(cu[size_t(best)]) - target))
+        best = q;
+    b[size_t(r)] = best;
+  }
+  const int64_t q0 = b[size_t(rank)], q1 = b[size_t(rank) + 1];
+  const int64_t t0 = cu[size_t(q0)], t1 = cu[size_t(q1)];
+  Batch part;
+  part.tokens = rows(global.tokens, t0, t1);
+  part.targets = rows(global.targets, t0, t1);
+  part.loss_mask = rows(global.loss_mask, t0, t1);
+  std::vector<int64_t> pcu;
+  for (int64_t q = q0; q <= q1; ++q) pcu.push_back(cu[size_t(q)] - t0);
+  part.cu_seqlens = Tensor::from_vector({int64_t(pcu.size())}, pcu);
+  part.eval_positions = Tensor::from_vector<int64_t>({0}, {});
+  return part;
+}
+
+LossNormalizers global_normalizers(const Batch& global) {
+  const std::vector<int64_t> cu = i64_vector(global.cu_seqlens);
+  const std::vector<int64_t> tg = i64_vector(global.targets);
+  LossNormalizers n;
+  for (int64_t t : tg) n.lm += t != kIgnoreIndex;
+  for (size_t q = 0; q + 1 < cu.size(); ++q) {
+    n.sequences += cu[q + 1] > cu[q];
+    for (int64_t i = cu[q]; i + 1 < cu[q + 1]; ++i) n.mtp += tg[size_t(i + 1)] != kIgnoreIndex;
+  }
+  return n;
+}
+
+DataParallel::DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params)
+    : comm_(comm), params_(std::move(params)) {
+  const int N = comm_.size();
+  int64_t total = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    HLM_CHECK(p->value.is_cpu() && p->value.is_contiguous(),
+              "data parallelism over {} processes runs on the CPU for now (the NCCL backend for "
+              "device tensors is not built yet); parameter '{}' is {}",
+              N, name, p->value.describe());
+    const DType g = master_dtype(*p);
+    if (i == 0) grad_dtype_ = g;
+    HLM_CHECK(g == grad_dtype_,
+              "data parallelism: the parameters mix f64 with other dtypes ('{}' is {})", name,
+              dtype_name(p->value.dtype()));
+    offset_.push_back(total);
+    total += p->value.numel();
+  }
+  // Contiguous runs of the parameter order, about total / N elements each.
+  std::vector<int64_t> elems(size_t(N), 0), bytes(size_t(N), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int o = total > 0 ? int(std::min<int64_t>(N - 1, offset_[i] * N / total)) : 0;
+    owner_.push_back(o);
+    elems[size_t(o)] += params_[i].second->value.numel();
+    bytes[size_t(o)] += int64_t(params_[i].second->value.nbytes());
+  }
+  seg_begin_.assign(size_t(N) + 1, int64_t(params_.size()));
+  for (size_t i = params_.size(); i-- > 0;) seg_begin_[size_t(owner_[i])] = int64_t(i);
+  for (int r = N - 1; r >= 0; --r)
+    seg_begin_[size_t(r)] = std::min(seg_begin_[size_t(r)], seg_begin_[size_t(r) + 1]);
+  seg_elems_ = *std::max_element(elems.begin(), elems.end());
+  seg_bytes_ = *std::max_element(bytes.begin(), bytes.end());
+}
+
+int DataParallel::owner(size_t i) const {
+  return owner_.at(i);
+}
+
+std::vector<std::pair<std::string, Param*>> DataParallel::owned() const {
+  std::vector<std::pair<std::string, Param*>> v;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (owner_[i] == rank()) v.push_back(params_[i]);
+  return v;
+}
+
+void DataParallel::reduce_gradients() {
+  const int N = size();
+  const size_t es = dtype_size(grad_dtype_);
+  Tensor buf = Tensor::zeros({int64_t(N) * seg_elems_}, grad_dtype_);
+  auto* base = static_cast<uint8_t*>(buf.raw());
+  auto place = [&](size_t i) {  // parameter i's elements within its owner's segment
+    const int o = owner_[i];
+    return base + (size_t(o) * size_t(seg_elems_) +
+                   size_t(offset_[i] - offset_[size_t(seg_begin_[size_t(o)])])) *
+                      es;
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    HLM_CHECK(p->grad.defined() && p->grad.is_cpu() && p->grad.is_contiguous() &&
+                  p->grad.dtype() == grad_dtype_ && p->grad.numel() == p->value.numel(),
+              "data parallelism: parameter '{}' needs a contiguous {} CPU gradient of {} values, "
+              "got {}",
+              name, dtype_name(grad_dtype_), p->value.numel(),
+              p->grad.defined() ? p->grad.describe() : "none");
+    std::memcpy(place(i), p->grad.raw(), p->grad.nbytes());
+  }
+  const Tensor mine = comm_.reduce_scatter_sum(buf);
+  const auto* src = static_cast<const uint8_t*>(mine.raw());
+  const int64_t first = seg_begin_[size_t(rank())];
+  for (int64_t i = first; i < seg_begin_[size_t(rank()) + 1]; ++i) {
+    Param* p = params_[size_t(i)].second;
+    std::memcpy(p->grad.raw(), src + size_t(offset_[size_t(i)] - offset_[size_t(first)]) * es,
+                p->grad.nbytes());
+  }
+}
+
+GradNorm DataParallel::grad_norm(const AdamW& shard) const {
+  Tensor mine = Tensor::from_vector<double>({1}, {shard.grad_sum_squares()});
+  const Tensor all = comm_.allgather(mine);
+  double total = 0;
+  for (double v : all.to_f64_vector()) total += v;  // rank order
+  return shard.grad_norm_from(total);
+}
+
+void DataParallel::share_values() {
+  const int N = size();
+  std::vector<uint8_t> mine(size_t(seg_bytes_), 0);
+  size_t at = 0;
+  for (int64_t i = seg_begin_[size_t(rank())]; i < seg_begin_[size_t(rank()) + 1]; ++i) {
+    const Tensor& v = params_[size_t(i)].second->value;
+    std::memcpy(mine.data() + at, v.raw(), v.nbytes());
+    at += v.nbytes();
+  }
+  std::vector<uint8_t> all(size_t(N) * size_t(seg_bytes_));
+  comm_.allgather_bytes(mine.data(), size_t(seg_bytes_), all.data());
+  for (int r = 0; r < N; ++r) {
+    if (r == rank()) continue;
+    size_t off = size_t(r) * size_t(seg_bytes_);
+    for (int64_t i = seg_begin_[size_t(r)]; i < seg_begin_[size_t(r) + 1]; ++i) {
+      Tensor& v = params_[size_t(i)].second->value;
+      std::memcpy(v.raw(), all.data() + off, v.nbytes());
+      off += v.nbytes();
+    }
+  }
+}
+
+safetensors::TensorMap DataParallel::gather_state(const AdamW& shard,
+                                                  const std::string& prefix) const {
+  const safetensors::TensorMap local = shard.state_dict(prefix);
+  const char* kinds[] = {"master.", "exp_avg.", "exp_avg_sq."};
+  constexpr int kTag = 7301;
+  if (rank() != 0) {
+    // This rank's tensors, in parameter order, as one message.
+    std::vector<uint8_t> msg;
+    for (int64_t i = seg_begin_[size_t(rank())]; i < seg_begin_[size_t(rank()) + 1]; ++i)
+      for (const char* k : kinds) {
+        const Tensor& t = local.at(prefix + k + params_[size_t(i)].first).contiguous();
+        const auto* p = static_cast<const uint8_t*>(t.raw());
+        msg.insert(msg.end(), p, p + t.nbytes());
+      }
+    uint64_t n = msg.size();
+    comm_.send_bytes(&n, sizeof n, 0, kTag);
+    if (n > 0) comm_.send_bytes(msg.data(), msg.size(), 0, kTag + 1);
+    return {};
+  }
+  safetensors::TensorMap whole;
+  for (const auto& [k, t] : local) whole[k] = t.clone();
+  for (int r = 1; r < size(); ++r) {
+    uint64_t n = 0;
+    comm_.recv_bytes(&n, sizeof n, r, kTag);
+    std::vector<uint8_t> msg(n);
+    if (n > 0) comm_.recv_bytes(msg.data(), msg.size(), r, kTag + 1);
+    size_t at = 0;
+    for (int64_t i = seg_begin_[size_t(r)]; i < seg_begin_[size_t(r) + 1]; ++i) {
+      const auto& [name, p] = params_[size_t(i)];
+      for (const char* k : kinds) {
+        Tensor t = Tensor::empty(p->value.shape(), master_dtype(*p));
+        HLM_CHECK(at + t.nbytes() <= msg.size(),
+                  "data parallelism: rank {}'s optimizer state is shorter than its parameters", r);
+        std::memcpy(t.raw(), msg.data() + at, t.nbytes());
+        at += t.nbytes();
+        whole[prefix + k + name] = t;
+      }
+    }
+    HLM_CHECK(at == msg.size(),
+              "data parallelism: rank {}'s optimizer state is longer than its parameters", r);
+  }
+  return whole;
+}
+
+safetensors::TensorMap DataParallel::shard_state(const safetensors::TensorMap& whole,
+                                                 const std::string& prefix) const {
+  std::set<std::string> all, mine;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    all.insert(params_[i].first);
+    if (owner_[i] == rank()) mine.insert(params_[i].first);
+  }
+  safetensors::TensorMap part;
+  for (const auto& [key, t] : whole) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    const std::string rest = key.substr(prefix.size());
+    if (rest == "step") {
+      part[key] = t;
+      continue;
+    }
+    std::string name;
+    for (const char* k : {"master.", "exp_avg_sq.", "exp_avg."})
+      if (rest.rfind(k, 0) == 0) {
+        name = rest.substr(std::strlen(k));
+        break;
+      }
+    HLM_CHECK(all.count(name), "optimizer state: unknown tensor '{}'", key);
+    if (mine.count(name)) part[key] = t;
+  }
+  return part;
+}
+
+void DataParallel::allreduce(std::vector<double>& v) const {
+  Tensor t = Tensor::from_vector<double>({int64_t(v.size())}, v);
+  comm_.allreduce_sum(t);
+  v = t.to_f64_vector();
+}
+
+void DataParallel::allreduce(std::vector<int64_t>& v) const {
+  Tensor t = Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
+  comm_.allreduce_sum(t);
+  v = i64_vector(t);
+}
+
+}  // namespace hlm::train
