@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "ops/greedy.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm::infer {
@@ -24,6 +25,12 @@ namespace {
 CacheOptions on_model(const HybridModel& model, CacheOptions o) {
   o.device = model.device();
   return o;
+}
+
+// An i64 tensor's values on the host.
+std::vector<int64_t> host_i64_vector(const Tensor& t) {
+  const Tensor h = t.is_cpu() ? t.contiguous() : t.to(Device::cpu);
+  return std::vector<int64_t>(h.data<int64_t>(), h.data<int64_t>() + h.numel());
 }
 
 // Logits as contiguous f32 on the host, where sampling reads them.
@@ -102,9 +109,24 @@ void Generator::admit() {
   }
 }
 
-bool Generator::emit(Seq& s, const float* row, int64_t V, std::vector<TokenEvent>& events) {
-  const Sampled t =
-      sample_token(row, V, s.req.sampling, s.req.stream, uint64_t(s.res.tokens.size()));
+bool Generator::needs_host_rows() const {
+  for (const auto& s : running_)
+    if (!s->req.sampling.greedy() || (!s->prefilled && s->req.prompt_logprobs)) return true;
+  return false;
+}
+
+bool Generator::emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events) {
+  Sampled t;
+  if (rows.host.defined()) {
+    t = sample_token(rows.host.data<float>() + row * rows.V, rows.V, s.req.sampling, s.req.stream,
+                     uint64_t(s.res.tokens.size()));
+  } else {
+    HLM_CHECK(s.req.sampling.greedy(), "Generator: a sampled request needs the host rows");
+    const int64_t bad = rows.bad[size_t(row)];
+    HLM_CHECK(bad < 0, "sampling: the logit of token {} is not finite", bad);
+    t.token = rows.token[size_t(row)];
+    t.logprob = rows.logprob[size_t(row)];
+  }
   s.res.tokens.push_back(t.token);
   s.res.logprobs.push_back(t.logprob);
   const bool stop = std::find(s.req.stop.begin(), s.req.stop.end(), t.token) != s.req.stop.end();
@@ -155,7 +177,7 @@ struct Generator::Batch {
   }
 };
 
-ModelOutput Generator::forward(const Batch& b, bool draft_last) {
+ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host, Rows* rows) {
   ModelInputs in;
   in.tokens = Tensor::from_vector({int64_t(b.tokens.size())}, b.tokens);
   in.cu_seqlens = Tensor::from_vector({int64_t(b.cu.size())}, b.cu);
@@ -167,18 +189,28 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last) {
   Context ctx;
   ctx.training = false;
   ModelOutput out = model_.forward(ctx, in);
-  out.logits = host_f32(out.logits);
   ++forwards_;
+  rows->V = out.logits.size(1);
+  if (need_host) {
+    rows->host = host_f32(out.logits);
+  } else {
+    const ops::GreedyPick p = ops::greedy_pick(out.logits);
+    rows->token = host_i64_vector(p.token);
+    rows->bad = host_i64_vector(p.bad);
+    const Tensor lp = p.logprob.is_cpu() ? p.logprob : p.logprob.to(Device::cpu);
+    rows->logprob.assign(lp.data<double>(), lp.data<double>() + lp.numel());
+  }
   return out;
 }
 
-bool Generator::finish_prefill(Seq& s, const float* logits, int64_t V, int64_t row,
+bool Generator::finish_prefill(Seq& s, const Rows& rows, int64_t row,
                                std::vector<TokenEvent>& events) {
   if (s.req.prompt_logprobs)
     for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
-      s.res.prompt_logprobs.push_back(token_logprob(logits + (row++) * V, V, s.req.prompt[j + 1]));
+      s.res.prompt_logprobs.push_back(
+          token_logprob(rows.host.data<float>() + (row++) * rows.V, rows.V, s.req.prompt[j + 1]));
   s.prefilled = true;
-  if (s.req.max_new > 0) return emit(s, logits + row * V, V, events);
+  if (s.req.max_new > 0) return emit(s, rows, row, events);
   s.res.finish = "length";
   events.push_back({s.id, -1, 0.0, true});
   return true;
@@ -192,14 +224,13 @@ std::vector<TokenEvent> Generator::step() {
   // The packed batch: each new sequence's prompt, one token of each running one.
   Batch b;
   for (const auto& s : running_) s->prefilled ? b.add_tokens(*s, {s->next}) : b.add_prompt(*s);
-  const ModelOutput out = forward(b, false);
-  const int64_t V = out.logits.size(1);
-  const float* L = out.logits.data<float>();
+  Rows rows;
+  forward(b, false, needs_host_rows(), &rows);
   std::vector<bool> finished(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
-    finished[i] = s.prefilled ? emit(s, L + b.first_row[i] * V, V, events)
-                              : finish_prefill(s, L, V, b.first_row[i], events);
+    finished[i] = s.prefilled ? emit(s, rows, b.first_row[i], events)
+                              : finish_prefill(s, rows, b.first_row[i], events);
   }
   retire(finished);
   return events;
@@ -215,15 +246,15 @@ void Generator::draft(const std::vector<Seq*>& seqs, const std::vector<std::vect
     lengths.push_back(int64_t(next[i].size()));
     slots.push_back(seqs[i]->slot);
   }
-  const Tensor logits = host_f32(model_.mtp_forward_cached(
-      Tensor::from_vector({int64_t(tok.size())}, tok), ops::gather_rows(pre_norm, all_rows),
-      SeqLayout::from_lengths(lengths), cache_, slots));
-  const int64_t V = logits.size(1);
+  const Tensor logits = model_.mtp_forward_cached(Tensor::from_vector({int64_t(tok.size())}, tok),
+                                                  ops::gather_rows(pre_norm, all_rows),
+                                                  SeqLayout::from_lengths(lengths), cache_, slots);
+  // A draft is the arg max of its sequence's last row (ties to the lower id).
+  const std::vector<int64_t> best = host_i64_vector(ops::greedy_pick(logits).token);
   int64_t end = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     end += lengths[i];
-    const float* row = logits.data<float>() + (end - 1) * V;
-    seqs[i]->draft = int64_t(std::max_element(row, row + V) - row);
+    seqs[i]->draft = best[size_t(end - 1)];
   }
 }
 
@@ -246,11 +277,11 @@ std::vector<TokenEvent> Generator::step_speculative() {
         idx.push_back(i);
         b.add_prompt(*running_[i]);
       }
-    const ModelOutput out = forward(b, false);
-    const int64_t V = out.logits.size(1);
+    Rows rows;
+    const ModelOutput out = forward(b, false, needs_host_rows(), &rows);
     for (size_t k = 0; k < idx.size(); ++k) {
       Seq& s = *running_[idx[k]];
-      finished[idx[k]] = finish_prefill(s, out.logits.data<float>(), V, b.first_row[k], events);
+      finished[idx[k]] = finish_prefill(s, rows, b.first_row[k], events);
       if (finished[idx[k]]) continue;
       drafting.push_back(&s);
       next.emplace_back(s.req.prompt.begin() + 1, s.req.prompt.end());
@@ -266,14 +297,13 @@ std::vector<TokenEvent> Generator::step_speculative() {
   // Every sequence: [next, draft].
   Batch b;
   for (const auto& s : running_) b.add_tokens(*s, {s->next, s->draft});
-  const ModelOutput out = forward(b, true);
-  const int64_t V = out.logits.size(1);
-  const float* L = out.logits.data<float>();
+  Rows rows;
+  const ModelOutput out = forward(b, true, needs_host_rows(), &rows);
   std::vector<bool> accepted(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
     const int64_t r0 = 2 * int64_t(i), r1 = r0 + 1;
-    finished[i] = emit(s, L + r0 * V, V, events);
+    finished[i] = emit(s, rows, r0, events);
     ++drafts_;
     accepted[i] = s.next == s.draft;
     accepted_ += accepted[i];
@@ -285,7 +315,7 @@ std::vector<TokenEvent> Generator::step_speculative() {
       continue;
     }
     const int64_t y1 = s.next;
-    finished[i] = emit(s, L + r1 * V, V, events);
+    finished[i] = emit(s, rows, r1, events);
     if (finished[i]) continue;
     drafting.push_back(&s);
     next.push_back({y1, s.next});

@@ -103,15 +103,27 @@ class Generator {
     Result res;
   };
   struct Batch;
+  // What sampling reads of a forward's logits rows: the rows themselves (f32 on the host) when a
+  // request of the step samples or scores its prompt, else only each row's greedy choice
+  // (ops::greedy_pick where the logits are: on the GPU only R tokens and log-probabilities cross
+  // to the host).
+  struct Rows {
+    Tensor host;  // [R, V] f32 contiguous, or undefined
+    int64_t V = 0;
+    std::vector<int64_t> token, bad;
+    std::vector<double> logprob;
+  };
   void admit();
-  // The forward of a packed batch over the cache; logits f32 contiguous.
-  ModelOutput forward(const Batch& b, bool draft_last);
-  // Samples s's next token from logits `row` and records it; true when s is finished.
-  bool emit(Seq& s, const float* row, int64_t V, std::vector<TokenEvent>& events);
+  // The forward of a packed batch over the cache, and its logits rows (host rows when need_host).
+  ModelOutput forward(const Batch& b, bool draft_last, bool need_host, Rows* rows);
+  // Whether sampling this step's sequences needs the host rows (a non-greedy request, or prompt
+  // log-probabilities for a sequence not yet prefilled).
+  bool needs_host_rows() const;
+  // Samples s's next token from logits row `row` and records it; true when s is finished.
+  bool emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events);
   // After s's prompt ran (its logits rows from `row`): the prompt's log-probabilities when asked,
   // then its first token (or, with max_new 0, its end); true when s is finished.
-  bool finish_prefill(Seq& s, const float* logits, int64_t V, int64_t row,
-                      std::vector<TokenEvent>& events);
+  bool finish_prefill(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events);
   // Closes the finished sequences (finished[i] for running_[i]).
   void retire(const std::vector<bool>& finished);
   std::vector<TokenEvent> step_speculative();
