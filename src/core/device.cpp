@@ -40,6 +40,15 @@ bool cuda_available() {
   return cuda_device_count() > 0;
 }
 
+void cuda_select_device(int index) {
+  HLM_CHECK(index >= 0 && index < cuda_device_count(), "CUDA device {} does not exist ({} present)",
+            index, cuda_device_count());
+#ifdef HLM_HAVE_CUDA
+  const cudaError_t e = cudaSetDevice(index);
+  HLM_CHECK(e == cudaSuccess, "cudaSetDevice({}): {}", index, cudaGetErrorString(e));
+#endif
+}
+
 bool cuda_emulated() {
 #ifdef HLM_CUDA_EMU
   return true;

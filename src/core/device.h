@@ -15,6 +15,9 @@ bool cuda_available();
 // True in the build whose CUDA device is the CPU emulation (HLM_CUDA_EMU, tools/cuda_emu): its
 // kernels compute what they compute on a GPU, but their timings mean nothing.
 bool cuda_emulated();
+// Makes GPU `index` the current device of this process (each process of a job on one host takes
+// its own: dist::local_rank() % cuda_device_count()). Call before anything is allocated on CUDA.
+void cuda_select_device(int index);
 
 // 64-byte aligned on the CPU, 256-byte aligned on CUDA; never returns null. CUDA memory comes from
 // a caching allocator (core/cuda_cache.h): a freed block is kept and handed to a later allocation

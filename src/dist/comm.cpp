@@ -7,48 +7,64 @@
 #include <map>
 #include <vector>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "dist/mpi_comm.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm::dist {
 namespace {
 
-// out[i] = in[0 n + i] + in[1 n + i] + ... + in[(N-1) n + i], left to right (rank order).
+// out[i] = 0 + in[0 n + i] + in[1 n + i] + ... + in[(N-1) n + i], left to right (rank order; the
+// order and the zero start of ops::sum_rows, which sums device buffers: the same bits).
 template <class T>
 void sum_blocks(const void* in_, int N, size_t n, void* out_) {
   const T* in = static_cast<const T*>(in_);
   T* out = static_cast<T*>(out_);
   for (size_t i = 0; i < n; ++i) {
-    T s = in[i];
-    for (int r = 1; r < N; ++r) s += in[size_t(r) * n + i];
+    T s = T(0);
+    for (int r = 0; r < N; ++r) s += in[size_t(r) * n + i];
     out[i] = s;
   }
 }
 
-void sum_blocks(DType dt, const void* in, int N, size_t n, void* out, const char* what) {
-  switch (dt) {
+// recv [N n] (N blocks of n elements, on `mem`) -> their sum [n].
+Tensor sum_blocks(const Tensor& recv, int N, int64_t n, Device mem, const char* what) {
+  if (mem != Device::cpu) return ops::sum_rows(recv.view({N, n}), recv.dtype());
+  Tensor out = Tensor::empty({n}, recv.dtype());
+  switch (recv.dtype()) {
     case DType::f32:
-      return sum_blocks<float>(in, N, n, out);
+      sum_blocks<float>(recv.raw(), N, size_t(n), out.raw());
+      break;
     case DType::f64:
-      return sum_blocks<double>(in, N, n, out);
+      sum_blocks<double>(recv.raw(), N, size_t(n), out.raw());
+      break;
     case DType::i32:
-      return sum_blocks<int32_t>(in, N, n, out);
+      sum_blocks<int32_t>(recv.raw(), N, size_t(n), out.raw());
+      break;
     case DType::i64:
-      return sum_blocks<int64_t>(in, N, n, out);
+      sum_blocks<int64_t>(recv.raw(), N, size_t(n), out.raw());
+      break;
     default:
-      HLM_FAIL("{}: cannot sum {}", what, dtype_name(dt));
+      HLM_FAIL("{}: cannot sum {}", what, dtype_name(recv.dtype()));
   }
+  return out;
 }
 
-void require_summable(const Tensor& t, const char* what) {
+void require_summable(const Tensor& t, Device mem, const char* what) {
   const DType dt = t.dtype();
-  HLM_CHECK(dt == DType::f32 || dt == DType::f64 || dt == DType::i32 || dt == DType::i64,
-            "{}: sums f32, f64, i32 or i64 tensors, got {}", what, dtype_name(dt));
+  if (mem == Device::cpu)
+    HLM_CHECK(dt == DType::f32 || dt == DType::f64 || dt == DType::i32 || dt == DType::i64,
+              "{}: sums f32, f64, i32 or i64 tensors, got {}", what, dtype_name(dt));
+  else
+    HLM_CHECK(dt == DType::f32 || dt == DType::f64, "{}: sums f32 or f64 tensors on {}, got {}",
+              what, device_name(mem), dtype_name(dt));
 }
 
-void require_host(const Tensor& t, const char* what) {
-  HLM_CHECK(t.defined() && t.is_cpu() && t.is_contiguous(),
-            "{}: needs a defined contiguous CPU tensor, got {}", what,
+void require_on(const Tensor& t, Device mem, const char* what) {
+  HLM_CHECK(t.defined() && t.device() == mem && t.is_contiguous(),
+            "{}: needs a defined contiguous {} tensor, got {}", what,
+            mem == Device::cpu ? "CPU" : device_name(mem),
             t.defined() ? t.describe() : "undefined");
 }
 
@@ -99,7 +115,7 @@ void Comm::check_same(const Tensor& t, const char* what) {
   int64_t mine[kSlots] = {int64_t(t.dtype()), t.dim()};
   for (int64_t d = 0; d < std::min<int64_t>(t.dim(), 8); ++d) mine[2 + d] = t.size(d);
   std::vector<int64_t> all(size_t(size()) * kSlots);
-  allgather_bytes(mine, sizeof(mine), all.data());
+  allgather_host(mine, sizeof(mine), all.data());
   for (int r = 0; r < size(); ++r)
     HLM_CHECK(std::memcmp(&all[size_t(r) * kSlots], mine, sizeof(mine)) == 0,
               "{}: rank {} passed a different shape or dtype than rank {} ({})", what, r, rank(),
@@ -108,8 +124,9 @@ void Comm::check_same(const Tensor& t, const char* what) {
 
 Tensor Comm::reduce_scatter_sum(const Tensor& t) {
   constexpr const char* what = "Comm::reduce_scatter_sum";
-  require_host(t, what);
-  require_summable(t, what);
+  const Device mem = memory();
+  require_on(t, mem, what);
+  require_summable(t, mem, what);
   const int N = size();
   HLM_CHECK(t.dim() >= 1 && t.size(0) % N == 0,
             "{}: the first dimension must be a multiple of the {} ranks, got {}", what, N,
@@ -117,49 +134,50 @@ Tensor Comm::reduce_scatter_sum(const Tensor& t) {
   check_same(t, what);
   Shape s = t.shape();
   s[0] /= N;
-  Tensor out = Tensor::empty(s, t.dtype());
-  const size_t block = t.nbytes() / size_t(N), n = size_t(t.numel()) / size_t(N);
-  std::vector<uint8_t> recv(t.nbytes());
-  alltoall_bytes(t.raw(), block, recv.data());
-  sum_blocks(t.dtype(), recv.data(), N, n, out.raw(), what);
-  return out;
+  const int64_t n = t.numel() / N;
+  Tensor recv = Tensor::empty({t.numel()}, t.dtype(), mem);
+  if (n > 0) alltoall_bytes(t.raw(), t.nbytes() / size_t(N), recv.raw());
+  return sum_blocks(recv, N, n, mem, what).view(s);
 }
 
 void Comm::allreduce_sum(Tensor& t) {
   constexpr const char* what = "Comm::allreduce_sum";
-  require_host(t, what);
-  require_summable(t, what);
+  const Device mem = memory();
+  require_on(t, mem, what);
+  require_summable(t, mem, what);
   check_same(t, what);
   const int N = size();
   if (N == 1 || t.numel() == 0) return;
-  const size_t E = size_t(t.numel()), es = t.element_size(), c = (E + size_t(N) - 1) / size_t(N);
+  const int64_t E = t.numel(), c = (E + N - 1) / N;
+  const size_t es = t.element_size();
   // Padded to N chunks of c elements: chunk r is summed by rank r, then every chunk gathered.
-  std::vector<uint8_t> padded(size_t(N) * c * es, 0), recv(size_t(N) * c * es), mine(c * es);
-  std::memcpy(padded.data(), t.raw(), E * es);
-  alltoall_bytes(padded.data(), c * es, recv.data());
-  sum_blocks(t.dtype(), recv.data(), N, c, mine.data(), what);
-  allgather_bytes(mine.data(), c * es, padded.data());
-  std::memcpy(t.raw(), padded.data(), E * es);
+  Tensor padded = Tensor::zeros({int64_t(N) * c}, t.dtype(), mem);
+  device_copy(padded.raw(), mem, t.raw(), mem, size_t(E) * es);
+  Tensor recv = Tensor::empty({int64_t(N) * c}, t.dtype(), mem);
+  alltoall_bytes(padded.raw(), size_t(c) * es, recv.raw());
+  const Tensor mine = sum_blocks(recv, N, c, mem, what);
+  allgather_bytes(mine.raw(), size_t(c) * es, padded.raw());
+  device_copy(t.raw(), mem, padded.raw(), mem, size_t(E) * es);
 }
 
 Tensor Comm::allgather(const Tensor& t) {
   constexpr const char* what = "Comm::allgather";
-  require_host(t, what);
+  require_on(t, memory(), what);
   HLM_CHECK(t.dim() >= 1, "{}: needs a tensor of rank >= 1, got {}", what, t.describe());
   check_same(t, what);
   Shape s = t.shape();
   s[0] *= size();
-  Tensor out = Tensor::empty(s, t.dtype());
-  allgather_bytes(t.raw(), t.nbytes(), out.raw());
+  Tensor out = Tensor::empty(s, t.dtype(), memory());
+  if (t.nbytes() > 0) allgather_bytes(t.raw(), t.nbytes(), out.raw());
   return out;
 }
 
 void Comm::broadcast(Tensor& t, int root) {
   constexpr const char* what = "Comm::broadcast";
-  require_host(t, what);
+  require_on(t, memory(), what);
   HLM_CHECK(root >= 0 && root < size(), "{}: root {} is not a rank of {}", what, root, size());
   check_same(t, what);
-  broadcast_bytes(t.raw(), t.nbytes(), root);
+  if (t.nbytes() > 0) broadcast_bytes(t.raw(), t.nbytes(), root);
 }
 
 std::unique_ptr<Comm> self_comm() {
@@ -175,6 +193,12 @@ bool launched_by_mpi() {
 namespace {
 Comm* g_world = nullptr;  // set once world() has built it
 }  // namespace
+
+int local_rank() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
 
 Comm& world() {
   static std::unique_ptr<Comm> w = [] {

@@ -13,8 +13,10 @@
 // Backends: self (one process; every collective is the identity) and MPI (Debian's OpenMPI;
 // `mpirun -np N hybridlm ...`). world() is MPI's world when the process was started by an MPI
 // launcher (and the build has MPI), else self.
-// Tensors are contiguous CPU tensors; the sums support f32, f64, i32 and i64 (in the tensor's own
-// dtype). A collective whose arguments differ between ranks (shapes, dtypes, roots) is an error
+// Tensors are contiguous and on memory(): the host for self and MPI, the GPU for NCCL
+// (dist/nccl_comm.h). The sums support f32, f64, i32 and i64 (f32 and f64 on the GPU), each in the
+// tensor's own dtype, and start from zero (ops::sum_rows' order: the same bits on either side). A
+// collective whose arguments differ between ranks (shapes, dtypes, roots) is an error
 // on the rank that detects it; a rank that dies ends the job (the MPI launcher stops the others).
 #pragma once
 
@@ -32,6 +34,9 @@ class Comm {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
+  // Where the transport's buffers live: the host (self, MPI) or the GPU (NCCL). The tensor
+  // collectives below take contiguous tensors there.
+  virtual Device memory() const { return Device::cpu; }
 
   // ---- the transport every backend provides (bytes; every rank calls, with the same sizes) ----
   virtual void barrier() = 0;
@@ -48,7 +53,7 @@ class Comm {
   // collective for this one do not hang; a single process returns (the caller exits).
   virtual void abort_job(int status) = 0;
 
-  // ---- tensors (contiguous, CPU), deterministic ----
+  // ---- tensors (contiguous, on memory()), deterministic ----
   // t = the sum of every rank's t, in rank order; the same bits on every rank.
   void allreduce_sum(Tensor& t);
   // t [N m, ...] (first dimension a multiple of N): rows [r m, (r+1) m) summed over the ranks in
@@ -62,6 +67,11 @@ class Comm {
  protected:
   // Checks (on every rank) that all ranks passed the same shape and dtype; `what` names the call.
   void check_same(const Tensor& t, const char* what);
+  // recv = every rank's `bytes` of host memory (the shapes check_same compares); a backend whose
+  // transport moves device memory sends them another way.
+  virtual void allgather_host(const void* send, size_t bytes, void* recv) {
+    allgather_bytes(send, bytes, recv);
+  }
 };
 
 // One process: rank 0 of 1.
@@ -71,6 +81,9 @@ std::unique_ptr<Comm> self_comm();
 // (mpirun / mpiexec: the launcher's environment is set).
 bool have_mpi();
 bool launched_by_mpi();
+// This process's rank among the job's processes on its host (the launcher's local rank:
+// OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID), 0 when not launched.
+int local_rank();
 
 // The job's communicator: MPI's world under an MPI launcher (MPI is initialised on the first call
 // and finalised at exit), else self. Under a launcher in a build without MPI: hlm::Error.

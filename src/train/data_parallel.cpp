@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/device.h"
 #include "core/error.h"
 
 namespace hlm::train {
@@ -76,16 +77,17 @@ LossNormalizers global_normalizers(const Batch& global) {
   return n;
 }
 
-DataParallel::DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params)
-    : comm_(comm), params_(std::move(params)) {
+DataParallel::DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params,
+                           dist::Comm* device_comm)
+    : comm_(comm), device_comm_(device_comm), params_(std::move(params)) {
   const int N = comm_.size();
+  HLM_CHECK(!device_comm_ || (device_comm_->size() == N && device_comm_->rank() == comm_.rank()),
+            "data parallelism: the device communicator's ranks differ from the host's");
   int64_t total = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
-    HLM_CHECK(p->value.is_cpu() && p->value.is_contiguous(),
-              "data parallelism over {} processes runs on the CPU for now (the NCCL backend for "
-              "device tensors is not built yet); parameter '{}' is {}",
-              N, name, p->value.describe());
+    HLM_CHECK(p->value.is_contiguous(), "data parallelism: parameter '{}' is not contiguous ({})",
+              name, p->value.describe());
     const DType g = master_dtype(*p);
     if (i == 0) grad_dtype_ = g;
     HLM_CHECK(g == grad_dtype_,
@@ -110,6 +112,20 @@ DataParallel::DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, 
   seg_bytes_ = *std::max_element(bytes.begin(), bytes.end());
 }
 
+dist::Comm& DataParallel::data_comm(Device* dev) const {
+  *dev = params_.empty() ? Device::cpu : params_[0].second->value.device();
+  for (const auto& [name, p] : params_)
+    HLM_CHECK(p->value.device() == *dev && p->value.is_contiguous(),
+              "data parallelism: parameter '{}' is {}, the first is on {}", name,
+              p->value.describe(), device_name(*dev));
+  if (*dev == Device::cpu) return comm_;
+  HLM_CHECK(device_comm_ != nullptr && device_comm_->memory() == *dev,
+            "data parallelism: the parameters are on {}, which needs a communicator of GPU "
+            "memory (NCCL)",
+            device_name(*dev));
+  return *device_comm_;
+}
+
 int DataParallel::owner(size_t i) const {
   return owner_.at(i);
 }
@@ -123,8 +139,10 @@ std::vector<std::pair<std::string, Param*>> DataParallel::owned() const {
 
 void DataParallel::reduce_gradients() {
   const int N = size();
+  Device dev;
+  dist::Comm& dc = data_comm(&dev);
   const size_t es = dtype_size(grad_dtype_);
-  Tensor buf = Tensor::zeros({int64_t(N) * seg_elems_}, grad_dtype_);
+  Tensor buf = Tensor::zeros({int64_t(N) * seg_elems_}, grad_dtype_, dev);
   auto* base = static_cast<uint8_t*>(buf.raw());
   auto place = [&](size_t i) {  // parameter i's elements within its owner's segment
     const int o = owner_[i];
@@ -134,21 +152,21 @@ void DataParallel::reduce_gradients() {
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
-    HLM_CHECK(p->grad.defined() && p->grad.is_cpu() && p->grad.is_contiguous() &&
+    HLM_CHECK(p->grad.defined() && p->grad.device() == dev && p->grad.is_contiguous() &&
                   p->grad.dtype() == grad_dtype_ && p->grad.numel() == p->value.numel(),
-              "data parallelism: parameter '{}' needs a contiguous {} CPU gradient of {} values, "
-              "got {}",
-              name, dtype_name(grad_dtype_), p->value.numel(),
+              "data parallelism: parameter '{}' needs a contiguous {} gradient of {} values on "
+              "{}, got {}",
+              name, dtype_name(grad_dtype_), p->value.numel(), device_name(dev),
               p->grad.defined() ? p->grad.describe() : "none");
-    std::memcpy(place(i), p->grad.raw(), p->grad.nbytes());
+    device_copy(place(i), dev, p->grad.raw(), dev, p->grad.nbytes());
   }
-  const Tensor mine = comm_.reduce_scatter_sum(buf);
+  const Tensor mine = dc.reduce_scatter_sum(buf);
   const auto* src = static_cast<const uint8_t*>(mine.raw());
   const int64_t first = seg_begin_[size_t(rank())];
   for (int64_t i = first; i < seg_begin_[size_t(rank()) + 1]; ++i) {
     Param* p = params_[size_t(i)].second;
-    std::memcpy(p->grad.raw(), src + size_t(offset_[size_t(i)] - offset_[size_t(first)]) * es,
-                p->grad.nbytes());
+    device_copy(p->grad.raw(), dev, src + size_t(offset_[size_t(i)] - offset_[size_t(first)]) * es,
+                dev, p->grad.nbytes());
   }
 }
 
@@ -162,21 +180,26 @@ GradNorm DataParallel::grad_norm(const AdamW& shard) const {
 
 void DataParallel::share_values() {
   const int N = size();
-  std::vector<uint8_t> mine(size_t(seg_bytes_), 0);
+  Device dev;
+  dist::Comm& dc = data_comm(&dev);
+  // Byte buffers on the parameters' device: this rank's values, then every rank's.
+  Tensor mine = Tensor::zeros({std::max<int64_t>(seg_bytes_, 1)}, DType::u8, dev);
+  auto* m = static_cast<uint8_t*>(mine.raw());
   size_t at = 0;
   for (int64_t i = seg_begin_[size_t(rank())]; i < seg_begin_[size_t(rank()) + 1]; ++i) {
     const Tensor& v = params_[size_t(i)].second->value;
-    std::memcpy(mine.data() + at, v.raw(), v.nbytes());
+    device_copy(m + at, dev, v.raw(), dev, v.nbytes());
     at += v.nbytes();
   }
-  std::vector<uint8_t> all(size_t(N) * size_t(seg_bytes_));
-  comm_.allgather_bytes(mine.data(), size_t(seg_bytes_), all.data());
+  Tensor all = Tensor::empty({std::max<int64_t>(int64_t(N) * seg_bytes_, 1)}, DType::u8, dev);
+  const auto* a = static_cast<const uint8_t*>(all.raw());
+  if (seg_bytes_ > 0) dc.allgather_bytes(m, size_t(seg_bytes_), all.raw());
   for (int r = 0; r < N; ++r) {
     if (r == rank()) continue;
     size_t off = size_t(r) * size_t(seg_bytes_);
     for (int64_t i = seg_begin_[size_t(r)]; i < seg_begin_[size_t(r) + 1]; ++i) {
       Tensor& v = params_[size_t(i)].second->value;
-      std::memcpy(v.raw(), all.data() + off, v.nbytes());
+      device_copy(v.raw(), dev, a + off, dev, v.nbytes());
       off += v.nbytes();
     }
   }

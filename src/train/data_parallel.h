@@ -50,9 +50,13 @@ LossNormalizers global_normalizers(const Batch& global);
 class DataParallel {
  public:
   // params: every parameter of the model in a fixed order (Module::named_parameters), the same
-  // on every rank, contiguous CPU tensors (hlm::Error otherwise: the NCCL backend for device
-  // tensors is not built yet).
-  DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params);
+  // on every rank, contiguous, all on one device (which may change between calls: a trainer
+  // moves its model after setup). comm: the host communicator (metadata, norms, the optimizer
+  // state, counts); device_comm: a communicator of the same ranks whose memory is the GPU
+  // (dist/nccl_comm.h), which moves the gradients and values of CUDA parameters (nullptr: the
+  // parameters stay on the CPU; hlm::Error if they are found on a GPU).
+  DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params,
+               dist::Comm* device_comm = nullptr);
 
   dist::Comm& comm() const { return comm_; }
   int rank() const { return comm_.rank(); }
@@ -83,7 +87,11 @@ class DataParallel {
   void allreduce(std::vector<int64_t>& v) const;
 
  private:
+  // The communicator that moves the parameters' data, on their device `dev` (now).
+  dist::Comm& data_comm(Device* dev) const;
+
   dist::Comm& comm_;
+  dist::Comm* device_comm_ = nullptr;
   std::vector<std::pair<std::string, Param*>> params_;
   std::vector<int> owner_;          // per parameter
   std::vector<int64_t> offset_;     // per parameter: its first element in the flat order

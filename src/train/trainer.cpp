@@ -2,6 +2,7 @@
 #include "train/trainer.h"
 
 #include "core/device.h"
+#include "dist/nccl_comm.h"
 
 #include <fmt/format.h>
 
@@ -526,9 +527,9 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     opts_.plot = false;
     opts_.print_summary = false;
   }
-  HLM_CHECK(nproc == 1 || opts_.device == Device::cpu,
+  HLM_CHECK(nproc == 1 || opts_.device == Device::cpu || dist::have_nccl(),
             "--device {} with {} processes: data parallelism on GPUs needs the NCCL backend, "
-            "which is not built yet; train on one GPU or on the CPU",
+            "which this build lacks (a CUDA build finds nccl.h and libnccl)",
             device_name(opts_.device), nproc);
   if (opts_.device != Device::cpu) {
     HLM_CHECK(cuda_available(), "--device {}: no CUDA device is present",
@@ -546,7 +547,12 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
   if (nproc > 1) {
-    dp_ = std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters());
+    if (opts_.device != Device::cpu) {
+      // One GPU per rank of this host, before anything is allocated there.
+      cuda_select_device(dist::local_rank() % cuda_device_count());
+      dcomm_ = dist::nccl_comm(*opts_.comm);
+    }
+    dp_ = std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(), dcomm_.get());
     opt_ = std::make_unique<AdamW>(dp_->owned(), cfg_.adamw);
   } else {
     opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
@@ -752,7 +758,7 @@ void Trainer::move_to_device() {
   for (const auto& [k, t] : state) host[k] = t.clone();
   model_->to(opts_.device);
   model_->zero_grad();
-  opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
+  opt_ = std::make_unique<AdamW>(dp_ ? dp_->owned() : model_->named_parameters(), cfg_.adamw);
   opt_->load_state_dict(host, "optimizer.");
   log(fmt::format("device: {} (model and optimizer state moved after setup)",
                   device_name(opts_.device)));
@@ -1031,8 +1037,9 @@ TrainSummary Trainer::run() {
     if (bad.empty()) {
       if (dp_)
         for (Tensor& c : out.expert_counts) {
-          c = c.clone();
-          dp_->comm().allreduce_sum(c);  // the load of the global batch
+          Tensor h = c.to(Device::cpu);
+          dp_->comm().allreduce_sum(h);  // the load of the global batch
+          c = c.is_cpu() ? h : h.to(c.device());
         }
       model_->update_moe_bias(out.expert_counts);
     }

@@ -167,7 +167,8 @@ struct TrainerOptions {
   // The processes that train together (train/data_parallel.h), e.g. &dist::world() under mpirun;
   // nullptr or a group of one: this process alone. With N > 1 every rank runs the same config
   // on its part of each global batch; rank 0 alone writes the run directory (logs, metrics,
-  // checkpoints) and evaluates, the others are silent. CPU only for now.
+  // checkpoints) and evaluates, the others are silent. On CUDA each rank takes GPU
+  // dist::local_rank() % count and the gradients and values move over NCCL.
   dist::Comm* comm = nullptr;
 };
 
@@ -248,10 +249,11 @@ class Trainer {
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<LrSchedule> sched_;
   std::unique_ptr<DataSource> data_;
-  const MqarTask* mqar_ = nullptr;    // data_ when it is MQAR
-  std::unique_ptr<RunLock> lock_;     // the run directory's lock (train/run_lock.h)
-  std::unique_ptr<DataParallel> dp_;  // N > 1 processes: opt_ is this rank's shard
-  bool root_ = true;                  // rank 0 (or alone): writes the run directory
+  const MqarTask* mqar_ = nullptr;     // data_ when it is MQAR
+  std::unique_ptr<RunLock> lock_;      // the run directory's lock (train/run_lock.h)
+  std::unique_ptr<dist::Comm> dcomm_;  // N > 1 processes on GPUs: NCCL over opts_.comm's ranks
+  std::unique_ptr<DataParallel> dp_;   // N > 1 processes: opt_ is this rank's shard
+  bool root_ = true;                   // rank 0 (or alone): writes the run directory
   int64_t step_ = 0;
   int64_t skipped_ = 0;
   int64_t start_step_ = 0;

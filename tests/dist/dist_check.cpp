@@ -1,16 +1,21 @@
 // The collectives of dist/comm.h across real processes: run as `mpirun -np N hlm_dist_check`
 // (tests/dist/dist_test.cpp launches it with N = 2 and 4). Every rank computes what every other
 // rank sends (the inputs are functions of the rank), so each result is checked against the sum in
-// rank order computed here, bit for bit, and the results are compared across ranks. Prints one
-// line per rank and exits 0 when every check passed, 1 otherwise.
+// rank order computed here, bit for bit, and the results are compared across ranks. With --nccl
+// (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
+// tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
+// each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
+// every check passed, 1 otherwise.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "dist/comm.h"
+#include "dist/nccl_comm.h"
 
 namespace {
 
@@ -69,12 +74,108 @@ void check_allreduce(Comm& c, int64_t n, DType dt, const char* name) {
   expect(same, std::string("allreduce_sum ") + name + " is the same on every rank", c.rank());
 }
 
+bool same_bits(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.is_cpu() ? a : a.to(hlm::Device::cpu);
+  const Tensor y = b.is_cpu() ? b : b.to(hlm::Device::cpu);
+  return x.shape() == y.shape() && x.dtype() == y.dtype() &&
+         (x.nbytes() == 0 || std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0);
+}
+
+Tensor on_gpu(const Tensor& t) {
+  return t.to(hlm::Device::cuda);
+}
+
+// The NCCL backend against the host one (w), on the same inputs.
+void check_nccl(Comm& w) {
+  const int R = w.rank(), N = w.size();
+  std::unique_ptr<Comm> g = hlm::dist::nccl_comm(w);
+  expect(g->rank() == R && g->size() == N && g->memory() == hlm::Device::cuda &&
+             std::string(g->backend()) == "nccl",
+         "the NCCL communicator has the host's ranks", R);
+  for (int64_t n : {int64_t(1000), int64_t(1), int64_t(N * 37), int64_t(0)}) {
+    for (DType dt : {DType::f32, DType::f64}) {
+      Tensor h = dt == DType::f32 ? input<float>(R, n, dt) : input<double>(R, n, dt);
+      Tensor d = on_gpu(h);
+      w.allreduce_sum(h);
+      g->allreduce_sum(d);
+      expect(same_bits(d, h), "nccl allreduce_sum " + std::to_string(n) + " equals the host's", R);
+    }
+  }
+  {
+    const int64_t m = 5, n = N * m * 3;
+    const Tensor t = input<float>(R, n, DType::f32).view({N * m, 3});
+    expect(same_bits(g->reduce_scatter_sum(on_gpu(t)), w.reduce_scatter_sum(t)),
+           "nccl reduce_scatter_sum equals the host's", R);
+    const Tensor a = input<double>(R, 6, DType::f64).view({2, 3});
+    expect(same_bits(g->allgather(on_gpu(a)), w.allgather(a)), "nccl allgather equals the host's",
+           R);
+    Tensor b = input<double>(R, 7, DType::f64), bd = on_gpu(b);
+    w.broadcast(b, N - 1);
+    g->broadcast(bd, N - 1);
+    expect(same_bits(bd, b), "nccl broadcast from the last rank equals the host's", R);
+  }
+  {
+    std::vector<int64_t> send(static_cast<size_t>(N) * 4);
+    for (int q = 0; q < N; ++q)
+      for (int j = 0; j < 4; ++j) send[size_t(q * 4 + j)] = 1000 * R + q + 100 * j;
+    const Tensor s = Tensor::from_vector<int64_t>({int64_t(send.size())}, send);
+    Tensor sd = on_gpu(s), rd = on_gpu(s);
+    g->alltoall_bytes(sd.raw(), 4 * sizeof(int64_t), rd.raw());
+    const Tensor r = rd.to(hlm::Device::cpu);
+    bool ok = true;
+    for (int src = 0; src < N; ++src)
+      for (int j = 0; j < 4; ++j)
+        ok = ok && r.data<int64_t>()[src * 4 + j] == 1000 * src + R + 100 * j;
+    expect(ok, "nccl alltoall_bytes delivers block r of every rank to rank r", R);
+  }
+  if (N > 1) {
+    const int next = (R + 1) % N, prev = (R + N - 1) % N;
+    Tensor out = on_gpu(Tensor::from_vector<int64_t>({1}, {77 * R + 5}));
+    Tensor in = on_gpu(Tensor::from_vector<int64_t>({1}, {-1}));
+    if (R % 2 == 0) {
+      g->send_bytes(out.raw(), 8, next, 0);
+      g->recv_bytes(in.raw(), 8, prev, 0);
+    } else {
+      g->recv_bytes(in.raw(), 8, prev, 0);
+      g->send_bytes(out.raw(), 8, next, 0);
+    }
+    expect(in.to(hlm::Device::cpu).data<int64_t>()[0] == 77 * prev + 5,
+           "nccl send / recv around the ring", R);
+  }
+  {
+    std::unique_ptr<Comm> sub = g->split(R % 2, R);
+    Tensor t = on_gpu(Tensor::from_vector<double>({1}, {double(R) + 0.25}));
+    sub->allreduce_sum(t);
+    double want = 0;
+    for (int r = R % 2; r < N; r += 2) want += double(r) + 0.25;
+    expect(sub->size() == (N - R % 2 + 1) / 2 && t.to(hlm::Device::cpu).data<double>()[0] == want,
+           "nccl allreduce_sum within a group of split", R);
+  }
+  {
+    bool threw = false;
+    try {
+      Tensor t = on_gpu(Tensor::zeros({4}, DType::i64));
+      g->allreduce_sum(t);
+    } catch (const hlm::Error& e) {
+      threw = std::string(e.what()).find("f32 or f64 tensors on") != std::string::npos;
+    }
+    expect(threw, "nccl refuses to sum i64 tensors", R);
+  }
+  g->barrier();
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
+    const bool nccl = argc > 1 && std::string(argv[1]) == "--nccl";
+    if (nccl) {
+      HLM_CHECK(hlm::cuda_device_count() > 0, "--nccl: no CUDA device is present");
+      hlm::cuda_select_device(hlm::dist::local_rank() % hlm::cuda_device_count());
+    }
     Comm& w = hlm::dist::world();
     const int R = w.rank(), N = w.size();
+    if (nccl) check_nccl(w);
     // Sums: sizes that do and do not divide by N, one element, none.
     for (int64_t n : {int64_t(1000), int64_t(1), int64_t(N * 37), int64_t(0)}) {
       check_allreduce<float>(w, n, DType::f32, "f32");
@@ -152,8 +253,8 @@ int main() {
       expect(threw, "a shape mismatch between ranks is refused on every rank", R);
     }
     w.barrier();
-    std::printf("dist_check: rank %d of %d (%s): %d of %d checks passed\n", R, N, w.backend(),
-                checks - failures, checks);
+    std::printf("dist_check: rank %d of %d (%s%s): %d of %d checks passed\n", R, N, w.backend(),
+                nccl ? " and nccl" : "", checks - failures, checks);
     return failures == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::printf("dist_check: error: %s\n", e.what());

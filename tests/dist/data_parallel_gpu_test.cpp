@@ -1,0 +1,109 @@
+// Data parallelism on GPUs (train/data_parallel.h over dist/nccl_comm.h): `mpirun -np 2 hybridlm
+// train --device cuda` against one process on the same config, as a user runs it. The gradients
+// and values move over NCCL (in the emulation build, the NCCL stand-in over MPI); every loss term
+// of the 4 steps (both indexer stages) within 1e-5 of the objective (FP32: the sums are taken in
+// another order), the checkpoint written in the one-process layout. On GPUs each rank needs its
+// own device.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/device.h"
+#include "core/safetensors.h"
+#include "dist/comm.h"
+#include "dist/nccl_comm.h"
+
+namespace hlm {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kModel = R"({
+  "model_type": "glm5_next_text", "vocab_size": 40, "hidden_size": 32,
+  "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
+  "intermediate_size": 48, "initializer_range": 0.2,
+  "linear_num_heads": 2, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
+  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
+  "qk_nope_head_dim": 8, "qk_rope_head_dim": 0, "v_head_dim": 8,
+  "index_n_heads": 2, "index_head_dim": 16, "index_topk": 6, "index_kpool": 2,
+  "dsa_indexer_loss_coeff": 0.1, "router_aux_loss_coef": 0.01,
+  "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+  "moe_intermediate_size": 16, "mhc": true, "hc_mult": 4,
+  "num_nextn_predict_layers": 1, "gemm_precision": "native"
+})";
+
+const char* kTrain = R"({
+  "model": "model.json", "steps": 4, "tokens_per_step": 128, "lr": 0.01, "warmup_steps": 2,
+  "eval_interval": 0, "eval_batches": 1, "log_interval": 1, "checkpoint_interval": 4,
+  "dsa_dense_warmup_steps": 2, "mqar": {"min_pairs": 2, "max_pairs": 4}
+})";
+
+std::string read(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::vector<nlohmann::json> metrics(const fs::path& run) {
+  std::vector<nlohmann::json> v;
+  std::istringstream in(read(run / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) v.push_back(nlohmann::json::parse(line));
+  return v;
+}
+
+TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi() || !dist::have_nccl()) GTEST_SKIP() << "this build has no MPI or NCCL";
+  if (!cuda_emulated() && cuda_device_count() < 2) GTEST_SKIP() << "one GPU: NCCL needs two";
+  const std::string bin = std::string(HLM_BINARY_DIR) + "/hybridlm";
+  if (!fs::exists(bin)) GTEST_SKIP() << "binary " << bin << " not built";
+  const fs::path dir = fs::temp_directory_path() / fmt::format("hlm_dp_gpu_{}", ::getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "model.json") << kModel;
+  std::ofstream(dir / "train.json") << kTrain;
+  auto train = [&](int n, const std::string& out) {
+    std::string cmd = "cd " + dir.string() + " && OMP_NUM_THREADS=1 ";
+    if (n > 1)
+      cmd +=
+          "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
+          "ASAN_OPTIONS=detect_leaks=0 timeout 300 mpirun --oversubscribe -np " +
+          std::to_string(n) + " ";
+    cmd += bin + " train --config train.json --device cuda --out " + out + " > out.txt 2>&1";
+    const int st = std::system(cmd.c_str());
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  };
+  ASSERT_EQ(train(1, "one"), 0) << read(dir / "out.txt");
+  ASSERT_EQ(train(2, "two"), 0) << read(dir / "out.txt");
+  EXPECT_NE(read(dir / "out.txt").find("data parallel: 2 processes (mpi backend)"),
+            std::string::npos);
+  const auto a = metrics(dir / "two"), b = metrics(dir / "one");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  EXPECT_GT(double(b.back().at("indexer_loss")), 0);
+  for (size_t i = 0; i < a.size(); ++i)
+    for (const char* k : {"loss", "objective", "mtp_loss", "aux_loss", "indexer_loss"})
+      EXPECT_LE(std::fabs(double(a[i].at(k)) - double(b[i].at(k))),
+                1e-5 * std::fabs(double(b[i].at("objective"))))
+          << "step " << i + 1 << " " << k;
+  // The checkpoint of two GPU processes holds the one-process layout.
+  const auto sa = safetensors::load((dir / "two" / "trainer_state.safetensors").string());
+  const auto sb = safetensors::load((dir / "one" / "trainer_state.safetensors").string());
+  EXPECT_EQ(sa.tensors.size(), sb.tensors.size());
+  for (const auto& [name, t] : sb.tensors) EXPECT_TRUE(sa.tensors.count(name)) << name;
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace hlm

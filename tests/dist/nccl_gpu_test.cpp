@@ -1,0 +1,54 @@
+// The NCCL backend (dist/nccl_comm.h) across processes: `mpirun -np N hlm_dist_check --nccl` runs
+// every collective over GPU tensors and checks each result equals the host (MPI) backend's bit
+// for bit (tests/dist/dist_check.cpp). In the emulation build the NCCL stand-in carries the calls
+// over MPI (N = 2 and 4); on GPUs each rank needs its own device, so N is at most the device
+// count.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "core/device.h"
+#include "dist/comm.h"
+#include "dist/nccl_comm.h"
+
+namespace hlm {
+namespace {
+
+std::pair<int, std::string> run(const std::string& command) {
+  std::string out;
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(NcclGpu, CollectivesEqualTheHostBackends) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi() || !dist::have_nccl()) GTEST_SKIP() << "this build has no MPI or NCCL";
+  int tried = 0;
+  for (int n : {2, 4}) {
+    if (!cuda_emulated() && n > cuda_device_count()) continue;  // one GPU per rank
+    SCOPED_TRACE(n);
+    ++tried;
+    const auto [rc, out] =
+        run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
+            "ASAN_OPTIONS=detect_leaks=0 timeout 300 mpirun --oversubscribe -np " +
+            std::to_string(n) + " " + HLM_DIST_CHECK + " --nccl");
+    EXPECT_EQ(rc, 0) << out;
+    int passed = 0;
+    for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;
+    EXPECT_EQ(passed, n) << out;
+    EXPECT_NE(out.find("(mpi and nccl)"), std::string::npos) << out;
+    EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+  }
+  if (tried == 0) GTEST_SKIP() << "one GPU: NCCL needs a GPU per rank";
+}
+
+}  // namespace
+}  // namespace hlm
