@@ -115,9 +115,31 @@ bool Generator::needs_host_rows() const {
   return false;
 }
 
+void Generator::presample(Rows& rows,
+                          const std::vector<std::pair<int64_t, const Seq*>>& todo) const {
+  if (!rows.host.defined() || todo.size() < 2) return;
+  rows.sampled.assign(size_t(rows.host.size(0)), Sampled{});
+  std::vector<std::string> errors(todo.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t k = 0; k < todo.size(); ++k) {
+    const auto& [row, s] = todo[k];
+    try {
+      rows.sampled[size_t(row)] =
+          sample_token(rows.host.data<float>() + row * rows.V, rows.V, s->req.sampling,
+                       s->req.stream, uint64_t(s->res.tokens.size()));
+    } catch (const Error& e) {
+      errors[k] = e.what();
+    }
+  }
+  for (const std::string& e : errors)
+    if (!e.empty()) throw Error(e);
+}
+
 bool Generator::emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events) {
   Sampled t;
-  if (rows.host.defined()) {
+  if (!rows.sampled.empty() && rows.sampled[size_t(row)].token >= 0) {
+    t = rows.sampled[size_t(row)];
+  } else if (rows.host.defined()) {
     t = sample_token(rows.host.data<float>() + row * rows.V, rows.V, s.req.sampling, s.req.stream,
                      uint64_t(s.res.tokens.size()));
   } else {
@@ -226,6 +248,16 @@ std::vector<TokenEvent> Generator::step() {
   for (const auto& s : running_) s->prefilled ? b.add_tokens(*s, {s->next}) : b.add_prompt(*s);
   Rows rows;
   forward(b, false, needs_host_rows(), &rows);
+  // Each sequence's sampled row: its last (after its prompt's rows when it scores its prompt).
+  std::vector<std::pair<int64_t, const Seq*>> todo;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    const Seq& s = *running_[i];
+    if (!s.prefilled && s.req.max_new <= 0) continue;
+    const int64_t skip =
+        !s.prefilled && s.req.prompt_logprobs ? int64_t(s.req.prompt.size()) - 1 : 0;
+    todo.emplace_back(b.first_row[i] + skip, &s);
+  }
+  presample(rows, todo);
   std::vector<bool> finished(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];

@@ -112,7 +112,11 @@ class Generator {
     int64_t V = 0;
     std::vector<int64_t> token, bad;
     std::vector<double> logprob;
+    std::vector<Sampled> sampled;  // per host row, when presampled (sampled[r].token >= 0)
   };
+  // Samples the given host rows for their sequences, in parallel (each draw depends only on its
+  // request's seed, stream and step, so the threads change nothing).
+  void presample(Rows& rows, const std::vector<std::pair<int64_t, const Seq*>>& todo) const;
   void admit();
   // The forward of a packed batch over the cache, and its logits rows (host rows when need_host).
   ModelOutput forward(const Batch& b, bool draft_last, bool need_host, Rows* rows);
