@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/rng.h"
@@ -55,6 +56,14 @@ double dot(const Tensor& a, const Tensor& b);
 // Standard normal draws (f64, from `rng`) with every row of the last dimension scaled to unit L2
 // norm, then converted to `dt`: realistic q / k inputs for the KDA tests.
 Tensor randn_unit_rows(const Shape& shape, DType dt, Rng& rng);
+
+// Runs a shell command (stderr with stdout): its exit status (-1 when it did not exit) and output.
+std::pair<int, std::string> run_command(const std::string& command);
+// The start of a shell command that runs what follows in n processes under mpirun, oversubscribed
+// on this machine's cores: as root (CI) mpirun needs the two OMPI_ALLOW variables, and OpenMPI's
+// plugins leak at MPI_Finalize (their frames unloaded before LeakSanitizer reports, with no module
+// name to suppress), so the leak check is off in the MPI processes of a sanitizer build.
+std::string mpirun_prefix(int n);
 
 // The message of the hlm::Error f() throws, or "(no error)".
 std::string error_of(const std::function<void()>& f);

@@ -21,25 +21,26 @@
 #include "core/safetensors.h"
 #include "dist/comm.h"
 #include "dist/nccl_comm.h"
+#include "testing.h"
 
 namespace hlm {
 namespace {
 
 namespace fs = std::filesystem;
 
-const char* kModel = R"({
-  "model_type": "glm5_next_text", "vocab_size": 40, "hidden_size": 32,
-  "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
-  "intermediate_size": 48, "initializer_range": 0.2,
-  "linear_num_heads": 2, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
-  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16,
-  "qk_nope_head_dim": 8, "qk_rope_head_dim": 0, "v_head_dim": 8,
-  "index_n_heads": 2, "index_head_dim": 16, "index_topk": 6, "index_kpool": 2,
-  "dsa_indexer_loss_coeff": 0.1, "router_aux_loss_coef": 0.01,
-  "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-  "moe_intermediate_size": 16, "mhc": true, "hc_mult": 4,
-  "num_nextn_predict_layers": 1, "gemm_precision": "native"
-})";
+// The shared small model (testing::kSmallModelJson) at the sizes the CUDA kernels take (KDA head
+// dim 32), with a KDA layer after its DSA layer and nonzero aux and indexer loss coefficients.
+std::string model_json() {
+  nlohmann::json m = nlohmann::json::parse(testing::kSmallModelJson);
+  const nlohmann::json gpu = nlohmann::json::parse(R"({
+    "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 3, "layer_pattern": "KDK",
+    "intermediate_size": 48, "linear_head_dim": 32, "q_lora_rank": 16, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8, "v_head_dim": 8, "index_head_dim": 16, "index_topk": 6,
+    "moe_intermediate_size": 16, "dsa_indexer_loss_coeff": 0.1, "router_aux_loss_coef": 0.01
+  })");
+  m.update(gpu);
+  return m.dump();
+}
 
 const char* kTrain = R"({
   "model": "model.json", "steps": 4, "tokens_per_step": 128, "lr": 0.01, "warmup_steps": 2,
@@ -71,15 +72,11 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   const fs::path dir = fs::temp_directory_path() / fmt::format("hlm_dp_gpu_{}", ::getpid());
   fs::remove_all(dir);
   fs::create_directories(dir);
-  std::ofstream(dir / "model.json") << kModel;
+  std::ofstream(dir / "model.json") << model_json();
   std::ofstream(dir / "train.json") << kTrain;
   auto train = [&](int n, const std::string& out) {
     std::string cmd = "cd " + dir.string() + " && OMP_NUM_THREADS=1 ";
-    if (n > 1)
-      cmd +=
-          "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
-          "ASAN_OPTIONS=detect_leaks=0 timeout 300 mpirun --oversubscribe -np " +
-          std::to_string(n) + " ";
+    if (n > 1) cmd += testing::mpirun_prefix(n);
     cmd += bin + " train --config train.json --device cuda --out " + out + " > out.txt 2>&1";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;

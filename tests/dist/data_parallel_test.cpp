@@ -95,19 +95,16 @@ TEST(DataParallel, NormalizersCountTheWholeBatch) {
 
 // ---- across processes ------------------------------------------------------------------------
 
-const char* kModel = R"({
-  "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
-  "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
-  "intermediate_size": 24, "initializer_range": 0.2,
-  "linear_num_heads": 2, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
-  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
-  "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
-  "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
-  "dsa_indexer_loss_coeff": 0.1, "router_aux_loss_coef": 0.01,
-  "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-  "moe_intermediate_size": 8, "mhc": true, "hc_mult": 4,
-  "num_nextn_predict_layers": 1, "gemm_precision": "native"
-})";
+// The shared small model (testing::kSmallModelJson) with a KDA layer after its DSA layer and
+// nonzero aux and indexer loss coefficients.
+std::string model_json() {
+  nlohmann::json m = nlohmann::json::parse(testing::kSmallModelJson);
+  m["num_hidden_layers"] = 3;
+  m["layer_pattern"] = "KDK";
+  m["dsa_indexer_loss_coeff"] = 0.1;
+  m["router_aux_loss_coef"] = 0.01;
+  return m.dump();
+}
 
 const char* kTrain = R"({
   "model": "model.json", "steps": 8, "tokens_per_step": 128, "lr": 0.01, "warmup_steps": 2,
@@ -125,7 +122,7 @@ class DataParallelRun : public ::testing::Test {
     dir_ = fs::temp_directory_path() / fmt::format("hlm_dp_{}_{}", ::getpid(), info->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    std::ofstream(path("model.json")) << kModel;
+    std::ofstream(path("model.json")) << model_json();
     std::ofstream(path("train.json")) << kTrain;
   }
   void TearDown() override {
@@ -136,13 +133,7 @@ class DataParallelRun : public ::testing::Test {
   // out.txt / err.txt. `wrap` goes before the binary (e.g. a shell that kills one rank).
   int train(int n, const std::string& args, const std::string& wrap = "") {
     std::string cmd = "cd " + dir_.string() + " && OMP_NUM_THREADS=1 ";
-    // As root (CI) mpirun needs the two OMPI_ALLOW variables; OpenMPI's plugins leak at
-    // MPI_Finalize, so the leak check is off in the MPI processes of a sanitizer build.
-    if (n > 1)
-      cmd +=
-          "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
-          "ASAN_OPTIONS=detect_leaks=0 timeout 300 mpirun --oversubscribe -np " +
-          std::to_string(n) + " ";
+    if (n > 1) cmd += testing::mpirun_prefix(n);
     cmd += wrap + bin_ + " train " + args + " > out.txt 2> err.txt";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;

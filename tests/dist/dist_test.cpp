@@ -2,9 +2,7 @@
 // (`mpirun --oversubscribe`, this machine's cores) through tests/dist/dist_check.cpp, whose ranks
 // check every collective bit for bit against the rank-ordered sums they compute themselves.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
 #include <cstdio>
 #include <string>
 
@@ -34,30 +32,12 @@ TEST(Dist, TheSelfBackendIsOneRank) {
   testing::expect_error([&] { c->allreduce_sum(h); }, "sums f32, f64, i32 or i64");
 }
 
-// Runs `command` (stderr with stdout), returns its exit status and output.
-std::pair<int, std::string> run(const std::string& command) {
-  std::string out;
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
-  if (!p) return {-1, "popen failed"};
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
 TEST(Dist, CollectivesAcrossProcesses) {
   if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
   for (int n : {2, 4}) {
     SCOPED_TRACE(n);
-    // As root (CI) mpirun needs the two OMPI_ALLOW variables. OpenMPI's plugins leak at
-    // MPI_Finalize and are unloaded before LeakSanitizer reports (their frames have no module
-    // name to suppress), so the leak check is off in the MPI processes of a sanitizer build (the
-    // self backend's test above runs in-process with it on).
-    const auto [rc, out] =
-        run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
-            "ASAN_OPTIONS=detect_leaks=0 timeout 120 mpirun --oversubscribe -np " +
-            std::to_string(n) + " " + HLM_DIST_CHECK);
+    // (The self backend's test above runs in-process with the leak check on.)
+    const auto [rc, out] = testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK);
     EXPECT_EQ(rc, 0) << out;
     int passed = 0;
     for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;

@@ -4,29 +4,17 @@
 // over MPI (N = 2 and 4); on GPUs each rank needs its own device, so N is at most the device
 // count.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
 #include <cstdio>
 #include <string>
 
 #include "core/device.h"
 #include "dist/comm.h"
 #include "dist/nccl_comm.h"
+#include "testing.h"
 
 namespace hlm {
 namespace {
-
-std::pair<int, std::string> run(const std::string& command) {
-  std::string out;
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
-  if (!p) return {-1, "popen failed"};
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
 
 TEST(NcclGpu, CollectivesEqualTheHostBackends) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
@@ -37,9 +25,7 @@ TEST(NcclGpu, CollectivesEqualTheHostBackends) {
     SCOPED_TRACE(n);
     ++tried;
     const auto [rc, out] =
-        run("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
-            "ASAN_OPTIONS=detect_leaks=0 timeout 300 mpirun --oversubscribe -np " +
-            std::to_string(n) + " " + HLM_DIST_CHECK + " --nccl");
+        testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK + " --nccl");
     EXPECT_EQ(rc, 0) << out;
     int passed = 0;
     for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;

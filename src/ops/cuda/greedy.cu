@@ -28,6 +28,17 @@ __device__ __forceinline__ void better(double& v, int64_t& i, double v2, int64_t
   }
 }
 
+// Every lane gets the warp's best (value, id) and its first bad id (xor butterflies).
+__device__ __forceinline__ void warp_merge(double& best, int64_t& idx, int64_t& first_bad) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    better(best, idx, __shfl_xor_sync(0xffffffffu, best, off),
+           __shfl_xor_sync(0xffffffffu, idx, off));
+    const int64_t b2 = __shfl_xor_sync(0xffffffffu, first_bad, off);
+    first_bad = b2 < first_bad ? b2 : first_bad;
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     greedy_kernel(const T* __restrict__ x, int64_t V, int64_t* __restrict__ token,
@@ -52,13 +63,7 @@ __global__ void __launch_bounds__(kThreads)
       idx = v;
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    better(best, idx, __shfl_xor_sync(0xffffffffu, best, off),
-           __shfl_xor_sync(0xffffffffu, idx, off));
-    const int64_t b2 = __shfl_xor_sync(0xffffffffu, first_bad, off);
-    first_bad = b2 < first_bad ? b2 : first_bad;
-  }
+  warp_merge(best, idx, first_bad);
   if (lane == 0) {
     sv[warp] = best;
     si[warp] = idx;
@@ -69,13 +74,7 @@ __global__ void __launch_bounds__(kThreads)
     best = lane < kWarps ? sv[lane] : -INFINITY;
     idx = lane < kWarps ? si[lane] : kNone;
     first_bad = lane < kWarps ? sb[lane] : kNone;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      better(best, idx, __shfl_xor_sync(0xffffffffu, best, off),
-             __shfl_xor_sync(0xffffffffu, idx, off));
-      const int64_t b2 = __shfl_xor_sync(0xffffffffu, first_bad, off);
-      first_bad = b2 < first_bad ? b2 : first_bad;
-    }
+    warp_merge(best, idx, first_bad);
     if (lane == 0) {
       s_best = best;
       s_bad = first_bad != kNone;
