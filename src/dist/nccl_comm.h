@@ -1,5 +1,5 @@
 // The NCCL backend of dist/comm.h: a communicator whose transport moves GPU memory, for the
-// tensors of a job on GPUs (docs/parallel.md, "NCCL"). Built from a host communicator of the same
+// tensors of a job on GPUs (docs/parallel.md, "Communicators"). Built from a host communicator of the same
 // processes (MPI's world under mpirun), which bootstraps it (rank 0's ncclUniqueId is broadcast
 // over it) and carries the shapes the collectives compare.
 //
