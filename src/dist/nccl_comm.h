@@ -1,7 +1,7 @@
 // The NCCL backend of dist/comm.h: a communicator whose transport moves GPU memory, for the
-// tensors of a job on GPUs (docs/parallel.md, "Communicators"). Built from a host communicator of the same
-// processes (MPI's world under mpirun), which bootstraps it (rank 0's ncclUniqueId is broadcast
-// over it) and carries the shapes the collectives compare.
+// tensors of a job on GPUs (docs/parallel.md, "Communicators"). Built from a host communicator of
+// the same processes (MPI's world under mpirun), which bootstraps it (rank 0's ncclUniqueId is
+// broadcast over it) and carries the shapes the collectives compare.
 //
 // The transport: broadcast_bytes = ncclBroadcast, allgather_bytes = ncclAllGather, alltoall_bytes
 // = one ncclSend and one ncclRecv per rank in a group, send_bytes / recv_bytes = ncclSend /
