@@ -5,10 +5,11 @@
 // (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
-// every check passed, 1 otherwise.
+// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE` runs the trainer instead (below).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "core/error.h"
 #include "dist/comm.h"
 #include "dist/nccl_comm.h"
+#include "train/trainer.h"
 
 namespace {
 
@@ -166,8 +168,26 @@ void check_nccl(Comm& w) {
 
 }  // namespace
 
+// `--train CONFIG OUT DEVICE` (cpu or cuda): the trainer (train/trainer.h) on a training config,
+// data parallel over the processes of the job, as `hybridlm train` runs it
+// (tests/dist/data_parallel_gpu_test.cpp: the emulation build then needs no command-line tool).
+int train(const std::string& config, const std::string& out, const std::string& device) {
+  Comm& w = hlm::dist::world();
+  hlm::train::TrainConfig cfg =
+      hlm::train::make_train_config(hlm::train::read_train_config_file(config), {}, config,
+                                    std::filesystem::path(config).parent_path().string());
+  hlm::train::TrainerOptions o;
+  o.out_dir = out;
+  o.device = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
+  o.comm = w.size() > 1 ? &w : nullptr;
+  o.plot = false;
+  hlm::train::Trainer(cfg, o).run();
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
+    if (argc == 5 && std::string(argv[1]) == "--train") return train(argv[2], argv[3], argv[4]);
     const bool nccl = argc > 1 && std::string(argv[1]) == "--nccl";
     if (nccl) {
       HLM_CHECK(hlm::cuda_device_count() > 0, "--nccl: no CUDA device is present");
@@ -258,6 +278,8 @@ int main(int argc, char** argv) {
     return failures == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::printf("dist_check: error: %s\n", e.what());
+    std::fflush(stdout);
+    hlm::dist::end_job_on_error(1);
     return 1;
   }
 }
