@@ -321,6 +321,15 @@ std::vector<double> Tensor::to_f64_vector() const {
   return out;
 }
 
+std::vector<int64_t> Tensor::to_i64_vector() const {
+  HLM_CHECK(defined() && (dtype_ == DType::i64 || dtype_ == DType::i32),
+            "to_i64_vector needs an i64 or i32 tensor, got {}", defined() ? describe() : "none");
+  const Tensor c = is_cpu() ? contiguous() : to(Device::cpu);
+  if (dtype_ == DType::i64)
+    return std::vector<int64_t>(c.data<int64_t>(), c.data<int64_t>() + c.numel());
+  return std::vector<int64_t>(c.data<int32_t>(), c.data<int32_t>() + c.numel());
+}
+
 double Tensor::item() const {
   HLM_CHECK(numel() == 1, "item() of a tensor with {} elements", numel());
   return to_f64_vector()[0];

@@ -99,7 +99,9 @@ class Tensor {
 
   // ---- host-side helpers (CPU tensors, any dtype, any strides) ----
   std::vector<double> to_f64_vector() const;  // in row-major order of the view
-  double item() const;                        // numel must be 1
+  // The values of an i64 or i32 tensor (any device) as int64, in row-major order of the view.
+  std::vector<int64_t> to_i64_vector() const;
+  double item() const;  // numel must be 1
   double at(std::initializer_list<int64_t> idx) const;
 
  private:

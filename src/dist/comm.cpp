@@ -15,40 +15,32 @@
 namespace hlm::dist {
 namespace {
 
-// out[i] = 0 + in[0 n + i] + in[1 n + i] + ... + in[(N-1) n + i], left to right (rank order; the
-// order and the zero start of ops::sum_rows, which sums device buffers: the same bits).
+// out[i] = 0 + in[0 n + i] + in[1 n + i] + ... + in[(N-1) n + i], left to right (rank order).
 template <class T>
-void sum_blocks(const void* in_, int N, size_t n, void* out_) {
-  const T* in = static_cast<const T*>(in_);
-  T* out = static_cast<T*>(out_);
-  for (size_t i = 0; i < n; ++i) {
-    T s = T(0);
-    for (int r = 0; r < N; ++r) s += in[size_t(r) * n + i];
-    out[i] = s;
-  }
-}
-
-// recv [N n] (N blocks of n elements, on `mem`) -> their sum [n].
-Tensor sum_blocks(const Tensor& recv, int N, int64_t n, Device mem, const char* what) {
-  if (mem != Device::cpu) return ops::sum_rows(recv.view({N, n}), recv.dtype());
+Tensor sum_int_blocks(const Tensor& recv, int N, int64_t n) {
   Tensor out = Tensor::empty({n}, recv.dtype());
-  switch (recv.dtype()) {
-    case DType::f32:
-      sum_blocks<float>(recv.raw(), N, size_t(n), out.raw());
-      break;
-    case DType::f64:
-      sum_blocks<double>(recv.raw(), N, size_t(n), out.raw());
-      break;
-    case DType::i32:
-      sum_blocks<int32_t>(recv.raw(), N, size_t(n), out.raw());
-      break;
-    case DType::i64:
-      sum_blocks<int64_t>(recv.raw(), N, size_t(n), out.raw());
-      break;
-    default:
-      HLM_FAIL("{}: cannot sum {}", what, dtype_name(recv.dtype()));
+  const T* in = recv.data<T>();
+  T* o = out.data<T>();
+  for (int64_t i = 0; i < n; ++i) {
+    T s = T(0);
+    for (int r = 0; r < N; ++r) s += in[r * n + i];
+    o[i] = s;
   }
   return out;
+}
+
+// recv [N n] (N blocks of n elements, on `mem`) -> their sum [n]. Floats through ops::sum_rows
+// (rows in ascending order from zero, on either device: the same bits on the host and the GPU);
+// integers (host only) by the same loop.
+Tensor sum_blocks(const Tensor& recv, int N, int64_t n) {
+  switch (recv.dtype()) {
+    case DType::i32:
+      return sum_int_blocks<int32_t>(recv, N, n);
+    case DType::i64:
+      return sum_int_blocks<int64_t>(recv, N, n);
+    default:
+      return ops::sum_rows(recv.view({N, n}), recv.dtype());
+  }
 }
 
 void require_summable(const Tensor& t, Device mem, const char* what) {
@@ -137,7 +129,7 @@ Tensor Comm::reduce_scatter_sum(const Tensor& t) {
   const int64_t n = t.numel() / N;
   Tensor recv = Tensor::empty({t.numel()}, t.dtype(), mem);
   if (n > 0) alltoall_bytes(t.raw(), t.nbytes() / size_t(N), recv.raw());
-  return sum_blocks(recv, N, n, mem, what).view(s);
+  return sum_blocks(recv, N, n).view(s);
 }
 
 void Comm::allreduce_sum(Tensor& t) {
@@ -155,7 +147,7 @@ void Comm::allreduce_sum(Tensor& t) {
   device_copy(padded.raw(), mem, t.raw(), mem, size_t(E) * es);
   Tensor recv = Tensor::empty({int64_t(N) * c}, t.dtype(), mem);
   alltoall_bytes(padded.raw(), size_t(c) * es, recv.raw());
-  const Tensor mine = sum_blocks(recv, N, c, mem, what);
+  const Tensor mine = sum_blocks(recv, N, c);
   allgather_bytes(mine.raw(), size_t(c) * es, padded.raw());
   device_copy(t.raw(), mem, padded.raw(), mem, size_t(E) * es);
 }

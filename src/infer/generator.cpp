@@ -27,12 +27,6 @@ CacheOptions on_model(const HybridModel& model, CacheOptions o) {
   return o;
 }
 
-// An i64 tensor's values on the host.
-std::vector<int64_t> host_i64_vector(const Tensor& t) {
-  const Tensor h = t.is_cpu() ? t.contiguous() : t.to(Device::cpu);
-  return std::vector<int64_t>(h.data<int64_t>(), h.data<int64_t>() + h.numel());
-}
-
 // Logits as contiguous f32 on the host, where sampling reads them.
 Tensor host_f32(const Tensor& logits) {
   const Tensor f = ops::as_dtype(logits, DType::f32);
@@ -217,10 +211,9 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host, 
     rows->host = host_f32(out.logits);
   } else {
     const ops::GreedyPick p = ops::greedy_pick(out.logits);
-    rows->token = host_i64_vector(p.token);
-    rows->bad = host_i64_vector(p.bad);
-    const Tensor lp = p.logprob.is_cpu() ? p.logprob : p.logprob.to(Device::cpu);
-    rows->logprob.assign(lp.data<double>(), lp.data<double>() + lp.numel());
+    rows->token = p.token.to_i64_vector();
+    rows->bad = p.bad.to_i64_vector();
+    rows->logprob = p.logprob.to_f64_vector();
   }
   return out;
 }
@@ -282,7 +275,7 @@ void Generator::draft(const std::vector<Seq*>& seqs, const std::vector<std::vect
                                                   ops::gather_rows(pre_norm, all_rows),
                                                   SeqLayout::from_lengths(lengths), cache_, slots);
   // A draft is the arg max of its sequence's last row (ties to the lower id).
-  const std::vector<int64_t> best = host_i64_vector(ops::greedy_pick(logits).token);
+  const std::vector<int64_t> best = ops::greedy_pick(logits).token.to_i64_vector();
   int64_t end = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     end += lengths[i];

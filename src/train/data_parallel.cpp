@@ -13,12 +13,6 @@
 namespace hlm::train {
 namespace {
 
-std::vector<int64_t> i64_vector(const Tensor& t) {
-  const Tensor c = t.contiguous();
-  const int64_t* p = c.data<int64_t>();
-  return std::vector<int64_t>(p, p + c.numel());
-}
-
 Tensor rows(const Tensor& t, int64_t a, int64_t b) {
   return t.defined() ? t.slice(0, a, b).clone() : t;
 }
@@ -33,7 +27,7 @@ DType master_dtype(const Param& p) {
 Batch shard_batch(const Batch& global, int rank, int size) {
   HLM_CHECK(size >= 1 && rank >= 0 && rank < size, "shard_batch: rank {} of {}", rank, size);
   if (size == 1) return global;
-  const std::vector<int64_t> cu = i64_vector(global.cu_seqlens);
+  const std::vector<int64_t> cu = global.cu_seqlens.to_i64_vector();
   const int64_t S = int64_t(cu.size()) - 1, T = cu.back();
   HLM_CHECK(S >= size,
             "data parallelism over {} processes needs at least {} sequences per step; this step's "
@@ -66,8 +60,8 @@ Batch shard_batch(const Batch& global, int rank, int size) {
 }
 
 LossNormalizers global_normalizers(const Batch& global) {
-  const std::vector<int64_t> cu = i64_vector(global.cu_seqlens);
-  const std::vector<int64_t> tg = i64_vector(global.targets);
+  const std::vector<int64_t> cu = global.cu_seqlens.to_i64_vector();
+  const std::vector<int64_t> tg = global.targets.to_i64_vector();
   LossNormalizers n;
   for (int64_t t : tg) n.lm += t != kIgnoreIndex;
   for (size_t q = 0; q + 1 < cu.size(); ++q) {
@@ -285,7 +279,7 @@ void DataParallel::allreduce(std::vector<double>& v) const {
 void DataParallel::allreduce(std::vector<int64_t>& v) const {
   Tensor t = Tensor::from_vector<int64_t>({int64_t(v.size())}, v);
   comm_.allreduce_sum(t);
-  v = i64_vector(t);
+  v = t.to_i64_vector();
 }
 
 }  // namespace hlm::train

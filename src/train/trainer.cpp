@@ -1035,12 +1035,24 @@ TrainSummary Trainer::run() {
     }
     saved.reset();
     if (bad.empty()) {
-      if (dp_)
-        for (Tensor& c : out.expert_counts) {
-          Tensor h = c.to(Device::cpu);
-          dp_->comm().allreduce_sum(h);  // the load of the global batch
-          c = c.is_cpu() ? h : h.to(c.device());
+      if (dp_) {
+        // The load of the global batch: every layer's counts in one reduction.
+        std::vector<int64_t> all;
+        for (const Tensor& c : out.expert_counts) {
+          const std::vector<int64_t> v = c.to_i64_vector();
+          all.insert(all.end(), v.begin(), v.end());
         }
+        dp_->allreduce(all);
+        size_t at = 0;
+        for (Tensor& c : out.expert_counts) {
+          const auto n = size_t(c.numel());
+          const Tensor h = Tensor::from_vector<int64_t>(
+              c.shape(),
+              std::vector<int64_t>(all.begin() + ptrdiff_t(at), all.begin() + ptrdiff_t(at + n)));
+          c = c.is_cpu() ? h : h.to(c.device());
+          at += n;
+        }
+      }
       model_->update_moe_bias(out.expert_counts);
     }
     ps_step.end();

@@ -43,16 +43,11 @@ train::Batch mqar_batch(int64_t tokens, int64_t step) {
   return train::MqarTask(c).batch(step);
 }
 
-std::vector<int64_t> ints(const Tensor& t) {
-  std::vector<int64_t> v;
-  for (double d : t.to_f64_vector()) v.push_back(int64_t(d));
-  return v;
-}
-
 TEST(DataParallel, PartsAreWholeSequencesThatCoverTheBatch) {
   for (int64_t step : {1, 2, 3}) {
     const train::Batch g = mqar_batch(256, step);
-    const std::vector<int64_t> cu = ints(g.cu_seqlens), tok = ints(g.tokens), tgt = ints(g.targets);
+    const std::vector<int64_t> cu = g.cu_seqlens.to_i64_vector(), tok = g.tokens.to_i64_vector(),
+                               tgt = g.targets.to_i64_vector();
     const int64_t S = int64_t(cu.size()) - 1, T = cu.back();
     int64_t longest = 0;
     for (int64_t q = 0; q < S; ++q) longest = std::max(longest, cu[size_t(q + 1)] - cu[size_t(q)]);
@@ -62,14 +57,14 @@ TEST(DataParallel, PartsAreWholeSequencesThatCoverTheBatch) {
       for (int r = 0; r < n; ++r) {
         const train::Batch p = train::shard_batch(g, r, n);
         train::check_batch(p, 64);
-        const std::vector<int64_t> pcu = ints(p.cu_seqlens);
+        const std::vector<int64_t> pcu = p.cu_seqlens.to_i64_vector();
         ASSERT_GE(pcu.size(), 2u);  // at least one sequence
         // Balanced: no part exceeds an equal share by more than a sequence.
         EXPECT_LE(p.num_tokens(), T / n + longest);
         for (size_t q = 1; q < pcu.size(); ++q)
           all_cu.push_back(all_cu.back() + pcu[q] - pcu[q - 1]);
-        for (int64_t v : ints(p.tokens)) all_tok.push_back(v);
-        for (int64_t v : ints(p.targets)) all_tgt.push_back(v);
+        for (int64_t v : p.tokens.to_i64_vector()) all_tok.push_back(v);
+        for (int64_t v : p.targets.to_i64_vector()) all_tgt.push_back(v);
       }
       EXPECT_EQ(all_cu, cu);
       EXPECT_EQ(all_tok, tok);

@@ -52,14 +52,6 @@ Tensor scatter_rows(const std::vector<Tensor>& parts, const std::vector<std::vec
   return ops::gather_rows(cat, perm);
 }
 
-// The router's choices on the host, as i64.
-std::vector<int64_t> index_vector(const Tensor& idx) {
-  const Tensor h = idx.is_cpu() ? idx : idx.to(Device::cpu);
-  const Tensor c = h.dtype() == DType::i64 ? h.contiguous() : h.to(DType::i64);
-  const int64_t* p = c.data<int64_t>();
-  return std::vector<int64_t>(p, p + c.numel());
-}
-
 }  // namespace
 
 // ---- config ---------------------------------------------------------------------------------
@@ -201,7 +193,7 @@ void MoeLayer::run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const 
   // A stable counting sort of the assignments by expert (on the host: the group sizes are the
   // GEMM's arguments).
   profile::Scope ps_sort("sort");
-  const std::vector<int64_t> idx = index_vector(s.topk_idx);
+  const std::vector<int64_t> idx = s.topk_idx.to_i64_vector();
   std::vector<int64_t> counts(static_cast<size_t>(E), 0), start(static_cast<size_t>(E), 0);
   std::vector<int64_t> order(static_cast<size_t>(N)), pos(static_cast<size_t>(N));
   for (int64_t e : idx) ++counts[size_t(e)];
@@ -286,7 +278,7 @@ void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const
     return;
   }
   const int64_t Tn = xc.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
-  const std::vector<int64_t> idx = index_vector(s.topk_idx);
+  const std::vector<int64_t> idx = s.topk_idx.to_i64_vector();
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
   for (size_t a = 0; a < idx.size(); ++a) rows[size_t(idx[a])].push_back(int64_t(a));
   std::vector<Tensor> outs(static_cast<size_t>(E));
