@@ -2,11 +2,13 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "ops/dispatch.h"
 
@@ -252,9 +254,11 @@ std::pair<int, std::string> run_command(const std::string& command) {
 }
 
 std::string mpirun_prefix(int n) {
+  const int threads = std::max(1, int(std::thread::hardware_concurrency()) / std::max(1, n));
   return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
-         "ASAN_OPTIONS=detect_leaks=0 timeout 300 mpirun --oversubscribe -np " +
-         std::to_string(n) + " ";
+         "ASAN_OPTIONS=detect_leaks=0 OMP_NUM_THREADS=" +
+         std::to_string(threads) + " timeout 300 mpirun --oversubscribe -np " + std::to_string(n) +
+         " ";
 }
 
 const char* const kSmallModelJson = R"({

@@ -62,7 +62,10 @@ std::pair<int, std::string> run_command(const std::string& command);
 // The start of a shell command that runs what follows in n processes under mpirun, oversubscribed
 // on this machine's cores: as root (CI) mpirun needs the two OMPI_ALLOW variables, and OpenMPI's
 // plugins leak at MPI_Finalize (their frames unloaded before LeakSanitizer reports, with no module
-// name to suppress), so the leak check is off in the MPI processes of a sanitizer build.
+// name to suppress), so the leak check is off in the MPI processes of a sanitizer build. Each
+// process gets an equal share of the cores as its OpenMP threads (OMP_NUM_THREADS, at least 1):
+// n processes of all-core thread teams on 2 cores ran 5x slower. The results do not depend on it
+// (every kernel is thread-count invariant).
 std::string mpirun_prefix(int n);
 
 // The message of the hlm::Error f() throws, or "(no error)".

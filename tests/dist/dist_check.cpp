@@ -5,7 +5,8 @@
 // (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
-// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE` runs the trainer instead (below).
+// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE` runs the trainer instead, and
+// `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism (both below).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -15,8 +16,11 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "core/rng.h"
 #include "dist/comm.h"
+#include "dist/context_parallel.h"
 #include "dist/nccl_comm.h"
+#include "layers/kda/kda_layer.h"
 #include "train/trainer.h"
 
 namespace {
@@ -185,9 +189,146 @@ int train(const std::string& config, const std::string& out, const std::string& 
   return 0;
 }
 
+// max |a - b| / max |b| over two tensors of one shape (on the host, in f64).
+double rel_err(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(hlm::Device::cpu).to(DType::f64), y = b.to(hlm::Device::cpu).to(DType::f64);
+  if (x.shape() != y.shape()) return INFINITY;
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    num = std::max(num, std::abs(x.data<double>()[i] - y.data<double>()[i]));
+    den = std::max(den, std::abs(y.data<double>()[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+// `--kda-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): KdaLayer's context parallelism,
+// chunkwise and (when the group's size divides its 4 heads) headwise (layers/kda/kda_layer.h), over
+// this job's ranks against the whole batch run in this process, on packed batches whose slice
+// bounds fall inside sequences, at their starts, and around a rank of fewer tokens than the conv's
+// W-1 (tests/dist/context_parallel_test.cpp): the output and input gradient of every slice, and the
+// parameter gradients summed over the ranks, within 1e-10 (f64) or 5e-5 (f32) of the whole
+// batch's (max error over max value); the same bits when run again, and with selective
+// recompute. `short` leaves out the five-sequence batch (the emulated GPU's run). Prints the worst
+// errors per rank.
+int kda_cp(const std::string& dtype, const std::string& device, bool all_cases) {
+  HLM_CHECK(dtype == "f64" || dtype == "f32", "--kda-cp: DTYPE must be f64 or f32, got '{}'",
+            dtype);
+  HLM_CHECK(device == "cpu" || device == "cuda", "--kda-cp: DEVICE must be cpu or cuda, got '{}'",
+            device);
+  const hlm::Device dev = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
+  if (dev == hlm::Device::cuda) {
+    HLM_CHECK(hlm::cuda_device_count() > 0, "--kda-cp: no CUDA device is present");
+    hlm::cuda_select_device(hlm::dist::local_rank() % hlm::cuda_device_count());
+  }
+  const DType dt = dtype == "f64" ? DType::f64 : DType::f32;
+  const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
+  Comm& w = hlm::dist::world();
+  const int R = w.rank(), N = w.size();
+  hlm::KdaConfig c;
+  c.hidden_size = 48;
+  c.num_heads = 4;
+  c.num_v_heads = 8;
+  c.head_k_dim = c.head_v_dim = 32;
+  c.decay_rank = c.output_gate_rank = 8;
+  hlm::PrecisionPolicy policy;  // GEMMs in the dtype (not rounded to bf16)
+  policy.default_kind = hlm::GemmKind::native;
+  hlm::KdaLayer layer(c, policy, "kda", dt);
+  hlm::Rng rng(2026, 3);
+  layer.init_weights(rng.next_u64());
+  rng.fill_uniform(layer.A_log().value, -0.5, 1.0);
+  rng.fill_uniform(layer.dt_bias().value, -1.0, 1.0);
+  rng.fill_uniform(layer.o_norm_weight().value, 0.5, 1.5);
+  layer.to(dev);
+  const auto params = layer.named_parameters();
+
+  // (sequence lengths, slice bounds or empty for the even split)
+  struct Case {
+    const char* name;
+    std::vector<int64_t> lengths, bounds;
+  };
+  std::vector<Case> cases = {{"one sequence, even split", {300}, {}}};
+  if (all_cases) cases.push_back({"five sequences, even split", {150, 7, 200, 2, 90}, {}});
+  // Bounds at a sequence start, and a slice of one token inside a 3-token sequence (its
+  // neighbours' conv inputs then come from two ranks).
+  if (N == 2) cases.push_back({"bound at a sequence start", {70, 3, 100}, {0, 70, 173}});
+  if (N == 3) cases.push_back({"a one-token slice", {70, 3, 100}, {0, 71, 72, 173}});
+  if (N == 4) cases.push_back({"a one-token slice", {70, 3, 100}, {0, 71, 72, 130, 173}});
+  std::vector<hlm::KdaCpMode> modes{hlm::KdaCpMode::chunkwise};
+  if (c.num_heads % N == 0) modes.push_back(hlm::KdaCpMode::headwise);
+  double worst = 0;
+  for (const Case& k : cases) {
+    const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths(k.lengths);
+    const int64_t T = seqs.total_tokens();
+    const std::vector<int64_t> bounds =
+        k.bounds.empty() ? hlm::dist::CpSlice::even_bounds(T, N) : k.bounds;
+    Tensor x = Tensor::empty({T, c.hidden_size}, dt), dy = x.clone();
+    rng.fill_uniform(x, -1, 1);
+    rng.fill_uniform(dy, -1, 1);
+    x = x.to(dev);
+    dy = dy.to(dev);
+    const hlm::Context ctx{true, false};
+    // The whole batch here.
+    layer.zero_grad();
+    hlm::KdaLayer::Saved sr;
+    const Tensor y_ref = layer.forward(ctx, x, seqs, nullptr, &sr);
+    const Tensor dx_ref = layer.backward(ctx, dy, sr).dx;
+    std::vector<Tensor> g_ref;
+    for (const auto& [name, p] : params) g_ref.push_back(p->grad.to(hlm::Device::cpu));
+    // This rank's slice.
+    const hlm::dist::CpSlice slice(w, seqs, bounds);
+    const int64_t b0 = slice.begin(R), b1 = slice.end(R);
+    for (const hlm::KdaCpMode mode : modes) {
+      const std::string what = std::string(k.name) + ", " +
+                               (mode == hlm::KdaCpMode::headwise ? "headwise" : "chunkwise");
+      auto run = [&](bool recompute, Tensor& y, Tensor& dx, std::vector<Tensor>& g) {
+        layer.zero_grad();
+        hlm::KdaLayer::Saved s;
+        const hlm::Context cx{true, recompute};
+        y = layer.forward(cx, x.slice(0, b0, b1).contiguous(), slice, &s, mode);
+        dx = layer.backward(cx, dy.slice(0, b0, b1).contiguous(), s).dx;
+        g.clear();
+        for (const auto& [name, p] : params) {
+          Tensor h = p->grad.to(hlm::Device::cpu);
+          w.allreduce_sum(h);
+          g.push_back(h);
+        }
+      };
+      Tensor y, dx, y2, dx2, y3, dx3;
+      std::vector<Tensor> g, g2, g3;
+      run(false, y, dx, g);
+      run(false, y2, dx2, g2);
+      run(true, y3, dx3, g3);
+      const double ey = rel_err(y, y_ref.slice(0, b0, b1)),
+                   ex = rel_err(dx, dx_ref.slice(0, b0, b1));
+      double eg = 0;
+      std::string worst_param;
+      bool same = same_bits(y, y2) && same_bits(dx, dx2) && same_bits(y, y3) && same_bits(dx, dx3);
+      for (size_t i = 0; i < params.size(); ++i) {
+        const double e = rel_err(g[i], g_ref[i]);
+        if (!(e <= tol)) expect(false, what + ": gradient of " + params[i].first, R);
+        if (e > eg) eg = e, worst_param = params[i].first;
+        same = same && same_bits(g[i], g2[i]) && same_bits(g[i], g3[i]);
+      }
+      expect(ey <= tol, what + ": the slice's output", R);
+      expect(ex <= tol, what + ": the slice's input gradient", R);
+      expect(same, what + ": the same bits run again and with recompute", R);
+      std::printf("kda_cp: rank %d of %d (%s %s): %s: y %.2e, dx %.2e, grads %.2e (%s)\n", R, N,
+                  dtype.c_str(), device.c_str(), what.c_str(), ey, ex, eg, worst_param.c_str());
+      worst = std::max({worst, ey, ex, eg});
+    }
+  }
+  w.barrier();
+  std::printf("kda_cp: rank %d of %d: worst %.2e (tolerance %.0e): %d of %d checks passed\n", R, N,
+              worst, tol, checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   try {
     if (argc == 5 && std::string(argv[1]) == "--train") return train(argv[2], argv[3], argv[4]);
+    if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
+        std::string(argv[1]) == "--kda-cp")
+      return kda_cp(argv[2], argv[3], argc == 4);
     const bool nccl = argc > 1 && std::string(argv[1]) == "--nccl";
     if (nccl) {
       HLM_CHECK(hlm::cuda_device_count() > 0, "--nccl: no CUDA device is present");

@@ -32,13 +32,17 @@
 // gradients are bit-identical to a run without recompute).
 #include "layers/kda/kda_layer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/enum_names.h"
 #include "core/profile.h"
 #include "core/rng.h"
+#include "dist/context_parallel.h"
 #include "ops/activations.h"
 #include "ops/conv1d.h"
+#include "ops/gemm.h"
 #include "ops/kda.h"
 #include "ops/kda_decode.h"
 #include "ops/rmsnorm.h"
@@ -340,9 +344,10 @@ void KdaLayer::init_weights(uint64_t seed, double init_std) {
   o_norm_->value.fill_(1.0);
 }
 
-Tensor KdaLayer::conv_weight(int which, DType dt) const {
+Tensor KdaLayer::conv_weight(int which, DType dt, int64_t c0, int64_t c1) const {
   const Conv& c = conv_[which];
-  return as_dtype(c.param->value.view({-1, cfg_.conv_kernel}).slice(0, c.row0, c.row0 + c.channels),
+  if (c1 < 0) c1 = c.channels;
+  return as_dtype(c.param->value.view({-1, cfg_.conv_kernel}).slice(0, c.row0 + c0, c.row0 + c1),
                   dt)
       .contiguous();
 }
@@ -375,6 +380,319 @@ ops::KdaArgs core_args(const KdaConfig& cfg, const Tensor& q, const Tensor& k, c
   a.dt_bias = dt_bias;
   a.lower_bound = cfg.lower_bound;
   return a;
+}
+
+// ---- context parallel (docs/parallel.md, "Context parallelism") ----
+//
+// The recurrence of one sequence is affine in its initial state: over a run of tokens,
+// S_end = M S_0 + S_ext with M = prod_t (I - beta_t k_t k_t^T) Diag(alpha_t) [K, K] per value head
+// and S_ext the state reached from S_0 = 0. The core op gives both: S_ext as the final state from
+// zeros, M as the final state of the same recurrence run with zero values from S_0 = I (a K-wide
+// "value"). Rank r's first sequence starts from S_in(r) = M_{r-1} S_in(r-1) + S_ext_{r-1} over
+// the ranks that share it. The backward is the transpose: dS_in(r) = G_r + M_r^T dS_out(r), with
+// G_r the state gradient from this rank's own outputs, and dS_out(r) = dS_in(r + 1).
+
+// c[h] (+)= op(a[h]) b[h] per value head: a [HV, K, K], b and c [HV, K, V] (contiguous, one
+// device).
+void per_head_product(const Tensor& a, bool trans_a, const Tensor& b, Tensor& c) {
+  const int64_t HV = a.size(0), K = a.size(1), V = b.size(2);
+  std::vector<ops::GemmGroup> groups;
+  for (int64_t h = 0; h < HV; ++h) groups.push_back({K, V, K, h * K * K, h * K * V, h * K * V});
+  ops::gemm_grouped(a, trans_a, b, false, c, groups, 1.0, 1.0);
+}
+
+// [N, ...] zeros with row n = t (t of one row's shape), on t's device.
+Tensor one_row(const Tensor& t, int64_t N, int64_t n) {
+  Shape s{N};
+  for (int64_t d : t.shape()) s.push_back(d);
+  Tensor out = Tensor::zeros(s, t.dtype(), t.device());
+  Tensor dst = out.slice(0, n, n + 1).view(t.shape());
+  ops::copy_into(dst, t);
+  return out;
+}
+
+// Row n of a [N, ...] tensor as its own contiguous tensor.
+Tensor row_of(const Tensor& t, int64_t n) {
+  Shape s(t.shape().begin() + 1, t.shape().end());
+  return ops::contiguous(t.slice(0, n, n + 1)).view(s);
+}
+
+}  // namespace
+
+// What a context-parallel forward passes to its backward (KdaLayer::Saved::cp).
+struct KdaCpSaved {
+  dist::CpSlice slice;
+  bool headwise = false;
+  // Chunkwise: M of ranks rank+1, rank+2, ...: the single slices through which this rank's last
+  // sequence goes on, whose transposes carry the state gradient back ([HV, K, K] each).
+  std::vector<Tensor> chain_M;
+};
+
+struct KdaCpRun {
+  const dist::CpSlice& slice;
+  bool headwise = false;
+  KdaState init;  // chunkwise: the states this rank's first sequence continues from
+  std::vector<Tensor> chain_M;
+};
+
+namespace {
+
+// A contiguous copy of t on its device.
+Tensor copy_of(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
+  ops::copy_into(out, t);
+  return out;
+}
+
+// The short conv's first W-1 inputs on this rank: every rank sends its last W-1 conv inputs
+// q~|k~|v~ [W-1, C]; a rank whose first sequence began before its slice takes the ones of that
+// sequence (zeros before its start, possibly from several short ranks) as the initial conv state
+// [N_local, W-1, C] of that sequence. Undefined when the slice starts a sequence.
+Tensor cp_conv_halo(const dist::CpSlice& cp, const Tensor (&pre)[3], int64_t W) {
+  const int64_t Wm = W - 1;
+  if (Wm == 0) return Tensor();
+  const int R = cp.rank();
+  const int64_t T = pre[0].size(0), m = std::min(Wm, T);
+  const Tensor tails =
+      cat_last({pre[0].slice(0, T - m, T), pre[1].slice(0, T - m, T), pre[2].slice(0, T - m, T)});
+  const int64_t C = tails.size(1);
+  Tensor tail = Tensor::zeros({Wm, C}, tails.dtype(), tails.device());
+  Tensor last = tail.slice(0, Wm - m, Wm);
+  ops::copy_into(last, tails);
+  const Tensor all = cp.allgather(tail);  // [size Wm, C]: rank j's input at end(j) - Wm + i
+  if (!cp.continues(R)) return Tensor();
+  const int64_t t0 = cp.begin(R), s0 = cp.sequence_begin(t0);
+  std::vector<int64_t> rows;
+  const int64_t first = std::max<int64_t>(0, s0 - (t0 - Wm));  // entries before s0 stay zero
+  for (int64_t i = first; i < Wm; ++i) {
+    const int64_t p = t0 - Wm + i;
+    const int j = cp.owner(p);
+    rows.push_back(j * Wm + p - (cp.end(j) - Wm));
+  }
+  Tensor halo = Tensor::zeros({cp.local().num_seqs(), Wm, C}, tails.dtype(), tails.device());
+  Tensor known = halo.view({-1, C}).slice(0, first, Wm);
+  ops::copy_into(known, ops::gather_rows(all, rows));
+  return halo;
+}
+
+// The backward of cp_conv_halo: every rank sends the gradient of its halo (dhalo [W-1, C], or
+// zeros), and each rank adds the entries that were its conv inputs into dpre (q~, k~, v~ parts of
+// ch[i] channels), the later ranks' in rank order.
+void cp_conv_halo_backward(const dist::CpSlice& cp, const Tensor& dhalo, Tensor (&dpre)[3],
+                           const int64_t (&ch)[3], int64_t W) {
+  const int64_t Wm = W - 1;
+  if (Wm == 0) return;
+  const int R = cp.rank();
+  const int64_t C = ch[0] + ch[1] + ch[2];
+  const Tensor send =
+      dhalo.defined() ? dhalo : Tensor::zeros({Wm, C}, dpre[0].dtype(), dpre[0].device());
+  const Tensor all = cp.allgather(send);
+  const int64_t t0 = cp.begin(R), t1 = cp.end(R);
+  // A later rank's halo reaches back into this slice only through ranks that continue it.
+  for (int r = R + 1; r < cp.size() && cp.continues(r); ++r) {
+    const int64_t b = cp.begin(r), s0 = cp.sequence_begin(b);
+    for (int64_t i = 0; i < Wm; ++i) {
+      const int64_t p = b - Wm + i;
+      if (p < s0 || p < t0 || p >= t1) continue;
+      const Tensor src = all.slice(0, r * Wm + i, r * Wm + i + 1);
+      int64_t off = 0;
+      for (int part = 0; part < 3; ++part) {
+        Tensor dst = dpre[part].slice(0, p - t0, p - t0 + 1);
+        ops::add_(dst, src.slice(1, off, off + ch[part]));
+        off += ch[part];
+      }
+    }
+  }
+}
+
+// Headwise: this rank's heads, qk [h0, h1) and value [hv0, hv1) (all of them without it).
+struct HeadRange {
+  int64_t h0, h1, hv0, hv1;
+};
+HeadRange head_range(const KdaConfig& c, const KdaCpRun* cp) {
+  if (!cp || !cp->headwise) return {0, c.num_heads, 0, c.num_v_heads};
+  const int64_t r = cp->slice.rank(), n = cp->slice.size(), h = c.num_heads / n,
+                hv = c.num_v_heads / n;
+  return {r * h, (r + 1) * h, r * hv, (r + 1) * hv};
+}
+
+// The channels of conv part i (q, k, v) that belong to the heads of hr.
+std::pair<int64_t, int64_t> part_channels(const KdaConfig& c, int i, const HeadRange& hr) {
+  return i < 2 ? std::pair{hr.h0 * c.head_k_dim, hr.h1 * c.head_k_dim}
+               : std::pair{hr.hv0 * c.head_v_dim, hr.hv1 * c.head_v_dim};
+}
+
+// Entries [hv0 per, hv1 per) of a per-value-head parameter (A_log: per = 1, dt_bias: per = K).
+Tensor head_rows(const Tensor& t, const HeadRange& hr, int64_t per) {
+  return t.size(0) == (hr.hv1 - hr.hv0) * per ? t : copy_of(t.slice(0, hr.hv0 * per, hr.hv1 * per));
+}
+
+// Headwise, one all-to-all: token-sharded parts [T_R, n w_j] (this rank's tokens, every rank's
+// heads: rank r's are columns [r w_j, (r+1) w_j)) to head-sharded [T, w_j] (every token, this
+// rank's heads). Blocks are padded to the longest slice.
+std::vector<Tensor> seq_to_heads(const dist::CpSlice& cp, const std::vector<Tensor>& parts) {
+  const int n = cp.size(), R = cp.rank();
+  int64_t Tmax = 0, P = 0;
+  for (int r = 0; r < n; ++r) Tmax = std::max(Tmax, cp.tokens(r));
+  for (const Tensor& t : parts) P += t.size(1) / n;
+  const Tensor& t0 = parts.front();
+  Tensor send = Tensor::zeros({n, Tmax, P}, t0.dtype(), t0.device());
+  for (int r = 0; r < n; ++r) {
+    Tensor blk = send.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(R));
+    int64_t off = 0;
+    for (const Tensor& t : parts) {
+      const int64_t w = t.size(1) / n;
+      Tensor dst = blk.slice(1, off, off + w);
+      ops::copy_into(dst, t.slice(1, r * w, (r + 1) * w));
+      off += w;
+    }
+  }
+  const Tensor recv = cp.alltoall(send);
+  std::vector<Tensor> out;
+  int64_t off = 0;
+  for (const Tensor& t : parts) {
+    const int64_t w = t.size(1) / n;
+    Tensor o = Tensor::empty({cp.global().total_tokens(), w}, t.dtype(), t.device());
+    for (int r = 0; r < n; ++r) {
+      Tensor dst = o.slice(0, cp.begin(r), cp.end(r));
+      ops::copy_into(
+          dst,
+          recv.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(r)).slice(1, off, off + w));
+    }
+    out.push_back(o);
+    off += w;
+  }
+  return out;
+}
+
+// The inverse: head-sharded parts [T, w_j] to token-sharded [T_R, n w_j].
+std::vector<Tensor> heads_to_seq(const dist::CpSlice& cp, const std::vector<Tensor>& parts) {
+  const int n = cp.size(), R = cp.rank();
+  int64_t Tmax = 0, P = 0;
+  for (int r = 0; r < n; ++r) Tmax = std::max(Tmax, cp.tokens(r));
+  for (const Tensor& t : parts) P += t.size(1);
+  const Tensor& t0 = parts.front();
+  Tensor send = Tensor::zeros({n, Tmax, P}, t0.dtype(), t0.device());
+  for (int r = 0; r < n; ++r) {
+    Tensor blk = send.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(r));
+    int64_t off = 0;
+    for (const Tensor& t : parts) {
+      Tensor dst = blk.slice(1, off, off + t.size(1));
+      ops::copy_into(dst, t.slice(0, cp.begin(r), cp.end(r)));
+      off += t.size(1);
+    }
+  }
+  const Tensor recv = cp.alltoall(send);
+  std::vector<Tensor> out;
+  int64_t off = 0;
+  for (const Tensor& t : parts) {
+    const int64_t w = t.size(1);
+    Tensor o = Tensor::empty({cp.tokens(R), n * w}, t.dtype(), t.device());
+    for (int r = 0; r < n; ++r) {
+      Tensor dst = o.slice(1, r * w, (r + 1) * w);
+      ops::copy_into(
+          dst,
+          recv.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(R)).slice(1, off, off + w));
+    }
+    out.push_back(o);
+    off += w;
+  }
+  return out;
+}
+
+// The core over this rank's slice, its first sequence continuing from the state the earlier
+// ranks pass on (see "context parallel" above). core(args, keep) runs the op (keep: the real pass,
+// whose saved intermediates the backward reads). a has no initial state.
+template <class Core>
+ops::KdaOutput cp_core(KdaCpRun& cp, ops::KdaArgs a, const Core& core) {
+  const dist::CpSlice& sl = cp.slice;
+  const int R = sl.rank(), n = sl.size();
+  const int64_t T = a.q.size(0), HV = a.v.size(1), K = a.q.size(2), V = a.v.size(2),
+                N = sl.local().num_seqs(), SV = HV * K * V, SK = HV * K * K;
+  const Device dev = a.q.device();
+  const DType dt = a.q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  Tensor ext = Tensor::zeros({HV, K, V}, dt, dev), M = Tensor::zeros({HV, K, K}, dt, dev);
+  std::optional<ops::KdaOutput> out;
+  if (sl.goes_on(R)) {
+    if (!sl.continues(R)) {
+      out = core(a, true);  // from zeros: the real pass
+      ext = row_of(as_dtype(out->final_state, dt), N - 1);
+    } else {
+      ext = row_of(as_dtype(core(a, false).final_state, dt), N - 1);
+      if (sl.single(R)) {
+        ops::KdaArgs am = a;
+        am.v = Tensor::zeros({T, HV, K}, a.v.dtype(), dev);
+        Tensor eye = Tensor::zeros({1, HV, K, K}, dt);
+        for (int64_t h = 0; h < HV; ++h)
+          for (int64_t i = 0; i < K; ++i) {
+            const int64_t at = (h * K + i) * K + i;
+            if (dt == DType::f64)
+              eye.data<double>()[at] = 1;
+            else
+              eye.data<float>()[at] = 1;
+          }
+        am.initial_state = dev == Device::cpu ? eye : eye.to(dev);
+        M = row_of(as_dtype(core(am, false).final_state, dt), 0);
+      }
+    }
+  }
+  Tensor pack = Tensor::empty({1, SV + SK}, dt, dev);
+  Tensor pe = pack.slice(1, 0, SV), pm = pack.slice(1, SV, SV + SK);
+  ops::copy_into(pe, ext.view({1, SV}));
+  ops::copy_into(pm, M.view({1, SK}));
+  const Tensor all = sl.allgather(pack);  // [n, SV + SK]
+  auto ext_of = [&](int j) {
+    return copy_of(all.slice(0, j, j + 1).slice(1, 0, SV)).view({HV, K, V});
+  };
+  auto M_of = [&](int j) {
+    return copy_of(all.slice(0, j, j + 1).slice(1, SV, SV + SK)).view({HV, K, K});
+  };
+  // The backward carries dS_out back through the single slices after this one.
+  if (sl.goes_on(R))
+    for (int j = R + 1; j < n && sl.single(j) && sl.goes_on(j); ++j) cp.chain_M.push_back(M_of(j));
+  if (!sl.continues(R)) return out ? *out : core(a, true);
+  // S_in = M_{R-1} (... (M_{j0+1} S_ext_{j0} + S_ext_{j0+1}) ...) + S_ext_{R-1}, j0 the nearest
+  // rank whose last sequence does not continue from before it.
+  int j0 = R - 1;
+  while (sl.continues(j0) && sl.single(j0)) --j0;
+  Tensor S = ext_of(j0);
+  for (int j = j0 + 1; j < R; ++j) {
+    Tensor c = ext_of(j);
+    per_head_product(M_of(j), false, S, c);
+    S = c;
+  }
+  cp.init.recurrent = one_row(S, N, 0);
+  a.initial_state = cp.init.recurrent;
+  return core(a, true);
+}
+
+// The core's backward over this rank's slice: bwd(d_final) runs the op's backward. The state
+// gradient at the slice end comes from the later ranks: dS_out(R) = dS_in(R + 1), chained
+// through the single slices after it by their transposed M.
+template <class Bwd>
+ops::KdaGrads cp_core_backward(const KdaCpSaved& cs, const ops::KdaArgs& a, const Bwd& bwd) {
+  const dist::CpSlice& sl = cs.slice;
+  const int R = sl.rank();
+  const int64_t HV = a.v.size(1), K = a.q.size(2), V = a.v.size(2), N = sl.local().num_seqs();
+  const Device dev = a.q.device();
+  const DType dt = a.q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  std::optional<ops::KdaGrads> g;
+  Tensor G = Tensor::zeros({HV, K, V}, dt, dev);
+  if (sl.continues(R)) {
+    g = bwd(Tensor());  // G_R: the state gradient from this rank's own outputs
+    G = row_of(as_dtype(g->dinitial_state, dt), 0);
+  }
+  const Tensor all = sl.allgather(G.view({1, HV * K * V}));
+  if (!sl.goes_on(R)) return g ? *g : bwd(Tensor());
+  auto G_of = [&](int j) { return copy_of(all.slice(0, j, j + 1)).view({HV, K, V}); };
+  const int end = R + 1 + int(cs.chain_M.size());  // its G has no later part
+  Tensor D = G_of(end);
+  for (int j = end - 1; j > R; --j) {
+    Tensor c = G_of(j);
+    per_head_product(cs.chain_M[size_t(j - R - 1)], true, D, c);
+    D = c;
+  }
+  return bwd(one_row(D, N, N - 1));
 }
 
 }  // namespace
@@ -436,45 +754,93 @@ Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& s
   return as_dtype(y, x.dtype());
 }
 
-Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const SeqLayout& seqs,
-                             const KdaState& init, Saved* s, KdaState* final_state) const {
-  const DType cdt = xc.dtype();
-  const int64_t T = xc.size(0), H = cfg_.num_heads, HV = cfg_.num_v_heads, K = cfg_.head_k_dim,
-                V = cfg_.head_v_dim;
-  auto ls = [&](Linear::Saved Saved::*m) -> Linear::Saved* { return s ? &(s->*m) : nullptr; };
+Tensor KdaLayer::forward(const Context& ctx, const Tensor& x, const dist::CpSlice& cp, Saved* saved,
+                         KdaCpMode mode) const {
+  check_input(x);
+  const std::string w = where();
+  HLM_CHECK(x.size(0) == cp.tokens(cp.rank()),
+            "{}: context parallel rank {} holds tokens [{}, {}) of the batch, x has {} rows", w,
+            cp.rank(), cp.begin(cp.rank()), cp.end(cp.rank()), x.size(0));
+  const bool headwise = mode == KdaCpMode::headwise;
+  HLM_CHECK(!headwise || cfg_.num_heads % cp.size() == 0,
+            "{}: headwise context parallelism needs num_heads ({}) divisible by the group's {} "
+            "ranks",
+            w, cfg_.num_heads, cp.size());
+  const Tensor xc = ops::contiguous(as_dtype(x, hlm::compute_dtype(x.dtype())));
+  const bool save = ctx.training && saved != nullptr;
+  if (saved) *saved = Saved{};
+  KdaCpRun run{cp, headwise, {}, {}};
+  const Tensor y = run_forward(ctx, xc, cp.local(), KdaState{},
+                               save && !ctx.recompute ? saved : nullptr, nullptr, &run);
+  if (save) {
+    saved->x = xc;
+    saved->seqs = cp.local();
+    saved->initial = run.init;
+    saved->x_dtype = x.dtype();
+    saved->recompute = ctx.recompute;
+    saved->cp =
+        std::make_shared<const KdaCpSaved>(KdaCpSaved{cp, headwise, std::move(run.chain_M)});
+  }
+  return as_dtype(y, x.dtype());
+}
 
-  // Projections, then the short conv + SiLU per part (channels q | k | v of the conv state).
+Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const SeqLayout& seqs_in,
+                             const KdaState& init_in, Saved* s, KdaState* final_state,
+                             KdaCpRun* cp) const {
+  const DType cdt = xc.dtype();
+  const int64_t T = xc.size(0), HV = cfg_.num_v_heads, K = cfg_.head_k_dim, V = cfg_.head_v_dim;
+  auto ls = [&](Linear::Saved Saved::*m) -> Linear::Saved* { return s ? &(s->*m) : nullptr; };
+  const bool headwise = cp && cp->headwise;
+  // The heads and tokens the conv and the core run on here: all of this call's, or headwise this
+  // rank's heads over the whole batch.
+  const HeadRange hr = head_range(cfg_, cp);
+  const int64_t Hh = hr.h1 - hr.h0, HVh = hr.hv1 - hr.hv0;
+  const SeqLayout& seqs = headwise ? cp->slice.global() : seqs_in;
+
+  // Projections: the conv inputs q~ | k~ | v~, the decay-gate input z, the beta logits.
   Tensor pre[3], act[3], fin[3];
   pre[0] = q_proj_.forward(ctx, xc, ls(&Saved::q_proj));
   pre[1] = k_proj_.forward(ctx, xc, ls(&Saved::k_proj));
   pre[2] = v_proj_.forward(ctx, xc, ls(&Saved::v_proj));
+  Tensor z = f_a_ ? f_b_->forward(ctx, f_a_->forward(ctx, xc, ls(&Saved::f_a)), ls(&Saved::f_b))
+                  : f_b_->forward(ctx, xc, ls(&Saved::f_b));
+  Tensor b = b_proj_.forward(ctx, xc, ls(&Saved::b_proj));
+  if (headwise) {
+    const std::vector<Tensor> h = seq_to_heads(cp->slice, {pre[0], pre[1], pre[2], z, b});
+    pre[0] = h[0], pre[1] = h[1], pre[2] = h[2], z = h[3], b = h[4];
+  } else if (cp) {
+    cp->init.conv = cp_conv_halo(cp->slice, pre, cfg_.conv_kernel);
+  }
+  const KdaState& init = cp ? cp->init : init_in;
+  const int64_t Tc = pre[0].size(0);  // the tokens the conv and the core run on
+  // The short conv + SiLU per part (channels q | k | v of the conv state).
   int64_t off = 0;
   for (int i = 0; i < 3; ++i) {
     const int64_t ch = conv_[i].channels;
     const Tensor st0 =
         init.conv.defined() ? ops::contiguous(init.conv.slice(2, off, off + ch)) : Tensor();
-    act[i] = ops::causal_conv1d_forward(pre[i], conv_weight(i, cdt), seqs, st0, /*silu=*/true,
-                                        final_state ? &fin[i] : nullptr);
+    const auto [c0, c1] = part_channels(cfg_, i, hr);
+    act[i] = ops::causal_conv1d_forward(pre[i], conv_weight(i, cdt, c0, c1), seqs, st0,
+                                        /*silu=*/true, final_state ? &fin[i] : nullptr);
     off += ch;
   }
-  // Decay-gate input z, beta logits.
-  const Tensor z =
-      f_a_ ? f_b_->forward(ctx, f_a_->forward(ctx, xc, ls(&Saved::f_a)), ls(&Saved::f_b))
-           : f_b_->forward(ctx, xc, ls(&Saved::f_b));
-  const Tensor b = b_proj_.forward(ctx, xc, ls(&Saved::b_proj));
   // The core: l2norm(q) K^-1/2, l2norm(k), v, gate(z), sigmoid(b), per sequence.
-  const Tensor q = act[0].view({T, H, K}), k = act[1].view({T, H, K}), v = act[2].view({T, HV, V}),
-               z3 = z.view({T, HV, K});
-  const ops::KdaArgs a =
-      core_args(cfg_, q, k, v, z3, b, init.recurrent, seqs, A_log_->value, dt_bias_->value);
+  const Tensor q = act[0].view({Tc, Hh, K}), k = act[1].view({Tc, Hh, K}),
+               v = act[2].view({Tc, HVh, V}), z3 = z.view({Tc, HVh, K});
+  ops::KdaArgs a = core_args(cfg_, q, k, v, z3, b, init.recurrent, seqs,
+                             head_rows(A_log_->value, hr, 1), head_rows(dt_bias_->value, hr, K));
   Tensor core_saved;
   profile::Scope ps_core("kda core");
-  const ops::KdaOutput out = cfg_.core != KdaCoreImpl::chunk ? ops::kda_recurrent(a)
-                             : s && cfg_.core_save != KdaCoreSave::none
-                                 ? ops::kda_chunk(a, &core_saved, core_save_kind(cfg_))
-                                 : ops::kda_chunk(a);
+  auto core = [&](const ops::KdaArgs& args, bool keep) {
+    return cfg_.core != KdaCoreImpl::chunk ? ops::kda_recurrent(args)
+           : keep && s && cfg_.core_save != KdaCoreSave::none
+               ? ops::kda_chunk(args, &core_saved, core_save_kind(cfg_))
+               : ops::kda_chunk(args);
+  };
+  const ops::KdaOutput out = cp && !headwise ? cp_core(*cp, a, core) : core(a, true);
   ps_core.end();
-  const Tensor o = as_dtype(out.o, cdt);
+  Tensor o = as_dtype(out.o, cdt);
+  if (headwise) o = heads_to_seq(cp->slice, {o.view({Tc, HVh * V})})[0].view({T, HV, V});
   // Output gate, gated RMSNorm over V (one weight for all heads), output projection.
   const Tensor og =
       g_a_ ? g_b_->forward(ctx, g_a_->forward(ctx, xc, ls(&Saved::g_a)), ls(&Saved::g_b))
@@ -594,6 +960,8 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   saved.seqs.check_tokens(T, w.c_str(), "the saved input");
   const std::vector<int64_t>& cu = saved.seqs.offsets();
   const int64_t N = saved.seqs.num_seqs();
+  HLM_CHECK(!(saved.cp && d_final),
+            "{}: a context-parallel forward has no final states to take gradients of", w);
   Tensor dfin_conv, dfin_rec;
   if (d_final) {
     check_state(d_final->conv, {N, W - 1, cfg_.conv_dim()}, xc.device(), w,
@@ -603,13 +971,20 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
     if (d_final->conv.defined()) dfin_conv = ops::contiguous(as_dtype(d_final->conv, cdt));
     if (d_final->recurrent.defined()) dfin_rec = ops::contiguous(as_dtype(d_final->recurrent, cdt));
   }
+  const bool headwise = saved.cp && saved.cp->headwise;
   Saved recomputed;
   const Saved* s = &saved;
   if (saved.recompute) {
     Context c;
     c.training = true;
     c.recompute = false;
-    run_forward(c, xc, saved.seqs, saved.initial, &recomputed, nullptr);
+    // (Chunkwise, the states from the other ranks are in saved.initial; headwise exchanges again.)
+    if (headwise) {
+      KdaCpRun run{saved.cp->slice, true, {}, {}};
+      run_forward(c, xc, saved.seqs, saved.initial, &recomputed, nullptr, &run);
+    } else {
+      run_forward(c, xc, saved.seqs, saved.initial, &recomputed, nullptr);
+    }
     s = &recomputed;
   }
   HLM_CHECK(s->o.defined(), "{}: Saved holds no activations (forward ran with saved = nullptr?)",
@@ -626,42 +1001,52 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   const Tensor dx_g = g_a_ ? g_a_->backward(ctx, g_b_->backward(ctx, dog, s->g_b), s->g_a)
                            : g_b_->backward(ctx, dog, s->g_b);
 
-  // The core.
+  // The core (headwise: this rank's heads over the whole batch, d o sent to them first).
+  std::optional<KdaCpRun> hw;
+  if (headwise) hw.emplace(KdaCpRun{saved.cp->slice, true, {}, {}});
+  const HeadRange hr = head_range(cfg_, hw ? &*hw : nullptr);
+  const SeqLayout& seqs = headwise ? saved.cp->slice.global() : saved.seqs;
+  const int64_t Tc = s->q.size(0);  // the tokens the conv and the core ran on
+  const Tensor d_o =
+      headwise ? seq_to_heads(saved.cp->slice, {gn.dx.view({T, HV * V})})[0].view(s->v.shape())
+               : gn.dx;
   const ops::KdaArgs a =
-      core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent, saved.seqs,
-                A_log_->value, dt_bias_->value);
+      core_args(cfg_, s->q, s->k, s->v, s->z, s->beta_logits, saved.initial.recurrent, seqs,
+                head_rows(A_log_->value, hr, 1), head_rows(dt_bias_->value, hr, K));
   profile::Scope ps_core("kda core");
-  const ops::KdaGrads cg =
-      cfg_.core == KdaCoreImpl::chunk
-          ? ops::kda_chunk_backward(a, gn.dx, dfin_rec, s->core, core_save_kind(cfg_))
-          : ops::kda_recurrent_backward(a, gn.dx, dfin_rec);
+  auto core_backward = [&](const Tensor& d_fin) {
+    return cfg_.core == KdaCoreImpl::chunk
+               ? ops::kda_chunk_backward(a, d_o, d_fin, s->core, core_save_kind(cfg_))
+               : ops::kda_recurrent_backward(a, d_o, d_fin);
+  };
+  const ops::KdaGrads cg = saved.cp && !headwise ? cp_core_backward(*saved.cp, a, core_backward)
+                                                 : core_backward(dfin_rec);
   ps_core.end();
-  accumulate(*A_log_, cg.dA_log);
-  accumulate(*dt_bias_, cg.ddt_bias);
-  const Tensor dz = as_dtype(cg.dg, cdt).contiguous().view({T, HV * K});
-  const Tensor dx_f = f_a_ ? f_a_->backward(ctx, f_b_->backward(ctx, dz, s->f_b), s->f_a)
-                           : f_b_->backward(ctx, dz, s->f_b);
-  const Tensor dx_b = b_proj_.backward(ctx, as_dtype(cg.dbeta, cdt).contiguous(), s->b_proj);
+  accumulate(*A_log_, cg.dA_log, hr.hv0);
+  accumulate(*dt_bias_, cg.ddt_bias, hr.hv0 * K);
+  Tensor dz = as_dtype(cg.dg, cdt).contiguous().view({Tc, (hr.hv1 - hr.hv0) * K});
+  Tensor dbeta = as_dtype(cg.dbeta, cdt).contiguous();
 
   // Convs (plus the final conv state's gradient), then the q/k/v projections.
   const Tensor dact[3] = {cg.dq, cg.dk, cg.dv};
   const Tensor* pre[3] = {&s->q_pre, &s->k_pre, &s->v_pre};
   Linear* proj[3] = {&q_proj_, &k_proj_, &v_proj_};
   const Linear::Saved* proj_saved[3] = {&s->q_proj, &s->k_proj, &s->v_proj};
-  Tensor dinit_conv[3], dx_p[3];
-  int64_t off = 0;
+  Tensor dinit_conv[3], dpre[3], dx_p[3];
+  int64_t off = 0, ch[3];
   for (int i = 0; i < 3; ++i) {
-    const int64_t ch = conv_[i].channels;
+    ch[i] = conv_[i].channels;
+    const auto [c0, c1] = part_channels(cfg_, i, hr);
     const Tensor st0 = saved.initial.conv.defined()
-                           ? ops::contiguous(saved.initial.conv.slice(2, off, off + ch))
+                           ? ops::contiguous(saved.initial.conv.slice(2, off, off + ch[i]))
                            : Tensor();
-    Tensor dw = Tensor::zeros({ch, W}, cdt, xc.device());
+    Tensor dw = Tensor::zeros({c1 - c0, W}, cdt, xc.device());
     ops::CausalConv1dGrads g =
-        ops::causal_conv1d_backward(as_dtype(dact[i], cdt).contiguous().view({T, ch}), *pre[i],
-                                    conv_weight(i, cdt), saved.seqs, st0, true, dw);
-    accumulate(*conv_[i].param, dw, conv_[i].row0 * W);
+        ops::causal_conv1d_backward(as_dtype(dact[i], cdt).contiguous().view({Tc, c1 - c0}),
+                                    *pre[i], conv_weight(i, cdt, c0, c1), seqs, st0, true, dw);
+    accumulate(*conv_[i].param, dw, (conv_[i].row0 + c0) * W);
     if (dfin_conv.defined()) {
-      const Tensor dfi = dfin_conv.slice(2, off, off + ch);
+      const Tensor dfi = dfin_conv.slice(2, off, off + ch[i]);
       Tensor* dinit = st0.defined() ? &g.dinitial_state : nullptr;
       if (!g.dx.is_cpu())
         ops::causal_conv1d_final_state_backward(dfi, cu, W, g.dx, dinit);
@@ -671,9 +1056,24 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
         route_final_conv_grad<float>(dfi, g.dx, dinit, cu, W);
     }
     dinit_conv[i] = g.dinitial_state;
-    dx_p[i] = proj[i]->backward(ctx, g.dx, *proj_saved[i]);
-    off += ch;
+    dpre[i] = g.dx;
+    off += ch[i];
   }
+  if (headwise) {  // back to this rank's tokens, all heads
+    const std::vector<Tensor> t =
+        heads_to_seq(saved.cp->slice, {dpre[0], dpre[1], dpre[2], dz, dbeta});
+    dpre[0] = t[0], dpre[1] = t[1], dpre[2] = t[2], dz = t[3], dbeta = t[4];
+  } else if (saved.cp) {  // the halo's gradient goes back to the ranks it came from
+    cp_conv_halo_backward(saved.cp->slice,
+                          saved.initial.conv.defined()
+                              ? row_of(cat_last({dinit_conv[0], dinit_conv[1], dinit_conv[2]}), 0)
+                              : Tensor(),
+                          dpre, ch, W);
+  }
+  const Tensor dx_f = f_a_ ? f_a_->backward(ctx, f_b_->backward(ctx, dz, s->f_b), s->f_a)
+                           : f_b_->backward(ctx, dz, s->f_b);
+  const Tensor dx_b = b_proj_.backward(ctx, dbeta, s->b_proj);
+  for (int i = 0; i < 3; ++i) dx_p[i] = proj[i]->backward(ctx, dpre[i], *proj_saved[i]);
 
   Tensor dx = dx_p[0].clone();
   add_inplace(dx, dx_p[1]);
@@ -683,6 +1083,7 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
   add_inplace(dx, dx_g);
   Grads out;
   out.dx = as_dtype(dx, saved.x_dtype);
+  if (saved.cp) return out;  // the initial states came from other ranks
   if (saved.initial.conv.defined())
     out.dinitial.conv = cat_last({dinit_conv[0], dinit_conv[1], dinit_conv[2]});
   if (saved.initial.recurrent.defined()) out.dinitial.recurrent = as_dtype(cg.dinitial_state, cdt);

@@ -53,6 +53,12 @@
 
 namespace hlm {
 
+namespace dist {
+class CpSlice;
+}
+struct KdaCpSaved;  // context parallel: what the forward passes to the backward (kda_layer.cpp)
+struct KdaCpRun;    // context parallel: the slice, and the states the forward exchanged
+
 // Checkpoint parameter names (relative to the layer, e.g. "model.layers.0.self_attn").
 enum class KdaNaming : uint8_t {
   // GLM-5.3-Flash checkpoint: q_proj, k_proj, v_proj, one fused depthwise conv over q|k|v
@@ -67,6 +73,12 @@ enum class KdaNaming : uint8_t {
   kimi_linear,
 };
 const char* kda_naming_name(KdaNaming n);  // "glm5_next", "glm5_next_transformers", "kimi_linear"
+
+// How a KDA layer splits a context-parallel batch (docs/parallel.md, "Context parallelism"):
+//   chunkwise: each rank runs its token slice, the recurrent states chained across the ranks;
+//   headwise:  an all-to-all gives each rank every token of num_heads / size heads, which it runs
+//              over the whole sequences, and a second one brings the outputs back.
+enum class KdaCpMode : uint8_t { chunkwise, headwise };
 
 // Which core op the layer runs: the chunked op (training and prefill), or the FP64 recurrence
 // (a reference mode: its results are rounded to the compute dtype).
@@ -137,6 +149,10 @@ class KdaLayer : public Module {
     Tensor og;                   // [T, HV, V] output-gate logits
     Tensor rstd;                 // [T, HV] o_norm 1 / sqrt(mean(o^2) + eps)
     Tensor core;                 // what the core's forward kept (core_save, CUDA)
+    // Context parallel (the forward given a CpSlice): the slice and what the backward passes back
+    // to the other ranks; `initial` then holds the states this rank's first sequence continued
+    // from (the conv inputs before the slice, the recurrent state at its start).
+    std::shared_ptr<const KdaCpSaved> cp;
   };
 
   struct Grads {
@@ -171,6 +187,21 @@ class KdaLayer : public Module {
   Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                  const KdaState* initial, Saved* saved, KdaState* final_state = nullptr) const;
 
+  // Context parallel (docs/parallel.md, "Context parallelism"): x [cp.tokens(rank), D] holds this
+  // rank's slice of a packed batch split over cp's group (every rank of it calls, with the same
+  // slice bounds and mode), and y is that slice of the layer's output over the whole batch.
+  //   chunkwise: the short conv takes its first W-1 inputs from the ranks before; the recurrent
+  //              state at the slice start is chained from the earlier ranks' states and
+  //              transition matrices (one all-gather); the backward passes the state and conv
+  //              gradients back the same way.
+  //   headwise:  the conv inputs, gate input and beta logits go to the rank of their heads (one
+  //              all-to-all; num_heads must divide by the group's size), the conv and the core
+  //              run there over the whole sequences, and the core's output comes back (another).
+  // No initial or final states (the batch starts from zeros). Parameter gradients are this rank's
+  // share: their sum over the group is the whole batch's.
+  Tensor forward(const Context& ctx, const Tensor& x, const dist::CpSlice& cp, Saved* saved,
+                 KdaCpMode mode = KdaCpMode::chunkwise) const;
+
   // Inference: one decode step of N sequences, one token each (x [N, D], computing in f32), over
   // the state pools of an inference cache (pool.conv [S, W-1, 2HK + HV V] and pool.recurrent
   // [S, HV, K, V], f32, on x's device; slots: N distinct rows of them). The conv states of the
@@ -201,10 +232,13 @@ class KdaLayer : public Module {
     Param* param = nullptr;  // holds these channels: rows [row0, row0 + channels) of its [C, 1, W]
     int64_t row0 = 0, channels = 0;
   };
-  // The forward into a full Saved (s may be null when nothing is saved).
+  // The forward into a full Saved (s may be null when nothing is saved). With cp, the initial
+  // states come from the other ranks (into cp->init) instead of init.
   Tensor run_forward(const Context& ctx, const Tensor& xc, const SeqLayout& seqs,
-                     const KdaState& init, Saved* s, KdaState* final_state) const;
-  Tensor conv_weight(int which, DType dt) const;  // [channels, W] in dt
+                     const KdaState& init, Saved* s, KdaState* final_state,
+                     KdaCpRun* cp = nullptr) const;
+  // [c1 - c0, W] in dt: channels [c0, c1) of part `which` (c1 < 0: to the last).
+  Tensor conv_weight(int which, DType dt, int64_t c0 = 0, int64_t c1 = -1) const;
   std::string where() const;                      // "KdaLayer 'path'"
 
   KdaConfig cfg_;

@@ -1,0 +1,32 @@
+// KdaLayer's context parallelism, chunkwise and headwise, on GPUs: `mpirun -np 4 hlm_dist_check
+// --kda-cp f32 cuda short` runs the CUDA layer over 4 ranks (each on GPU local_rank % count, so
+// ranks may share one; the emulation: one emulated GPU per process) and checks every slice
+// against the whole batch on the same GPU (tests/dist/dist_check.cpp): one sequence over the 4
+// ranks (the middle ranks' transition matrices through the CUDA core) and a one-token slice.
+// The states and activations cross ranks through the host (MPI).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/device.h"
+#include "dist/comm.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+TEST(KdaContextParallelGpu, MatchesTheWholeBatch) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  const int n = 4;  // ranks may share a GPU: the check is of the numbers, not the speed
+  const auto [rc, out] =
+      testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK + " --kda-cp f32 cuda short");
+  EXPECT_EQ(rc, 0) << out;
+  int passed = 0;
+  for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;
+  EXPECT_EQ(passed, n) << out;
+  EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace hlm

@@ -1,0 +1,146 @@
+// Context parallelism (dist/context_parallel.h, KdaLayer's chunkwise CP): the slice description in
+// this process, one rank against the plain layer bit for bit, and the layer over 2, 3 and 4
+// processes (`mpirun --oversubscribe`) through `hlm_dist_check --kda-cp`, whose ranks compare
+// their slices of the output and input gradient, and the parameter gradients summed over the
+// ranks, with the whole batch run in each process (tests/dist/dist_check.cpp), chunkwise and
+// headwise.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/rng.h"
+#include "dist/comm.h"
+#include "dist/context_parallel.h"
+#include "layers/kda/kda_layer.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+// A group of n ranks seen from rank r, for building slices without processes: only rank() and
+// size() are read by CpSlice's constructor.
+class FakeGroup : public dist::Comm {
+ public:
+  FakeGroup(int r, int n) : r_(r), n_(n) {}
+  int rank() const override { return r_; }
+  int size() const override { return n_; }
+  const char* backend() const override { return "fake"; }
+  void barrier() override {}
+  void broadcast_bytes(void*, size_t, int) override {}
+  void allgather_bytes(const void*, size_t, void*) override {}
+  void alltoall_bytes(const void*, size_t, void*) override {}
+  void send_bytes(const void*, size_t, int, int) override {}
+  void recv_bytes(void*, size_t, int, int) override {}
+  std::unique_ptr<dist::Comm> split(int, int) override { return nullptr; }
+  void abort_job(int) override {}
+
+ private:
+  int r_, n_;
+};
+
+TEST(CpSlice, DescribesEveryRanksSlice) {
+  // Sequences [0, 70) [70, 73) [73, 173); ranks [0, 71) [71, 72) [72, 130) [130, 173).
+  const SeqLayout seqs = SeqLayout::from_lengths({70, 3, 100});
+  const std::vector<int64_t> bounds{0, 71, 72, 130, 173};
+  FakeGroup g(2, 4);
+  const dist::CpSlice s(g, seqs, bounds);
+  EXPECT_EQ(s.size(), 4);
+  EXPECT_EQ(s.rank(), 2);
+  EXPECT_FALSE(s.continues(0));
+  EXPECT_TRUE(s.continues(1));
+  EXPECT_TRUE(s.continues(2));
+  EXPECT_TRUE(s.continues(3));
+  EXPECT_TRUE(s.goes_on(0) && s.goes_on(1) && s.goes_on(2));
+  EXPECT_FALSE(s.goes_on(3));
+  EXPECT_FALSE(s.single(0));  // [0, 71) crosses the start at 70
+  EXPECT_TRUE(s.single(1));
+  EXPECT_FALSE(s.single(2));
+  EXPECT_TRUE(s.single(3));
+  EXPECT_EQ(s.local().offsets(), (std::vector<int64_t>{0, 1, 58}));
+  EXPECT_EQ(s.sequence_begin(72), 70);
+  EXPECT_EQ(s.sequence_begin(73), 73);
+  EXPECT_EQ(s.owner(71), 1);
+  EXPECT_EQ(s.owner(172), 3);
+  // A bound at a sequence start continues nothing; empty sequences are skipped.
+  FakeGroup g1(1, 2);
+  const dist::CpSlice t(g1, SeqLayout::from_lengths({70, 0, 3, 0}), {0, 70, 73});
+  EXPECT_FALSE(t.continues(1));
+  EXPECT_FALSE(t.goes_on(0));
+  EXPECT_EQ(t.local().offsets(), (std::vector<int64_t>{0, 3}));
+  EXPECT_EQ(dist::CpSlice::even_bounds(10, 4), (std::vector<int64_t>{0, 2, 5, 7, 10}));
+}
+
+TEST(CpSlice, RefusesBoundsThatDoNotSplitTheBatch) {
+  const SeqLayout seqs = SeqLayout::from_lengths({5, 5});
+  FakeGroup g(0, 2);
+  testing::expect_error([&] { dist::CpSlice(g, seqs, {0, 10}); }, "group size + 1 = 3 offsets");
+  testing::expect_error([&] { dist::CpSlice(g, seqs, {0, 4, 9}); }, "from 0 to the batch's 10");
+  testing::expect_error([&] { dist::CpSlice(g, seqs, {0, 0, 10}); }, "rank 0's slice [0, 0)");
+  FakeGroup g3(0, 3);
+  testing::expect_error([&] { dist::CpSlice(g3, seqs, {0, 7, 6, 10}); }, "rank 1's slice [7, 6)");
+  testing::expect_error([] { dist::CpSlice::even_bounds(3, 4); }, "3 tokens cannot be split");
+}
+
+// The layer under a one-rank group: the plain layer's bits (y, dx, parameter gradients).
+TEST(KdaContextParallel, OneRankIsThePlainLayer) {
+  KdaConfig c;
+  c.hidden_size = 24;
+  c.num_heads = 2;
+  c.num_v_heads = 2;
+  c.head_k_dim = c.head_v_dim = 8;
+  c.decay_rank = c.output_gate_rank = 4;
+  PrecisionPolicy pol;
+  pol.default_kind = GemmKind::native;
+  KdaLayer l(c, pol, "kda", DType::f64);
+  l.init_weights(5);
+  const SeqLayout seqs = SeqLayout::from_lengths({40, 3, 90});
+  Rng rng(9);
+  Tensor x = Tensor::empty({133, 24}, DType::f64), dy = Tensor::empty({133, 24}, DType::f64);
+  rng.fill_uniform(x, -1, 1);
+  rng.fill_uniform(dy, -1, 1);
+  const Context ctx{true, false};
+  l.zero_grad();
+  KdaLayer::Saved s;
+  const Tensor y = l.forward(ctx, x, seqs, nullptr, &s);
+  const Tensor dx = l.backward(ctx, dy, s).dx;
+  std::vector<Tensor> g;
+  for (auto& [n, p] : l.named_parameters()) g.push_back(p->grad.clone());
+  std::unique_ptr<dist::Comm> one = dist::self_comm();
+  const dist::CpSlice slice(*one, seqs, {0, 133});
+  l.zero_grad();
+  KdaLayer::Saved sc;
+  EXPECT_TRUE(testing::bit_equal(l.forward(ctx, x, slice, &sc), y));
+  EXPECT_TRUE(testing::bit_equal(l.backward(ctx, dy, sc).dx, dx));
+  size_t i = 0;
+  for (auto& [n, p] : l.named_parameters()) EXPECT_TRUE(testing::bit_equal(p->grad, g[i++])) << n;
+  // Headwise on one rank: every head here, the same bits.
+  l.zero_grad();
+  EXPECT_TRUE(testing::bit_equal(l.forward(ctx, x, slice, &sc, KdaCpMode::headwise), y));
+  EXPECT_TRUE(testing::bit_equal(l.backward(ctx, dy, sc).dx, dx));
+  i = 0;
+  for (auto& [n, p] : l.named_parameters()) EXPECT_TRUE(testing::bit_equal(p->grad, g[i++])) << n;
+  // Bad input: rows that are not the slice, final-state gradients of a CP forward.
+  testing::expect_error([&] { l.forward(ctx, x.slice(0, 0, 100).contiguous(), slice, &sc); },
+                        "holds tokens [0, 133) of the batch, x has 100 rows");
+  l.forward(ctx, x, slice, &sc);
+  KdaState d_final;
+  testing::expect_error([&] { l.backward(ctx, dy, sc, &d_final); }, "no final states");
+}
+
+// f64 on 2, 3 and 4 ranks (every path: headwise at 2 and 4), f32 on 4.
+TEST(KdaContextParallel, MatchesTheWholeBatchOnTwoThreeAndFourRanks) {
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  for (const auto& [dt, n] : {std::pair{"f64", 2}, {"f64", 3}, {"f64", 4}, {"f32", 4}}) {
+    SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
+    const auto [rc, out] = testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK +
+                                                " --kda-cp " + dt + " cpu");
+    EXPECT_EQ(rc, 0) << out;
+    int passed = 0;
+    for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;
+    EXPECT_EQ(passed, n) << out;
+    EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+  }
+}
+
+}  // namespace
+}  // namespace hlm
