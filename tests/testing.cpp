@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -251,6 +252,19 @@ std::pair<int, std::string> run_command(const std::string& command) {
   while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
   const int st = pclose(p);
   return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+std::string dist_check() {
+  if (const char* p = std::getenv("HLM_DIST_CHECK")) return p;
+#ifdef HLM_DIST_CHECK
+  return HLM_DIST_CHECK;
+#else
+  return "hlm_dist_check";
+#endif
+}
+
+bool mpirun_available() {
+  return run_command("command -v mpirun").first == 0;
 }
 
 std::string mpirun_prefix(int n) {

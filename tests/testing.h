@@ -67,6 +67,12 @@ std::pair<int, std::string> run_command(const std::string& command);
 // n processes of all-core thread teams on 2 cores ran 5x slower. The results do not depend on it
 // (every kernel is thread-count invariant).
 std::string mpirun_prefix(int n);
+// Whether an `mpirun` is on this machine's PATH (the GPU machines may have none: their tests of
+// several processes then skip).
+bool mpirun_available();
+// The hlm_dist_check executable: $HLM_DIST_CHECK when set (a build moved to another machine),
+// else the one this build made.
+std::string dist_check();
 
 // The message of the hlm::Error f() throws, or "(no error)".
 std::string error_of(const std::function<void()>& f);

@@ -73,6 +73,13 @@ class SelfComm final : public Comm {
   void alltoall_bytes(const void* send, size_t bytes, void* recv) override {
     if (bytes) std::memmove(recv, send, bytes);
   }
+  void alltoallv_bytes(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                       const std::vector<size_t>& recv_bytes) override {
+    HLM_CHECK(send_bytes.size() == 1 && recv_bytes.size() == 1 && send_bytes[0] == recv_bytes[0],
+              "Comm::alltoallv_bytes: one rank sends {} bytes to itself but receives {}",
+              send_bytes.empty() ? 0 : send_bytes[0], recv_bytes.empty() ? 0 : recv_bytes[0]);
+    if (send_bytes[0]) std::memmove(recv, send, send_bytes[0]);
+  }
   void send_bytes(const void* data, size_t bytes, int dst, int tag) override {
     check_root(dst);
     const auto* p = static_cast<const uint8_t*>(data);
@@ -130,6 +137,43 @@ Tensor Comm::reduce_scatter_sum(const Tensor& t) {
   Tensor recv = Tensor::empty({t.numel()}, t.dtype(), mem);
   if (n > 0) alltoall_bytes(t.raw(), t.nbytes() / size_t(N), recv.raw());
   return sum_blocks(recv, N, n).view(s);
+}
+
+Tensor Comm::alltoallv(const Tensor& t, const std::vector<int64_t>& send_rows,
+                       const std::vector<int64_t>& recv_rows) {
+  constexpr const char* what = "Comm::alltoallv";
+  const Device mem = memory();
+  require_on(t, mem, what);
+  const int N = size();
+  HLM_CHECK(t.dim() >= 1 && int(send_rows.size()) == N && int(recv_rows.size()) == N,
+            "{}: takes rows [R, ...] and {} send and receive counts, got {}, {} and {}", what, N,
+            t.describe(), send_rows.size(), recv_rows.size());
+  // The row shape and dtype agree on every rank: compare them as an empty [0, ...] tensor.
+  Shape row = t.shape();
+  row[0] = 0;
+  check_same(Tensor::empty(row, t.dtype()), what);
+  int64_t sent = 0, got = 0;
+  for (int q = 0; q < N; ++q) {
+    HLM_CHECK(send_rows[size_t(q)] >= 0 && recv_rows[size_t(q)] >= 0,
+              "{}: negative row count for rank {}", what, q);
+    sent += send_rows[size_t(q)];
+    got += recv_rows[size_t(q)];
+  }
+  HLM_CHECK(sent == t.size(0), "{}: the send counts add up to {} rows, t has {}", what, sent,
+            t.size(0));
+  const size_t es = t.element_size();
+  int64_t per_row = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) per_row *= t.size(d);
+  std::vector<size_t> sb(static_cast<size_t>(N)), rb(static_cast<size_t>(N));
+  for (int q = 0; q < N; ++q) {
+    sb[size_t(q)] = size_t(send_rows[size_t(q)] * per_row) * es;
+    rb[size_t(q)] = size_t(recv_rows[size_t(q)] * per_row) * es;
+  }
+  Shape out = t.shape();
+  out[0] = got;
+  Tensor recv = Tensor::empty(out, t.dtype(), mem);
+  alltoallv_bytes(t.raw(), sb, recv.raw(), rb);
+  return recv;
 }
 
 void Comm::allreduce_sum(Tensor& t) {

@@ -1,7 +1,7 @@
 // Communicators: the processes of a job and the groups built from them (docs/parallel.md).
 //
 // A Comm is a group of `size()` processes, this one being `rank()`. Each backend moves bytes
-// (barrier, broadcast, all-gather, all-to-all, send / recv, split into sub-groups); the tensor
+// (barrier, broadcast, all-gather, all-to-all(v), send / recv, split into sub-groups); the tensor
 // collectives on top are written once, here, and are deterministic: every sum over ranks is taken
 // in rank order 0, 1, ..., N-1 for every element, whatever order the messages arrive in, so all
 // ranks get the same bits and a run repeats bit for bit for a given N.
@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -45,6 +46,11 @@ class Comm {
   virtual void allgather_bytes(const void* send, size_t bytes, void* recv) = 0;
   // send holds size() blocks of `bytes`, block r for rank r; recv gets block r from rank r.
   virtual void alltoall_bytes(const void* send, size_t bytes, void* recv) = 0;
+  // Blocks of different sizes: send holds send_bytes[r] bytes for rank r, the blocks in rank
+  // order; recv gets recv_bytes[r] bytes from rank r, in rank order. Each rank's recv_bytes[r]
+  // must equal rank r's send_bytes to it (the caller exchanges the sizes first).
+  virtual void alltoallv_bytes(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                               const std::vector<size_t>& recv_bytes) = 0;
   virtual void send_bytes(const void* data, size_t bytes, int dst, int tag) = 0;
   virtual void recv_bytes(void* data, size_t bytes, int src, int tag) = 0;
   // The ranks that pass the same color, ordered by (key, rank), as a new communicator.
@@ -63,6 +69,12 @@ class Comm {
   Tensor allgather(const Tensor& t);
   // t = root's t (same shape and dtype on every rank).
   void broadcast(Tensor& t, int root);
+  // t [R, ...]: its rows in runs of send_rows[q] (rank order, summing to R) go to rank q; the
+  // result [sum recv_rows, ...] stacks the run each rank q sent here (recv_rows[q] rows), in rank
+  // order. The row shape and dtype must agree on every rank, and recv_rows[q] must be rank q's
+  // send_rows to this rank (exchange the counts first, e.g. with an all-to-all).
+  Tensor alltoallv(const Tensor& t, const std::vector<int64_t>& send_rows,
+                   const std::vector<int64_t>& recv_rows);
 
  protected:
   // Checks (on every rank) that all ranks passed the same shape and dtype; `what` names the call.

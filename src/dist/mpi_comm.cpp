@@ -21,6 +21,7 @@ namespace hlm::dist {
 namespace {
 
 constexpr size_t kPiece = size_t(1) << 30;
+constexpr int kAlltoallvTag = 0x7A11;  // the pieces of a large alltoallv (MPI orders them per pair)
 
 void check(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
@@ -87,6 +88,49 @@ class MpiComm final : public Comm {
       for (int q = 0; q < size_; ++q)
         std::memcpy(r + size_t(q) * bytes + off, in.data() + size_t(q) * n, n);
     }
+  }
+
+  void alltoallv_bytes(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                       const std::vector<size_t>& recv_bytes) override {
+    const auto* s = static_cast<const uint8_t*>(send);
+    auto* r = static_cast<uint8_t*>(recv);
+    const size_t n = static_cast<size_t>(size_);
+    std::vector<int> sc(n), sd(n), rc(n), rd(n);
+    size_t so = 0, ro = 0;
+    bool fits = true;
+    for (int q = 0; q < size_; ++q) {
+      fits = fits && send_bytes[size_t(q)] <= kPiece && recv_bytes[size_t(q)] <= kPiece &&
+             so <= kPiece && ro <= kPiece;
+      sc[size_t(q)] = int(send_bytes[size_t(q)]), sd[size_t(q)] = int(so);
+      rc[size_t(q)] = int(recv_bytes[size_t(q)]), rd[size_t(q)] = int(ro);
+      so += send_bytes[size_t(q)];
+      ro += recv_bytes[size_t(q)];
+    }
+    if (fits) {
+      check(MPI_Alltoallv(s, sc.data(), sd.data(), MPI_BYTE, r, rc.data(), rd.data(), MPI_BYTE, c_),
+            "Alltoallv");
+      return;
+    }
+    // Over MPI's int counts: every block in pieces, point to point, all posted before any wait.
+    std::vector<MPI_Request> reqs;
+    so = ro = 0;
+    for (int q = 0; q < size_; ++q) {
+      for (size_t off = 0; off < recv_bytes[size_t(q)]; off += kPiece) {
+        reqs.emplace_back();
+        check(MPI_Irecv(r + ro + off, int(std::min(kPiece, recv_bytes[size_t(q)] - off)), MPI_BYTE,
+                        q, kAlltoallvTag, c_, &reqs.back()),
+              "Irecv");
+      }
+      for (size_t off = 0; off < send_bytes[size_t(q)]; off += kPiece) {
+        reqs.emplace_back();
+        check(MPI_Isend(s + so + off, int(std::min(kPiece, send_bytes[size_t(q)] - off)), MPI_BYTE,
+                        q, kAlltoallvTag, c_, &reqs.back()),
+              "Isend");
+      }
+      so += send_bytes[size_t(q)];
+      ro += recv_bytes[size_t(q)];
+    }
+    check(MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "Waitall");
   }
 
   void send_bytes(const void* data, size_t bytes, int dst, int tag) override {

@@ -55,6 +55,22 @@ class NcclComm final : public Comm {
     }
     check(ncclGroupEnd(), "ncclGroupEnd");
   }
+  void alltoallv_bytes(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                       const std::vector<size_t>& recv_bytes) override {
+    const auto* s = static_cast<const uint8_t*>(send);
+    auto* d = static_cast<uint8_t*>(recv);
+    size_t so = 0, ro = 0;
+    check(ncclGroupStart(), "ncclGroupStart");
+    for (int r = 0; r < size(); ++r) {
+      if (send_bytes[size_t(r)])
+        check(ncclSend(s + so, send_bytes[size_t(r)], ncclUint8, r, c_, nullptr), "ncclSend");
+      if (recv_bytes[size_t(r)])
+        check(ncclRecv(d + ro, recv_bytes[size_t(r)], ncclUint8, r, c_, nullptr), "ncclRecv");
+      so += send_bytes[size_t(r)];
+      ro += recv_bytes[size_t(r)];
+    }
+    check(ncclGroupEnd(), "ncclGroupEnd");
+  }
   void send_bytes(const void* data, size_t bytes, int dst, int) override {
     check(ncclSend(data, bytes, ncclUint8, dst, c_, nullptr), "ncclSend");
   }

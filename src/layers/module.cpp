@@ -91,8 +91,10 @@ uint64_t name_stream(std::string_view full_name) {
   return h;
 }
 
-void init_normal_named(Tensor& value, uint64_t seed, std::string_view full_name, double std) {
+void init_normal_named(Tensor& value, uint64_t seed, std::string_view full_name, double std,
+                       uint64_t first) {
   Rng rng(seed, name_stream(full_name));
+  rng.set_counter(first);
   rng.fill_normal(value, 0.0, std);
 }
 

@@ -76,7 +76,10 @@ Tensor& ensure_grad(Param& p, std::string_view owner);
 // FNV-1a of the name, so each parameter's draws depend on its name only.
 uint64_t name_stream(std::string_view full_name);
 // Fill a CPU parameter with N(0, std^2): FP64 draws from (seed, name_stream(full_name)), one
-// rounding to the parameter's dtype.
-void init_normal_named(Tensor& value, uint64_t seed, std::string_view full_name, double std);
+// rounding to the parameter's dtype. first: the element of the named parameter that value's first
+// element is (a part of it held here, e.g. one rank's experts): the same values as that part of
+// the whole parameter.
+void init_normal_named(Tensor& value, uint64_t seed, std::string_view full_name, double std,
+                       uint64_t first = 0);
 
 }  // namespace hlm

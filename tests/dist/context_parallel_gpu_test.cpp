@@ -18,9 +18,10 @@ namespace {
 TEST(KdaContextParallelGpu, MatchesTheWholeBatch) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
   const int n = 4;  // ranks may share a GPU: the check is of the numbers, not the speed
-  const auto [rc, out] =
-      testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK + " --kda-cp f32 cuda short");
+  const auto [rc, out] = testing::run_command(testing::mpirun_prefix(n) + testing::dist_check() +
+                                              " --kda-cp f32 cuda short");
   EXPECT_EQ(rc, 0) << out;
   int passed = 0;
   for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;

@@ -29,6 +29,8 @@ class FakeGroup : public dist::Comm {
   void broadcast_bytes(void*, size_t, int) override {}
   void allgather_bytes(const void*, size_t, void*) override {}
   void alltoall_bytes(const void*, size_t, void*) override {}
+  void alltoallv_bytes(const void*, const std::vector<size_t>&, void*,
+                       const std::vector<size_t>&) override {}
   void send_bytes(const void*, size_t, int, int) override {}
   void recv_bytes(void*, size_t, int, int) override {}
   std::unique_ptr<dist::Comm> split(int, int) override { return nullptr; }
@@ -132,7 +134,7 @@ TEST(KdaContextParallel, MatchesTheWholeBatchOnTwoThreeAndFourRanks) {
   if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
   for (const auto& [dt, n] : {std::pair{"f64", 2}, {"f64", 3}, {"f64", 4}, {"f32", 4}}) {
     SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
-    const auto [rc, out] = testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK +
+    const auto [rc, out] = testing::run_command(testing::mpirun_prefix(n) + testing::dist_check() +
                                                 " --kda-cp " + dt + " cpu");
     EXPECT_EQ(rc, 0) << out;
     int passed = 0;

@@ -67,6 +67,7 @@ std::vector<nlohmann::json> metrics(const fs::path& run) {
 TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (!dist::have_mpi() || !dist::have_nccl()) GTEST_SKIP() << "this build has no MPI or NCCL";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
   if (!cuda_emulated() && cuda_device_count() < 2) GTEST_SKIP() << "one GPU: NCCL needs two";
   const fs::path dir = fs::temp_directory_path() / fmt::format("hlm_dp_gpu_{}", ::getpid());
   fs::remove_all(dir);
@@ -76,7 +77,7 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   auto train = [&](int n, const std::string& out) {
     std::string cmd = "cd " + dir.string() + " && OMP_NUM_THREADS=1 ";
     if (n > 1) cmd += testing::mpirun_prefix(n);
-    cmd += std::string(HLM_DIST_CHECK) + " --train train.json " + out + " cuda > out.txt 2>&1";
+    cmd += testing::dist_check() + " --train train.json " + out + " cuda > out.txt 2>&1";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   };

@@ -6,7 +6,8 @@
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
 // every check passed, 1 otherwise. `--train CONFIG OUT DEVICE` runs the trainer instead, and
-// `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism (both below).
+// `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism and `--moe-ep DTYPE DEVICE`
+// the MoE layer's expert parallelism (below).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "dist/context_parallel.h"
 #include "dist/nccl_comm.h"
 #include "layers/kda/kda_layer.h"
+#include "layers/moe/moe_layer.h"
 #include "train/trainer.h"
 
 namespace {
@@ -133,6 +135,19 @@ void check_nccl(Comm& w) {
       for (int j = 0; j < 4; ++j)
         ok = ok && r.data<int64_t>()[src * 4 + j] == 1000 * src + R + 100 * j;
     expect(ok, "nccl alltoall_bytes delivers block r of every rank to rank r", R);
+  }
+  {
+    std::vector<int64_t> send_rows, recv_rows;
+    for (int q = 0; q < N; ++q) {
+      send_rows.push_back((R + 2 * q) % 3);
+      recv_rows.push_back((q + 2 * R) % 3);
+    }
+    int64_t n = 0;
+    for (int64_t r : send_rows) n += r;
+    const Tensor t = input<float>(R, n * 5, DType::f32).view({n, 5});
+    expect(same_bits(g->alltoallv(on_gpu(t), send_rows, recv_rows),
+                     w.alltoallv(t, send_rows, recv_rows)),
+           "nccl alltoallv equals the host's", R);
   }
   if (N > 1) {
     const int next = (R + 1) % N, prev = (R + N - 1) % N;
@@ -323,12 +338,122 @@ int kda_cp(const std::string& dtype, const std::string& device, bool all_cases) 
   return failures == 0 ? 0 : 1;
 }
 
+// `--moe-ep DTYPE DEVICE` (f64 or f32; cpu or cuda): MoeLayer's expert parallelism
+// (layers/moe/moe_layer.h) over this job's ranks, each with its own tokens (rank r: 9 + 7 r, so
+// the all-to-alls move runs of different sizes), against one layer of every expert run on all
+// ranks' tokens in this process: each rank's experts hold the whole layer's values bit for bit;
+// the output and input gradient of each rank's tokens; the routed experts' gradients on the rank
+// that holds them, and the router's and the shared expert's summed over the ranks, within 1e-12
+// (f64) or 1e-5 (f32) (max error over max value); the same bits run again and with selective
+// recompute (tests/dist/expert_parallel_test.cpp).
+int moe_ep(const std::string& dtype, const std::string& device) {
+  HLM_CHECK(dtype == "f64" || dtype == "f32", "--moe-ep: DTYPE must be f64 or f32, got '{}'",
+            dtype);
+  HLM_CHECK(device == "cpu" || device == "cuda", "--moe-ep: DEVICE must be cpu or cuda, got '{}'",
+            device);
+  const hlm::Device dev = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
+  if (dev == hlm::Device::cuda) {
+    HLM_CHECK(hlm::cuda_device_count() > 0, "--moe-ep: no CUDA device is present");
+    hlm::cuda_select_device(hlm::dist::local_rank() % hlm::cuda_device_count());
+  }
+  const DType dt = dtype == "f64" ? DType::f64 : DType::f32;
+  const double tol = dt == DType::f64 ? 1e-12 : 1e-5;
+  Comm& w = hlm::dist::world();
+  const int R = w.rank(), N = w.size();
+  hlm::MoeConfig c;
+  c.hidden_size = 24;
+  c.n_experts = 8;
+  c.top_k = 3;
+  c.moe_intermediate_size = 12;
+  c.n_shared_experts = 1;
+  c.dtype = dt;
+  c.seed = 11;
+  c.init_std = 0.2;
+  hlm::PrecisionPolicy policy;  // GEMMs in the dtype (not rounded to bf16)
+  policy.default_kind = hlm::GemmKind::native;
+  hlm::MoeLayer whole(c, policy, "mlp");
+  hlm::MoeConfig ce = c;
+  ce.ep_size = N;
+  ce.ep_rank = R;
+  hlm::MoeLayer part(ce, policy, "mlp");
+  const int64_t El = ce.local_experts(), e0 = ce.first_expert();
+  bool same_init = true;
+  for (const auto& [name, p] : part.named_parameters()) {
+    const Tensor& v = whole.find_parameter(name)->value;
+    same_init = same_init && same_bits(p->value, name.rfind("experts.", 0) == 0
+                                                     ? v.slice(0, e0, e0 + El).contiguous()
+                                                     : v);
+  }
+  expect(same_init, "this rank's experts hold the whole layer's values", R);
+  whole.to(dev);
+  part.to(dev);
+  // The tokens: rank r's are rows [b_r, b_{r+1}) of the whole batch.
+  std::vector<int64_t> b{0};
+  for (int r = 0; r < N; ++r) b.push_back(b.back() + 9 + 7 * r);
+  const int64_t T = b.back(), b0 = b[size_t(R)], b1 = b[size_t(R) + 1];
+  hlm::Rng rng(5, 1);
+  Tensor x = Tensor::empty({T, c.hidden_size}, dt), dy = x.clone();
+  rng.fill_uniform(x, -1, 1);
+  rng.fill_uniform(dy, -1, 1);
+  x = x.to(dev);
+  dy = dy.to(dev);
+  const hlm::Context ctx{true, false};
+  whole.zero_grad();
+  hlm::MoeLayer::Saved sw;
+  const Tensor y_ref = whole.forward(ctx, x, hlm::SeqLayout::single(T), &sw).y;
+  const Tensor dx_ref = whole.backward(ctx, dy, sw);
+  auto run = [&](bool recompute, Tensor& y, Tensor& dx, std::vector<Tensor>& g) {
+    part.zero_grad();
+    hlm::MoeLayer::Saved s;
+    const hlm::Context cx{true, recompute};
+    const Tensor xs = x.slice(0, b0, b1).contiguous();
+    y = part.forward(cx, xs, hlm::SeqLayout::single(b1 - b0), &s, Tensor(), N > 1 ? &w : nullptr).y;
+    dx = part.backward(cx, dy.slice(0, b0, b1).contiguous(), s);
+    g.clear();
+    for (const auto& [name, p] : part.named_parameters()) {
+      Tensor h = p->grad.to(hlm::Device::cpu);
+      if (name.rfind("experts.", 0) != 0) w.allreduce_sum(h);  // the replicated parameters
+      g.push_back(h);
+    }
+  };
+  Tensor y, dx, y2, dx2, y3, dx3;
+  std::vector<Tensor> g, g2, g3;
+  run(false, y, dx, g);
+  run(false, y2, dx2, g2);
+  run(true, y3, dx3, g3);
+  const double ey = rel_err(y, y_ref.slice(0, b0, b1)), ex = rel_err(dx, dx_ref.slice(0, b0, b1));
+  double eg = 0;
+  std::string worst_param;
+  bool same = same_bits(y, y2) && same_bits(dx, dx2) && same_bits(y, y3) && same_bits(dx, dx3);
+  size_t i = 0;
+  for (const auto& [name, p] : part.named_parameters()) {
+    Tensor ref = whole.find_parameter(name)->grad.to(hlm::Device::cpu);
+    if (name.rfind("experts.", 0) == 0) ref = ref.slice(0, e0, e0 + El).contiguous();
+    const double e = rel_err(g[i], ref);
+    if (!(e <= tol)) expect(false, "the gradient of " + name, R);
+    if (e > eg) eg = e, worst_param = name;
+    same = same && same_bits(g[i], g2[i]) && same_bits(g[i], g3[i]);
+    ++i;
+  }
+  expect(ey <= tol, "this rank's output", R);
+  expect(ex <= tol, "this rank's input gradient", R);
+  expect(same, "the same bits run again and with recompute", R);
+  w.barrier();
+  std::printf(
+      "moe_ep: rank %d of %d (%s %s): experts [%lld, %lld), %lld tokens: y %.2e, dx %.2e, grads "
+      "%.2e (%s): %d of %d checks passed\n",
+      R, N, dtype.c_str(), device.c_str(), (long long)e0, (long long)(e0 + El),
+      (long long)(b1 - b0), ey, ex, eg, worst_param.c_str(), checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   try {
     if (argc == 5 && std::string(argv[1]) == "--train") return train(argv[2], argv[3], argv[4]);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--kda-cp")
       return kda_cp(argv[2], argv[3], argc == 4);
+    if (argc == 4 && std::string(argv[1]) == "--moe-ep") return moe_ep(argv[2], argv[3]);
     const bool nccl = argc > 1 && std::string(argv[1]) == "--nccl";
     if (nccl) {
       HLM_CHECK(hlm::cuda_device_count() > 0, "--nccl: no CUDA device is present");
@@ -377,6 +502,29 @@ int main(int argc, char** argv) {
       for (int s = 0; s < N; ++s)
         for (int j = 0; j < 4; ++j) ok = ok && recv[size_t(s * 4 + j)] == 1000 * s + R + 100 * j;
       expect(ok, "alltoall_bytes delivers block r of every rank to rank r", R);
+    }
+    // all-to-all(v): rank s sends q + s + 1 rows of 3 to rank q (none to itself when s == q ==
+    // 1), row j holding 1000 s + 10 q + j.
+    {
+      auto rows = [](int s, int q) { return s == 1 && q == 1 ? int64_t(0) : int64_t(q + s + 1); };
+      std::vector<int64_t> send_rows, recv_rows;
+      std::vector<double> v;
+      for (int q = 0; q < N; ++q) {
+        send_rows.push_back(rows(R, q));
+        recv_rows.push_back(rows(q, R));
+        for (int64_t j = 0; j < rows(R, q); ++j)
+          for (int c = 0; c < 3; ++c) v.push_back(1000.0 * R + 10.0 * q + double(j) + 0.1 * c);
+      }
+      const Tensor t = Tensor::from_vector<double>({int64_t(v.size()) / 3, 3}, v);
+      const Tensor got = w.alltoallv(t, send_rows, recv_rows);
+      bool ok = true;
+      int64_t at = 0;
+      for (int src = 0; src < N; ++src)
+        for (int64_t j = 0; j < rows(src, R); ++j, ++at)
+          for (int c = 0; c < 3; ++c)
+            ok = ok &&
+                 got.data<double>()[at * 3 + c] == 1000.0 * src + 10.0 * R + double(j) + 0.1 * c;
+      expect(ok && got.size(0) == at, "alltoallv delivers each rank's run of rows", R);
     }
     // A ring of send / recv (even ranks send first: no deadlock at any N).
     if (N > 1) {

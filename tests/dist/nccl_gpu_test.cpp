@@ -19,13 +19,14 @@ namespace {
 TEST(NcclGpu, CollectivesEqualTheHostBackends) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (!dist::have_mpi() || !dist::have_nccl()) GTEST_SKIP() << "this build has no MPI or NCCL";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
   int tried = 0;
   for (int n : {2, 4}) {
     if (!cuda_emulated() && n > cuda_device_count()) continue;  // one GPU per rank
     SCOPED_TRACE(n);
     ++tried;
     const auto [rc, out] =
-        testing::run_command(testing::mpirun_prefix(n) + HLM_DIST_CHECK + " --nccl");
+        testing::run_command(testing::mpirun_prefix(n) + testing::dist_check() + " --nccl");
     EXPECT_EQ(rc, 0) << out;
     int passed = 0;
     for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;

@@ -15,8 +15,10 @@
 #include "layers/moe/moe_layer.h"
 
 #include <cmath>
+#include <memory>
 
 #include "core/profile.h"
+#include "dist/comm.h"
 #include "ops/gemm.h"
 #include "ops/tensor_ops.h"
 
@@ -84,6 +86,10 @@ void MoeConfig::validate() const {
             "{}.dtype must be f64, f32 or bf16, got {}", c, dtype_name(dtype));
   HLM_CHECK(std::isfinite(init_std) && init_std >= 0, "{}.init_std must be finite and >= 0, got {}",
             c, init_std);
+  HLM_CHECK(ep_size >= 1 && n_experts % ep_size == 0,
+            "{}.ep_size must be >= 1 and divide n_experts = {}, got {}", c, n_experts, ep_size);
+  HLM_CHECK(ep_rank >= 0 && ep_rank < ep_size, "{}.ep_rank must be in [0, ep_size = {}), got {}", c,
+            ep_size, ep_rank);
 }
 
 ops::MoeRouterConfig MoeConfig::router_config() const {
@@ -121,11 +127,12 @@ void MoeRouterGate::init_gate(int64_t hidden, int64_t n_experts, DType dt) {
 MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const std::string& path)
     : cfg_(cfg), path_(path) {
   cfg_.validate();
-  const int64_t D = cfg_.hidden_size, E = cfg_.n_experts, I = cfg_.moe_intermediate_size;
+  const int64_t D = cfg_.hidden_size, E = cfg_.n_experts, I = cfg_.moe_intermediate_size,
+                El = cfg_.local_experts(), e0 = cfg_.first_expert();
   const std::string pre = path_.empty() ? "" : path_ + ".";
   const DType keep_dt = hlm::compute_dtype(cfg_.dtype);
-  gate_up_ = &add_param("experts.gate_up_proj", Tensor::zeros({E, 2 * I, D}, cfg_.dtype));
-  down_ = &add_param("experts.down_proj", Tensor::zeros({E, D, I}, cfg_.dtype));
+  gate_up_ = &add_param("experts.gate_up_proj", Tensor::zeros({El, 2 * I, D}, cfg_.dtype));
+  down_ = &add_param("experts.down_proj", Tensor::zeros({El, D, I}, cfg_.dtype));
   gate_.init_gate(D, E, keep_dt);
   const GemmPrecision rp = policy.resolve(pre + "gate", ModuleRole::router);
   HLM_CHECK(rp.kind == GemmKind::native, "MoeLayer({}): the router must resolve to native, got {}",
@@ -142,8 +149,11 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const PrecisionPolicy& policy, const st
   down_w_.init(I, D, false, ep, cfg_.dtype);
   alias_workers(-1, false);  // drop the workers' own (zero) weights
   init_normal_named(gate_.weight().value, cfg_.seed, pre + "gate.weight", cfg_.init_std);
-  init_normal_named(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std);
-  init_normal_named(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std);
+  // An expert-parallel rank's experts get the values they have in the whole parameter.
+  init_normal_named(gate_up_->value, cfg_.seed, pre + "experts.gate_up_proj", cfg_.init_std,
+                    uint64_t(e0 * 2 * I * D));
+  init_normal_named(down_->value, cfg_.seed, pre + "experts.down_proj", cfg_.init_std,
+                    uint64_t(e0 * D * I));
 }
 
 DType MoeLayer::compute_dtype(DType x_dt) const {
@@ -185,15 +195,15 @@ bool MoeLayer::use_grouped(const Tensor& xc) const {
          down_->value.dtype() == xc.dtype();
 }
 
-void MoeLayer::run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const {
-  const int64_t Tn = xc.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
+void MoeLayer::run_experts_grouped(const Tensor& xc, const std::vector<int64_t>& idx, int64_t K,
+                                   Saved& s, bool keep) const {
+  const int64_t Tn = xc.size(0), D = cfg_.hidden_size, E = gate_up_->value.size(0);
   const int64_t I = cfg_.moe_intermediate_size, N = Tn * K;
   const bool bf16 = gate_up_w_.precision().kind == GemmKind::bf16;
   const ops::GemmOptions opt{bf16};
   // A stable counting sort of the assignments by expert (on the host: the group sizes are the
   // GEMM's arguments).
   profile::Scope ps_sort("sort");
-  const std::vector<int64_t> idx = s.topk_idx.to_i64_vector();
   std::vector<int64_t> counts(static_cast<size_t>(E), 0), start(static_cast<size_t>(E), 0);
   std::vector<int64_t> order(static_cast<size_t>(N)), pos(static_cast<size_t>(N));
   for (int64_t e : idx) ++counts[size_t(e)];
@@ -240,7 +250,7 @@ void MoeLayer::run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const 
 }
 
 Tensor MoeLayer::backward_experts_grouped(const Tensor& deo, const Saved& s) const {
-  const int64_t D = cfg_.hidden_size, E = cfg_.n_experts, I = cfg_.moe_intermediate_size;
+  const int64_t D = cfg_.hidden_size, E = gate_up_->value.size(0), I = cfg_.moe_intermediate_size;
   const int64_t N = int64_t(s.order.size());
   const bool bf16 = gate_up_w_.precision().kind == GemmKind::bf16;
   const ops::GemmOptions opt{bf16};
@@ -272,13 +282,13 @@ Tensor MoeLayer::backward_experts_grouped(const Tensor& deo, const Saved& s) con
   return ops::gather_rows(dxp, s.pos);
 }
 
-void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const {
+void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, const std::vector<int64_t>& idx,
+                           int64_t K, Saved& s) const {
   if (use_grouped(xc)) {
-    run_experts_grouped(xc, s, ctx.training);
+    run_experts_grouped(xc, idx, K, s, ctx.training);
     return;
   }
-  const int64_t Tn = xc.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
-  const std::vector<int64_t> idx = s.topk_idx.to_i64_vector();
+  const int64_t Tn = xc.size(0), D = cfg_.hidden_size, E = gate_up_->value.size(0);
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
   for (size_t a = 0; a < idx.size(); ++a) rows[size_t(idx[a])].push_back(int64_t(a));
   std::vector<Tensor> outs(static_cast<size_t>(E));
@@ -304,6 +314,96 @@ void MoeLayer::run_experts(const Context& ctx, const Tensor& xc, Saved& s) const
   s.eo = scatter_rows(outs, rows, Tn * K, D, xc.dtype(), xc.device());
 }
 
+// ---- expert parallel (docs/parallel.md, "Expert parallelism") ----
+
+struct MoeLayer::EpDispatch {
+  // The assignments a = t K + k sorted by expert (stably): order[p] = a, pos[a] = p. The experts
+  // of rank q are a contiguous run of that order, sent to q as send_rows[q] rows; recv_rows[q]
+  // rows came from rank q, grouped by this rank's experts in ascending order.
+  std::vector<int64_t> order, pos, send_rows, recv_rows;
+  Saved inner;  // run_experts over the rows received (one assignment per row)
+};
+
+namespace {
+
+// Comm::alltoallv through the group's memory (a host group moves GPU rows there and back).
+Tensor exchange(dist::Comm& c, const Tensor& t, const std::vector<int64_t>& send,
+                const std::vector<int64_t>& recv) {
+  const Device mem = c.memory();
+  if (t.device() == mem) return c.alltoallv(ops::contiguous(t), send, recv);
+  return c.alltoallv(ops::contiguous(t).to(mem), send, recv).to(t.device());
+}
+
+}  // namespace
+
+void MoeLayer::run_experts_ep(const Context& ctx, const Tensor& xc, dist::Comm& ep,
+                              Saved& s) const {
+  const int64_t Tn = xc.size(0), K = cfg_.top_k, E = cfg_.n_experts, El = cfg_.local_experts();
+  const int n = ep.size();
+  HLM_CHECK(n == cfg_.ep_size && ep.rank() == cfg_.ep_rank,
+            "MoeLayer({}): the expert-parallel group is rank {} of {}, the config says {} of {}",
+            path_, ep.rank(), n, cfg_.ep_rank, cfg_.ep_size);
+  auto d = std::make_shared<EpDispatch>();
+  // A stable counting sort of the assignments by expert: the runs for each rank in rank order.
+  const std::vector<int64_t> idx = s.topk_idx.to_i64_vector();
+  const int64_t N = Tn * K;
+  std::vector<int64_t> counts(size_t(E), 0), start(size_t(E), 0);
+  d->order.resize(size_t(N));
+  d->pos.resize(size_t(N));
+  for (int64_t e : idx) ++counts[size_t(e)];
+  for (int64_t e = 1; e < E; ++e) start[size_t(e)] = start[size_t(e - 1)] + counts[size_t(e - 1)];
+  for (int64_t a = 0; a < N; ++a) {
+    const int64_t p = start[size_t(idx[size_t(a)])]++;
+    d->order[size_t(p)] = a;
+    d->pos[size_t(a)] = p;
+  }
+  // Every rank learns how many rows it gets for each of its experts from each rank.
+  const Tensor mine = Tensor::from_vector<int64_t>({E}, counts);
+  Tensor got = Tensor::empty({E}, DType::i64, ep.memory());
+  const Tensor mine_m = ep.memory() == Device::cpu ? mine : mine.to(ep.memory());
+  ep.alltoall_bytes(mine_m.raw(), size_t(El) * sizeof(int64_t), got.raw());
+  const std::vector<int64_t> got_counts = got.to_i64_vector();  // [n, El]: from rank q, expert j
+  d->send_rows.assign(size_t(n), 0);
+  d->recv_rows.assign(size_t(n), 0);
+  std::vector<int64_t> local_idx;
+  for (int q = 0; q < n; ++q)
+    for (int64_t j = 0; j < El; ++j) {
+      d->send_rows[size_t(q)] += counts[size_t(q * El + j)];
+      const int64_t c = got_counts[size_t(q * El + j)];
+      d->recv_rows[size_t(q)] += c;
+      local_idx.insert(local_idx.end(), size_t(c), j);
+    }
+  // Rows out, the experts here, outputs back.
+  std::vector<int64_t> toks(static_cast<size_t>(N));
+  for (int64_t p = 0; p < N; ++p) toks[size_t(p)] = d->order[size_t(p)] / K;
+  const Tensor rows = exchange(ep, ops::gather_rows(xc, toks), d->send_rows, d->recv_rows);
+  run_experts(ctx, rows, local_idx, 1, d->inner);
+  const Tensor back = exchange(ep, d->inner.eo, d->recv_rows, d->send_rows);
+  s.eo = ops::gather_rows(back, d->pos);
+  if (!ctx.training) d->inner = Saved{};
+  s.ep_dispatch = d;
+}
+
+Tensor MoeLayer::backward_experts(const Context& ctx, const Tensor& dO, const Saved& R) const {
+  if (R.grouped) return backward_experts_grouped(dO, R);
+  const int64_t E = gate_up_->value.size(0), N = dO.size(0), D = cfg_.hidden_size;
+  const DType cdt = dO.dtype();
+  std::vector<Tensor> dparts(static_cast<size_t>(E));
+  std::vector<std::vector<int64_t>> drows(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertSaved& es = R.experts[size_t(e)];
+    if (es.rows.empty()) continue;
+    alias_workers(e, true);
+    const Tensor dh = down_w_.backward(ctx, ops::gather_rows(dO, es.rows), es.down);  // [n, I]
+    const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);    // [n, 2I]
+    const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                     // [n, D]
+    dparts[size_t(e)] = as_dtype(dxe, cdt);
+    drows[size_t(e)] = es.rows;
+  }
+  alias_workers(-1, false);
+  return scatter_rows(dparts, drows, N, D, cdt, dO.device());
+}
+
 void MoeLayer::check_input(const Tensor& x) const {
   HLM_CHECK(x.defined() && x.device() == gate_up_->value.device(),
             "MoeLayer({}): x must be a defined tensor on the parameters' device ({}), got {}",
@@ -322,8 +422,12 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
 }
 
 MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
-                                   Saved* saved, const Tensor& replay_idx) const {
+                                   Saved* saved, const Tensor& replay_idx, dist::Comm* ep) const {
   check_input(x);
+  HLM_CHECK((cfg_.ep_size > 1) == (ep != nullptr), "MoeLayer({}): {} (config ep_size {})", path_,
+            ep ? "an expert-parallel group was given to a layer that holds every expert"
+               : "an expert-parallel layer needs its group",
+            cfg_.ep_size);
   const int64_t Tn = x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
   const std::string op = fmt::format("MoeLayer({})", path_);
   seqs.check_tokens(Tn, op.c_str(), "x");
@@ -338,7 +442,10 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
   run_router(fctx, xc, replay_idx, s);
   ps_router.end();
   profile::Scope ps_experts("routed experts");
-  run_experts(fctx, xc, s);
+  if (ep)
+    run_experts_ep(fctx, xc, *ep, s);
+  else
+    run_experts(fctx, xc, s.topk_idx.to_i64_vector(), K, s);
   ps_experts.end();
   profile::Scope ps_shared("shared expert + combine");
   Tensor ys;
@@ -355,6 +462,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
     s.x = xc;
     s.x_dtype = x.dtype();
     s.seqs = seqs;
+    s.ep = ep;
     if (ctx.recompute) {
       s.router = Linear::Saved{};
       s.logits = Tensor();
@@ -366,6 +474,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
       s.order.clear();
       s.pos.clear();
       s.xp = s.gu = s.h = Tensor();
+      s.ep_dispatch.reset();
       s.recomputed = true;
     }
   }
@@ -375,7 +484,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
 Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& saved, double d_aux) {
   HLM_CHECK(saved.x.defined() && saved.topk_idx.defined(),
             "MoeLayer({})::backward: Saved is empty (run forward with ctx.training)", path_);
-  const int64_t Tn = saved.x.size(0), K = cfg_.top_k, D = cfg_.hidden_size, E = cfg_.n_experts;
+  const int64_t Tn = saved.x.size(0), K = cfg_.top_k, D = cfg_.hidden_size;
   HLM_CHECK(dy.defined() && is_floating(dy.dtype()) && dy.shape() == Shape({Tn, D}) &&
                 dy.device() == saved.x.device(),
             "MoeLayer({})::backward: dy must be floating [{}, {}] on x's device ({}), got {}",
@@ -386,13 +495,17 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   const DType cdt = saved.x.dtype();
   // Under recompute: rerun the router (replaying the saved selection) and the experts.
   Saved re;
-  if (saved.recomputed) {
+  if (saved.recomputed) {  // (expert parallel: every rank of the group recomputes together)
     const Context rctx{true, false};
     run_router(rctx, saved.x, saved.topk_idx, re);
-    run_experts(rctx, saved.x, re);
+    if (saved.ep)
+      run_experts_ep(rctx, saved.x, *saved.ep, re);
+    else
+      run_experts(rctx, saved.x, re.topk_idx.to_i64_vector(), K, re);
   }
   const Saved& R = saved.recomputed ? re : saved;
-  HLM_CHECK(R.eo.defined() && (R.grouped || int64_t(R.experts.size()) == E),
+  const Saved& X = R.ep_dispatch ? R.ep_dispatch->inner : R;  // where the experts ran
+  HLM_CHECK(R.eo.defined() && (X.grouped || int64_t(X.experts.size()) == gate_up_->value.size(0)),
             "MoeLayer({})::backward: Saved holds no expert state", path_);
   const std::string where = fmt::format("MoeLayer({})::backward", path_);
   ensure_grad(*gate_up_, where);
@@ -405,25 +518,14 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
 
   profile::Scope ps_experts("routed experts");
   Tensor dxk;
-  if (R.grouped) {
-    dxk = backward_experts_grouped(dO, R);
+  if (const EpDispatch* d = R.ep_dispatch.get()) {  // the gradients to the experts' ranks and back
+    const Tensor drows =
+        exchange(*saved.ep, ops::gather_rows(dO, d->order), d->send_rows, d->recv_rows);
+    const Tensor dx_rows = backward_experts(ctx, drows, d->inner);
+    dxk = ops::gather_rows(exchange(*saved.ep, dx_rows, d->recv_rows, d->send_rows), d->pos);
   } else {
-    std::vector<Tensor> dparts(static_cast<size_t>(E));
-    std::vector<std::vector<int64_t>> drows(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) {
-      const ExpertSaved& es = R.experts[size_t(e)];
-      if (es.rows.empty()) continue;
-      alias_workers(e, true);
-      const Tensor dh = down_w_.backward(ctx, ops::gather_rows(dO, es.rows), es.down);  // [n, I]
-      const Tensor dgu = ops::swiglu_clamped_backward(es.gu, dh, cfg_.swiglu_limit);    // [n, 2I]
-      const Tensor dxe = gate_up_w_.backward(ctx, dgu, es.gate_up);                     // [n, D]
-      dparts[size_t(e)] = as_dtype(dxe, cdt);
-      drows[size_t(e)] = es.rows;
-    }
-    alias_workers(-1, false);
-    dxk = scatter_rows(dparts, drows, Tn * K, D, cdt, saved.x.device());
+    dxk = backward_experts(ctx, dO, R);
   }
-
   ps_experts.end();
   profile::Scope ps_shared("shared expert");
   Tensor dxs;

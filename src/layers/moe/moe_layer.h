@@ -64,6 +64,10 @@
 
 namespace hlm {
 
+namespace dist {
+class Comm;
+}
+
 struct MoeConfig {
   int64_t hidden_size = 0;     // D
   int64_t n_experts = 0;       // E = n_routed_experts
@@ -79,12 +83,19 @@ struct MoeConfig {
   DType dtype = DType::f32;           // expert / shared parameter dtype: f64, f32 or bf16
   uint64_t seed = 0;
   double init_std = 0.02;
+  // Expert parallel (docs/parallel.md, "Expert parallelism"): the routed experts are split over
+  // ep_size ranks, this one holding experts [ep_rank E / ep_size, (ep_rank + 1) E / ep_size)
+  // (ep_size must divide E). 1: every expert here.
+  int64_t ep_size = 1;
+  int64_t ep_rank = 0;
 
   // Throws hlm::Error naming the first bad field (the router constraints of ops/moe.h included:
   // top_k in [1, E], n_group divides E with >= 2 experts per group when > 1, topk_group in
   // [1, n_group], top_k <= topk_group * E / n_group, routed_scaling_factor finite > 0).
   void validate() const;
   ops::MoeRouterConfig router_config() const;
+  int64_t local_experts() const { return n_experts / ep_size; }       // E / ep_size
+  int64_t first_expert() const { return ep_rank * local_experts(); }  // of this rank's
   DenseMlpConfig shared_config() const;  // the shared expert's DenseMlp config
 };
 
@@ -116,9 +127,12 @@ class MoeLayer : public Module {
     Tensor gu;                    // [n_e, 2I] pre-activations, compute dtype
   };
 
+  struct EpDispatch;  // expert parallel: where the assignments went (moe_layer.cpp)
+
   struct Saved {
     // Always kept (also under ctx.recompute):
-    Tensor x;  // [T, D] compute dtype
+    dist::Comm* ep = nullptr;  // the expert-parallel group (ep_size > 1)
+    Tensor x;                  // [T, D] compute dtype
     DType x_dtype = DType::f32;
     SeqLayout seqs;           // the batch's sequences (one when none was given)
     Tensor topk_idx;          // [T, K] i64, the selection
@@ -137,6 +151,8 @@ class MoeLayer : public Module {
     Tensor xp;                    // [N, D] x's rows in sorted order (bf16 under a bf16 GEMM)
     Tensor gu;                    // [N, 2I] pre-activations, compute dtype
     Tensor h;                     // [N, I] activations (bf16 under a bf16 GEMM)
+    // Expert parallel: the dispatch, and the experts' own Saved over the rows this rank received.
+    std::shared_ptr<const EpDispatch> ep_dispatch;
   };
 
   // Validates cfg; `path` is the module's full name (e.g. "model.layers.3.mlp"). Precisions are
@@ -145,8 +161,14 @@ class MoeLayer : public Module {
 
   // x [T, D] f64/f32/bf16; seqs: the layout of the T tokens (used by the aux loss only);
   // replay_idx [T, K] i64/i32 (undefined: select). Fills *saved when saved && ctx.training.
+  // Expert parallel (config ep_size > 1): ep is the group (ep_size ranks, this one ep_rank; every
+  // rank calls with its own tokens). Each assignment's row goes to the rank of its expert and its
+  // output comes back (two all-to-alls, and two more in the backward); the router and the shared
+  // expert run here on this rank's tokens. Parameter gradients are this rank's share: the
+  // router's and the shared expert's sum over the group is the whole batch's, and each routed
+  // expert's is whole on the rank that holds it.
   Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
-                 const Tensor& replay_idx = Tensor()) const;
+                 const Tensor& replay_idx = Tensor(), dist::Comm* ep = nullptr) const;
   // The same with the layout read from cu_seqlens [N+1] i32/i64 (undefined: one sequence).
   Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
                  const Tensor& replay_idx = Tensor()) const;
@@ -176,13 +198,22 @@ class MoeLayer : public Module {
   // The router (logits, route, topk_idx; the router Linear's Saved when ctx.training) and the
   // routed experts (eo; per-expert Saved when ctx.training), into s.
   void run_router(const Context& ctx, const Tensor& xc, const Tensor& replay, Saved& s) const;
-  void run_experts(const Context& ctx, const Tensor& xc, Saved& s) const;
+  // The routed experts held here over rows xc [R, D], whose assignment a = r K + k goes to local
+  // expert idx[a] (s.eo [R K, D]; the per-expert or grouped Saved when ctx.training).
+  void run_experts(const Context& ctx, const Tensor& xc, const std::vector<int64_t>& idx, int64_t K,
+                   Saved& s) const;
+  // Expert parallel: the assignments of s.topk_idx dispatched to their experts' ranks, run there,
+  // and their outputs brought back into s.eo.
+  void run_experts_ep(const Context& ctx, const Tensor& xc, dist::Comm& ep, Saved& s) const;
+  // d(eo) [N, D] of the assignments run_experts ran -> d(their rows) [N, D]; weight gradients +=.
+  Tensor backward_experts(const Context& ctx, const Tensor& deo, const Saved& R) const;
   // The routed experts as two grouped GEMMs (ops::gemm_grouped, one call each for all experts)
   // around one SwiGLU over every routed row: on CUDA, for a bf16 expert GEMM with f32
   // activations or a native one whose weights have the activations' dtype. The same numerics as
   // the per-expert Linear path (bf16 operands, FP32 accumulation), another summation order.
   bool use_grouped(const Tensor& xc) const;
-  void run_experts_grouped(const Tensor& xc, Saved& s, bool keep) const;
+  void run_experts_grouped(const Tensor& xc, const std::vector<int64_t>& idx, int64_t K, Saved& s,
+                           bool keep) const;
   // d(eo) [T * K, D] -> d(routed rows of x) [T * K, D]; the experts' weight gradients +=.
   Tensor backward_experts_grouped(const Tensor& deo, const Saved& s) const;
   // Point the workers at expert e (and its gradient slices); e < 0 releases them.
