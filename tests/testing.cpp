@@ -263,6 +263,16 @@ std::string dist_check() {
 #endif
 }
 
+std::string expect_dist_check(int n, const std::string& args) {
+  const auto [rc, out] = run_command(mpirun_prefix(n) + dist_check() + " " + args);
+  EXPECT_EQ(rc, 0) << out;
+  int passed = 0;
+  for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;
+  EXPECT_EQ(passed, n) << out;
+  EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+  return out;
+}
+
 bool mpirun_available() {
   return run_command("command -v mpirun").first == 0;
 }

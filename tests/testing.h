@@ -70,6 +70,9 @@ std::string mpirun_prefix(int n);
 // Whether an `mpirun` is on this machine's PATH (the GPU machines may have none: their tests of
 // several processes then skip).
 bool mpirun_available();
+// Runs `hlm_dist_check ARGS` in n processes (mpirun_prefix) and expects every rank to report its
+// checks passed: exit status 0, n "checks passed" lines, no "FAILED". Returns the output.
+std::string expect_dist_check(int n, const std::string& args);
 // The hlm_dist_check executable: $HLM_DIST_CHECK when set (a build moved to another machine),
 // else the one this build made.
 std::string dist_check();

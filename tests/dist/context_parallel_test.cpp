@@ -134,13 +134,7 @@ TEST(KdaContextParallel, MatchesTheWholeBatchOnTwoThreeAndFourRanks) {
   if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
   for (const auto& [dt, n] : {std::pair{"f64", 2}, {"f64", 3}, {"f64", 4}, {"f32", 4}}) {
     SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
-    const auto [rc, out] = testing::run_command(testing::mpirun_prefix(n) + testing::dist_check() +
-                                                " --kda-cp " + dt + " cpu");
-    EXPECT_EQ(rc, 0) << out;
-    int passed = 0;
-    for (size_t at = 0; (at = out.find("checks passed", at)) != std::string::npos; ++at) ++passed;
-    EXPECT_EQ(passed, n) << out;
-    EXPECT_EQ(out.find("FAILED"), std::string::npos) << out;
+    testing::expect_dist_check(n, std::string("--kda-cp ") + dt + " cpu");
   }
 }
 

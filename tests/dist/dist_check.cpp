@@ -216,6 +216,22 @@ double rel_err(const Tensor& a, const Tensor& b) {
   return den > 0 ? num / den : num;
 }
 
+// The DTYPE (f64 or f32) and DEVICE (cpu or cuda) of a layer check; on cuda this rank takes GPU
+// local_rank % count.
+std::pair<DType, hlm::Device> layer_check_args(const char* flag, const std::string& dtype,
+                                               const std::string& device) {
+  HLM_CHECK(dtype == "f64" || dtype == "f32", "{}: DTYPE must be f64 or f32, got '{}'", flag,
+            dtype);
+  HLM_CHECK(device == "cpu" || device == "cuda", "{}: DEVICE must be cpu or cuda, got '{}'", flag,
+            device);
+  const hlm::Device dev = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
+  if (dev == hlm::Device::cuda) {
+    HLM_CHECK(hlm::cuda_device_count() > 0, "{}: no CUDA device is present", flag);
+    hlm::cuda_select_device(hlm::dist::local_rank() % hlm::cuda_device_count());
+  }
+  return {dtype == "f64" ? DType::f64 : DType::f32, dev};
+}
+
 // `--kda-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): KdaLayer's context parallelism,
 // chunkwise and (when the group's size divides its 4 heads) headwise (layers/kda/kda_layer.h), over
 // this job's ranks against the whole batch run in this process, on packed batches whose slice
@@ -226,16 +242,7 @@ double rel_err(const Tensor& a, const Tensor& b) {
 // recompute. `short` leaves out the five-sequence batch (the emulated GPU's run). Prints the worst
 // errors per rank.
 int kda_cp(const std::string& dtype, const std::string& device, bool all_cases) {
-  HLM_CHECK(dtype == "f64" || dtype == "f32", "--kda-cp: DTYPE must be f64 or f32, got '{}'",
-            dtype);
-  HLM_CHECK(device == "cpu" || device == "cuda", "--kda-cp: DEVICE must be cpu or cuda, got '{}'",
-            device);
-  const hlm::Device dev = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
-  if (dev == hlm::Device::cuda) {
-    HLM_CHECK(hlm::cuda_device_count() > 0, "--kda-cp: no CUDA device is present");
-    hlm::cuda_select_device(hlm::dist::local_rank() % hlm::cuda_device_count());
-  }
-  const DType dt = dtype == "f64" ? DType::f64 : DType::f32;
+  const auto [dt, dev] = layer_check_args("--kda-cp", dtype, device);
   const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
   Comm& w = hlm::dist::world();
   const int R = w.rank(), N = w.size();
@@ -347,16 +354,7 @@ int kda_cp(const std::string& dtype, const std::string& device, bool all_cases) 
 // (f64) or 1e-5 (f32) (max error over max value); the same bits run again and with selective
 // recompute (tests/dist/expert_parallel_test.cpp).
 int moe_ep(const std::string& dtype, const std::string& device) {
-  HLM_CHECK(dtype == "f64" || dtype == "f32", "--moe-ep: DTYPE must be f64 or f32, got '{}'",
-            dtype);
-  HLM_CHECK(device == "cpu" || device == "cuda", "--moe-ep: DEVICE must be cpu or cuda, got '{}'",
-            device);
-  const hlm::Device dev = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
-  if (dev == hlm::Device::cuda) {
-    HLM_CHECK(hlm::cuda_device_count() > 0, "--moe-ep: no CUDA device is present");
-    hlm::cuda_select_device(hlm::dist::local_rank() % hlm::cuda_device_count());
-  }
-  const DType dt = dtype == "f64" ? DType::f64 : DType::f32;
+  const auto [dt, dev] = layer_check_args("--moe-ep", dtype, device);
   const double tol = dt == DType::f64 ? 1e-12 : 1e-5;
   Comm& w = hlm::dist::world();
   const int R = w.rank(), N = w.size();
