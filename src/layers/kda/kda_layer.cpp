@@ -505,13 +505,13 @@ void cp_conv_halo_backward(const dist::CpSlice& cp, const Tensor& dhalo, Tensor 
   }
 }
 
-// Headwise: this rank's heads, qk [h0, h1) and value [hv0, hv1) (all of them without it).
+// Headwise over `headwise`: this rank's heads, qk [h0, h1) and value [hv0, hv1) (nullptr: all).
 struct HeadRange {
   int64_t h0, h1, hv0, hv1;
 };
-HeadRange head_range(const KdaConfig& c, const KdaCpRun* cp) {
-  if (!cp || !cp->headwise) return {0, c.num_heads, 0, c.num_v_heads};
-  const int64_t r = cp->slice.rank(), n = cp->slice.size(), h = c.num_heads / n,
+HeadRange head_range(const KdaConfig& c, const dist::CpSlice* headwise) {
+  if (!headwise) return {0, c.num_heads, 0, c.num_v_heads};
+  const int64_t r = headwise->rank(), n = headwise->size(), h = c.num_heads / n,
                 hv = c.num_v_heads / n;
   return {r * h, (r + 1) * h, r * hv, (r + 1) * hv};
 }
@@ -793,7 +793,7 @@ Tensor KdaLayer::run_forward(const Context& ctx, const Tensor& xc, const SeqLayo
   const bool headwise = cp && cp->headwise;
   // The heads and tokens the conv and the core run on here: all of this call's, or headwise this
   // rank's heads over the whole batch.
-  const HeadRange hr = head_range(cfg_, cp);
+  const HeadRange hr = head_range(cfg_, headwise ? &cp->slice : nullptr);
   const int64_t Hh = hr.h1 - hr.h0, HVh = hr.hv1 - hr.hv0;
   const SeqLayout& seqs = headwise ? cp->slice.global() : seqs_in;
 
@@ -1002,9 +1002,7 @@ KdaLayer::Grads KdaLayer::backward(const Context& ctx, const Tensor& dy, const S
                            : g_b_->backward(ctx, dog, s->g_b);
 
   // The core (headwise: this rank's heads over the whole batch, d o sent to them first).
-  std::optional<KdaCpRun> hw;
-  if (headwise) hw.emplace(KdaCpRun{saved.cp->slice, true, {}, {}});
-  const HeadRange hr = head_range(cfg_, hw ? &*hw : nullptr);
+  const HeadRange hr = head_range(cfg_, headwise ? &saved.cp->slice : nullptr);
   const SeqLayout& seqs = headwise ? saved.cp->slice.global() : saved.seqs;
   const int64_t Tc = s->q.size(0);  // the tokens the conv and the core ran on
   const Tensor d_o =

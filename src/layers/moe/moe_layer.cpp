@@ -54,6 +54,25 @@ Tensor scatter_rows(const std::vector<Tensor>& parts, const std::vector<std::vec
   return ops::gather_rows(cat, perm);
 }
 
+// A stable counting sort of the assignments a (idx[a]: the expert, in [0, E)) by expert:
+// counts[e] assignments per expert, order[p] = the assignment at sorted position p, pos its
+// inverse.
+void sort_by_expert(const std::vector<int64_t>& idx, int64_t E, std::vector<int64_t>& counts,
+                    std::vector<int64_t>& order, std::vector<int64_t>& pos) {
+  const size_t N = idx.size();
+  counts.assign(static_cast<size_t>(E), 0);
+  std::vector<int64_t> start(static_cast<size_t>(E), 0);
+  order.resize(N);
+  pos.resize(N);
+  for (int64_t e : idx) ++counts[size_t(e)];
+  for (int64_t e = 1; e < E; ++e) start[size_t(e)] = start[size_t(e - 1)] + counts[size_t(e - 1)];
+  for (size_t a = 0; a < N; ++a) {
+    const int64_t p = start[size_t(idx[a])]++;
+    order[size_t(p)] = int64_t(a);
+    pos[a] = p;
+  }
+}
+
 }  // namespace
 
 // ---- config ---------------------------------------------------------------------------------
@@ -204,15 +223,8 @@ void MoeLayer::run_experts_grouped(const Tensor& xc, const std::vector<int64_t>&
   // A stable counting sort of the assignments by expert (on the host: the group sizes are the
   // GEMM's arguments).
   profile::Scope ps_sort("sort");
-  std::vector<int64_t> counts(static_cast<size_t>(E), 0), start(static_cast<size_t>(E), 0);
-  std::vector<int64_t> order(static_cast<size_t>(N)), pos(static_cast<size_t>(N));
-  for (int64_t e : idx) ++counts[size_t(e)];
-  for (int64_t e = 1; e < E; ++e) start[size_t(e)] = start[size_t(e - 1)] + counts[size_t(e - 1)];
-  for (int64_t a = 0; a < N; ++a) {
-    const int64_t p = start[size_t(idx[size_t(a)])]++;
-    order[size_t(p)] = a;
-    pos[size_t(a)] = p;
-  }
+  std::vector<int64_t> counts, order, pos;
+  sort_by_expert(idx, E, counts, order, pos);
   std::vector<int64_t> toks(static_cast<size_t>(N));
   for (int64_t p = 0; p < N; ++p) toks[size_t(p)] = order[size_t(p)] / K;
   std::vector<ops::GemmGroup> g_up, g_down;
@@ -345,18 +357,9 @@ void MoeLayer::run_experts_ep(const Context& ctx, const Tensor& xc, dist::Comm& 
             path_, ep.rank(), n, cfg_.ep_rank, cfg_.ep_size);
   auto d = std::make_shared<EpDispatch>();
   // A stable counting sort of the assignments by expert: the runs for each rank in rank order.
-  const std::vector<int64_t> idx = s.topk_idx.to_i64_vector();
   const int64_t N = Tn * K;
-  std::vector<int64_t> counts(size_t(E), 0), start(size_t(E), 0);
-  d->order.resize(size_t(N));
-  d->pos.resize(size_t(N));
-  for (int64_t e : idx) ++counts[size_t(e)];
-  for (int64_t e = 1; e < E; ++e) start[size_t(e)] = start[size_t(e - 1)] + counts[size_t(e - 1)];
-  for (int64_t a = 0; a < N; ++a) {
-    const int64_t p = start[size_t(idx[size_t(a)])]++;
-    d->order[size_t(p)] = a;
-    d->pos[size_t(a)] = p;
-  }
+  std::vector<int64_t> counts;
+  sort_by_expert(s.topk_idx.to_i64_vector(), E, counts, d->order, d->pos);
   // Every rank learns how many rows it gets for each of its experts from each rank.
   const Tensor mine = Tensor::from_vector<int64_t>({E}, counts);
   Tensor got = Tensor::empty({E}, DType::i64, ep.memory());
