@@ -145,12 +145,15 @@ ParallelPlan plan_parallel(const ModelConfig& c, const ParallelLayout& l, int64_
   const int64_t dsa_layers =
       c.count_layers(LayerKind::dsa) + (mtp && c.mtp.num_layers > 0 ? c.mtp.num_layers : 0);
   if (l.cp > 1) {
-    const double seqs = double(tokens / (l.dp * seq_len));
-    const double state = double(c.kda.num_v_heads * c.kda.head_dim * c.kda.v_head_dim) * 4;
+    const KdaHparams& k = c.kda;
+    const double conv = double(2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim);
+    const double kda = 4.0 * double(l.cp - 1) *
+                       (double(k.num_v_heads * k.head_dim) * double(2 * k.v_head_dim + k.head_dim) +
+                        2.0 * double(k.conv_kernel - 1) * conv);
     const double row = double(c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) +
                        double(c.indexer.head_dim) / double(std::max<int64_t>(1, c.indexer.kpool));
-    p.cp_exchange = u64(2 * seqs * state * double(kda_layers) +
-                        2 * t * row * 2 * double(l.cp - 1) * double(dsa_layers));
+    p.cp_exchange =
+        u64(kda * double(kda_layers) + 2 * t * row * 2 * double(l.cp - 1) * double(dsa_layers));
   }
   const int64_t layers = c.num_hidden_layers + (mtp ? c.mtp.num_layers : 0);
   p.tp_allreduce = u64(4 * t * D * 2 * 2 * ring(1.0, l.tp) * double(layers));

@@ -29,8 +29,11 @@
 //   dp parameters  all-gather of the updated BF16 weights: 2 (the same)
 //   ep all-to-all  dispatch and combine, forward and backward, per MoE layer: 4 t k D 2 (ep-1)/ep
 //                  (t = T / (dp cp) tokens on the GPU, k experts per token, uniform routing)
-//   cp             KDA chunkwise: each sequence's FP32 state [HV, K, V] to the next rank, forward
-//                  and backward, per KDA layer; DSA: all-gather of the BF16 latent rows and indexer
+//   cp             KDA chunkwise as KdaLayer runs it (docs/parallel.md), per KDA layer: all-gathers
+//                  of each rank's FP32 [S_ext | M] [HV, K, V + K] and last W-1 conv inputs
+//                  forward, and of the state gradient [HV, K, V] and those inputs' gradients
+//                  backward: 4 (cp - 1) (HV K (2V + K) + 2 (W - 1) (2 H K + HV V));
+//                  DSA (not built yet): all-gather of the BF16 latent rows and indexer
 //                  keys of the t tokens (forward) and reduce-scatter of their gradients (backward),
 //                  per DSA layer: 2 t (r_kv + d_r + d_I / P) 2 (cp - 1)
 //   tp             two all-reduces of the BF16 [t, D] activations per layer forward and two

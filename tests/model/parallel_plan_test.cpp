@@ -86,6 +86,13 @@ TEST(ParallelPlan, TrafficFollowsTheRingVolumes) {
   // Context parallelism moves states and key rows; tensor parallelism activations.
   const ParallelPlan d = plan_parallel(c, ParallelLayout::parse("cp=2,tp=2"), 8192, 8192, true);
   EXPECT_GT(d.cp_exchange, 0u);
+  // The KDA part, per layer: 4 (cp - 1) (HV K (2V + K) + 2 (W - 1) (2 H K + HV V)); a model of
+  // KDA layers only moves nothing else.
+  ModelConfig kda_only = c;
+  kda_only.layer_kinds.assign(size_t(kda_only.num_hidden_layers), LayerKind::kda);
+  const ParallelPlan e = plan_parallel(kda_only, ParallelLayout::parse("cp=4"), 8192, 8192, false);
+  const double per_layer = 4.0 * 3 * (64.0 * 128 * (2 * 128 + 128) + 2.0 * 3 * (3 * 64 * 128));
+  EXPECT_EQ(e.cp_exchange, uint64_t(per_layer * double(kda_only.num_hidden_layers) + 0.5));
   EXPECT_EQ(d.tp_allreduce, uint64_t(4.0 * 4096 * 4096 * 2 * 2 * 0.5 * 46 + 0.5));
 }
 
