@@ -239,7 +239,7 @@ class KdaLayer : public Module {
                      KdaCpRun* cp = nullptr) const;
   // [c1 - c0, W] in dt: channels [c0, c1) of part `which` (c1 < 0: to the last).
   Tensor conv_weight(int which, DType dt, int64_t c0 = 0, int64_t c1 = -1) const;
-  std::string where() const;                      // "KdaLayer 'path'"
+  std::string where() const;  // "KdaLayer 'path'"
 
   KdaConfig cfg_;
   std::string path_;
