@@ -232,6 +232,13 @@ std::pair<DType, hlm::Device> layer_check_args(const char* flag, const std::stri
   return {dtype == "f64" ? DType::f64 : DType::f32, dev};
 }
 
+// [T, D] of U(-1, 1) draws from rng (on the host, in draw order), on dev.
+Tensor random_rows(int64_t T, int64_t D, DType dt, hlm::Device dev, hlm::Rng& rng) {
+  Tensor t = Tensor::empty({T, D}, dt);
+  rng.fill_uniform(t, -1, 1);
+  return t.to(dev);
+}
+
 // `--kda-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): KdaLayer's context parallelism,
 // chunkwise and (when the group's size divides its 4 heads) headwise (layers/kda/kda_layer.h), over
 // this job's ranks against the whole batch run in this process, on packed batches whose slice
@@ -283,11 +290,8 @@ int kda_cp(const std::string& dtype, const std::string& device, bool all_cases) 
     const int64_t T = seqs.total_tokens();
     const std::vector<int64_t> bounds =
         k.bounds.empty() ? hlm::dist::CpSlice::even_bounds(T, N) : k.bounds;
-    Tensor x = Tensor::empty({T, c.hidden_size}, dt), dy = x.clone();
-    rng.fill_uniform(x, -1, 1);
-    rng.fill_uniform(dy, -1, 1);
-    x = x.to(dev);
-    dy = dy.to(dev);
+    const Tensor x = random_rows(T, c.hidden_size, dt, dev, rng);
+    const Tensor dy = random_rows(T, c.hidden_size, dt, dev, rng);
     const hlm::Context ctx{true, false};
     // The whole batch here.
     layer.zero_grad();
@@ -390,11 +394,8 @@ int moe_ep(const std::string& dtype, const std::string& device) {
   for (int r = 0; r < N; ++r) b.push_back(b.back() + 9 + 7 * r);
   const int64_t T = b.back(), b0 = b[size_t(R)], b1 = b[size_t(R) + 1];
   hlm::Rng rng(5, 1);
-  Tensor x = Tensor::empty({T, c.hidden_size}, dt), dy = x.clone();
-  rng.fill_uniform(x, -1, 1);
-  rng.fill_uniform(dy, -1, 1);
-  x = x.to(dev);
-  dy = dy.to(dev);
+  const Tensor x = random_rows(T, c.hidden_size, dt, dev, rng);
+  const Tensor dy = random_rows(T, c.hidden_size, dt, dev, rng);
   const hlm::Context ctx{true, false};
   whole.zero_grad();
   hlm::MoeLayer::Saved sw;
