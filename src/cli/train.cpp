@@ -27,6 +27,7 @@ struct TrainArgs {
   std::optional<int64_t> steps, seed, stop_after;
   std::vector<std::string> sets;
   bool overwrite = false;
+  int64_t expert_parallel = 1;
 };
 
 // The default training config: in the current directory, else beside the executable (build
@@ -126,6 +127,7 @@ void run_train(const TrainArgs& a) {
   }
   // Under mpirun the processes train one model data-parallel (train/data_parallel.h).
   if (dist::world().size() > 1) opts.comm = &dist::world();
+  opts.expert_parallel = int(a.expert_parallel);
   train::Trainer trainer(cfg, opts);
   const train::TrainSummary sum = trainer.run();
   if (sum.interrupted_by) throw ExitStatus{128 + sum.interrupted_by};
@@ -161,6 +163,10 @@ std::function<void()> setup_train(CLI::App& app) {
                  "checkpoint the initialised model)")
       ->check(count_range(0, train::limits::kMaxSteps));
   app.add_flag("--overwrite", a->overwrite, "replace a run that --out holds already");
+  app.add_option("--expert-parallel", a->expert_parallel,
+                 "under mpirun: split every MoE layer's experts over groups of this many "
+                 "processes (default 1: every process holds every expert)")
+      ->check(count_range(1, 1 << 20));
   return [a] { run_train(*a); };
 }
 

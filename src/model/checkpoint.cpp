@@ -745,8 +745,13 @@ NamedTensors module_tensors(Module& module) {
 
 void save_module(const std::string& dir, Module& module, const ModelConfig* config,
                  const SaveOptions& opts) {
+  save_module_tensors(dir, module_tensors(module), config, opts);
+}
+
+void save_module_tensors(const std::string& dir, const NamedTensors& all, const ModelConfig* config,
+                         const SaveOptions& opts) {
   NamedTensors tree;
-  for (auto& [name, t] : module_tensors(module))
+  for (const auto& [name, t] : all)
     if (!opts.skip.count(name)) tree.emplace_back(name, t);
   NamedTensors named;
   for (FileTensor& f : file_tensors(tree, opts.layout)) {

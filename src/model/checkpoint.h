@@ -139,6 +139,10 @@ void save_checkpoint(const std::string& dir, const NamedTensors& tensors, const 
 // The module's parameters in opts.layout.
 void save_module(const std::string& dir, Module& module, const ModelConfig* config,
                  const SaveOptions& opts = {});
+// The same from a module's tensors under its tree names (module_tensors, some of them replaced,
+// e.g. by the whole tensors of expert-parallel shares).
+void save_module_tensors(const std::string& dir, const NamedTensors& tree,
+                         const ModelConfig* config, const SaveOptions& opts = {});
 NamedTensors module_tensors(Module& module);  // (name, value) in named_parameters() order
 // config.json alone, atomically.
 void save_config(const std::string& path, const ModelConfig& config);

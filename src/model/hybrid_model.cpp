@@ -10,6 +10,7 @@
 #include "core/profile.h"
 #include "core/rng.h"
 #include "core/seq_layout.h"
+#include "dist/comm.h"
 #include "model/model_cache.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -279,8 +280,13 @@ class FeedForward : public Module {
   FeedForward(const ModelConfig& c, MlpKind kind, int64_t index, const HybridModelOptions& o,
               const std::string& path) {
     if (kind == MlpKind::moe) {
-      moe_ = std::make_unique<MoeLayer>(moe_layer_config(c, o.dtype, sub_seed(o.seed, index, 6)),
-                                        c.precision, path);
+      MoeConfig m = moe_layer_config(c, o.dtype, sub_seed(o.seed, index, 6));
+      if (o.expert_comm && o.expert_comm->size() > 1) {
+        ep_ = o.expert_comm;
+        m.ep_size = ep_->size();
+        m.ep_rank = ep_->rank();
+      }
+      moe_ = std::make_unique<MoeLayer>(m, c.precision, path);
       add_child("", moe_.get());
     } else {
       mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, o.dtype, sub_seed(o.seed, index, 7)),
@@ -294,7 +300,7 @@ class FeedForward : public Module {
   Tensor forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
                  const Tensor& replay) const {
     if (!moe_) return mlp_->forward(c, x, s ? &s->mlp : nullptr);
-    MoeLayer::Output o = moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay);
+    MoeLayer::Output o = moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_);
     if (out) {
       out->aux_loss = o.aux_loss;
       out->counts = o.counts;
@@ -310,6 +316,7 @@ class FeedForward : public Module {
  private:
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<DenseMlp> mlp_;
+  dist::Comm* ep_ = nullptr;  // the expert-parallel group (HybridModelOptions::expert_comm)
 };
 
 // ---- the decoder layer --------------------------------------------------------------------------
@@ -804,6 +811,18 @@ Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& 
   cache.advance_mtp(slots, counts);
   if (cfg_.tie_word_embeddings) lm_head_->weight().value = embed_->value;
   return lm_head_->forward(ctx, o, nullptr);
+}
+
+std::vector<Param*> HybridModel::expert_params() {
+  std::vector<Param*> v;
+  auto add = [&](MoeLayer* m) {
+    v.push_back(&m->experts_gate_up());
+    v.push_back(&m->experts_down());
+  };
+  for (const auto& l : layers_)
+    if (l->is_moe()) add(l->moe());
+  if (mtp_ && mtp_->is_moe()) add(mtp_->moe());
+  return v;
 }
 
 int64_t HybridModel::num_moe_layers() const {

@@ -67,6 +67,11 @@ struct HybridModelOptions {
   // Rows per chunk of the chunked head + loss (ModelInputs::logits); 0: as many as 512 MiB of
   // f32 logits hold.
   int64_t loss_chunk_rows = 0;
+  // Expert parallelism (docs/parallel.md, "Expert parallelism"): the processes that share every
+  // MoE layer's routed experts, this one holding experts [r E / n, (r + 1) E / n) for its rank r
+  // of n (MoeConfig::ep_size / ep_rank); every process of the group runs each forward and
+  // backward together, each on its own tokens. nullptr or a group of one: every expert here.
+  dist::Comm* expert_comm = nullptr;
 };
 
 // The caller's own output projection and loss (Megatron's output_processor): given the final
@@ -174,6 +179,9 @@ class HybridModel : public Module {
   void update_moe_bias(const std::vector<Tensor>& counts);
 
   int64_t num_moe_layers() const;
+  // Every MoE layer's routed-expert weights (experts.gate_up_proj and experts.down_proj, main
+  // layers in order, then MTP's): under expert parallelism they hold this process's experts only.
+  std::vector<Param*> expert_params();
   bool has_mtp() const { return mtp_ != nullptr; }
 
   // The MTP block over a speculative cache (CPU; docs/inference.md, "Speculative decoding"):

@@ -9,6 +9,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "dist/nccl_comm.h"
 
 namespace hlm::train {
 namespace {
@@ -20,6 +21,27 @@ Tensor rows(const Tensor& t, int64_t a, int64_t b) {
 // The master dtype AdamW keeps for a parameter (adamw.h): FP64 for f64 values, else FP32.
 DType master_dtype(const Param& p) {
   return p.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+// AdamW's tensors per parameter (AdamW::state_dict: "<prefix><kind><name>").
+constexpr const char* kStateKinds[] = {"master.", "exp_avg.", "exp_avg_sq."};
+
+// The parameter name of a state tensor's key "<prefix><kind><name>" ("" for "<prefix>step" and
+// keys of no kind).
+std::string state_param(const std::string& key, const std::string& prefix) {
+  const std::string rest = key.substr(prefix.size());
+  for (const char* k : {"master.", "exp_avg_sq.", "exp_avg."})
+    if (rest.rfind(k, 0) == 0) return rest.substr(std::strlen(k));
+  return "";
+}
+
+// params without those in `drop`, in order.
+std::vector<std::pair<std::string, Param*>> without(
+    const std::vector<std::pair<std::string, Param*>>& params, const std::vector<Param*>& drop) {
+  std::vector<std::pair<std::string, Param*>> v;
+  for (const auto& np : params)
+    if (std::find(drop.begin(), drop.end(), np.second) == drop.end()) v.push_back(np);
+  return v;
 }
 
 }  // namespace
@@ -70,6 +92,46 @@ LossNormalizers global_normalizers(const Batch& global) {
   }
   return n;
 }
+
+ExpertGroups make_expert_groups(dist::Comm& world, int ep, bool gpu) {
+  const int N = world.size(), r = world.rank();
+  HLM_CHECK(ep >= 1 && N % ep == 0,
+            "expert parallelism of {} over {} processes: the degree must divide the number of "
+            "processes",
+            ep, N);
+  ExpertGroups g;
+  g.ep = ep;
+  g.experts = world.split(r / ep, r);
+  g.data = world.split(r % ep, r);
+  if (gpu) {
+    g.experts_device = dist::nccl_comm(*g.experts);
+    g.data_device = dist::nccl_comm(*g.data);
+  }
+  return g;
+}
+
+DataParallel::DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params,
+                           dist::Comm* device_comm, const ExpertGroups& groups,
+                           const std::vector<Param*>& experts)
+    : DataParallel(comm, without(params, experts), device_comm) {
+  HLM_CHECK(groups.experts && groups.data && groups.experts->size() == groups.ep &&
+                int64_t(groups.ep) * groups.data->size() == comm.size(),
+            "data parallelism: expert groups of {} do not fit {} processes", groups.ep,
+            comm.size());
+  groups_ = &groups;
+  std::vector<std::pair<std::string, Param*>> ex;
+  for (const auto& np : params)
+    if (std::find(experts.begin(), experts.end(), np.second) != experts.end()) {
+      ex.push_back(np);
+      expert_names_.insert(np.first);
+    }
+  HLM_CHECK(ex.size() == experts.size(),
+            "data parallelism: {} of the {} expert weights are not among the parameters",
+            experts.size() - ex.size(), experts.size());
+  experts_ = std::make_unique<DataParallel>(*groups.data, std::move(ex), groups.data_device.get());
+}
+
+DataParallel::~DataParallel() = default;
 
 DataParallel::DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params,
                            dist::Comm* device_comm)
@@ -128,7 +190,65 @@ std::vector<std::pair<std::string, Param*>> DataParallel::owned() const {
   std::vector<std::pair<std::string, Param*>> v;
   for (size_t i = 0; i < params_.size(); ++i)
     if (owner_[i] == rank()) v.push_back(params_[i]);
+  if (experts_)
+    for (const auto& np : experts_->owned()) v.push_back(np);
   return v;
+}
+
+std::vector<Tensor> DataParallel::gather_experts(const std::vector<Tensor>& local) const {
+  if (!groups_ || groups_->ep == 1) return rank() == 0 ? local : std::vector<Tensor>{};
+  // Every expert-data group holds the same values: expert group 0's (the ranks of expert-data
+  // rank 0) send theirs to its rank 0, world rank 0.
+  if (groups_->data->rank() != 0) return {};
+  dist::Comm& g = *groups_->experts;
+  std::vector<Tensor> host;
+  size_t bytes = 0;
+  for (const Tensor& t : local) {
+    host.push_back(t.to(Device::cpu).contiguous());
+    bytes += host.back().nbytes();
+  }
+  constexpr int kTag = 7311;
+  std::vector<uint8_t> msg(bytes);
+  size_t at = 0;
+  for (const Tensor& t : host) {
+    std::memcpy(msg.data() + at, t.raw(), t.nbytes());
+    at += t.nbytes();
+  }
+  if (g.rank() != 0) {
+    if (bytes > 0) g.send_bytes(msg.data(), bytes, 0, kTag);
+    return {};
+  }
+  std::vector<Tensor> whole;
+  for (const Tensor& t : host) {
+    HLM_CHECK(t.dim() >= 1, "expert parallelism: an expert tensor has no rows ({})", t.describe());
+    Shape sh = t.shape();
+    sh[0] *= groups_->ep;
+    whole.push_back(Tensor::empty(sh, t.dtype()));
+  }
+  for (int q = 0; q < groups_->ep; ++q) {
+    if (q > 0 && bytes > 0) g.recv_bytes(msg.data(), bytes, q, kTag);
+    at = 0;
+    for (size_t i = 0; i < host.size(); ++i) {
+      const size_t n = host[i].nbytes();
+      std::memcpy(static_cast<uint8_t*>(whole[i].raw()) + size_t(q) * n, msg.data() + at, n);
+      at += n;
+    }
+  }
+  return whole;
+}
+
+Tensor DataParallel::expert_share(const std::string& name, const Tensor& whole) const {
+  if (!expert_names_.count(name)) return whole;
+  const Param* p = nullptr;
+  for (const auto& np : experts_->params_)
+    if (np.first == name) p = np.second;
+  const int64_t rows = p->value.size(0), ep = groups_->ep;
+  Shape want = p->value.shape();
+  want[0] *= ep;
+  HLM_CHECK(whole.shape() == want, "expert tensor '{}' is {}, the model's experts need {}", name,
+            whole.describe(), shape_str(want));
+  const int64_t s = groups_->experts->rank();
+  return whole.slice(0, s * rows, (s + 1) * rows);
 }
 
 void DataParallel::reduce_gradients() {
@@ -162,6 +282,7 @@ void DataParallel::reduce_gradients() {
     device_copy(p->grad.raw(), dev, src + size_t(offset_[size_t(i)] - offset_[size_t(first)]) * es,
                 dev, p->grad.nbytes());
   }
+  if (experts_) experts_->reduce_gradients();
 }
 
 GradNorm DataParallel::grad_norm(const AdamW& shard) const {
@@ -197,18 +318,37 @@ void DataParallel::share_values() {
       off += v.nbytes();
     }
   }
+  if (experts_) experts_->share_values();
 }
 
 safetensors::TensorMap DataParallel::gather_state(const AdamW& shard,
                                                   const std::string& prefix) const {
   const safetensors::TensorMap local = shard.state_dict(prefix);
-  const char* kinds[] = {"master.", "exp_avg.", "exp_avg_sq."};
+  safetensors::TensorMap whole = gather_own_state(local, prefix);
+  if (!experts_) return whole;
+  // The experts' state: whole over each expert-data group at its rank 0 (the ranks of expert
+  // group 0), then the shares stacked at world rank 0.
+  const safetensors::TensorMap shares = experts_->gather_own_state(local, prefix);
+  std::vector<std::string> keys;
+  std::vector<Tensor> parts;
+  for (const auto& np : experts_->params_)
+    for (const char* k : kStateKinds) {
+      keys.push_back(prefix + k + np.first);
+      if (!shares.empty()) parts.push_back(shares.at(keys.back()));
+    }
+  const std::vector<Tensor> stacked = gather_experts(parts);
+  for (size_t i = 0; i < stacked.size(); ++i) whole[keys[i]] = stacked[i];
+  return whole;
+}
+
+safetensors::TensorMap DataParallel::gather_own_state(const safetensors::TensorMap& local,
+                                                      const std::string& prefix) const {
   constexpr int kTag = 7301;
   if (rank() != 0) {
     // This rank's tensors, in parameter order, as one message.
     std::vector<uint8_t> msg;
     for (int64_t i = seg_begin_[size_t(rank())]; i < seg_begin_[size_t(rank()) + 1]; ++i)
-      for (const char* k : kinds) {
+      for (const char* k : kStateKinds) {
         const Tensor& t = local.at(prefix + k + params_[size_t(i)].first).contiguous();
         const auto* p = static_cast<const uint8_t*>(t.raw());
         msg.insert(msg.end(), p, p + t.nbytes());
@@ -218,8 +358,11 @@ safetensors::TensorMap DataParallel::gather_state(const AdamW& shard,
     if (n > 0) comm_.send_bytes(msg.data(), msg.size(), 0, kTag + 1);
     return {};
   }
+  std::set<std::string> mine;
+  for (int64_t i = seg_begin_[0]; i < seg_begin_[1]; ++i) mine.insert(params_[size_t(i)].first);
   safetensors::TensorMap whole;
-  for (const auto& [k, t] : local) whole[k] = t.clone();
+  for (const auto& [k, t] : local)
+    if (k == prefix + "step" || mine.count(state_param(k, prefix))) whole[k] = t.clone();
   for (int r = 1; r < size(); ++r) {
     uint64_t n = 0;
     comm_.recv_bytes(&n, sizeof n, r, kTag);
@@ -228,7 +371,7 @@ safetensors::TensorMap DataParallel::gather_state(const AdamW& shard,
     size_t at = 0;
     for (int64_t i = seg_begin_[size_t(r)]; i < seg_begin_[size_t(r) + 1]; ++i) {
       const auto& [name, p] = params_[size_t(i)];
-      for (const char* k : kinds) {
+      for (const char* k : kStateKinds) {
         Tensor t = Tensor::empty(p->value.shape(), master_dtype(*p));
         HLM_CHECK(at + t.nbytes() <= msg.size(),
                   "data parallelism: rank {}'s optimizer state is shorter than its parameters", r);
@@ -250,23 +393,24 @@ safetensors::TensorMap DataParallel::shard_state(const safetensors::TensorMap& w
     all.insert(params_[i].first);
     if (owner_[i] == rank()) mine.insert(params_[i].first);
   }
-  safetensors::TensorMap part;
+  safetensors::TensorMap part, experts;
   for (const auto& [key, t] : whole) {
     if (key.rfind(prefix, 0) != 0) continue;
-    const std::string rest = key.substr(prefix.size());
-    if (rest == "step") {
+    if (key == prefix + "step") {
       part[key] = t;
+      experts[key] = t;
       continue;
     }
-    std::string name;
-    for (const char* k : {"master.", "exp_avg_sq.", "exp_avg."})
-      if (rest.rfind(k, 0) == 0) {
-        name = rest.substr(std::strlen(k));
-        break;
-      }
+    const std::string name = state_param(key, prefix);
+    if (expert_names_.count(name)) {
+      experts[key] = expert_share(name, t);
+      continue;
+    }
     HLM_CHECK(all.count(name), "optimizer state: unknown tensor '{}'", key);
     if (mine.count(name)) part[key] = t;
   }
+  if (experts_)
+    for (auto& [key, t] : experts_->shard_state(experts, prefix)) part[key] = t;
   return part;
 }
 

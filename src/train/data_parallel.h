@@ -18,9 +18,19 @@
 // Each parameter belongs to one rank (contiguous runs of the parameter order, balanced by size):
 // only its owner holds its FP32 master and AdamW moments. A checkpoint gathers the shards to rank
 // 0 and is written in the one-process layout, so it resumes at any N.
+//
+// Expert parallelism of degree ep on top (ExpertGroups): the routed experts' weights are split
+// over the ep ranks of an expert group, each holding rows [s E / ep, (s + 1) E / ep) of every
+// expert tensor. The ranks holding the same experts (one per expert group) are an expert-data
+// group: the expert weights' gradients are summed over it and their optimizer state sharded over
+// it, as the dense parameters' over all N. Every token of a rank's part is routed with the global
+// router and its rows run on the ranks of its experts (MoeLayer's all-to-alls within the expert
+// group), so each expert's gradient summed over its expert-data group is the global batch's.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,6 +57,21 @@ struct LossNormalizers {
 };
 LossNormalizers global_normalizers(const Batch& global);
 
+// The process groups of expert parallelism of degree ep over a job of N processes (ep divides
+// N): expert group g is the ranks [g ep, (g + 1) ep), rank r holding expert share r % ep; the
+// expert-data group of share s is the ranks r with r % ep == s, in rank order. So world rank 0
+// is share 0 of expert group 0 and rank 0 of its expert-data group. On GPUs (gpu = true) each
+// group also gets an NCCL communicator (dist/nccl_comm.h) for the tensors.
+struct ExpertGroups {
+  int ep = 1;
+  std::unique_ptr<dist::Comm> experts, experts_device;  // this rank's expert group
+  std::unique_ptr<dist::Comm> data, data_device;        // this rank's expert-data group
+  // The group the MoE layers dispatch over: NCCL's on GPUs, else the host's.
+  dist::Comm* dispatch() const { return experts_device ? experts_device.get() : experts.get(); }
+};
+// Every rank of `world` calls with the same ep (hlm::Error when it does not divide N).
+ExpertGroups make_expert_groups(dist::Comm& world, int ep, bool gpu);
+
 class DataParallel {
  public:
   // params: every parameter of the model in a fixed order (Module::named_parameters), the same
@@ -57,13 +82,30 @@ class DataParallel {
   // parameters stay on the CPU; hlm::Error if they are found on a GPU).
   DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params,
                dist::Comm* device_comm = nullptr);
+  // With expert parallelism: the parameters in `experts` (among params; each [E / ep, ...], this
+  // rank's share) are kept over groups.data instead (groups outlives this object).
+  DataParallel(dist::Comm& comm, std::vector<std::pair<std::string, Param*>> params,
+               dist::Comm* device_comm, const ExpertGroups& groups,
+               const std::vector<Param*>& experts);
+  ~DataParallel();
 
   dist::Comm& comm() const { return comm_; }
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
-  // The rank that owns parameter i, and this rank's parameters (what its AdamW shard updates).
+  // The rank that owns dense parameter i (of those not expert-parallel), and this rank's
+  // parameters, dense and expert (what its AdamW shard updates).
   int owner(size_t i) const;
   std::vector<std::pair<std::string, Param*>> owned() const;
+
+  // Expert parallelism: rank 0 gets each of `local` (this rank's shares [E / ep, ...] of expert
+  // tensors, host or device, the same list on every rank) whole, [E, ...] on the host, the
+  // shares stacked in share order; the other ranks an empty vector. Every rank calls. Without
+  // expert parallelism: `local` itself on rank 0.
+  std::vector<Tensor> gather_experts(const std::vector<Tensor>& local) const;
+  // The expert tensor `name`'s rows of this rank's share, from a whole [E, ...] tensor (a view);
+  // other names pass through.
+  Tensor expert_share(const std::string& name, const Tensor& whole) const;
+  int expert_parallel() const { return groups_ ? groups_->ep : 1; }
 
   // Every owned parameter's gradient becomes the sum over the ranks (rank order); the gradients
   // of the other parameters are left as they are (this rank's shares, no longer needed).
@@ -89,6 +131,9 @@ class DataParallel {
  private:
   // The communicator that moves the parameters' data, on their device `dev` (now).
   dist::Comm& data_comm(Device* dev) const;
+  // The dense parameters' gathered state on rank 0 (the others: empty).
+  safetensors::TensorMap gather_own_state(const safetensors::TensorMap& local,
+                                          const std::string& prefix) const;
 
   dist::Comm& comm_;
   dist::Comm* device_comm_ = nullptr;
@@ -99,6 +144,11 @@ class DataParallel {
   int64_t seg_elems_ = 0;           // the largest rank's gradient elements (the buffer's stride)
   int64_t seg_bytes_ = 0;           // the largest rank's value bytes
   DType grad_dtype_ = DType::f32;
+  // Expert parallelism: the groups, the expert weights' names, and their data parallelism over
+  // groups_->data.
+  const ExpertGroups* groups_ = nullptr;
+  std::set<std::string> expert_names_;
+  std::unique_ptr<DataParallel> experts_;
 };
 
 }  // namespace hlm::train

@@ -539,20 +539,42 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "implementation yet; use gemm_precision bf16 or native",
               device_name(opts_.device));
   }
+  const int ep = opts_.expert_parallel;
+  if (ep != 1) {
+    const int64_t E = cfg_.model.moe.n_routed_experts;
+    HLM_CHECK(ep >= 1 && nproc % ep == 0,
+              "--expert-parallel {}: the degree must be at least 1 and divide the number of "
+              "processes, {}",
+              ep, nproc);
+    bool any_moe =
+        cfg_.mtp && cfg_.model.mtp.num_layers > 0 && cfg_.model.mtp_mlp_kind() == MlpKind::moe;
+    for (int64_t l = 0; l < cfg_.model.num_hidden_layers; ++l)
+      any_moe = any_moe || cfg_.model.is_moe_layer(l);
+    HLM_CHECK(any_moe, "--expert-parallel {}: the model has no MoE layer", ep);
+    HLM_CHECK(E % ep == 0,
+              "--expert-parallel {}: the degree must divide the experts of a MoE layer, {}", ep, E);
+  }
+  if (nproc > 1 && opts_.device != Device::cpu) {
+    // One GPU per rank of this host, before anything is allocated there.
+    cuda_select_device(dist::local_rank() % cuda_device_count());
+    dcomm_ = dist::nccl_comm(*opts_.comm);
+  }
+  if (ep > 1)
+    groups_ = std::make_unique<ExpertGroups>(
+        make_expert_groups(*opts_.comm, ep, opts_.device != Device::cpu));
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
   mo.seed = cfg_.seed;
   mo.recompute = cfg_.recompute;
   mo.mtp = cfg_.mtp;
+  mo.expert_comm = groups_ ? groups_->dispatch() : nullptr;
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
   if (nproc > 1) {
-    if (opts_.device != Device::cpu) {
-      // One GPU per rank of this host, before anything is allocated there.
-      cuda_select_device(dist::local_rank() % cuda_device_count());
-      dcomm_ = dist::nccl_comm(*opts_.comm);
-    }
-    dp_ = std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(), dcomm_.get());
+    dp_ = groups_ ? std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
+                                                   dcomm_.get(), *groups_, model_->expert_params())
+                  : std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
+                                                   dcomm_.get());
     opt_ = std::make_unique<AdamW>(dp_->owned(), cfg_.adamw);
   } else {
     opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
@@ -722,7 +744,8 @@ void Trainer::resume_from_checkpoint() {
         auto t = w.tensors.find(name);
         HLM_CHECK(t != w.tensors.end(), "--resume {}: {} lacks tensor '{}'", dir,
                   checkpoint::kSingleFile, name);
-        HLM_CHECK(bit_equal(t->second, p->value),
+        // Under expert parallelism an expert tensor is compared with this rank's share of it.
+        HLM_CHECK(bit_equal(dp_ ? dp_->expert_share(name, t->second) : t->second, p->value),
                   "--resume {}: tensor '{}' of {} differs from the weights in {} (same step {}): "
                   "the checkpoint was modified",
                   dir, name, checkpoint::kSingleFile, kTrainerStateFile, step_);
@@ -830,9 +853,23 @@ void Trainer::save() {
   meta["skipped_steps"] = std::to_string(skipped_);
   meta["train_config"] = cfg_.to_json().dump();
   // With N > 1 processes every rank sends its shard to rank 0, which writes the one-process
-  // layout.
+  // layout: under expert parallelism the experts' shares too, of the state and of the weights.
   const safetensors::TensorMap state =
       dp_ ? dp_->gather_state(*opt_, "optimizer.") : opt_->state_dict("optimizer.");
+  checkpoint::NamedTensors weights = checkpoint::module_tensors(*model_);
+  if (groups_) {
+    const std::vector<Param*> ex = model_->expert_params();
+    const auto params = model_->named_parameters();
+    std::vector<size_t> at;
+    std::vector<Tensor> shares;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (std::find(ex.begin(), ex.end(), params[i].second) != ex.end()) {
+        at.push_back(i);
+        shares.push_back(params[i].second->value);
+      }
+    const std::vector<Tensor> whole = dp_->gather_experts(shares);
+    for (size_t j = 0; j < whole.size(); ++j) weights[at[j]].second = whole[j];
+  }
   if (!root_) return;
   checkpoint::SaveOptions so;
   so.after_temp_written = opts_.hooks.after_temp_written;
@@ -841,7 +878,7 @@ void Trainer::save() {
   checkpoint::SaveOptions mo;
   mo.metadata["hlm_train_step"] = std::to_string(step_);
   mo.after_temp_written = opts_.hooks.after_temp_written;
-  checkpoint::save_module(dir, *model_, &cfg_.model, mo);
+  checkpoint::save_module_tensors(dir, weights, &cfg_.model, mo);
   if (opts_.hooks.after_checkpoint) opts_.hooks.after_checkpoint(step_);
 }
 
@@ -897,6 +934,13 @@ TrainSummary Trainer::run() {
         "(whole sequences); AdamW states sharded, rank 0 holds {} of {} parameter "
         "tensors",
         dp_->size(), dp_->comm().backend(), opt_->size(), model_->named_parameters().size()));
+  if (groups_)
+    log(fmt::format(
+        "expert parallel: {} groups of {} processes, each process holding {} of every MoE "
+        "layer's {} experts; the experts' gradients summed and their AdamW states sharded over "
+        "the {} processes that hold the same experts",
+        dp_->size() / groups_->ep, groups_->ep, cfg_.model.moe.n_routed_experts / groups_->ep,
+        cfg_.model.moe.n_routed_experts, groups_->data->size()));
   if (root_) write_param_list();
   move_to_device();
   if (opts_.resume)
@@ -1098,9 +1142,10 @@ TrainSummary Trainer::run() {
 
     const bool is_log = (cfg_.log_interval > 0 && s % cfg_.log_interval == 0) || s == end ||
                         s == sum.start_step + 1;
-    // Rank 0 evaluates (the weights are the same everywhere).
+    // Rank 0 evaluates (the weights are the same everywhere); under expert parallelism every
+    // rank runs the evaluation's forward with its expert group.
     const bool is_eval =
-        root_ && ((cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end);
+        (root_ || groups_) && ((cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end);
     if (is_eval) {
       const EvalResult ev = evaluate();
       if (ev.has_accuracy) rec.eval_accuracy = ev.accuracy.value();
@@ -1147,7 +1192,7 @@ TrainSummary Trainer::run() {
   }
   if (end <= sum.start_step) {
     // Nothing to train (resumed at the total): evaluate for the summary.
-    if (root_) sum.eval = evaluate();
+    if (root_ || groups_) sum.eval = evaluate();
     if (opts_.resume)
       log(fmt::format("the checkpoint is already at step {} of {}: nothing to train", step_,
                       cfg_.steps));

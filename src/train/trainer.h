@@ -170,6 +170,11 @@ struct TrainerOptions {
   // checkpoints) and evaluates, the others are silent. On CUDA each rank takes GPU
   // dist::local_rank() % count and the gradients and values move over NCCL.
   dist::Comm* comm = nullptr;
+  // Expert parallelism (train/data_parallel.h, ExpertGroups): every MoE layer's routed experts
+  // split over groups of this many processes (1: each process holds every expert). It must
+  // divide the number of processes and every MoE layer's expert count. Checkpoints keep the
+  // one-process layout, so a run resumes with any degree.
+  int expert_parallel = 1;
 };
 
 struct EvalResult {
@@ -245,6 +250,7 @@ class Trainer {
 
   TrainConfig cfg_;
   TrainerOptions opts_;
+  std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
   std::unique_ptr<HybridModel> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<LrSchedule> sched_;

@@ -3,8 +3,9 @@
 // cuda` runs it) against one process on the same config. The gradients
 // and values move over NCCL (in the emulation build, the NCCL stand-in over MPI); every loss term
 // of the 3 steps (both indexer stages) within 1e-5 of the objective (FP32: the sums are taken in
-// another order), the checkpoint written in the one-process layout. On GPUs each rank needs its
-// own device.
+// another order), the checkpoint written in the one-process layout. Then the same with the
+// experts split over the two processes (expert parallelism: the MoE layers' all-to-alls over NCCL
+// too). On GPUs each rank needs its own device.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -74,10 +75,11 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   fs::create_directories(dir);
   std::ofstream(dir / "model.json") << model_json();
   std::ofstream(dir / "train.json") << kTrain;
-  auto train = [&](int n, const std::string& out) {
+  auto train = [&](int n, const std::string& out, int ep = 1) {
     std::string cmd = "cd " + dir.string() + " && OMP_NUM_THREADS=1 ";
     if (n > 1) cmd += testing::mpirun_prefix(n);
-    cmd += testing::dist_check() + " --train train.json " + out + " cuda > out.txt 2>&1";
+    cmd += testing::dist_check() + " --train train.json " + out + " cuda " + std::to_string(ep) +
+           " > out.txt 2>&1";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   };
@@ -85,20 +87,31 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   ASSERT_EQ(train(2, "two"), 0) << read(dir / "out.txt");
   EXPECT_NE(read(dir / "out.txt").find("data parallel: 2 processes (mpi backend)"),
             std::string::npos);
-  const auto a = metrics(dir / "two"), b = metrics(dir / "one");
-  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(train(2, "ep", 2), 0) << read(dir / "out.txt");
+  EXPECT_NE(read(dir / "out.txt").find("expert parallel: 1 groups of 2 processes"),
+            std::string::npos);
+  const auto b = metrics(dir / "one");
   ASSERT_EQ(b.size(), 3u);
   EXPECT_GT(double(b.back().at("indexer_loss")), 0);
-  for (size_t i = 0; i < a.size(); ++i)
-    for (const char* k : {"loss", "objective", "mtp_loss", "aux_loss", "indexer_loss"})
-      EXPECT_LE(std::fabs(double(a[i].at(k)) - double(b[i].at(k))),
-                1e-5 * std::fabs(double(b[i].at("objective"))))
-          << "step " << i + 1 << " " << k;
-  // The checkpoint of two GPU processes holds the one-process layout.
-  const auto sa = safetensors::load((dir / "two" / "trainer_state.safetensors").string());
-  const auto sb = safetensors::load((dir / "one" / "trainer_state.safetensors").string());
-  EXPECT_EQ(sa.tensors.size(), sb.tensors.size());
-  for (const auto& [name, t] : sb.tensors) EXPECT_TRUE(sa.tensors.count(name)) << name;
+  for (const char* run : {"two", "ep"}) {
+    const auto a = metrics(dir / run);
+    ASSERT_EQ(a.size(), 3u) << run;
+    for (size_t i = 0; i < a.size(); ++i)
+      for (const char* k : {"loss", "objective", "mtp_loss", "aux_loss", "indexer_loss"})
+        EXPECT_LE(std::fabs(double(a[i].at(k)) - double(b[i].at(k))),
+                  1e-5 * std::fabs(double(b[i].at("objective"))))
+            << run << " step " << i + 1 << " " << k;
+    // The checkpoint of two GPU processes holds the one-process layout (the experts whole).
+    for (const char* file : {"trainer_state.safetensors", "model.safetensors"}) {
+      const auto sa = safetensors::load((dir / run / file).string());
+      const auto sb = safetensors::load((dir / "one" / file).string());
+      EXPECT_EQ(sa.tensors.size(), sb.tensors.size()) << run << " " << file;
+      for (const auto& [name, t] : sb.tensors) {
+        ASSERT_TRUE(sa.tensors.count(name)) << run << " " << name;
+        EXPECT_EQ(sa.tensors.at(name).shape(), t.shape()) << run << " " << name;
+      }
+    }
+  }
   fs::remove_all(dir);
 }
 

@@ -232,6 +232,44 @@ TEST_F(DataParallelRun, ACheckpointOfFourProcessesResumesAtTwoAndAtOne) {
   expect_same_tensors("four_b", "straight", "trainer_state.safetensors", 1e-9);
 }
 
+// Expert parallelism (train/data_parallel.h, ExpertGroups): the experts of both MoE layers and
+// the MTP block's split over groups of 2 or 4 processes, data parallel across the groups.
+TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
+  ASSERT_EQ(train(1, "--config train.json --out one"), 0) << read("err.txt");
+  for (const auto& [n, ep] : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}}) {
+    SCOPED_TRACE(fmt::format("{} processes, expert parallel {}", n, ep));
+    const std::string run = fmt::format("n{}ep{}", n, ep);
+    ASSERT_EQ(train(n, fmt::format("--config train.json --out {} --expert-parallel {}", run, ep)),
+              0)
+        << read("err.txt");
+    const std::string out = read("out.txt");
+    EXPECT_NE(out.find(fmt::format("expert parallel: {} groups of {} processes, each process "
+                                   "holding {} of every MoE layer's 4 experts",
+                                   n / ep, ep, 4 / ep)),
+              std::string::npos)
+        << out;
+    expect_same_losses(run, "one", 1e-10);
+    // The experts gathered into the one-process layout, weights and optimizer state.
+    expect_same_tensors(run, "one", "model.safetensors", 1e-10);
+    expect_same_tensors(run, "one", "trainer_state.safetensors", 1e-9);
+  }
+  // Run to run: the same bits.
+  ASSERT_EQ(train(4, "--config train.json --out again --expert-parallel 2"), 0) << read("err.txt");
+  expect_same_tensors("again", "n4ep2", "model.safetensors", 0);
+  expect_same_tensors("again", "n4ep2", "trainer_state.safetensors", 0);
+  // A checkpoint of 4 processes with the experts split 4 ways resumes at 2 processes split 2
+  // ways, and in one process.
+  ASSERT_EQ(train(4, "--config train.json --out split --expert-parallel 4 --stop-after 4"), 0)
+      << read("err.txt");
+  fs::copy(dir_ / "split", dir_ / "split_b", fs::copy_options::recursive);
+  ASSERT_EQ(train(2, "--resume split --expert-parallel 2"), 0) << read("err.txt");
+  EXPECT_NE(read("out.txt").find("resumed from split at step 4"), std::string::npos);
+  expect_same_tensors("split", "one", "model.safetensors", 1e-10);
+  expect_same_tensors("split", "one", "trainer_state.safetensors", 1e-9);
+  ASSERT_EQ(train(1, "--resume split_b"), 0) << read("err.txt");
+  expect_same_tensors("split_b", "one", "model.safetensors", 1e-10);
+}
+
 TEST_F(DataParallelRun, AKilledRankEndsTheJobAndTheCheckpointResumes) {
   // Rank 1 is killed a moment after the start of a long run that checkpoints every 2 steps.
   const std::string kill1 =
@@ -272,6 +310,20 @@ TEST_F(DataParallelRun, BadRequestsExitWithStatus2) {
               std::string::npos)
         << read("err.txt");
     EXPECT_FALSE(fs::exists(dir_ / "gpu"));
+  }
+  // Expert parallelism whose degree does not divide the processes or the experts, or over a
+  // model without MoE layers.
+  const std::pair<std::string, std::string> bad_ep[] = {
+      {"--expert-parallel 3",
+       "the degree must be at least 1 and divide the number of processes, 4"},
+      {"--expert-parallel 4 --set model.n_routed_experts=6",
+       "the degree must divide the experts of a MoE layer, 6"},
+      {"--expert-parallel 2 --set mtp=false --set model.first_k_dense_replace=3",
+       "the model has no MoE layer"}};
+  for (const auto& [args, message] : bad_ep) {
+    EXPECT_EQ(train(4, "--config train.json --out ep " + args), 2) << args;
+    EXPECT_NE(read("err.txt").find(message), std::string::npos) << args << ": " << read("err.txt");
+    EXPECT_FALSE(fs::exists(dir_ / "ep")) << args;
   }
 }
 

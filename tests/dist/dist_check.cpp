@@ -5,7 +5,7 @@
 // (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
-// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE` runs the trainer instead, and
+// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP]` runs the trainer instead, and
 // `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism and `--moe-ep DTYPE DEVICE`
 // the MoE layer's expert parallelism (below).
 #include <cmath>
@@ -187,10 +187,11 @@ void check_nccl(Comm& w) {
 
 }  // namespace
 
-// `--train CONFIG OUT DEVICE` (cpu or cuda): the trainer (train/trainer.h) on a training config,
-// data parallel over the processes of the job, as `hybridlm train` runs it
-// (tests/dist/data_parallel_gpu_test.cpp: the emulation build then needs no command-line tool).
-int train(const std::string& config, const std::string& out, const std::string& device) {
+// `--train CONFIG OUT DEVICE [EP]` (cpu or cuda): the trainer (train/trainer.h) on a training
+// config, data parallel over the processes of the job (and expert parallel over groups of EP),
+// as `hybridlm train [--expert-parallel EP]` runs it (tests/dist/data_parallel_gpu_test.cpp: the
+// emulation build then needs no command-line tool).
+int train(const std::string& config, const std::string& out, const std::string& device, int ep) {
   Comm& w = hlm::dist::world();
   hlm::train::TrainConfig cfg =
       hlm::train::make_train_config(hlm::train::read_train_config_file(config), {}, config,
@@ -199,6 +200,7 @@ int train(const std::string& config, const std::string& out, const std::string& 
   o.out_dir = out;
   o.device = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
   o.comm = w.size() > 1 ? &w : nullptr;
+  o.expert_parallel = ep;
   o.plot = false;
   hlm::train::Trainer(cfg, o).run();
   return 0;
@@ -448,7 +450,8 @@ int moe_ep(const std::string& dtype, const std::string& device) {
 
 int main(int argc, char** argv) {
   try {
-    if (argc == 5 && std::string(argv[1]) == "--train") return train(argv[2], argv[3], argv[4]);
+    if ((argc == 5 || argc == 6) && std::string(argv[1]) == "--train")
+      return train(argv[2], argv[3], argv[4], argc == 6 ? std::stoi(argv[5]) : 1);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--kda-cp")
       return kda_cp(argv[2], argv[3], argc == 4);
