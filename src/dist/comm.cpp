@@ -208,6 +208,43 @@ Tensor Comm::allgather(const Tensor& t) {
   return out;
 }
 
+Tensor Comm::alltoall(const Tensor& t) {
+  constexpr const char* what = "Comm::alltoall";
+  require_on(t, memory(), what);
+  HLM_CHECK(t.dim() >= 1 && t.size(0) == size(), "{}: takes one block per rank ([{}, ...]), got {}",
+            what, size(), t.describe());
+  check_same(t, what);
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), memory());
+  if (t.nbytes() > 0) alltoall_bytes(t.raw(), t.nbytes() / size_t(size()), out.raw());
+  return out;
+}
+
+namespace {
+
+// t as a contiguous tensor on `mem` (itself when it is one), and a result back to `dev`.
+Tensor staged(const Tensor& t, Device mem) {
+  const Tensor c = ops::contiguous(t);
+  return c.device() == mem ? c : c.to(mem);
+}
+Tensor unstaged(const Tensor& r, Device dev) {
+  return r.device() == dev ? r : r.to(dev);
+}
+
+}  // namespace
+
+Tensor allgather_from(Comm& c, const Tensor& t) {
+  return unstaged(c.allgather(staged(t, c.memory())), t.device());
+}
+
+Tensor alltoall_from(Comm& c, const Tensor& t) {
+  return unstaged(c.alltoall(staged(t, c.memory())), t.device());
+}
+
+Tensor alltoallv_from(Comm& c, const Tensor& t, const std::vector<int64_t>& send_rows,
+                      const std::vector<int64_t>& recv_rows) {
+  return unstaged(c.alltoallv(staged(t, c.memory()), send_rows, recv_rows), t.device());
+}
+
 void Comm::broadcast(Tensor& t, int root) {
   constexpr const char* what = "Comm::broadcast";
   require_on(t, memory(), what);

@@ -75,6 +75,8 @@ class Comm {
   // send_rows to this rank (exchange the counts first, e.g. with an all-to-all).
   Tensor alltoallv(const Tensor& t, const std::vector<int64_t>& send_rows,
                    const std::vector<int64_t>& recv_rows);
+  // t [N, ...]: block q goes to rank q; the result's block q came from rank q (same shape).
+  Tensor alltoall(const Tensor& t);
 
  protected:
   // Checks (on every rank) that all ranks passed the same shape and dtype; `what` names the call.
@@ -85,6 +87,14 @@ class Comm {
     allgather_bytes(send, bytes, recv);
   }
 };
+
+// The tensor collectives for a tensor on any device, in any layout: one that is not contiguous
+// on c.memory() is copied there and the result comes back to its device (a GPU tensor over a host
+// communicator, as the layers' parallel paths take them where no NCCL group is given).
+Tensor allgather_from(Comm& c, const Tensor& t);
+Tensor alltoall_from(Comm& c, const Tensor& t);
+Tensor alltoallv_from(Comm& c, const Tensor& t, const std::vector<int64_t>& send_rows,
+                      const std::vector<int64_t>& recv_rows);
 
 // One process: rank 0 of 1.
 std::unique_ptr<Comm> self_comm();

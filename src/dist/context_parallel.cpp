@@ -64,21 +64,11 @@ int CpSlice::owner(int64_t t) const {
 }
 
 Tensor CpSlice::allgather(const Tensor& t) const {
-  const Device mem = comm_->memory();
-  if (t.device() == mem) return comm_->allgather(ops::contiguous(t));
-  const Tensor all = comm_->allgather(ops::contiguous(t).to(mem));
-  return all.to(t.device());
+  return allgather_from(*comm_, t);
 }
 
 Tensor CpSlice::alltoall(const Tensor& t) const {
-  HLM_CHECK(t.dim() >= 1 && t.size(0) == size(),
-            "context parallel: an all-to-all takes one block per rank ([{}, ...]), got {}", size(),
-            t.describe());
-  const Device mem = comm_->memory();
-  const Tensor send = t.device() == mem ? ops::contiguous(t) : ops::contiguous(t).to(mem);
-  Tensor recv = Tensor::empty(send.shape(), send.dtype(), mem);
-  comm_->alltoall_bytes(send.raw(), send.nbytes() / size_t(size()), recv.raw());
-  return t.device() == mem ? recv : recv.to(t.device());
+  return alltoall_from(*comm_, t);
 }
 
 }  // namespace hlm::dist

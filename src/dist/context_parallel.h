@@ -53,12 +53,9 @@ class CpSlice {
   // The rank that holds global token t.
   int owner(int64_t t) const;
 
-  // t (on any device) gathered over the group: [size() * t.size(0), ...] in rank order, on t's
-  // device. Through the group's memory (comm().memory()): a host communicator with GPU tensors
-  // copies them there and back.
+  // Comm::allgather and Comm::alltoall over the group for a tensor on any device
+  // (dist::allgather_from / alltoall_from: a host communicator with GPU tensors copies them).
   Tensor allgather(const Tensor& t) const;
-  // t [size(), ...] (on any device): block r goes to rank r; the result's block r came from rank
-  // r (the same shape). Through the group's memory, as allgather.
   Tensor alltoall(const Tensor& t) const;
 
  private:

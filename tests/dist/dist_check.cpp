@@ -135,6 +135,12 @@ void check_nccl(Comm& w) {
       for (int j = 0; j < 4; ++j)
         ok = ok && r.data<int64_t>()[src * 4 + j] == 1000 * src + R + 100 * j;
     expect(ok, "nccl alltoall_bytes delivers block r of every rank to rank r", R);
+    // The tensor all-to-all on the GPU, and a host tensor through it (alltoall_from).
+    const Tensor t = s.view({int64_t(N), 4});
+    expect(same_bits(g->alltoall(on_gpu(t)), w.alltoall(t)), "nccl alltoall equals the host's", R);
+    const Tensor via = hlm::dist::alltoall_from(*g, t);
+    expect(via.is_cpu() && same_bits(via, w.alltoall(t)),
+           "a host tensor's alltoall through nccl comes back to the host, the host's bits", R);
   }
   {
     std::vector<int64_t> send_rows, recv_rows;
@@ -504,6 +510,9 @@ int main(int argc, char** argv) {
       for (int s = 0; s < N; ++s)
         for (int j = 0; j < 4; ++j) ok = ok && recv[size_t(s * 4 + j)] == 1000 * s + R + 100 * j;
       expect(ok, "alltoall_bytes delivers block r of every rank to rank r", R);
+      const Tensor t = w.alltoall(Tensor::from_vector<int64_t>({int64_t(N), 4}, send));
+      expect(t.shape() == (hlm::Shape{N, 4}) && t.to_i64_vector() == recv,
+             "alltoall of a tensor [N, 4] equals alltoall_bytes", R);
     }
     // all-to-all(v): rank s sends q + s + 1 rows of 3 to rank q (none to itself when s == q ==
     // 1), row j holding 1000 s + 10 q + j.

@@ -336,18 +336,6 @@ struct MoeLayer::EpDispatch {
   Saved inner;  // run_experts over the rows received (one assignment per row)
 };
 
-namespace {
-
-// Comm::alltoallv through the group's memory (a host group moves GPU rows there and back).
-Tensor exchange(dist::Comm& c, const Tensor& t, const std::vector<int64_t>& send,
-                const std::vector<int64_t>& recv) {
-  const Device mem = c.memory();
-  if (t.device() == mem) return c.alltoallv(ops::contiguous(t), send, recv);
-  return c.alltoallv(ops::contiguous(t).to(mem), send, recv).to(t.device());
-}
-
-}  // namespace
-
 void MoeLayer::run_experts_ep(const Context& ctx, const Tensor& xc, dist::Comm& ep,
                               Saved& s) const {
   const int64_t Tn = xc.size(0), K = cfg_.top_k, E = cfg_.n_experts, El = cfg_.local_experts();
@@ -361,11 +349,9 @@ void MoeLayer::run_experts_ep(const Context& ctx, const Tensor& xc, dist::Comm& 
   std::vector<int64_t> counts;
   sort_by_expert(s.topk_idx.to_i64_vector(), E, counts, d->order, d->pos);
   // Every rank learns how many rows it gets for each of its experts from each rank.
-  const Tensor mine = Tensor::from_vector<int64_t>({E}, counts);
-  Tensor got = Tensor::empty({E}, DType::i64, ep.memory());
-  const Tensor mine_m = ep.memory() == Device::cpu ? mine : mine.to(ep.memory());
-  ep.alltoall_bytes(mine_m.raw(), size_t(El) * sizeof(int64_t), got.raw());
-  const std::vector<int64_t> got_counts = got.to_i64_vector();  // [n, El]: from rank q, expert j
+  const std::vector<int64_t> got_counts =  // [n, El]: from rank q, expert j
+      dist::alltoall_from(ep, Tensor::from_vector<int64_t>({int64_t(n), El}, counts))
+          .to_i64_vector();
   d->send_rows.assign(size_t(n), 0);
   d->recv_rows.assign(size_t(n), 0);
   std::vector<int64_t> local_idx;
@@ -379,9 +365,10 @@ void MoeLayer::run_experts_ep(const Context& ctx, const Tensor& xc, dist::Comm& 
   // Rows out, the experts here, outputs back.
   std::vector<int64_t> toks(static_cast<size_t>(N));
   for (int64_t p = 0; p < N; ++p) toks[size_t(p)] = d->order[size_t(p)] / K;
-  const Tensor rows = exchange(ep, ops::gather_rows(xc, toks), d->send_rows, d->recv_rows);
+  const Tensor rows =
+      dist::alltoallv_from(ep, ops::gather_rows(xc, toks), d->send_rows, d->recv_rows);
   run_experts(ctx, rows, local_idx, 1, d->inner);
-  const Tensor back = exchange(ep, d->inner.eo, d->recv_rows, d->send_rows);
+  const Tensor back = dist::alltoallv_from(ep, d->inner.eo, d->recv_rows, d->send_rows);
   s.eo = ops::gather_rows(back, d->pos);
   if (!ctx.training) d->inner = Saved{};
   s.ep_dispatch = d;
@@ -523,9 +510,10 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   Tensor dxk;
   if (const EpDispatch* d = R.ep_dispatch.get()) {  // the gradients to the experts' ranks and back
     const Tensor drows =
-        exchange(*saved.ep, ops::gather_rows(dO, d->order), d->send_rows, d->recv_rows);
+        dist::alltoallv_from(*saved.ep, ops::gather_rows(dO, d->order), d->send_rows, d->recv_rows);
     const Tensor dx_rows = backward_experts(ctx, drows, d->inner);
-    dxk = ops::gather_rows(exchange(*saved.ep, dx_rows, d->recv_rows, d->send_rows), d->pos);
+    dxk = ops::gather_rows(dist::alltoallv_from(*saved.ep, dx_rows, d->recv_rows, d->send_rows),
+                           d->pos);
   } else {
     dxk = backward_experts(ctx, dO, R);
   }
