@@ -527,77 +527,73 @@ Tensor head_rows(const Tensor& t, const HeadRange& hr, int64_t per) {
   return t.size(0) == (hr.hv1 - hr.hv0) * per ? t : copy_of(t.slice(0, hr.hv0 * per, hr.hv1 * per));
 }
 
-// Headwise, one all-to-all: token-sharded parts [T_R, n w_j] (this rank's tokens, every rank's
-// heads: rank r's are columns [r w_j, (r+1) w_j)) to head-sharded [T, w_j] (every token, this
-// rank's heads). Blocks are padded to the longest slice.
-std::vector<Tensor> seq_to_heads(const dist::CpSlice& cp, const std::vector<Tensor>& parts) {
-  const int n = cp.size(), R = cp.rank();
+// Headwise, one all-to-all over parts p_j: rank r gets this rank's block send(p_j, r) ([rows, w_j]
+// each; blocks padded to the longest slice), and the block rank r sent lands in
+// recv(o_j, r) of the output o_j = a new tensor of shape out(p_j).
+template <class Out, class Send, class Recv>
+std::vector<Tensor> exchange_blocks(const dist::CpSlice& cp, const std::vector<Tensor>& parts,
+                                    const Out& out, const Send& send, const Recv& recv) {
+  const int n = cp.size();
   int64_t Tmax = 0, P = 0;
   for (int r = 0; r < n; ++r) Tmax = std::max(Tmax, cp.tokens(r));
-  for (const Tensor& t : parts) P += t.size(1) / n;
+  for (const Tensor& t : parts) P += send(t, 0).size(1);
   const Tensor& t0 = parts.front();
-  Tensor send = Tensor::zeros({n, Tmax, P}, t0.dtype(), t0.device());
+  Tensor buf = Tensor::zeros({n, Tmax, P}, t0.dtype(), t0.device());
+  auto block = [&](const Tensor& b, int r, int64_t rows) {  // block r's first rows, [rows, P]
+    return b.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, rows);
+  };
   for (int r = 0; r < n; ++r) {
-    Tensor blk = send.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(R));
     int64_t off = 0;
     for (const Tensor& t : parts) {
-      const int64_t w = t.size(1) / n;
-      Tensor dst = blk.slice(1, off, off + w);
-      ops::copy_into(dst, t.slice(1, r * w, (r + 1) * w));
-      off += w;
+      const Tensor b = send(t, r);
+      Tensor dst = block(buf, r, b.size(0)).slice(1, off, off + b.size(1));
+      ops::copy_into(dst, b);
+      off += b.size(1);
     }
   }
-  const Tensor recv = cp.alltoall(send);
-  std::vector<Tensor> out;
-  int64_t off = 0;
-  for (const Tensor& t : parts) {
-    const int64_t w = t.size(1) / n;
-    Tensor o = Tensor::empty({cp.global().total_tokens(), w}, t.dtype(), t.device());
-    for (int r = 0; r < n; ++r) {
-      Tensor dst = o.slice(0, cp.begin(r), cp.end(r));
-      ops::copy_into(
-          dst,
-          recv.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(r)).slice(1, off, off + w));
+  const Tensor got = cp.alltoall(buf);
+  std::vector<Tensor> outs;
+  for (const Tensor& t : parts) outs.push_back(Tensor::empty(out(t), t.dtype(), t.device()));
+  for (int r = 0; r < n; ++r) {
+    int64_t off = 0;
+    for (Tensor& o : outs) {
+      Tensor dst = recv(o, r);
+      ops::copy_into(dst, block(got, r, dst.size(0)).slice(1, off, off + dst.size(1)));
+      off += dst.size(1);
     }
-    out.push_back(o);
-    off += w;
   }
-  return out;
+  return outs;
+}
+
+// Token-sharded parts [T_R, n w_j] (this rank's tokens, every rank's heads: rank r's are columns
+// [r w_j, (r+1) w_j)) to head-sharded [T, w_j] (every token, this rank's heads).
+std::vector<Tensor> seq_to_heads(const dist::CpSlice& cp, const std::vector<Tensor>& parts) {
+  const int n = cp.size();
+  return exchange_blocks(
+      cp, parts,
+      [&](const Tensor& t) {
+        return Shape{cp.global().total_tokens(), t.size(1) / n};
+      },
+      [&](const Tensor& t, int r) {
+        const int64_t w = t.size(1) / n;
+        return t.slice(1, r * w, (r + 1) * w);
+      },
+      [&](Tensor& o, int r) { return o.slice(0, cp.begin(r), cp.end(r)); });
 }
 
 // The inverse: head-sharded parts [T, w_j] to token-sharded [T_R, n w_j].
 std::vector<Tensor> heads_to_seq(const dist::CpSlice& cp, const std::vector<Tensor>& parts) {
-  const int n = cp.size(), R = cp.rank();
-  int64_t Tmax = 0, P = 0;
-  for (int r = 0; r < n; ++r) Tmax = std::max(Tmax, cp.tokens(r));
-  for (const Tensor& t : parts) P += t.size(1);
-  const Tensor& t0 = parts.front();
-  Tensor send = Tensor::zeros({n, Tmax, P}, t0.dtype(), t0.device());
-  for (int r = 0; r < n; ++r) {
-    Tensor blk = send.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(r));
-    int64_t off = 0;
-    for (const Tensor& t : parts) {
-      Tensor dst = blk.slice(1, off, off + t.size(1));
-      ops::copy_into(dst, t.slice(0, cp.begin(r), cp.end(r)));
-      off += t.size(1);
-    }
-  }
-  const Tensor recv = cp.alltoall(send);
-  std::vector<Tensor> out;
-  int64_t off = 0;
-  for (const Tensor& t : parts) {
-    const int64_t w = t.size(1);
-    Tensor o = Tensor::empty({cp.tokens(R), n * w}, t.dtype(), t.device());
-    for (int r = 0; r < n; ++r) {
-      Tensor dst = o.slice(1, r * w, (r + 1) * w);
-      ops::copy_into(
-          dst,
-          recv.slice(0, r, r + 1).view({Tmax, P}).slice(0, 0, cp.tokens(R)).slice(1, off, off + w));
-    }
-    out.push_back(o);
-    off += w;
-  }
-  return out;
+  const int n = cp.size();
+  return exchange_blocks(
+      cp, parts,
+      [&](const Tensor& t) {
+        return Shape{cp.tokens(cp.rank()), n * t.size(1)};
+      },
+      [&](const Tensor& t, int r) { return t.slice(0, cp.begin(r), cp.end(r)); },
+      [&](Tensor& o, int r) {
+        const int64_t w = o.size(1) / n;
+        return o.slice(1, r * w, (r + 1) * w);
+      });
 }
 
 // The core over this rank's slice, its first sequence continuing from the state the earlier
