@@ -105,7 +105,6 @@ class DataParallel {
   // The expert tensor `name`'s rows of this rank's share, from a whole [E, ...] tensor (a view);
   // other names pass through.
   Tensor expert_share(const std::string& name, const Tensor& whole) const;
-  int expert_parallel() const { return groups_ ? groups_->ep : 1; }
 
   // Every owned parameter's gradient becomes the sum over the ranks (rank order); the gradients
   // of the other parameters are left as they are (this rank's shares, no longer needed).

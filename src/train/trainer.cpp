@@ -792,18 +792,22 @@ void Trainer::write_param_list() const {
   int64_t decayed = 0, kept = 0, n_decayed = 0;
   std::map<std::string, int64_t> reasons;
   auto params = model_->named_parameters();
+  // The whole model's shapes: under expert parallelism an expert tensor holds 1 / ep of its rows.
+  const std::vector<Param*> experts = groups_ ? model_->expert_params() : std::vector<Param*>{};
   for (size_t i = 0; i < params.size(); ++i) {
     const Param* p = params[i].second;
     const DecayDecision d = weight_decay_decision(*p, cfg_.adamw);
+    Shape whole = p->value.shape();
+    if (std::find(experts.begin(), experts.end(), p) != experts.end()) whole[0] *= groups_->ep;
     std::string shape;
-    for (int64_t s : p->value.shape()) {
+    for (int64_t s : whole) {
       if (!shape.empty()) shape += 'x';
       shape += std::to_string(s);
     }
     text += fmt::format("{}  {}  [{}]  {}{}\n", params[i].first, dtype_name(p->value.dtype()),
                         shape, d.decay ? "decay" : "no decay: ", d.decay ? "" : d.reason);
     if (d.decay)
-      ++decayed, n_decayed += p->value.numel();
+      ++decayed, n_decayed += shape_numel(whole);
     else
       ++kept, ++reasons[d.reason];
   }
@@ -913,13 +917,16 @@ TrainSummary Trainer::run() {
     checkpoint::write_file_atomic(path_in(dir, kTrainConfigFile),
                                   std::vector<uint8_t>(text.begin(), text.end()));
   }
-  log(fmt::format(
-      "model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
-      "{} parameters ({}, recompute {})",
-      cfg_.model.num_hidden_layers, cfg_.model.layer_pattern(), cfg_.model.hidden_size,
-      cfg_.model.vocab_size, cfg_.model.mhc.streams(), model_->num_moe_layers(),
-      cfg_.mtp && cfg_.model.mtp.num_layers > 0 ? "on" : "off", model_->parameter_count(),
-      dtype_name(cfg_.dtype), recompute_name(cfg_.recompute)));
+  int64_t n_params = model_->parameter_count();  // the whole model's, experts split or not
+  if (groups_)
+    for (const Param* p : model_->expert_params()) n_params += p->value.numel() * (groups_->ep - 1);
+  log(
+      fmt::format("model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
+                  "{} parameters ({}, recompute {})",
+                  cfg_.model.num_hidden_layers, cfg_.model.layer_pattern(), cfg_.model.hidden_size,
+                  cfg_.model.vocab_size, cfg_.model.mhc.streams(), model_->num_moe_layers(),
+                  cfg_.mtp && cfg_.model.mtp.num_layers > 0 ? "on" : "off", n_params,
+                  dtype_name(cfg_.dtype), recompute_name(cfg_.recompute)));
   log(fmt::format("model config: {}", cfg_.model_source));
   log(fmt::format("precision: {}", cfg_.model.precision_summary()));
   log(fmt::format("data: {}", data_->describe()));
