@@ -175,6 +175,18 @@ class DataParallelRun : public ::testing::Test {
         EXPECT_LE(testing::compare(t, u).rel_l2, tol) << run << " " << name;
     }
   }
+  // `run` against the one-process run `ref` (FP64): the losses and weights within 1e-10, the
+  // optimizer state (gathered from the shards into the one-process layout) within 1e-9.
+  void expect_as_one(const std::string& run, const std::string& ref) const {
+    expect_same_losses(run, ref, 1e-10);
+    expect_same_tensors(run, ref, "model.safetensors", 1e-10);
+    expect_same_tensors(run, ref, "trainer_state.safetensors", 1e-9);
+  }
+  // Run to run: the same bits.
+  void expect_same_bits(const std::string& run, const std::string& ref) const {
+    expect_same_tensors(run, ref, "model.safetensors", 0);
+    expect_same_tensors(run, ref, "trainer_state.safetensors", 0);
+  }
   std::string bin_;
   fs::path dir_;
 };
@@ -196,15 +208,10 @@ TEST_F(DataParallelRun, TwoAndFourProcessesTrainAsOne) {
         << out;
     EXPECT_NE(out.find("over " + std::to_string(n) + " data-parallel processes"), std::string::npos)
         << out;
-    expect_same_losses(run, "one", 1e-10);
-    expect_same_tensors(run, "one", "model.safetensors", 1e-10);
-    // The optimizer state gathered from the shards: the one-process layout and values.
-    expect_same_tensors(run, "one", "trainer_state.safetensors", 1e-9);
+    expect_as_one(run, "one");
   }
-  // Run to run: the same bits.
   ASSERT_EQ(train(2, "--config train.json --out again"), 0) << read("err.txt");
-  expect_same_tensors("again", "n2", "model.safetensors", 0);
-  expect_same_tensors("again", "n2", "trainer_state.safetensors", 0);
+  expect_same_bits("again", "n2");
   // FP32: every loss term within 1e-5 of the objective (measured: the main loss 1.2e-6 at worst,
   // step 7). FP32 runs whose gradients
   // are summed in different orders drift apart where AdamW normalises gradients near zero to
@@ -248,15 +255,11 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
                                    n / ep, ep, 4 / ep)),
               std::string::npos)
         << out;
-    expect_same_losses(run, "one", 1e-10);
     // The experts gathered into the one-process layout, weights and optimizer state.
-    expect_same_tensors(run, "one", "model.safetensors", 1e-10);
-    expect_same_tensors(run, "one", "trainer_state.safetensors", 1e-9);
+    expect_as_one(run, "one");
   }
-  // Run to run: the same bits.
   ASSERT_EQ(train(4, "--config train.json --out again --expert-parallel 2"), 0) << read("err.txt");
-  expect_same_tensors("again", "n4ep2", "model.safetensors", 0);
-  expect_same_tensors("again", "n4ep2", "trainer_state.safetensors", 0);
+  expect_same_bits("again", "n4ep2");
   // A checkpoint of 4 processes with the experts split 4 ways resumes at 2 processes split 2
   // ways, and in one process.
   ASSERT_EQ(train(4, "--config train.json --out split --expert-parallel 4 --stop-after 4"), 0)
@@ -264,8 +267,7 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
   fs::copy(dir_ / "split", dir_ / "split_b", fs::copy_options::recursive);
   ASSERT_EQ(train(2, "--resume split --expert-parallel 2"), 0) << read("err.txt");
   EXPECT_NE(read("out.txt").find("resumed from split at step 4"), std::string::npos);
-  expect_same_tensors("split", "one", "model.safetensors", 1e-10);
-  expect_same_tensors("split", "one", "trainer_state.safetensors", 1e-9);
+  expect_as_one("split", "one");
   ASSERT_EQ(train(1, "--resume split_b"), 0) << read("err.txt");
   expect_same_tensors("split_b", "one", "model.safetensors", 1e-10);
 }
