@@ -321,8 +321,7 @@ void AdamW::load_state_dict(const safetensors::TensorMap& state, const std::stri
   // Validate everything first, so a rejected state leaves the optimizer untouched.
   std::set<std::string> expected{prefix + "step"};
   for (const Slot& s : slots_)
-    for (const char* kind : {"master.", "exp_avg.", "exp_avg_sq."})
-      expected.insert(prefix + kind + s.name);
+    for (const char* kind : kStateKinds) expected.insert(prefix + kind + s.name);
   for (auto& [key, t] : state) {
     if (key.compare(0, prefix.size(), prefix) != 0) continue;
     HLM_CHECK(expected.count(key),
@@ -343,7 +342,7 @@ void AdamW::load_state_dict(const safetensors::TensorMap& state, const std::stri
   const int64_t step = int64_t(st.item());
   HLM_CHECK(step >= 0, "optimizer state: '{}step' is negative ({})", prefix, step);
   for (const Slot& s : slots_) {
-    for (const char* kind : {"master.", "exp_avg.", "exp_avg_sq."}) {
+    for (const char* kind : kStateKinds) {
       const std::string key = prefix + kind + s.name;
       const Tensor& t = find(key);
       HLM_CHECK(t.shape() == s.master.shape(),
@@ -352,7 +351,7 @@ void AdamW::load_state_dict(const safetensors::TensorMap& state, const std::stri
       HLM_CHECK(t.dtype() == s.master.dtype(),
                 "optimizer state: '{}' is {}, parameter '{}' needs {}", key, dtype_name(t.dtype()),
                 s.name, dtype_name(s.master.dtype()));
-      const bool v = std::string(kind) == "exp_avg_sq.";
+      const bool v = kind == kStateKinds[2];  // the second moments: >= 0
       const int64_t bad = first_bad(t, v);
       HLM_CHECK(bad < 0, "optimizer state: '{}' holds {} at flat index {}", key,
                 v ? "a negative or non-finite value" : "a non-finite value", bad);

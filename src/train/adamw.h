@@ -116,6 +116,8 @@ class AdamW {
   // of the live state (no copy): serialise the map before the next step(); those of CUDA
   // parameters are host copies.
   safetensors::TensorMap state_dict(const std::string& prefix = "optimizer.") const;
+  // The three per-parameter kinds of state_dict's names, in that order.
+  static constexpr const char* kStateKinds[] = {"master.", "exp_avg.", "exp_avg_sq."};
   // Restore a state written by state_dict(). Entries outside `prefix` are ignored (a checkpoint may
   // hold model weights too). Every parameter needs its three tensors with its shape and master
   // dtype, no tensor under `prefix` may be unknown, and every value must be finite; otherwise

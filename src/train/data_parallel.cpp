@@ -23,14 +23,12 @@ DType master_dtype(const Param& p) {
   return p.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
 }
 
-// AdamW's tensors per parameter (AdamW::state_dict: "<prefix><kind><name>").
-constexpr const char* kStateKinds[] = {"master.", "exp_avg.", "exp_avg_sq."};
-
-// The parameter name of a state tensor's key "<prefix><kind><name>" ("" for "<prefix>step" and
-// keys of no kind).
+// The parameter name of a state tensor's key "<prefix><kind><name>" (AdamW::state_dict; "" for
+// "<prefix>step" and keys of no kind). No kind is a prefix of another ("exp_avg." vs
+// "exp_avg_sq.").
 std::string state_param(const std::string& key, const std::string& prefix) {
   const std::string rest = key.substr(prefix.size());
-  for (const char* k : {"master.", "exp_avg_sq.", "exp_avg."})
+  for (const char* k : AdamW::kStateKinds)
     if (rest.rfind(k, 0) == 0) return rest.substr(std::strlen(k));
   return "";
 }
@@ -332,7 +330,7 @@ safetensors::TensorMap DataParallel::gather_state(const AdamW& shard,
   std::vector<std::string> keys;
   std::vector<Tensor> parts;
   for (const auto& np : experts_->params_)
-    for (const char* k : kStateKinds) {
+    for (const char* k : AdamW::kStateKinds) {
       keys.push_back(prefix + k + np.first);
       if (!shares.empty()) parts.push_back(shares.at(keys.back()));
     }
@@ -348,7 +346,7 @@ safetensors::TensorMap DataParallel::gather_own_state(const safetensors::TensorM
     // This rank's tensors, in parameter order, as one message.
     std::vector<uint8_t> msg;
     for (int64_t i = seg_begin_[size_t(rank())]; i < seg_begin_[size_t(rank()) + 1]; ++i)
-      for (const char* k : kStateKinds) {
+      for (const char* k : AdamW::kStateKinds) {
         const Tensor& t = local.at(prefix + k + params_[size_t(i)].first).contiguous();
         const auto* p = static_cast<const uint8_t*>(t.raw());
         msg.insert(msg.end(), p, p + t.nbytes());
@@ -371,7 +369,7 @@ safetensors::TensorMap DataParallel::gather_own_state(const safetensors::TensorM
     size_t at = 0;
     for (int64_t i = seg_begin_[size_t(r)]; i < seg_begin_[size_t(r) + 1]; ++i) {
       const auto& [name, p] = params_[size_t(i)];
-      for (const char* k : kStateKinds) {
+      for (const char* k : AdamW::kStateKinds) {
         Tensor t = Tensor::empty(p->value.shape(), master_dtype(*p));
         HLM_CHECK(at + t.nbytes() <= msg.size(),
                   "data parallelism: rank {}'s optimizer state is shorter than its parameters", r);

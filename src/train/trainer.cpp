@@ -570,6 +570,8 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   mo.expert_comm = groups_ ? groups_->dispatch() : nullptr;
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
+  if (groups_)
+    for (Param* p : model_->expert_params()) split_experts_.insert(p);
   if (nproc > 1) {
     dp_ = groups_ ? std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
                                                    dcomm_.get(), *groups_, model_->expert_params())
@@ -787,18 +789,21 @@ void Trainer::move_to_device() {
                   device_name(opts_.device)));
 }
 
+Shape Trainer::whole_shape(const Param& p) const {
+  Shape s = p.value.shape();
+  if (split_experts_.count(&p)) s[0] *= groups_->ep;
+  return s;
+}
+
 void Trainer::write_param_list() const {
   std::string text = "# name  dtype  shape  weight decay\n";
   int64_t decayed = 0, kept = 0, n_decayed = 0;
   std::map<std::string, int64_t> reasons;
   auto params = model_->named_parameters();
-  // The whole model's shapes: under expert parallelism an expert tensor holds 1 / ep of its rows.
-  const std::vector<Param*> experts = groups_ ? model_->expert_params() : std::vector<Param*>{};
   for (size_t i = 0; i < params.size(); ++i) {
     const Param* p = params[i].second;
     const DecayDecision d = weight_decay_decision(*p, cfg_.adamw);
-    Shape whole = p->value.shape();
-    if (std::find(experts.begin(), experts.end(), p) != experts.end()) whole[0] *= groups_->ep;
+    const Shape whole = whole_shape(*p);
     std::string shape;
     for (int64_t s : whole) {
       if (!shape.empty()) shape += 'x';
@@ -862,12 +867,11 @@ void Trainer::save() {
       dp_ ? dp_->gather_state(*opt_, "optimizer.") : opt_->state_dict("optimizer.");
   checkpoint::NamedTensors weights = checkpoint::module_tensors(*model_);
   if (groups_) {
-    const std::vector<Param*> ex = model_->expert_params();
     const auto params = model_->named_parameters();
     std::vector<size_t> at;
     std::vector<Tensor> shares;
     for (size_t i = 0; i < params.size(); ++i)
-      if (std::find(ex.begin(), ex.end(), params[i].second) != ex.end()) {
+      if (split_experts_.count(params[i].second)) {
         at.push_back(i);
         shares.push_back(params[i].second->value);
       }
@@ -917,9 +921,8 @@ TrainSummary Trainer::run() {
     checkpoint::write_file_atomic(path_in(dir, kTrainConfigFile),
                                   std::vector<uint8_t>(text.begin(), text.end()));
   }
-  int64_t n_params = model_->parameter_count();  // the whole model's, experts split or not
-  if (groups_)
-    for (const Param* p : model_->expert_params()) n_params += p->value.numel() * (groups_->ep - 1);
+  int64_t n_params = 0;  // the whole model's, experts split or not
+  for (const auto& [name, p] : model_->named_parameters()) n_params += shape_numel(whole_shape(*p));
   log(
       fmt::format("model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
                   "{} parameters ({}, recompute {})",

@@ -33,6 +33,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -245,12 +246,16 @@ class Trainer {
   void resume_from_checkpoint();
   void move_to_device();  // model and optimizer state to opts_.device
   void write_param_list() const;
+  // p's shape in the whole model: an expert weight split over the expert group has ep times the
+  // rows this rank holds.
+  Shape whole_shape(const Param& p) const;
   // The text file cfg_.data_path encoded with the tokenizer cfg_.tokenizer_path.
   std::unique_ptr<DataSource> open_tokenized_text(TokenStreamConfig tc) const;
 
   TrainConfig cfg_;
   TrainerOptions opts_;
   std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
+  std::set<const Param*> split_experts_;  // and this rank's shares of the expert weights
   std::unique_ptr<HybridModel> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<LrSchedule> sched_;

@@ -255,8 +255,10 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
                                    n / ep, ep, 4 / ep)),
               std::string::npos)
         << out;
-    // The experts gathered into the one-process layout, weights and optimizer state.
+    // The experts gathered into the one-process layout, weights and optimizer state; the
+    // parameter list gives the whole model's shapes.
     expect_as_one(run, "one");
+    EXPECT_EQ(read(run + "/parameters.txt"), read("one/parameters.txt")) << run;
   }
   ASSERT_EQ(train(4, "--config train.json --out again --expert-parallel 2"), 0) << read("err.txt");
   expect_same_bits("again", "n4ep2");
