@@ -3,14 +3,14 @@
 // with random weights.
 //
 //   bench_decode [--config FILE] [--prompt N] [--new N] [--batches 1,8,64] [--dtype f32|f64]
-//                [--device cpu|cuda]
+//                [--device cpu|cuda] [--temperature T [--top-k K] [--top-p P]]
 //
 // Per batch B: B prompts of N random tokens are submitted to one Generator; its first step
 // prefills them all (one packed forward), every later step decodes one token of each. Reported:
 // the prefill time and tokens/s, and the decode steps' median time and tokens/s (B per step).
-// Greedy; the steps are timed with a steady clock around Generator::step, after a short
-// warm-up generation. HLM_PROFILE=1 prints where each batch's decode steps spent their time
-// (core/profile.h).
+// Greedy, or sampled with --temperature (request b seeded with b); the steps are timed with a
+// steady clock around Generator::step, after a short warm-up generation. HLM_PROFILE=1 prints where
+// each batch's decode steps spent their time (core/profile.h).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +18,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "core/device.h"
 #include "core/profile.h"
@@ -36,12 +38,14 @@ struct Args {
   std::vector<int64_t> batches = {1, 8, 64};
   DType dtype = DType::f32;
   Device device = Device::cpu;
+  infer::SamplingParams sampling;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "bench_decode: %s\nusage: bench_decode [--config FILE] [--prompt N] "
-               "[--new N] [--batches 1,8,64] [--dtype f32|f64] [--device cpu|cuda]\n",
+               "[--new N] [--batches 1,8,64] [--dtype f32|f64] [--device cpu|cuda] "
+               "[--temperature T [--top-k K] [--top-p P]]\n",
                why.c_str());
   std::exit(2);
 }
@@ -78,10 +82,24 @@ Args parse(int argc, char** argv) {
       const std::string d = v;
       if (d != "cpu" && d != "cuda") usage("--device is cpu or cuda");
       a.device = d == "cuda" ? Device::cuda : Device::cpu;
+    } else if (f == "--temperature" || f == "--top-p") {
+      char* end = nullptr;
+      const double x = std::strtod(v, &end);
+      if (*v == 0 || *end != 0) usage(f + " needs a number");
+      (f == "--temperature" ? a.sampling.temperature : a.sampling.top_p) = x;
+    } else if (f == "--top-k") {
+      a.sampling.top_k = count(v, "--top-k");
     } else {
       usage("unknown option " + f);
     }
   }
+  try {
+    a.sampling.validate();
+  } catch (const std::exception& e) {
+    usage(e.what());
+  }
+  if (a.sampling.greedy() && (a.sampling.top_k != 0 || a.sampling.top_p != 1))
+    usage("--top-k and --top-p need --temperature");
   return a;
 }
 
@@ -102,12 +120,16 @@ int main(int argc, char** argv) {
     if (a.device == Device::cuda && !cuda_available()) usage("--device cuda: no CUDA device");
     HybridModel model(cfg, o);
     if (a.device == Device::cuda) model.to(Device::cuda);
+    const std::string mode = a.sampling.greedy() ? "greedy"
+                                                 : fmt::format("temperature {} top-k {} top-p {}",
+                                                               a.sampling.temperature,
+                                                               a.sampling.top_k, a.sampling.top_p);
     std::printf(
         "model %s (D %lld, %lld layers %s, vocab %lld), %s on %s; prompts of %lld tokens, "
-        "%lld new tokens each\n",
+        "%lld new tokens each, %s\n",
         a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
         cfg.layer_pattern().c_str(), (long long)cfg.vocab_size, dtype_name(a.dtype),
-        device_name(a.device), (long long)a.prompt, (long long)a.generate);
+        device_name(a.device), (long long)a.prompt, (long long)a.generate, mode.c_str());
     std::printf("%6s | %12s %14s | %14s %14s\n", "batch", "prefill ms", "prefill tok/s",
                 "decode step ms", "decode tok/s");
     Rng rng(7);
@@ -126,6 +148,8 @@ int main(int argc, char** argv) {
           r.prompt.push_back(int64_t(rng.next_u32() % uint32_t(cfg.vocab_size)));
         r.max_new = a.generate;
         r.stop = {};
+        r.sampling = a.sampling;
+        r.sampling.seed = uint64_t(b);
         gen.submit(r);
       }
       auto t0 = std::chrono::steady_clock::now();

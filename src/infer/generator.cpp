@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "core/error.h"
-#include "ops/greedy.h"
 #include "ops/tensor_ops.h"
+#include "ops/token_pick.h"
 
 namespace hlm::infer {
 
@@ -105,44 +105,21 @@ void Generator::admit() {
 
 bool Generator::needs_host_rows() const {
   for (const auto& s : running_)
-    if (!s->req.sampling.greedy() || (!s->prefilled && s->req.prompt_logprobs)) return true;
+    if (!s->prefilled && s->req.prompt_logprobs) return true;
   return false;
 }
 
-void Generator::presample(Rows& rows,
-                          const std::vector<std::pair<int64_t, const Seq*>>& todo) const {
-  if (!rows.host.defined() || todo.size() < 2) return;
-  rows.sampled.assign(size_t(rows.host.size(0)), Sampled{});
-  std::vector<std::string> errors(todo.size());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t k = 0; k < todo.size(); ++k) {
-    const auto& [row, s] = todo[k];
-    try {
-      rows.sampled[size_t(row)] =
-          sample_token(rows.host.data<float>() + row * rows.V, rows.V, s->req.sampling,
-                       s->req.stream, uint64_t(s->res.tokens.size()));
-    } catch (const Error& e) {
-      errors[k] = e.what();
-    }
-  }
-  for (const std::string& e : errors)
-    if (!e.empty()) throw Error(e);
+ops::SampleRow Generator::pick_for(const Seq& s) {
+  const SamplingParams& p = s.req.sampling;
+  ops::SampleRow r{p.temperature, p.top_k, p.top_p, 0.0};
+  if (!p.greedy()) r.u = draw(p.seed, s.req.stream, uint64_t(s.res.tokens.size()));
+  return r;
 }
 
 bool Generator::emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events) {
-  Sampled t;
-  if (!rows.sampled.empty() && rows.sampled[size_t(row)].token >= 0) {
-    t = rows.sampled[size_t(row)];
-  } else if (rows.host.defined()) {
-    t = sample_token(rows.host.data<float>() + row * rows.V, rows.V, s.req.sampling, s.req.stream,
-                     uint64_t(s.res.tokens.size()));
-  } else {
-    HLM_CHECK(s.req.sampling.greedy(), "Generator: a sampled request needs the host rows");
-    const int64_t bad = rows.bad[size_t(row)];
-    HLM_CHECK(bad < 0, "sampling: the logit of token {} is not finite", bad);
-    t.token = rows.token[size_t(row)];
-    t.logprob = rows.logprob[size_t(row)];
-  }
+  const int64_t bad = rows.bad[size_t(row)];
+  HLM_CHECK(bad < 0, "sampling: the logit of token {} is not finite", bad);
+  const Sampled t{rows.token[size_t(row)], rows.logprob[size_t(row)]};
   s.res.tokens.push_back(t.token);
   s.res.logprobs.push_back(t.logprob);
   const bool stop = std::find(s.req.stop.begin(), s.req.stop.end(), t.token) != s.req.stop.end();
@@ -193,7 +170,8 @@ struct Generator::Batch {
   }
 };
 
-ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host, Rows* rows) {
+ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host,
+                               const std::vector<ops::SampleRow>& picks, Rows* rows) {
   ModelInputs in;
   in.tokens = Tensor::from_vector({int64_t(b.tokens.size())}, b.tokens);
   in.cu_seqlens = Tensor::from_vector({int64_t(b.cu.size())}, b.cu);
@@ -207,14 +185,14 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host, 
   ModelOutput out = model_.forward(ctx, in);
   ++forwards_;
   rows->V = out.logits.size(1);
-  if (need_host) {
-    rows->host = host_f32(out.logits);
-  } else {
-    const ops::GreedyPick p = ops::greedy_pick(out.logits);
-    rows->token = p.token.to_i64_vector();
-    rows->bad = p.bad.to_i64_vector();
-    rows->logprob = p.logprob.to_f64_vector();
-  }
+  if (need_host) rows->host = host_f32(out.logits);
+  const bool greedy = std::all_of(picks.begin(), picks.end(),
+                                  [](const ops::SampleRow& p) { return p.temperature == 0; });
+  const ops::TokenPick p =
+      greedy ? ops::greedy_pick(out.logits) : ops::sample_pick(out.logits, picks);
+  rows->token = p.token.to_i64_vector();
+  rows->bad = p.bad.to_i64_vector();
+  rows->logprob = p.logprob.to_f64_vector();
   return out;
 }
 
@@ -239,18 +217,17 @@ std::vector<TokenEvent> Generator::step() {
   // The packed batch: each new sequence's prompt, one token of each running one.
   Batch b;
   for (const auto& s : running_) s->prefilled ? b.add_tokens(*s, {s->next}) : b.add_prompt(*s);
-  Rows rows;
-  forward(b, false, needs_host_rows(), &rows);
   // Each sequence's sampled row: its last (after its prompt's rows when it scores its prompt).
-  std::vector<std::pair<int64_t, const Seq*>> todo;
+  std::vector<ops::SampleRow> picks(b.rows.size());
   for (size_t i = 0; i < running_.size(); ++i) {
     const Seq& s = *running_[i];
     if (!s.prefilled && s.req.max_new <= 0) continue;
     const int64_t skip =
         !s.prefilled && s.req.prompt_logprobs ? int64_t(s.req.prompt.size()) - 1 : 0;
-    todo.emplace_back(b.first_row[i] + skip, &s);
+    picks[size_t(b.first_row[i] + skip)] = pick_for(s);
   }
-  presample(rows, todo);
+  Rows rows;
+  forward(b, false, needs_host_rows(), picks, &rows);
   std::vector<bool> finished(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
@@ -303,7 +280,8 @@ std::vector<TokenEvent> Generator::step_speculative() {
         b.add_prompt(*running_[i]);
       }
     Rows rows;
-    const ModelOutput out = forward(b, false, needs_host_rows(), &rows);
+    const ModelOutput out =
+        forward(b, false, needs_host_rows(), std::vector<ops::SampleRow>(b.rows.size()), &rows);
     for (size_t k = 0; k < idx.size(); ++k) {
       Seq& s = *running_[idx[k]];
       finished[idx[k]] = finish_prefill(s, rows, b.first_row[k], events);
@@ -323,7 +301,8 @@ std::vector<TokenEvent> Generator::step_speculative() {
   Batch b;
   for (const auto& s : running_) b.add_tokens(*s, {s->next, s->draft});
   Rows rows;
-  const ModelOutput out = forward(b, true, needs_host_rows(), &rows);
+  const ModelOutput out =
+      forward(b, true, needs_host_rows(), std::vector<ops::SampleRow>(b.rows.size()), &rows);
   std::vector<bool> accepted(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];

@@ -33,6 +33,7 @@
 #include "infer/sampling.h"
 #include "model/hybrid_model.h"
 #include "model/model_cache.h"
+#include "ops/token_pick.h"
 
 namespace hlm::infer {
 
@@ -103,25 +104,25 @@ class Generator {
     Result res;
   };
   struct Batch;
-  // What sampling reads of a forward's logits rows: the rows themselves (f32 on the host) when a
-  // request of the step samples or scores its prompt, else only each row's greedy choice
-  // (ops::greedy_pick where the logits are: on the GPU only R tokens and log-probabilities cross
-  // to the host).
+  // What sampling reads of a forward's logits rows: each row's token, its log-probability and its
+  // first non-finite logit, picked where the logits are (ops::sample_pick: on the GPU only R
+  // tokens and log-probabilities cross to the host); the rows themselves (f32 on the host) only
+  // when a sequence of the step scores its prompt.
   struct Rows {
     Tensor host;  // [R, V] f32 contiguous, or undefined
     int64_t V = 0;
     std::vector<int64_t> token, bad;
     std::vector<double> logprob;
-    std::vector<Sampled> sampled;  // per host row, when presampled (sampled[r].token >= 0)
   };
-  // Samples the given host rows for their sequences, in parallel (each draw depends only on its
-  // request's seed, stream and step, so the threads change nothing).
-  void presample(Rows& rows, const std::vector<std::pair<int64_t, const Seq*>>& todo) const;
+  // How s's next token is picked: its settings and its draw for this step.
+  static ops::SampleRow pick_for(const Seq& s);
   void admit();
-  // The forward of a packed batch over the cache, and its logits rows (host rows when need_host).
-  ModelOutput forward(const Batch& b, bool draft_last, bool need_host, Rows* rows);
-  // Whether sampling this step's sequences needs the host rows (a non-greedy request, or prompt
-  // log-probabilities for a sequence not yet prefilled).
+  // The forward of a packed batch over the cache, and its logits rows picked by `picks` (one per
+  // row; host rows too when need_host).
+  ModelOutput forward(const Batch& b, bool draft_last, bool need_host,
+                      const std::vector<ops::SampleRow>& picks, Rows* rows);
+  // Whether this step needs the host rows (prompt log-probabilities for a sequence not yet
+  // prefilled).
   bool needs_host_rows() const;
   // Samples s's next token from logits row `row` and records it; true when s is finished.
   bool emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events);

@@ -41,4 +41,8 @@ struct Sampled {
 Sampled sample_token(const float* logits, int64_t V, const SamplingParams& p, uint64_t stream,
                      uint64_t step);
 
+// The draw u in [0, 1) of sequence `stream` at step `step` under `seed` (sample_token's; the
+// device-side pick, ops::sample_pick, takes it as SampleRow::u).
+double draw(uint64_t seed, uint64_t stream, uint64_t step);
+
 }  // namespace hlm::infer

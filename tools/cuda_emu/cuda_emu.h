@@ -31,8 +31,9 @@
 //     threads and blocks in forward and then in reverse order, and the two must leave every
 //     device allocation with the same bytes; a difference (a missing barrier, a read of memory
 //     another block writes) aborts with the allocation and offset.
-// Not emulated: timing, streams (everything is synchronous), atomics, textures, and the
-// interleaving of a warp's lanes between two collectives (they run one after another).
+// Not emulated: timing, streams (everything is synchronous), atomics other than the integer
+// atomicAdd, textures, and the interleaving of a warp's lanes between two collectives (they run
+// one after another).
 #pragma once
 
 // CUDA's host headers define __shared__ only when it is not defined yet: per-block arrays
@@ -42,6 +43,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -266,6 +268,13 @@ inline int __ffs(int x) {
 template <class T>
 T __ldg(const T* p) {
   return *p;
+}
+// Integer atomicAdd (the old value back), on shared or global memory. Integer sums do not depend
+// on the order of the adds, so the race check's two orders leave the same bytes.
+template <class T>
+requires(std::is_same_v<T, int> || std::is_same_v<T, unsigned> ||
+         std::is_same_v<T, unsigned long long>) T atomicAdd(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_add(v);
 }
 inline size_t __cvta_generic_to_shared(const void* p) {
   return reinterpret_cast<size_t>(p);

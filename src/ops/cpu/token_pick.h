@@ -1,0 +1,24 @@
+// The CPU reference of the token picks (ops/token_pick.h). The front door (ops/token_pick.cpp)
+// checks the arguments; logits [R, V] f32 or f64 contiguous, outputs allocated.
+#pragma once
+
+#include <vector>
+
+#include "core/tensor.h"
+#include "ops/token_pick.h"
+
+namespace hlm::ops::cpu {
+
+// One row's pick (the row's loops; infer::sample_token calls it).
+struct RowPick {
+  int64_t token = 0;
+  double logprob = 0;
+  int64_t bad = -1;
+};
+template <class T>
+RowPick pick_row(const T* x, int64_t V, const SampleRow& p);
+
+void greedy_pick(const Tensor& logits, TokenPick& out);
+void sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows, TokenPick& out);
+
+}  // namespace hlm::ops::cpu

@@ -1,0 +1,59 @@
+// The front door of the token picks (ops/token_pick.h): argument checks, output allocation, and
+// the switch to the CPU reference (ops/cpu/token_pick.cpp) or the CUDA kernel
+// (ops/cuda/token_pick.cu).
+#include "ops/token_pick.h"
+
+#include <cmath>
+
+#include "ops/cpu/token_pick.h"
+#include "ops/cuda/token_pick.cuh"
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+
+namespace hlm::ops {
+namespace {
+
+TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRow>* rows) {
+  detail::require_float_dev(logits_, op, "logits");
+  HLM_CHECK(logits_.dim() == 2 && logits_.size(1) >= 1,
+            "{}: logits must be [R, V] with V >= 1, got {}", op, logits_.describe());
+  const Tensor logits = logits_.contiguous();
+  const int64_t R = logits.size(0);
+  if (rows) {
+    HLM_CHECK(int64_t(rows->size()) == R, "{}: {} sampling rows for {} rows of logits", op,
+              rows->size(), R);
+    for (int64_t r = 0; r < R; ++r) {
+      const SampleRow& s = (*rows)[size_t(r)];
+      HLM_CHECK(std::isfinite(s.temperature) && s.temperature >= 0,
+                "{}: row {}: temperature must be 0 or finite and positive, got {}", op, r,
+                s.temperature);
+      HLM_CHECK(s.top_k >= 0, "{}: row {}: top_k must be >= 0, got {}", op, r, s.top_k);
+      HLM_CHECK(std::isfinite(s.top_p) && s.top_p > 0 && s.top_p <= 1,
+                "{}: row {}: top_p must be in (0, 1], got {}", op, r, s.top_p);
+      HLM_CHECK(s.u >= 0 && s.u < 1, "{}: row {}: u must be in [0, 1), got {}", op, r, s.u);
+    }
+  }
+  const Device dev = logits.device();
+  TokenPick out;
+  out.token = detail::new_output({R}, DType::i64, dev);
+  out.logprob = detail::new_output({R}, DType::f64, dev);
+  out.bad = detail::new_output({R}, DType::i64, dev);
+  if (R == 0) return out;
+  if (rows)
+    HLM_DISPATCH(op, dev, sample_pick, logits, *rows, out);
+  else
+    HLM_DISPATCH(op, dev, greedy_pick, logits, out);
+  return out;
+}
+
+}  // namespace
+
+TokenPick greedy_pick(const Tensor& logits) {
+  return pick("greedy_pick", logits, nullptr);
+}
+
+TokenPick sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows) {
+  return pick("sample_pick", logits, &rows);
+}
+
+}  // namespace hlm::ops
