@@ -158,17 +158,21 @@ void run_inspect(const InspectArgs& a) {
       (long long)a.seq_len, format_bytes(double(ce.at(uint64_t(a.seq_len)))).c_str(),
       format_bytes(double(ce.kda_fixed)).c_str(),
       format_bytes(double(ce.at(uint64_t(a.seq_len)) - ce.kda_fixed) / double(a.seq_len)).c_str());
-  // What this engine's cache (model/model_cache.h, f32) allocates for one such sequence.
+  // What this engine's cache (model/model_cache.h, f32; on CUDA the latents as the attention
+  // takes them) allocates for one such sequence.
   CacheOptions co;
   co.max_seqs = 1;
   co.max_tokens = a.seq_len;
-  const CacheBytes cb = ModelCache::plan(c, DType::f32, co);
-  std::printf(
-      "hybridlm cache one sequence of %lld tokens, f32 (generate / serve): %s (a slot of %s; "
-      "%s per token in pages of %lld)\n",
-      (long long)a.seq_len, format_bytes(double(cb.total())).c_str(),
-      format_bytes(double(cb.per_sequence)).c_str(), format_bytes(double(cb.per_token)).c_str(),
-      (long long)cb.page_tokens);
+  for (const Device dev : {Device::cpu, Device::cuda}) {
+    co.device = dev;
+    const CacheBytes cb = ModelCache::plan(c, DType::f32, co);
+    std::printf(
+        "hybridlm cache one sequence of %lld tokens, f32, %s (generate / serve): %s (a slot of "
+        "%s; %s per token in pages of %lld; latents %s)\n",
+        (long long)a.seq_len, device_name(dev), format_bytes(double(cb.total())).c_str(),
+        format_bytes(double(cb.per_sequence)).c_str(), format_bytes(double(cb.per_token)).c_str(),
+        (long long)cb.page_tokens, dtype_name(ModelCache::latent_dtype(c, DType::f32, dev, 0)));
+  }
   if (!a.parallel.empty()) print_plan(plan);
 }
 

@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "core/error.h"
+#include "layers/precision.h"
 #include "ops/tensor_ops.h"
 
 namespace hlm {
@@ -24,6 +26,13 @@ int64_t page_of(const ModelConfig& cfg, const CacheOptions& o) {
 
 }  // namespace
 
+DType ModelCache::latent_dtype(const ModelConfig& cfg, DType dtype, Device device, int64_t layer) {
+  if (device != Device::cuda) return dtype;
+  const std::string kv_b = "model.layers." + std::to_string(layer) + ".self_attn.kv_b_proj";
+  return cfg.precision.resolve(kv_b, ModuleRole::mla_proj).kind == GemmKind::native ? dtype
+                                                                                    : DType::bf16;
+}
+
 CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOptions& o) {
   HLM_CHECK(dtype == DType::f32 || dtype == DType::f64,
             "ModelCache: the cache holds f32 or f64 (the compute dtype), got {}",
@@ -38,7 +47,11 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
   CacheBytes b;
   b.page_tokens = page_of(cfg, o);
   b.num_pages = (o.max_tokens + b.page_tokens - 1) / b.page_tokens;
-  int64_t per_page = 0;  // elements
+  const int64_t Dkv = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim;
+  auto latent_bytes = [&](int64_t l) {
+    return b.page_tokens * Dkv * int64_t(dtype_size(latent_dtype(cfg, dtype, o.device, l)));
+  };
+  int64_t per_page = 0;  // bytes
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     if (cfg.layer_kind(l) == LayerKind::kda) {
       const KdaHparams& k = cfg.kda;
@@ -47,9 +60,9 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
                               k.num_v_heads * k.head_dim * k.v_head_dim);
       continue;
     }
-    per_page += b.page_tokens * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim);
+    per_page += latent_bytes(l);
     if (!has_indexer(cfg, l)) continue;
-    per_page += b.page_tokens / P * cfg.indexer.head_dim;
+    per_page += es * (b.page_tokens / P) * cfg.indexer.head_dim;
     if (P > 1) b.per_sequence += es * 2 * P * cfg.indexer.head_dim;
   }
   if (o.speculative) {
@@ -57,8 +70,8 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
               "ModelCache: speculative decoding drafts with the MTP block, and the config has none "
               "(num_nextn_predict_layers = 0)");
     // The MTP block's DSA layer (its own indexer), and a second KDA state per slot.
-    per_page += b.page_tokens * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) +
-                b.page_tokens / P * cfg.indexer.head_dim;
+    per_page +=
+        latent_bytes(cfg.num_hidden_layers) + es * (b.page_tokens / P) * cfg.indexer.head_dim;
     if (P > 1) b.per_sequence += es * 2 * P * cfg.indexer.head_dim;
     const KdaHparams& k = cfg.kda;
     b.per_sequence +=
@@ -66,9 +79,9 @@ CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOpti
         ((k.conv_kernel - 1) * (2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim) +
          k.num_v_heads * k.head_dim * k.v_head_dim);
   }
-  b.per_token = es * per_page / b.page_tokens;
+  b.per_token = per_page / b.page_tokens;
   b.slots = b.per_sequence * o.max_seqs;
-  b.pages = es * per_page * b.num_pages;
+  b.pages = per_page * b.num_pages;
   return b;
 }
 
@@ -93,7 +106,8 @@ ModelCache::ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& 
         L.draft_state = Tensor::zeros(L.state.shape(), dtype, device_);
       }
     } else {
-      L.kv = Tensor::zeros({R, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim}, dtype, device_);
+      L.kv = Tensor::zeros({R, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim},
+                           latent_dtype(cfg, dtype, device_, l), device_);
       if (l == mtp_layer_ || has_indexer(cfg, l)) {
         L.keys = Tensor::zeros({R / P, d}, dtype, device_);
         if (P > 1) {

@@ -13,7 +13,9 @@
 //
 // So a long sequence takes pages only for what grows with its length, and the KDA layers cost a
 // fixed slot. Storage is in the model's compute dtype (f32; f64 for f64 models) on the model's
-// device (CacheOptions::device).
+// device (CacheOptions::device), but for the latent rows on CUDA: those are kept as the attention
+// takes them there, bf16 unless the MLA projections are native (Mla::attention_operand), half the
+// bytes, and the training forward's operands bit for bit.
 //
 // Use: open() a slot per sequence, reserve() pages for the tokens of the next forward (all or
 // nothing: a request that does not fit changes nothing), run the forward with the slots
@@ -56,6 +58,10 @@ class ModelCache {
  public:
   ModelCache(const ModelConfig& cfg, DType dtype, const CacheOptions& opt = {});
 
+  // The dtype of layer `layer`'s latent rows (the MTP block's: num_hidden_layers) in a cache of
+  // compute dtype `dtype` on `device`: bf16 on CUDA unless the layer's kv_b_proj resolves to
+  // native, else `dtype`.
+  static DType latent_dtype(const ModelConfig& cfg, DType dtype, Device device, int64_t layer);
   // The bytes a cache of these options takes (nothing allocated).
   static CacheBytes plan(const ModelConfig& cfg, DType dtype, const CacheOptions& opt);
   const CacheBytes& bytes() const { return bytes_; }

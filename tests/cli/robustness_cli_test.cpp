@@ -385,7 +385,8 @@ TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
        {"pattern      KDK", "mlp          dEE", "GEMMs native (the checkpoint's dtype float32)",
         "published layout, 107 tensors, 41614 values (= the config's model without lm_head)",
         "decode cache one sequence of 1024 tokens",
-        "hybridlm cache one sequence of 1024 tokens, f32 (generate / serve)"})
+        "hybridlm cache one sequence of 1024 tokens, f32, cpu (generate / serve)",
+        "hybridlm cache one sequence of 1024 tokens, f32, cuda (generate / serve)", "latents f32)"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   EXPECT_TRUE(refused(run({"inspect", path("missing")}), {"cannot open the file"}));
   EXPECT_TRUE(refused(run({"inspect", hf, "--seq-len", "0"}), {"--seq-len"}));
@@ -394,9 +395,10 @@ TEST_F(RobustCli, InspectAndForwardReadAPublishedCheckpointAsItIs) {
   const std::string flash = std::string(HLM_SOURCE_DIR) + "/configs/glm5_3_flash.json";
   r = run({"inspect", flash, "--seq-len", "8192", "--parallel", "dp=8,ep=8,cp=2"});
   ASSERT_EQ(r.code, 0) << r.err;
-  for (const char* line : {"dp 8 x cp 2 x tp 1 = 16 GPUs; routed experts over ep 8 (36 per GPU)",
-                           "groups       of rank 0: tp {0}, cp {0, 1}, dp {0, 2, 4,",
-                           "per GPU      4096 tokens of a step of 65536", "ep all-to-all"})
+  for (const char* line :
+       {"dp 8 x cp 2 x tp 1 = 16 GPUs; routed experts over ep 8 (36 per GPU)",
+        "groups       of rank 0: tp {0}, cp {0, 1}, dp {0, 2, 4,",
+        "per GPU      4096 tokens of a step of 65536", "ep all-to-all", "latents bf16)"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   r = run({"inspect", flash, "--parallel", "dp=3,ep=2"});
   EXPECT_TRUE(refused(r, {"ep = 2 must divide dp x cp = 3"}));

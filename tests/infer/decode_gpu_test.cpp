@@ -67,13 +67,20 @@ TEST(DecodeGpu, TokenByTokenOnCudaGivesTheCpuFullForward) {
     ModelInputs full_in;
     full_in.tokens = Tensor::from_vector({L}, tok);
     const ModelOutput full = ref.forward(eval_ctx(), full_in);
-    double worst = 0;
+    // The training path on the device (its attention on the operands the cache keeps).
+    ModelInputs dev_in;
+    dev_in.tokens = full_in.tokens.to(Device::cuda);
+    const Tensor dev_full = cpu(dev.forward(eval_ctx(), dev_in).logits);
+    double worst = 0, worst_dev = 0;
     for (const int64_t split : {int64_t(1), int64_t(7)}) {
       ModelCache cache(cfg, DType::f32,
                        {.max_seqs = 2, .max_tokens = L, .page = 4, .device = Device::cuda});
       const int64_t slot = cache.open();
+      // The latents as the device's attention takes them: bf16 under bf16 GEMMs.
+      EXPECT_EQ(cache.dsa_view(bf16 ? 0 : 1, {slot}).kv.dtype(), bf16 ? DType::bf16 : DType::f32);
       auto check = [&](const ModelOutput& o, int64_t t0, int64_t t1) {
         worst = std::max(worst, max_row_rel(cpu(o.logits), full.logits.slice(0, t0, t1)));
+        worst_dev = std::max(worst_dev, max_row_rel(cpu(o.logits), dev_full.slice(0, t0, t1)));
         if (bf16) return;  // near ties may select differently at bf16
         for (size_t d = 0; d < o.dsa_indices.size(); ++d)
           EXPECT_TRUE(same_sets(cpu(o.dsa_indices[d]), full.dsa_indices[d].slice(0, t0, t1)))
@@ -85,8 +92,36 @@ TEST(DecodeGpu, TokenByTokenOnCudaGivesTheCpuFullForward) {
       EXPECT_EQ(cache.length(slot), L);
     }
     EXPECT_LT(worst, bf16 ? 1e-3 : 5e-5);
-    std::printf("[ decode on CUDA ] %-32s worst row relative error %.2e\n",
-                bf16 ? "bf16 GEMMs, FP8 pooled scoring" : "f32", worst);
+    EXPECT_LT(worst_dev, bf16 ? 1e-3 : 5e-5);
+    std::printf(
+        "[ decode on CUDA ] %-32s worst row relative error %.2e (CPU full forward), %.2e (CUDA "
+        "full forward)\n",
+        bf16 ? "bf16 GEMMs, FP8 pooled scoring" : "f32", worst, worst_dev);
+  }
+}
+
+TEST(DecodeGpu, ThePlanIsWhatTheCudaCacheAllocates) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  // f32 GEMMs keep f32 latents; bf16 GEMMs keep them in bf16 on the device (2 bytes a value),
+  // the indexer keys in f32: per token 2 (DSA layers) x 16 latent values x 2 bytes, and the two
+  // layers' pooled keys, 16 values x 4 bytes per 4 tokens.
+  for (const bool bf16 : {false, true}) {
+    const ModelConfig cfg = gpu_config(bf16);
+    for (const bool spec : {false, true}) {
+      if (spec && cfg.mtp.num_layers == 0) continue;
+      const CacheOptions o{
+          .max_seqs = 3, .max_tokens = 50, .page = 4, .speculative = spec, .device = Device::cuda};
+      const CacheBytes plan = ModelCache::plan(cfg, DType::f32, o);
+      const CacheBytes got = ModelCache(cfg, DType::f32, o).allocated();
+      EXPECT_EQ(plan.slots, got.slots) << bf16 << spec;
+      EXPECT_EQ(plan.pages, got.pages) << bf16 << spec;
+      if (bf16) EXPECT_EQ(plan.per_token, 2 * 16 * 2 + 2 * 16 * 4 / 4);
+      if (bf16) {
+        CacheOptions on_cpu = o;
+        on_cpu.device = Device::cpu;
+        EXPECT_EQ(ModelCache::plan(cfg, DType::f32, on_cpu).per_token, 2 * 16 * 4 + 2 * 16 * 4 / 4);
+      }
+    }
   }
 }
 

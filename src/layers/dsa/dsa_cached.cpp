@@ -67,11 +67,11 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
   const size_t N = cu.size() - 1;
   HLM_CHECK(c.slot.size() == N && c.start.size() == N && c.pages.size() == N && c.page > 0,
             "{}: the cache view describes {} sequences, the batch has {}", kOp, c.slot.size(), N);
-  const DType cdt = compute_dtype();
+  const DType cdt = compute_dtype(), adt = attention_dtype();
   const int64_t rkv = config().kv_lora_rank, Dkv = rkv + config().qk_rope_head_dim;
-  HLM_CHECK(c.kv.dtype() == cdt && c.kv.dim() == 2 && c.kv.size(1) == Dkv && c.kv.is_contiguous(),
+  HLM_CHECK(c.kv.dtype() == adt && c.kv.dim() == 2 && c.kv.size(1) == Dkv && c.kv.is_contiguous(),
             "{}: the cache's latent rows must be a contiguous {} [R, {}] tensor, got {}", kOp,
-            dtype_name(cdt), Dkv, c.kv.describe());
+            dtype_name(adt), Dkv, c.kv.describe());
   for (size_t n = 0; n < N; ++n)
     HLM_CHECK(c.pages[n] && c.start[n] >= 0 &&
                   int64_t(c.pages[n]->size()) * c.page >= c.start[n] + (cu[n + 1] - cu[n]),
@@ -89,10 +89,11 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
   const Context ctx;
   profile::Scope ps_proj("projections");
   const Projected p = project(ctx, x, seqs, nullptr, &c.start);
-  // The attention's operands as the cache keeps them: the compute dtype (values that are bf16
-  // under a bf16 attention operand, exactly).
-  const Tensor q_abs = ops::contiguous(ops::as_dtype(attention_operand(absorb_query(p.q)), cdt));
-  ops::scatter_rows(c.kv, row, ops::as_dtype(attention_operand(p.kv), cdt));
+  // The attention's operands as the training forward gives them (attention_operand: bf16 tensors
+  // on CUDA under a bf16 operand, else the compute dtype holding bf16 values or not), and as the
+  // cache keeps the latents.
+  const Tensor q_abs = ops::contiguous(ops::as_dtype(attention_operand(absorb_query(p.q)), adt));
+  ops::scatter_rows(c.kv, row, ops::as_dtype(attention_operand(p.kv), adt));
   ps_proj.end();
 
   // The output projection of the attended latents; indices: each query's set as positions

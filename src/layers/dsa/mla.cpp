@@ -430,6 +430,12 @@ Tensor Mla::attention_operand(const Tensor& t) const {
   return t.is_cpu() ? b.to(t.dtype() == DType::bf16 ? compute_dtype() : t.dtype()) : b;
 }
 
+DType Mla::attention_dtype() const {
+  if (kv_b_proj_.precision().kind == GemmKind::native || device() != Device::cuda)
+    return compute_dtype();
+  return DType::bf16;
+}
+
 Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {
   int64_t W = 1;
   for (size_t n = 0; n + 1 < cu.size(); ++n) W = std::max(W, cu[n + 1] - cu[n]);

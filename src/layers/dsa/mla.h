@@ -201,6 +201,9 @@ class Mla : public Module {
   // kernels: bf16 products, f32 softmax and sums), on the CPU a tensor of the compute dtype holding
   // the bf16 values (the CPU op computes in f32 / f64).
   Tensor attention_operand(const Tensor& t) const;
+  // The dtype attention_operand gives on the layer's device: bf16 on CUDA unless kv_b_proj is
+  // native, else the compute dtype (what an inference cache keeps the latents in).
+  DType attention_dtype() const;
 
   // Every causal token of its own sequence, ascending, then -1: i32 [T, max(1, longest)].
   static Tensor causal_indices(const std::vector<int64_t>& cu, int64_t T);
