@@ -10,6 +10,7 @@
 // the MoE layer's expert parallelism (below).
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -454,10 +455,19 @@ int moe_ep(const std::string& dtype, const std::string& device) {
   return failures == 0 ? 0 : 1;
 }
 
+// The expert-parallel degree of --train: a whole number >= 1.
+int degree(const char* s) {
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  HLM_CHECK(*s != 0 && *end == 0 && v >= 1 && v <= 4096,
+            "--train: the expert-parallel degree must be a whole number in [1, 4096], got '{}'", s);
+  return int(v);
+}
+
 int main(int argc, char** argv) {
   try {
     if ((argc == 5 || argc == 6) && std::string(argv[1]) == "--train")
-      return train(argv[2], argv[3], argv[4], argc == 6 ? std::stoi(argv[5]) : 1);
+      return train(argv[2], argv[3], argv[4], argc == 6 ? degree(argv[5]) : 1);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--kda-cp")
       return kda_cp(argv[2], argv[3], argc == 4);

@@ -7,8 +7,8 @@
 // latents and the emulated pooled keys go through the device cache). Checked: a sequence prefilled
 // at two splits and decoded token by token on CUDA gives the CPU full forward's logits (f32: row
 // relative error below 5e-5; bf16 GEMMs: below 1e-3) and, for f32, its DSA selections exactly;
-// the Generator on CUDA yields the CPU's greedy tokens and log-probabilities (1e-4) with sequences
-// joining and leaving, and speculative decoding with the MTP block yields the
+// the Generator on CUDA yields the CPU's greedy and sampled tokens and their log-probabilities
+// (1e-4) with sequences joining and leaving, and speculative decoding with the MTP block yields the
 // same tokens.
 #include <gtest/gtest.h>
 
@@ -140,15 +140,34 @@ TEST(DecodeGpu, TheGeneratorOnCudaYieldsTheCpuTokens) {
     r.prompt_logprobs = true;
     reqs.push_back(r);
   }
+  // Sampled requests, picked on the device (ops::sample_pick): the CPU's tokens too.
+  std::vector<infer::Request> sampled;
+  for (const infer::SamplingParams& sp :
+       {infer::SamplingParams{0.8, 0, 0.9, 11}, infer::SamplingParams{1.5, 5, 1.0, 12},
+        infer::SamplingParams{1.0, 0, 1.0, 13}}) {
+    infer::Request r;
+    r.prompt = random_tokens(4, cfg.vocab_size, rng);
+    r.max_new = 8;
+    r.sampling = sp;
+    sampled.push_back(r);
+  }
   // Two slots for three requests: the third joins when the first leaves.
   const CacheOptions opt{.max_seqs = 2, .max_tokens = 48, .page = 4};
   const std::vector<infer::Result> want = infer::Generator(ref, opt).run(reqs);
   const std::vector<infer::Result> got = infer::Generator(dev, opt).run(reqs);
+  const std::vector<infer::Result> want_s = infer::Generator(ref, opt).run(sampled);
+  const std::vector<infer::Result> got_s = infer::Generator(dev, opt).run(sampled);
   CacheOptions spec = opt;
   spec.speculative = true;
   infer::Generator sg(dev, spec);
   const std::vector<infer::Result> drafted = sg.run(reqs);
   double worst = 0;
+  for (size_t i = 0; i < sampled.size(); ++i) {
+    EXPECT_EQ(got_s[i].tokens, want_s[i].tokens) << "sampled request " << i;
+    ASSERT_EQ(got_s[i].logprobs.size(), want_s[i].logprobs.size());
+    for (size_t j = 0; j < want_s[i].logprobs.size(); ++j)
+      worst = std::max(worst, std::fabs(got_s[i].logprobs[j] - want_s[i].logprobs[j]));
+  }
   for (size_t i = 0; i < reqs.size(); ++i) {
     EXPECT_EQ(got[i].tokens, want[i].tokens) << "request " << i;
     EXPECT_EQ(drafted[i].tokens, want[i].tokens) << "request " << i << ", speculative";
