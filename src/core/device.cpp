@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 
 #include "core/cuda_cache.h"
@@ -146,6 +147,61 @@ void device_free(Device d, void* p) {
   cuda_caching_allocator().free(p);
 }
 
+#ifdef HLM_HAVE_CUDA
+namespace {
+
+// Small host-to-device copies through a ring of pinned staging buffers: the bytes are copied into
+// pinned memory and cudaMemcpyAsync'd on the default stream, so the host goes on without waiting
+// for the device (a copy from pageable memory first waits for the stream: a decode step uploads a
+// few small tables per layer, and each such wait drained the device's queue). A slot is reused
+// once the event recorded behind its copy has passed; the stream orders the copy before every
+// later kernel, and a copy back to the host (synchronous) after it.
+class H2dStaging {
+ public:
+  static constexpr size_t kSlotBytes = size_t(1) << 20;
+  static constexpr int kSlots = 16;
+
+  static H2dStaging& get() {
+    static H2dStaging* s = new H2dStaging;  // never freed: the CUDA runtime may be gone at exit
+    return *s;
+  }
+
+  // Copies when n fits a slot; false (nothing done) otherwise, or always with HLM_H2D_STAGING=0
+  // in the environment (every copy then synchronous, as cudaMemcpy makes it).
+  bool copy(void* dst, const void* src, size_t n) {
+    static const bool on = [] {
+      const char* e = std::getenv("HLM_H2D_STAGING");
+      return !(e && std::strcmp(e, "0") == 0);
+    }();
+    if (!on || n > kSlotBytes) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot& s = slots_[size_t(next_)];
+    next_ = (next_ + 1) % kSlots;
+    if (!s.host) {
+      HLM_CUDA_CHECK(cudaMallocHost(&s.host, kSlotBytes));
+      HLM_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+    } else {
+      HLM_CUDA_CHECK(cudaEventSynchronize(s.done));
+    }
+    std::memcpy(s.host, src, n);
+    HLM_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, n, cudaMemcpyHostToDevice, nullptr));
+    HLM_CUDA_CHECK(cudaEventRecord(s.done, nullptr));
+    return true;
+  }
+
+ private:
+  struct Slot {
+    void* host = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  std::mutex mu_;
+  Slot slots_[kSlots];
+  int next_ = 0;
+};
+
+}  // namespace
+#endif
+
 void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes) {
   if (nbytes == 0) return;
   if (dd == Device::cpu && sd == Device::cpu) {
@@ -153,6 +209,7 @@ void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes
     return;
   }
 #ifdef HLM_HAVE_CUDA
+  if (dd == Device::cuda && sd == Device::cpu && H2dStaging::get().copy(dst, src, nbytes)) return;
   HLM_CUDA_CHECK(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault));
 #else
   HLM_FAIL("device copy to or from CUDA in a build without CUDA support");

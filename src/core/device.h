@@ -49,7 +49,9 @@ void cuda_empty_cache();
 void cuda_set_caching(bool on);
 bool cuda_caching();
 
-// Copy nbytes between any two devices (synchronous).
+// Copy nbytes between any two devices. Synchronous, but for host-to-device copies of up to 1 MiB:
+// those return once the bytes are staged in pinned memory, and reach the device in the default
+// stream's order (before any later kernel or copy).
 void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
 void device_memset_zero(Device d, void* p, size_t nbytes);
 // Every byte of [p, p + nbytes) set to `byte` (e.g. 0xFF: the NaN poison of the tests).

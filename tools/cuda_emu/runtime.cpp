@@ -863,6 +863,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaM
   return cudaSuccess;
 }
 
+// Pinned host memory is plain host memory here.
+cudaError_t cudaMallocHost(void** ptr, size_t size) {
+  *ptr = std::malloc(size ? size : 1);
+  return *ptr ? cudaSuccess : fail(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFreeHost(void* ptr) {
+  std::free(ptr);
+  return cudaSuccess;
+}
+
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
   if (count) std::memset(ptr, value, count);
   return cudaSuccess;
@@ -908,6 +919,10 @@ const char* cudaGetErrorString(cudaError_t error) {
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
   *event = reinterpret_cast<cudaEvent_t>(new EmuEvent);
   return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
+  return cudaEventCreate(event);
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
