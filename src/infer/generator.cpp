@@ -2,8 +2,6 @@
 #include "infer/generator.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
 #include "core/error.h"
 #include "ops/tensor_ops.h"
@@ -11,26 +9,12 @@
 
 namespace hlm::infer {
 
-double token_logprob(const float* logits, int64_t V, int64_t token) {
-  double m = -std::numeric_limits<double>::infinity();
-  for (int64_t v = 0; v < V; ++v) m = std::max(m, double(logits[v]));
-  double sum = 0;
-  for (int64_t v = 0; v < V; ++v) sum += std::exp(double(logits[v]) - m);
-  return double(logits[token]) - m - std::log(sum);
-}
-
 namespace {
 
 // The cache options with the model's device.
 CacheOptions on_model(const HybridModel& model, CacheOptions o) {
   o.device = model.device();
   return o;
-}
-
-// Logits as contiguous f32 on the host, where sampling reads them.
-Tensor host_f32(const Tensor& logits) {
-  const Tensor f = ops::as_dtype(logits, DType::f32);
-  return f.is_cpu() ? f.contiguous() : f.to(Device::cpu);
 }
 
 }  // namespace
@@ -103,12 +87,6 @@ void Generator::admit() {
   }
 }
 
-bool Generator::needs_host_rows() const {
-  for (const auto& s : running_)
-    if (!s->prefilled && s->req.prompt_logprobs) return true;
-  return false;
-}
-
 ops::SampleRow Generator::pick_for(const Seq& s) {
   const SamplingParams& p = s.req.sampling;
   ops::SampleRow r{p.temperature, p.top_k, p.top_p, 0.0};
@@ -146,13 +124,19 @@ void Generator::retire(const std::vector<bool>& finished) {
 // A packed forward's inputs, sequence by sequence, and where each sequence's logits rows start.
 struct Generator::Batch {
   std::vector<int64_t> tokens, cu = {0}, slots, rows, first_row;
+  std::vector<int64_t> scored;  // per logits row: the prompt token it scores, or -1
   // Seq s's prompt: logits for every prompt row when it scores its prompt, else for its last.
   void add_prompt(const Seq& s) {
     first_row.push_back(int64_t(rows.size()));
+    const int64_t t0 = int64_t(tokens.size());
     tokens.insert(tokens.end(), s.req.prompt.begin(), s.req.prompt.end());
     if (s.req.prompt_logprobs)
-      for (int64_t r = cu.back(); r + 1 < int64_t(tokens.size()); ++r) rows.push_back(r);
+      for (int64_t r = t0; r + 1 < int64_t(tokens.size()); ++r) {
+        rows.push_back(r);
+        scored.push_back(tokens[size_t(r + 1)]);
+      }
     rows.push_back(int64_t(tokens.size()) - 1);
+    scored.push_back(-1);
     end(s);
   }
   // Tokens of s, with logits for each.
@@ -160,6 +144,7 @@ struct Generator::Batch {
     first_row.push_back(int64_t(rows.size()));
     for (int64_t v : t) {
       rows.push_back(int64_t(tokens.size()));
+      scored.push_back(-1);
       tokens.push_back(v);
     }
     end(s);
@@ -170,7 +155,7 @@ struct Generator::Batch {
   }
 };
 
-ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host,
+ModelOutput Generator::forward(const Batch& b, bool draft_last,
                                const std::vector<ops::SampleRow>& picks, Rows* rows) {
   ModelInputs in;
   in.tokens = Tensor::from_vector({int64_t(b.tokens.size())}, b.tokens);
@@ -184,8 +169,13 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host,
   ctx.training = false;
   ModelOutput out = model_.forward(ctx, in);
   ++forwards_;
-  rows->V = out.logits.size(1);
-  if (need_host) rows->host = host_f32(out.logits);
+  if (std::any_of(b.scored.begin(), b.scored.end(), [](int64_t t) { return t >= 0; })) {
+    std::vector<int64_t> given(b.scored.size());
+    for (size_t r = 0; r < given.size(); ++r) given[r] = std::max<int64_t>(0, b.scored[r]);
+    const ops::TokenPick sc = ops::score_tokens(out.logits, given);
+    rows->score = sc.logprob.to_f64_vector();
+    rows->score_bad = sc.bad.to_i64_vector();
+  }
   const bool greedy = std::all_of(picks.begin(), picks.end(),
                                   [](const ops::SampleRow& p) { return p.temperature == 0; });
   const ops::TokenPick p =
@@ -199,9 +189,11 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last, bool need_host,
 bool Generator::finish_prefill(Seq& s, const Rows& rows, int64_t row,
                                std::vector<TokenEvent>& events) {
   if (s.req.prompt_logprobs)
-    for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j)
-      s.res.prompt_logprobs.push_back(
-          token_logprob(rows.host.data<float>() + (row++) * rows.V, rows.V, s.req.prompt[j + 1]));
+    for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j, ++row) {
+      const int64_t bad = rows.score_bad[size_t(row)];
+      HLM_CHECK(bad < 0, "sampling: the logit of token {} is not finite", bad);
+      s.res.prompt_logprobs.push_back(rows.score[size_t(row)]);
+    }
   s.prefilled = true;
   if (s.req.max_new > 0) return emit(s, rows, row, events);
   s.res.finish = "length";
@@ -227,7 +219,7 @@ std::vector<TokenEvent> Generator::step() {
     picks[size_t(b.first_row[i] + skip)] = pick_for(s);
   }
   Rows rows;
-  forward(b, false, needs_host_rows(), picks, &rows);
+  forward(b, false, picks, &rows);
   std::vector<bool> finished(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];
@@ -280,8 +272,7 @@ std::vector<TokenEvent> Generator::step_speculative() {
         b.add_prompt(*running_[i]);
       }
     Rows rows;
-    const ModelOutput out =
-        forward(b, false, needs_host_rows(), std::vector<ops::SampleRow>(b.rows.size()), &rows);
+    const ModelOutput out = forward(b, false, std::vector<ops::SampleRow>(b.rows.size()), &rows);
     for (size_t k = 0; k < idx.size(); ++k) {
       Seq& s = *running_[idx[k]];
       finished[idx[k]] = finish_prefill(s, rows, b.first_row[k], events);
@@ -301,8 +292,7 @@ std::vector<TokenEvent> Generator::step_speculative() {
   Batch b;
   for (const auto& s : running_) b.add_tokens(*s, {s->next, s->draft});
   Rows rows;
-  const ModelOutput out =
-      forward(b, true, needs_host_rows(), std::vector<ops::SampleRow>(b.rows.size()), &rows);
+  const ModelOutput out = forward(b, true, std::vector<ops::SampleRow>(b.rows.size()), &rows);
   std::vector<bool> accepted(running_.size(), false);
   for (size_t i = 0; i < running_.size(); ++i) {
     Seq& s = *running_[i];

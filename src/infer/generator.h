@@ -104,26 +104,23 @@ class Generator {
     Result res;
   };
   struct Batch;
-  // What sampling reads of a forward's logits rows: each row's token, its log-probability and its
-  // first non-finite logit, picked where the logits are (ops::sample_pick: on the GPU only R
-  // tokens and log-probabilities cross to the host); the rows themselves (f32 on the host) only
-  // when a sequence of the step scores its prompt.
+  // What sampling reads of a forward's logits rows, computed where the logits are (on the GPU
+  // only these cross to the host): each row's picked token, its log-probability and its first
+  // non-finite logit (ops::sample_pick), and for the rows of a prompt that is scored the
+  // log-probability of the prompt's next token (ops::score_tokens).
   struct Rows {
-    Tensor host;  // [R, V] f32 contiguous, or undefined
-    int64_t V = 0;
     std::vector<int64_t> token, bad;
     std::vector<double> logprob;
+    std::vector<double> score;  // per row; empty when no row is scored
+    std::vector<int64_t> score_bad;
   };
   // How s's next token is picked: its settings and its draw for this step.
   static ops::SampleRow pick_for(const Seq& s);
   void admit();
   // The forward of a packed batch over the cache, and its logits rows picked by `picks` (one per
-  // row; host rows too when need_host).
-  ModelOutput forward(const Batch& b, bool draft_last, bool need_host,
-                      const std::vector<ops::SampleRow>& picks, Rows* rows);
-  // Whether this step needs the host rows (prompt log-probabilities for a sequence not yet
-  // prefilled).
-  bool needs_host_rows() const;
+  // row) and scored where the batch scores a prompt.
+  ModelOutput forward(const Batch& b, bool draft_last, const std::vector<ops::SampleRow>& picks,
+                      Rows* rows);
   // Samples s's next token from logits row `row` and records it; true when s is finished.
   bool emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events);
   // After s's prompt ran (its logits rows from `row`): the prompt's log-probabilities when asked,
@@ -146,8 +143,5 @@ class Generator {
   std::vector<std::unique_ptr<Seq>> running_;
   std::vector<std::pair<int64_t, Result>> done_;
 };
-
-// log softmax(logits)[token] in FP64 (logits[0 .. V)).
-double token_logprob(const float* logits, int64_t V, int64_t token);
 
 }  // namespace hlm::infer

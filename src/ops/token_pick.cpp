@@ -13,7 +13,8 @@
 namespace hlm::ops {
 namespace {
 
-TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRow>* rows) {
+TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRow>* rows,
+               const std::vector<int64_t>* given) {
   detail::require_float_dev(logits_, op, "logits");
   HLM_CHECK(logits_.dim() == 2 && logits_.size(1) >= 1,
             "{}: logits must be [R, V] with V >= 1, got {}", op, logits_.describe());
@@ -33,13 +34,23 @@ TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRo
       HLM_CHECK(s.u >= 0 && s.u < 1, "{}: row {}: u must be in [0, 1), got {}", op, r, s.u);
     }
   }
+  if (given) {
+    HLM_CHECK(int64_t(given->size()) == R, "{}: {} tokens for {} rows of logits", op, given->size(),
+              R);
+    for (int64_t r = 0; r < R; ++r)
+      HLM_CHECK((*given)[size_t(r)] >= 0 && (*given)[size_t(r)] < logits.size(1),
+                "{}: row {}: token {} is outside [0, {})", op, r, (*given)[size_t(r)],
+                logits.size(1));
+  }
   const Device dev = logits.device();
   TokenPick out;
   out.token = detail::new_output({R}, DType::i64, dev);
   out.logprob = detail::new_output({R}, DType::f64, dev);
   out.bad = detail::new_output({R}, DType::i64, dev);
   if (R == 0) return out;
-  if (rows)
+  if (given)
+    HLM_DISPATCH(op, dev, score_tokens, logits, *given, out);
+  else if (rows)
     HLM_DISPATCH(op, dev, sample_pick, logits, *rows, out);
   else
     HLM_DISPATCH(op, dev, greedy_pick, logits, out);
@@ -49,11 +60,15 @@ TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRo
 }  // namespace
 
 TokenPick greedy_pick(const Tensor& logits) {
-  return pick("greedy_pick", logits, nullptr);
+  return pick("greedy_pick", logits, nullptr, nullptr);
 }
 
 TokenPick sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows) {
-  return pick("sample_pick", logits, &rows);
+  return pick("sample_pick", logits, &rows, nullptr);
+}
+
+TokenPick score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens) {
+  return pick("score_tokens", logits, nullptr, &tokens);
 }
 
 }  // namespace hlm::ops

@@ -50,5 +50,9 @@ TokenPick greedy_pick(const Tensor& logits);
 // As greedy_pick, row r picked by rows[r] (rows.size() == R; a bad setting is an error naming
 // the row).
 TokenPick sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows);
+// The log-probability of a given token per row (a prompt's scores): token_r = tokens[r] (in
+// [0, V)), logprob_r = x_{r, token} - (m + log sum_v exp(x_{r,v} - m)) in FP64 with m the row's
+// largest logit, bad_r as above.
+TokenPick score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens);
 
 }  // namespace hlm::ops

@@ -3,6 +3,7 @@
 // trainer's numbers); a batch of requests of different lengths, admitted as the cache allows,
 // generates what each generates alone, sampled ones included; stop tokens and max_new end a
 // request; prompt scoring; bad requests are refused with nothing queued.
+#include <algorithm>
 #include <cmath>
 
 #include "infer/generator.h"
@@ -14,6 +15,15 @@ namespace {
 
 using namespace infer_test;
 using testing::test_seed;
+
+// log softmax(logits)[token] in FP64 (logits[0 .. V)), the reference of the log-probabilities.
+double token_logprob(const float* logits, int64_t V, int64_t token) {
+  double m = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, double(logits[v]));
+  double sum = 0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(double(logits[v]) - m);
+  return double(logits[token]) - m - std::log(sum);
+}
 
 // The full forward's logits over tokens, f32 [T, V].
 Tensor full_logits(const HybridModel& m, const std::vector<int64_t>& tokens) {

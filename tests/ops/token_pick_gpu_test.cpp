@@ -3,7 +3,7 @@
 // non-finite logits (the first bad id); tokens and bad ids equal, log-probabilities within 1e-12
 // relative (FP64 sums in another order), two runs bit-identical. CUDA ops::sample_pick likewise
 // against the CPU op: rows with many ties, greedy and sampled rows mixed, top-k, top-p and both,
-// at temperatures 0.05 to 5.
+// at temperatures 0.05 to 5; and ops::score_tokens (given tokens' log-probabilities).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -94,6 +94,18 @@ TEST(TokenPickGpu, SampleMatchesCpu) {
       }
       EXPECT_TRUE(testing::bit_equal(cpu(again.logprob), lp));
       EXPECT_TRUE(testing::bit_equal(cpu(again.token), tok));
+      // The given tokens' log-probabilities (a prompt's scores) likewise.
+      std::vector<int64_t> given;
+      for (int64_t r = 0; r < R; ++r) given.push_back(int64_t(rng.below(uint64_t(V))));
+      const ops::TokenPick sw = ops::score_tokens(dt == DType::bf16 ? h.to(DType::f32) : h, given);
+      const ops::TokenPick sg = ops::score_tokens(d, given);
+      const Tensor slp = cpu(sg.logprob);
+      for (int64_t r = 0; r < R; ++r) {
+        EXPECT_EQ(cpu(sg.token).data<int64_t>()[r], given[size_t(r)]);
+        EXPECT_EQ(cpu(sg.bad).data<int64_t>()[r], -1);
+        const double a = slp.data<double>()[r], b = sw.logprob.data<double>()[r];
+        EXPECT_LE(std::fabs(a - b), 1e-12 * std::max(1.0, std::fabs(b))) << r;
+      }
     }
 }
 

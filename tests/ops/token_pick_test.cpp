@@ -121,6 +121,33 @@ TEST(TokenPick, SampledRowsFollowTheRule) {
                         "1 sampling rows for 2 rows of logits");
 }
 
+TEST(TokenPick, ScoresGivenTokens) {
+  // Each row's log-probability of a given token against log softmax in FP64 written here; a row
+  // with a non-finite logit reports it; a token outside the vocabulary is refused.
+  Rng rng(testing::test_seed());
+  const int64_t R = 6, V = 777;
+  std::vector<double> x(size_t(R * V));
+  for (auto& v : x) v = rng.normal() * 5.0;
+  x[size_t(4 * V + 9)] = NAN;
+  std::vector<int64_t> tok;
+  for (int64_t r = 0; r < R; ++r) tok.push_back(int64_t(rng.below(uint64_t(V))));
+  const ops::TokenPick p = ops::score_tokens(Tensor::from_vector<double>({R, V}, x), tok);
+  for (int64_t r = 0; r < R; ++r) {
+    EXPECT_EQ(p.token.data<int64_t>()[r], tok[size_t(r)]);
+    EXPECT_EQ(p.bad.data<int64_t>()[r], r == 4 ? 9 : -1);
+    if (r == 4) continue;
+    double mx = -INFINITY, sum = 0;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[size_t(r * V + v)]);
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(x[size_t(r * V + v)] - mx);
+    EXPECT_NEAR(p.logprob.data<double>()[r], x[size_t(r * V + tok[size_t(r)])] - mx - std::log(sum),
+                1e-12);
+  }
+  const Tensor z = Tensor::zeros({2, 3}, DType::f32);
+  testing::expect_error([&] { ops::score_tokens(z, {0, 3}); }, "row 1: token 3 is outside [0, 3)");
+  testing::expect_error([&] { ops::score_tokens(z, {-1, 0}); }, "row 0: token -1 is outside");
+  testing::expect_error([&] { ops::score_tokens(z, {0}); }, "1 tokens for 2 rows of logits");
+}
+
 TEST(TokenPick, ReportsTheFirstNonFiniteLogit) {
   std::vector<double> x = {1, 2, 3, 4, 5, 6, 7, 8, 9};  // [3, 3]
   x[4] = NAN;

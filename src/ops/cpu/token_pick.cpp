@@ -9,22 +9,51 @@
 
 namespace hlm::ops::cpu {
 
+namespace {
+
+// A row's arg max (ties: the lower id), first non-finite id (then nothing else is computed) and
+// log-sum-exp, in id order.
+struct RowStats {
+  int64_t best = 0, bad = -1;
+  double mx = 0, lse = 0;
+};
 template <class T>
-RowPick pick_row(const T* x, int64_t V, const SampleRow& p) {
-  RowPick r;
-  int64_t best = 0;
+RowStats stats(const T* x, int64_t V) {
+  RowStats st;
   for (int64_t v = 0; v < V; ++v) {
     if (!std::isfinite(x[v])) {
-      r.bad = v;
-      return r;
+      st.bad = v;
+      return st;
     }
-    if (x[v] > x[best]) best = v;
+    if (x[v] > x[st.best]) st.best = v;
   }
-  const double mx = double(x[best]);
+  st.mx = double(x[st.best]);
   double s = 0;
-  for (int64_t v = 0; v < V; ++v) s += std::exp(double(x[v]) - mx);
-  const double lse = mx + std::log(s);
-  r.token = best;
+  for (int64_t v = 0; v < V; ++v) s += std::exp(double(x[v]) - st.mx);
+  st.lse = st.mx + std::log(s);
+  return st;
+}
+
+}  // namespace
+
+template <class T>
+RowPick score_row(const T* x, int64_t V, int64_t token) {
+  const RowStats st = stats(x, V);
+  RowPick r;
+  r.token = token;
+  r.bad = st.bad;
+  if (st.bad < 0) r.logprob = double(x[token]) - st.lse;
+  return r;
+}
+
+template <class T>
+RowPick pick_row(const T* x, int64_t V, const SampleRow& p) {
+  const RowStats st = stats(x, V);
+  RowPick r;
+  r.bad = st.bad;
+  if (st.bad >= 0) return r;
+  const double mx = st.mx, lse = st.lse;
+  r.token = st.best;
   if (p.temperature > 0) {
     // Candidates in decreasing q (ties: lower id first); q_v proportional to exp((x_v - m) / t).
     std::vector<int64_t> ids(static_cast<size_t>(V));
@@ -76,39 +105,47 @@ RowPick pick_row(const T* x, int64_t V, const SampleRow& p) {
 
 template RowPick pick_row<float>(const float*, int64_t, const SampleRow&);
 template RowPick pick_row<double>(const double*, int64_t, const SampleRow&);
+template RowPick score_row<float>(const float*, int64_t, int64_t);
+template RowPick score_row<double>(const double*, int64_t, int64_t);
 
 namespace {
 
 template <class T>
-void rows(const T* x, int64_t R, int64_t V, const SampleRow* p, TokenPick& out) {
+void rows(const T* x, int64_t R, int64_t V, const SampleRow* p, const int64_t* given,
+          TokenPick& out) {
   auto* token = out.token.data<int64_t>();
   auto* logprob = out.logprob.data<double>();
   auto* bad = out.bad.data<int64_t>();
 #pragma omp parallel for schedule(dynamic, 1) if (R > 1 && R * V > 65536)
   for (int64_t r = 0; r < R; ++r) {
-    const RowPick k = pick_row(x + r * V, V, p ? p[r] : SampleRow{});
+    const RowPick k =
+        given ? score_row(x + r * V, V, given[r]) : pick_row(x + r * V, V, p ? p[r] : SampleRow{});
     token[r] = k.token;
     logprob[r] = k.logprob;
     bad[r] = k.bad;
   }
 }
 
-void dispatch(const Tensor& logits, const SampleRow* p, TokenPick& out) {
+void dispatch(const Tensor& logits, const SampleRow* p, const int64_t* given, TokenPick& out) {
   const int64_t R = logits.size(0), V = logits.size(1);
   if (logits.dtype() == DType::f64)
-    rows(logits.data<double>(), R, V, p, out);
+    rows(logits.data<double>(), R, V, p, given, out);
   else
-    rows(logits.data<float>(), R, V, p, out);
+    rows(logits.data<float>(), R, V, p, given, out);
 }
 
 }  // namespace
 
 void greedy_pick(const Tensor& logits, TokenPick& out) {
-  dispatch(logits, nullptr, out);
+  dispatch(logits, nullptr, nullptr, out);
 }
 
 void sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows, TokenPick& out) {
-  dispatch(logits, rows.data(), out);
+  dispatch(logits, rows.data(), nullptr, out);
+}
+
+void score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens, TokenPick& out) {
+  dispatch(logits, nullptr, tokens.data(), out);
 }
 
 }  // namespace hlm::ops::cpu

@@ -17,8 +17,12 @@ struct RowPick {
 };
 template <class T>
 RowPick pick_row(const T* x, int64_t V, const SampleRow& p);
+// The row's log-probability of `token` (score_tokens).
+template <class T>
+RowPick score_row(const T* x, int64_t V, int64_t token);
 
 void greedy_pick(const Tensor& logits, TokenPick& out);
 void sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows, TokenPick& out);
+void score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens, TokenPick& out);
 
 }  // namespace hlm::ops::cpu

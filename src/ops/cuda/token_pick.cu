@@ -1,5 +1,5 @@
-// The token picks on CUDA (ops/cuda/token_pick.cuh), the rule of ops/token_pick.h: one 512-thread
-// block per row.
+// The token picks and scores on CUDA (ops/cuda/token_pick.cuh), the rule of ops/token_pick.h: one
+// 512-thread block per row (score_tokens: the given token's log-probability, nothing picked).
 //
 // Every row (greedy or not): pass 1, thread j walks v = j, j + 512, ... keeping its largest finite
 // logit (ties: the lower id, which it meets first) and its first non-finite id; the block merges
@@ -194,9 +194,9 @@ __device__ unsigned long long total_weight(RowState& st, const T* row, int64_t V
 
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    pick_kernel(const T* __restrict__ x, int64_t V, const double* __restrict__ params, int scale,
-                int64_t* __restrict__ token, double* __restrict__ logprob,
-                int64_t* __restrict__ bad) {
+    pick_kernel(const T* __restrict__ x, int64_t V, const double* __restrict__ params,
+                const int64_t* __restrict__ given, int scale, int64_t* __restrict__ token,
+                double* __restrict__ logprob, int64_t* __restrict__ bad) {
   using Key = typename KeyOf<T>::Key;
   __shared__ RowState st;
   const int64_t r = blockIdx.x;
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) st.lse = m + log(s);
   }
   __syncthreads();
-  int64_t pick = st.best;
+  int64_t pick = given ? given[r] : st.best;
   const double temp = params ? params[4 * r] : 0.0;
   if (st.bad < 0 && temp > 0) {  // block-uniform
     const auto top_k = static_cast<int64_t>(params[4 * r + 1]);
@@ -282,11 +282,11 @@ int weight_scale(int64_t V) {
   return bits + 52 < 63 ? 52 : 62 - bits;
 }
 
-void launch(const Tensor& logits, const double* params, TokenPick& out) {
+void launch(const Tensor& logits, const double* params, const int64_t* given, TokenPick& out) {
   const int64_t R = logits.size(0), V = logits.size(1);
   dispatch_storage(logits.dtype(), [&](auto tx) {
     using T = decltype(tx);
-    pick_kernel<T><<<unsigned(R), kThreads>>>(cptr<T>(logits), V, params, weight_scale(V),
+    pick_kernel<T><<<unsigned(R), kThreads>>>(cptr<T>(logits), V, params, given, weight_scale(V),
                                               mptr<int64_t>(out.token), mptr<double>(out.logprob),
                                               mptr<int64_t>(out.bad));
   });
@@ -295,7 +295,7 @@ void launch(const Tensor& logits, const double* params, TokenPick& out) {
 }  // namespace
 
 void greedy_pick(const Tensor& logits, TokenPick& out) {
-  launch(logits, nullptr, out);
+  launch(logits, nullptr, nullptr, out);
   check_launch("greedy_pick");
 }
 
@@ -310,8 +310,14 @@ void sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows, Token
     p.push_back(s.u);
   }
   const Tensor dp = to_device(p);
-  launch(logits, cptr<double>(dp), out);
+  launch(logits, cptr<double>(dp), nullptr, out);
   check_launch("sample_pick");
+}
+
+void score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens, TokenPick& out) {
+  const Tensor dt = to_device(tokens);
+  launch(logits, nullptr, cptr<int64_t>(dt), out);
+  check_launch("score_tokens");
 }
 
 }  // namespace hlm::ops::cuda

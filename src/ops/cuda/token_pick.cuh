@@ -13,5 +13,6 @@ namespace hlm::ops::cuda {
 
 void greedy_pick(const Tensor& logits, TokenPick& out);
 void sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows, TokenPick& out);
+void score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens, TokenPick& out);
 
 }  // namespace hlm::ops::cuda
