@@ -121,7 +121,7 @@ class Generator {
   // row) and scored where the batch scores a prompt.
   ModelOutput forward(const Batch& b, bool draft_last, const std::vector<ops::SampleRow>& picks,
                       Rows* rows);
-  // Samples s's next token from logits row `row` and records it; true when s is finished.
+  // Records s's next token, picked from logits row `row`; true when s is finished.
   bool emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events);
   // After s's prompt ran (its logits rows from `row`): the prompt's log-probabilities when asked,
   // then its first token (or, with max_new 0, its end); true when s is finished.

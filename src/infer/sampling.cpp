@@ -4,7 +4,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "ops/cpu/token_pick.h"
+#include "ops/token_pick.h"
 
 namespace hlm::infer {
 
@@ -23,7 +23,7 @@ Sampled sample_token(const float* logits, int64_t V, const SamplingParams& p, ui
   HLM_CHECK(V >= 1, "sampling: the vocabulary is empty");
   ops::SampleRow row{p.temperature, p.top_k, p.top_p, 0.0};
   if (!p.greedy()) row.u = draw(p.seed, stream, step);
-  const ops::cpu::RowPick k = ops::cpu::pick_row(logits, V, row);
+  const ops::RowPick k = ops::pick_host_row(logits, V, row);
   HLM_CHECK(k.bad < 0, "sampling: logit {} of token {} is not finite", logits[k.bad], k.bad);
   return {k.token, k.logprob};
 }

@@ -71,4 +71,8 @@ TokenPick score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens)
   return pick("score_tokens", logits, nullptr, &tokens);
 }
 
+RowPick pick_host_row(const float* x, int64_t V, const SampleRow& p) {
+  return cpu::pick_row(x, V, p);
+}
+
 }  // namespace hlm::ops

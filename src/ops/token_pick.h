@@ -45,6 +45,13 @@ struct SampleRow {
   double u = 0;            // in [0, 1)
 };
 
+// One row's pick on the host.
+struct RowPick {
+  int64_t token = 0;
+  double logprob = 0;
+  int64_t bad = -1;  // the first non-finite logit's id, or -1 (then token and logprob are 0)
+};
+
 // logits [R, V] (V >= 1): f32 or f64 on the CPU, also bf16 on CUDA. Outputs on the logits' device.
 TokenPick greedy_pick(const Tensor& logits);
 // As greedy_pick, row r picked by rows[r] (rows.size() == R; a bad setting is an error naming
@@ -54,5 +61,8 @@ TokenPick sample_pick(const Tensor& logits, const std::vector<SampleRow>& rows);
 // [0, V)), logprob_r = x_{r, token} - (m + log sum_v exp(x_{r,v} - m)) in FP64 with m the row's
 // largest logit, bad_r as above.
 TokenPick score_tokens(const Tensor& logits, const std::vector<int64_t>& tokens);
+// sample_pick of one host row x[0 .. V) (V >= 1; p checked by the caller): the CPU op's bits
+// (infer::sample_token).
+RowPick pick_host_row(const float* x, int64_t V, const SampleRow& p);
 
 }  // namespace hlm::ops

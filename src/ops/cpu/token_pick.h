@@ -9,12 +9,7 @@
 
 namespace hlm::ops::cpu {
 
-// One row's pick (the row's loops; infer::sample_token calls it).
-struct RowPick {
-  int64_t token = 0;
-  double logprob = 0;
-  int64_t bad = -1;
-};
+// One row's pick (the row's loops; ops::pick_host_row is the front door of a single row).
 template <class T>
 RowPick pick_row(const T* x, int64_t V, const SampleRow& p);
 // The row's log-probability of `token` (score_tokens).
