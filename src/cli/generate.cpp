@@ -118,7 +118,7 @@ void run_generate(const GenerateArgs& a) {
   longest = lens[0];
   co.max_tokens = first_batch + co.max_seqs * co.page;  // a partial page per sequence
   co.speculative = a.speculative;
-  co.device = dev;  // the latents bf16 on CUDA under bf16 GEMMs
+  co.device = dev;  // on CUDA the latents are bf16 unless the MLA projections are native
   const CacheBytes cb = ModelCache::plan(cfg, compute_dtype(opt.dtype), co);
   Workload w;
   w.tokens = first_batch;

@@ -271,7 +271,7 @@ void run_serve(const ServeArgs& a) {
   co.max_seqs = a.max_batch;
   co.max_tokens = a.cache_tokens;
   co.speculative = a.speculative;
-  co.device = dev;  // the latents bf16 on CUDA under bf16 GEMMs
+  co.device = dev;  // on CUDA the latents are bf16 unless the MLA projections are native
   const CacheBytes cb = ModelCache::plan(cfg, compute_dtype(opt.dtype), co);
   checkpoint::LoadOptions lo;
   if (!a.speculative) lo.ignore_layers_from = cfg.num_hidden_layers;
