@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "layers/dsa/mla.h"
 #include "layers/precision.h"
 #include "ops/tensor_ops.h"
 
@@ -27,10 +28,11 @@ int64_t page_of(const ModelConfig& cfg, const CacheOptions& o) {
 }  // namespace
 
 DType ModelCache::latent_dtype(const ModelConfig& cfg, DType dtype, Device device, int64_t layer) {
-  if (device != Device::cuda) return dtype;
+  // The layer's kv_b_proj as the model names it (DsaLayer::forward_cached checks the cache's
+  // dtype against the built layer's).
   const std::string kv_b = "model.layers." + std::to_string(layer) + ".self_attn.kv_b_proj";
-  return cfg.precision.resolve(kv_b, ModuleRole::mla_proj).kind == GemmKind::native ? dtype
-                                                                                    : DType::bf16;
+  return Mla::attention_dtype(cfg.precision.resolve(kv_b, ModuleRole::mla_proj).kind, dtype,
+                              device);
 }
 
 CacheBytes ModelCache::plan(const ModelConfig& cfg, DType dtype, const CacheOptions& o) {

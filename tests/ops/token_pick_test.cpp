@@ -17,6 +17,17 @@
 namespace hlm {
 namespace {
 
+// log softmax(x)[token] in FP64, written plainly (the reference of every log-probability here).
+template <class T>
+double ref_logprob(const T* x, int64_t V, int64_t token) {
+  double mx = -INFINITY, sum = 0;
+  for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(x[v]));
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(double(x[v]) - mx);
+  return double(x[token]) - mx - std::log(sum);
+}
+
+// greedy_pick and sample_token share the CPU row code: the first of each row's checks is the
+// independent one (the first largest logit, log-softmax in FP64 written here).
 TEST(TokenPick, EqualsTheSamplersGreedyChoice) {
   Rng rng(testing::test_seed());
   for (int64_t V : {1, 7, 1000, 4099}) {
@@ -29,7 +40,11 @@ TEST(TokenPick, EqualsTheSamplersGreedyChoice) {
     }
     const ops::TokenPick p = ops::greedy_pick(Tensor::from_vector({R, V}, x));
     for (int64_t r = 0; r < R; ++r) {
-      const infer::Sampled s = infer::sample_token(x.data() + r * V, V, {}, 0, 0);
+      const float* row = x.data() + r * V;
+      const int64_t best = int64_t(std::max_element(row, row + V) - row);
+      EXPECT_EQ(p.token.data<int64_t>()[r], best) << V << " " << r;
+      EXPECT_NEAR(p.logprob.data<double>()[r], ref_logprob(row, V, best), 1e-12) << V << " " << r;
+      const infer::Sampled s = infer::sample_token(row, V, {}, 0, 0);
       EXPECT_EQ(p.token.data<int64_t>()[r], s.token) << V << " " << r;
       EXPECT_EQ(p.logprob.data<double>()[r], s.logprob) << V << " " << r;
       EXPECT_EQ(p.bad.data<int64_t>()[r], -1);
@@ -91,10 +106,7 @@ TEST(TokenPick, SampledRowsFollowTheRule) {
       const int64_t want = s.temperature == 0 ? int64_t(std::max_element(row, row + V) - row)
                                               : ref_sample(row, V, s);
       EXPECT_EQ(p.token.data<int64_t>()[r], want);
-      double mx = -INFINITY, sum = 0;
-      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
-      for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
-      EXPECT_NEAR(p.logprob.data<double>()[r], double(row[want]) - mx - std::log(sum), 1e-12);
+      EXPECT_NEAR(p.logprob.data<double>()[r], ref_logprob(row, V, want), 1e-12);
       // sample_token with the draw of (seed 5, stream r, step 3) picks as the op with that u.
       const infer::SamplingParams sp{s.temperature, s.top_k, s.top_p, 5};
       ops::SampleRow with = s;
@@ -136,10 +148,7 @@ TEST(TokenPick, ScoresGivenTokens) {
     EXPECT_EQ(p.token.data<int64_t>()[r], tok[size_t(r)]);
     EXPECT_EQ(p.bad.data<int64_t>()[r], r == 4 ? 9 : -1);
     if (r == 4) continue;
-    double mx = -INFINITY, sum = 0;
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[size_t(r * V + v)]);
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(x[size_t(r * V + v)] - mx);
-    EXPECT_NEAR(p.logprob.data<double>()[r], x[size_t(r * V + tok[size_t(r)])] - mx - std::log(sum),
+    EXPECT_NEAR(p.logprob.data<double>()[r], ref_logprob(x.data() + r * V, V, tok[size_t(r)]),
                 1e-12);
   }
   const Tensor z = Tensor::zeros({2, 3}, DType::f32);

@@ -431,9 +431,11 @@ Tensor Mla::attention_operand(const Tensor& t) const {
 }
 
 DType Mla::attention_dtype() const {
-  if (kv_b_proj_.precision().kind == GemmKind::native || device() != Device::cuda)
-    return compute_dtype();
-  return DType::bf16;
+  return attention_dtype(kv_b_proj_.precision().kind, compute_dtype(), device());
+}
+
+DType Mla::attention_dtype(GemmKind kv_b, DType compute, Device device) {
+  return kv_b == GemmKind::native || device != Device::cuda ? compute : DType::bf16;
 }
 
 Tensor Mla::causal_indices(const std::vector<int64_t>& cu, int64_t T) {

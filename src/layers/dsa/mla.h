@@ -204,6 +204,9 @@ class Mla : public Module {
   // The dtype attention_operand gives on the layer's device: bf16 on CUDA unless kv_b_proj is
   // native, else the compute dtype (what an inference cache keeps the latents in).
   DType attention_dtype() const;
+  // The rule of attention_dtype for a layer whose kv_b_proj resolves to `kv_b`, computing in
+  // `compute` on `device` (ModelCache sizes its latent rows by it before any layer exists).
+  static DType attention_dtype(GemmKind kv_b, DType compute, Device device);
 
   // Every causal token of its own sequence, ascending, then -1: i32 [T, max(1, longest)].
   static Tensor causal_indices(const std::vector<int64_t>& cu, int64_t T);
