@@ -7,7 +7,8 @@
 //
 // Per batch B: B prompts of N random tokens are submitted to one Generator; its first step
 // prefills them all (one packed forward), every later step decodes one token of each. Reported:
-// the prefill time and tokens/s, and the decode steps' median time and tokens/s (B per step).
+// the prefill time and tokens/s, the decode steps' median time and tokens/s (B per step), and
+// the copies to the host per decode step (each a wait for the device; core/device.h).
 // Greedy, or sampled with --temperature (request b seeded with b); the steps are timed with a
 // steady clock around Generator::step, after a short warm-up generation. HLM_PROFILE=1 prints where
 // each batch's decode steps spent their time (core/profile.h).
@@ -130,8 +131,8 @@ int main(int argc, char** argv) {
         a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
         cfg.layer_pattern().c_str(), (long long)cfg.vocab_size, dtype_name(a.dtype),
         device_name(a.device), (long long)a.prompt, (long long)a.generate, mode.c_str());
-    std::printf("%6s | %12s %14s | %14s %14s\n", "batch", "prefill ms", "prefill tok/s",
-                "decode step ms", "decode tok/s");
+    std::printf("%6s | %12s %14s | %14s %14s %11s\n", "batch", "prefill ms", "prefill tok/s",
+                "decode step ms", "decode tok/s", "waits/step");
     Rng rng(7);
     {  // warm-up: the threads and the allocator's first pages
       infer::Generator gen(model, {.max_seqs = 1, .max_tokens = 64});
@@ -156,6 +157,7 @@ int main(int argc, char** argv) {
       gen.step();  // prefill of every prompt (+ their first tokens)
       const double prefill = seconds_since(t0);
       profile::reset();  // the report covers the decode steps
+      reset_transfer_stats();
       std::vector<double> steps;
       while (gen.busy()) {
         t0 = std::chrono::steady_clock::now();
@@ -166,10 +168,14 @@ int main(int argc, char** argv) {
         std::printf("%s", profile::report().c_str());
         profile::reset();
       }
+      // Copies to the host per decode step: each waits for the device (core/device.h).
+      const double waits =
+          steps.empty() ? 0 : double(transfer_stats().to_host) / double(steps.size());
       std::sort(steps.begin(), steps.end());
       const double med = steps.empty() ? 0 : steps[steps.size() / 2];
-      std::printf("%6lld | %12.2f %14.0f | %14.3f %14.1f\n", (long long)B, prefill * 1e3,
-                  double(B * a.prompt) / prefill, med * 1e3, med > 0 ? double(B) / med : 0.0);
+      std::printf("%6lld | %12.2f %14.0f | %14.3f %14.1f %11.2f\n", (long long)B, prefill * 1e3,
+                  double(B * a.prompt) / prefill, med * 1e3, med > 0 ? double(B) / med : 0.0,
+                  waits);
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

@@ -1,5 +1,6 @@
 #include "core/device.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -202,6 +203,32 @@ class H2dStaging {
 }  // namespace
 #endif
 
+namespace {
+
+struct TransferCounters {
+  std::atomic<uint64_t> to_host{0}, to_host_bytes{0}, to_device{0}, to_device_staged{0},
+      to_device_bytes{0}, synchronizes{0};
+};
+TransferCounters& transfer_counters() {
+  static TransferCounters c;
+  return c;
+}
+
+}  // namespace
+
+TransferStats transfer_stats() {
+  const TransferCounters& c = transfer_counters();
+  return {c.to_host.load(),          c.to_host_bytes.load(),   c.to_device.load(),
+          c.to_device_staged.load(), c.to_device_bytes.load(), c.synchronizes.load()};
+}
+
+void reset_transfer_stats() {
+  TransferCounters& c = transfer_counters();
+  for (std::atomic<uint64_t>* v : {&c.to_host, &c.to_host_bytes, &c.to_device, &c.to_device_staged,
+                                   &c.to_device_bytes, &c.synchronizes})
+    v->store(0);
+}
+
 void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes) {
   if (nbytes == 0) return;
   if (dd == Device::cpu && sd == Device::cpu) {
@@ -209,7 +236,18 @@ void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes
     return;
   }
 #ifdef HLM_HAVE_CUDA
-  if (dd == Device::cuda && sd == Device::cpu && H2dStaging::get().copy(dst, src, nbytes)) return;
+  TransferCounters& tc = transfer_counters();
+  if (dd == Device::cpu) {
+    ++tc.to_host;
+    tc.to_host_bytes += nbytes;
+  } else if (sd == Device::cpu) {
+    tc.to_device_bytes += nbytes;
+    if (H2dStaging::get().copy(dst, src, nbytes)) {
+      ++tc.to_device_staged;
+      return;
+    }
+    ++tc.to_device;
+  }
   HLM_CUDA_CHECK(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault));
 #else
   HLM_FAIL("device copy to or from CUDA in a build without CUDA support");
@@ -232,7 +270,9 @@ void device_memset(Device d, void* p, int byte, size_t nbytes) {
 
 void device_synchronize() {
 #ifdef HLM_HAVE_CUDA
-  if (cuda_available()) HLM_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!cuda_available()) return;
+  ++transfer_counters().synchronizes;
+  HLM_CUDA_CHECK(cudaDeviceSynchronize());
 #endif
 }
 

@@ -54,6 +54,19 @@ bool cuda_caching();
 // stream's order (before any later kernel or copy).
 void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
 void device_memset_zero(Device d, void* p, size_t nbytes);
+
+// Counts of the copies between the host and CUDA since start or the last reset. A copy to the host
+// waits for the device (the default stream drains first): `to_host` counts the places where the
+// host waits for the device, and a decode step's count of them is part of its contract
+// (docs/inference.md). `to_device_staged` are the host-to-device copies that went through the
+// pinned staging ring (no wait); `to_device` those that did not (cudaMemcpy: the host waits).
+struct TransferStats {
+  uint64_t to_host = 0, to_host_bytes = 0;
+  uint64_t to_device = 0, to_device_staged = 0, to_device_bytes = 0;
+  uint64_t synchronizes = 0;  // device_synchronize calls
+};
+TransferStats transfer_stats();
+void reset_transfer_stats();
 // Every byte of [p, p + nbytes) set to `byte` (e.g. 0xFF: the NaN poison of the tests).
 void device_memset(Device d, void* p, int byte, size_t nbytes);
 void device_synchronize();

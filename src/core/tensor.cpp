@@ -203,6 +203,14 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   return t;
 }
 
+Tensor Tensor::bitcast(DType dt) const {
+  HLM_CHECK(dtype_size(dt) == dtype_size(dtype_), "bitcast: {} has {}-byte elements, {} has {}",
+            describe(), dtype_size(dtype_), dtype_name(dt), dtype_size(dt));
+  Tensor t = *this;
+  t.dtype_ = dt;
+  return t;
+}
+
 Tensor Tensor::transpose(int64_t a, int64_t b) const {
   a = wrap_dim(a, dim(), "transpose");
   b = wrap_dim(b, dim(), "transpose");

@@ -95,9 +95,9 @@ ops::SampleRow Generator::pick_for(const Seq& s) {
 }
 
 bool Generator::emit(Seq& s, const Rows& rows, int64_t row, std::vector<TokenEvent>& events) {
-  const int64_t bad = rows.bad[size_t(row)];
+  const int64_t bad = rows.pick[size_t(row)].bad;
   HLM_CHECK(bad < 0, "sampling: the logit of token {} is not finite", bad);
-  const Sampled t{rows.token[size_t(row)], rows.logprob[size_t(row)]};
+  const Sampled t{rows.pick[size_t(row)].token, rows.pick[size_t(row)].logprob};
   s.res.tokens.push_back(t.token);
   s.res.logprobs.push_back(t.logprob);
   const bool stop = std::find(s.req.stop.begin(), s.req.stop.end(), t.token) != s.req.stop.end();
@@ -172,17 +172,13 @@ ModelOutput Generator::forward(const Batch& b, bool draft_last,
   if (std::any_of(b.scored.begin(), b.scored.end(), [](int64_t t) { return t >= 0; })) {
     std::vector<int64_t> given(b.scored.size());
     for (size_t r = 0; r < given.size(); ++r) given[r] = std::max<int64_t>(0, b.scored[r]);
-    const ops::TokenPick sc = ops::score_tokens(out.logits, given);
-    rows->score = sc.logprob.to_f64_vector();
-    rows->score_bad = sc.bad.to_i64_vector();
+    rows->score = ops::score_tokens(out.logits, given).to_host();
   }
   const bool greedy = std::all_of(picks.begin(), picks.end(),
                                   [](const ops::SampleRow& p) { return p.temperature == 0; });
   const ops::TokenPick p =
       greedy ? ops::greedy_pick(out.logits) : ops::sample_pick(out.logits, picks);
-  rows->token = p.token.to_i64_vector();
-  rows->bad = p.bad.to_i64_vector();
-  rows->logprob = p.logprob.to_f64_vector();
+  rows->pick = p.to_host();
   return out;
 }
 
@@ -190,9 +186,9 @@ bool Generator::finish_prefill(Seq& s, const Rows& rows, int64_t row,
                                std::vector<TokenEvent>& events) {
   if (s.req.prompt_logprobs)
     for (size_t j = 0; j + 1 < s.req.prompt.size(); ++j, ++row) {
-      const int64_t bad = rows.score_bad[size_t(row)];
+      const int64_t bad = rows.score[size_t(row)].bad;
       HLM_CHECK(bad < 0, "sampling: the logit of token {} is not finite", bad);
-      s.res.prompt_logprobs.push_back(rows.score[size_t(row)]);
+      s.res.prompt_logprobs.push_back(rows.score[size_t(row)].logprob);
     }
   s.prefilled = true;
   if (s.req.max_new > 0) return emit(s, rows, row, events);

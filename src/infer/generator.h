@@ -63,7 +63,8 @@ struct TokenEvent {
 class Generator {
  public:
   // The cache lives on the model's device (CPU or CUDA; cache.device is overridden), in the
-  // model's compute dtype; sampling reads each step's logits on the host.
+  // model's compute dtype; tokens are picked where the logits are, and only the picks (and a
+  // scored prompt's log-probabilities) cross to the host.
   Generator(const HybridModel& model, const CacheOptions& cache);
 
   // hlm::Error naming what is wrong with a request: an empty prompt, a token id outside the
@@ -108,11 +109,10 @@ class Generator {
   // only these cross to the host): each row's picked token, its log-probability and its first
   // non-finite logit (ops::sample_pick), and for the rows of a prompt that is scored the
   // log-probability of the prompt's next token (ops::score_tokens).
+  // Each is one device-to-host copy.
   struct Rows {
-    std::vector<int64_t> token, bad;
-    std::vector<double> logprob;
-    std::vector<double> score;  // per row; empty when no row is scored
-    std::vector<int64_t> score_bad;
+    std::vector<ops::RowPick> pick;
+    std::vector<ops::RowPick> score;  // per row; empty when no row is scored
   };
   // How s's next token is picked: its settings and its draw for this step.
   static ops::SampleRow pick_for(const Seq& s);

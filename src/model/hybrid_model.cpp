@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 
 #include "core/enum_names.h"
 #include "core/profile.h"
@@ -55,6 +56,11 @@ void add_into(Tensor& acc, const Tensor& b) {
 Tensor host_i64(const Tensor& t) {
   const Tensor h = t.is_cpu() ? t : t.to(Device::cpu);
   return h.dtype() == DType::i64 ? h.contiguous() : h.to(DType::i64);
+}
+
+// A contiguous host i64 tensor's values.
+std::span<const int64_t> host_ids(const Tensor& t) {
+  return {t.data<int64_t>(), size_t(t.numel())};
 }
 
 // A host tensor on device dev (itself on the CPU).
@@ -297,10 +303,13 @@ class FeedForward : public Module {
 
   MoeLayer* moe() const { return moe_.get(); }
 
+  // cached: a forward over the inference cache, which computes neither the aux loss nor the
+  // expert load (each a host read of the selection).
   Tensor forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
-                 const Tensor& replay) const {
+                 const Tensor& replay, bool cached) const {
     if (!moe_) return mlp_->forward(c, x, s ? &s->mlp : nullptr);
-    MoeLayer::Output o = moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_);
+    MoeLayer::Output o =
+        moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_, /*stats=*/!cached);
     if (out) {
       out->aux_loss = o.aux_loss;
       out->counts = o.counts;
@@ -508,7 +517,7 @@ class DecoderLayer : public Module {
     Tensor b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
     ps_hc2.end();
     profile::Scope ps_ffn(ffn_->moe() ? "moe" : "mlp");
-    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay);
+    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
     ps_ffn.end();
     HLM_PROFILE("mhc + norm");
     return mhc_ ? ffn_hc_->write_back(c, f, s->ffn_site) : add(x1, f.reshape({T, 1, D}));
@@ -643,7 +652,7 @@ class MtpBlock : public Module {
     }
     Tensor m2 = add(m, o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
-    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay);
+    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
     Tensor m3 = add(m2, f);
     return head_norm_->forward(c, m3, train ? &s->head_norm : nullptr);
   }
@@ -804,7 +813,8 @@ Tensor HybridModel::mtp_forward_cached(const Tensor& next_tokens, const Tensor& 
               slots[n], cache.length(slots[n]), cache.mtp_length(slots[n]), counts[n]);
   Context ctx;
   ctx.training = false;
-  const Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, on(dev, tok)), cdt);
+  const Tensor e =
+      ops::as_dtype(ops::embedding_forward(embed_->value, on(dev, tok), host_ids(tok)), cdt);
   const CacheCall cc{&cache, &slots, cache.mtp_layer(), false};
   const Tensor o =
       mtp_->forward(ctx, e, ops::as_dtype(on(dev, h), cdt), seqs, nullptr, nullptr, Tensor(), &cc);
@@ -928,7 +938,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
 
   ModelOutput out;
   profile::Scope ps_emb("embedding");
-  Tensor e = ops::as_dtype(ops::embedding_forward(embed_->value, s->tokens_dev), cdt);
+  // The ids are checked here, on the host (a device check would wait for the device).
+  Tensor e =
+      ops::as_dtype(ops::embedding_forward(embed_->value, s->tokens_dev, host_ids(tokens)), cdt);
   ps_emb.end();
   const int64_t n = cfg_.mhc.streams();
   Tensor x = cfg_.mhc.enabled ? ops::mhc_expand(e, n) : e.reshape({T, 1, D});
@@ -1056,7 +1068,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->next_tokens = on(dev, Tensor::from_vector({T}, nt));
     s->next_valid = Tensor::from_vector({T}, valid);
     s->mtp_targets = on(dev, Tensor::from_vector({T}, mt));
-    Tensor en = ops::as_dtype(ops::embedding_forward(embed_->value, s->next_tokens), cdt);
+    Tensor en = ops::as_dtype(ops::embedding_forward(embed_->value, s->next_tokens, nt), cdt);
     for (int64_t i = 0; i < T; ++i)
       if (!valid[size_t(i)]) en.select(0, i).zero_();
     MtpBlock::Out mo;

@@ -133,6 +133,7 @@ struct ModelOutput {
   double lm_loss = 0, mtp_loss = 0, aux_loss = 0, indexer_loss = 0;
   int64_t lm_count = 0, mtp_count = 0;  // targets counted by the two CE terms
   // Per MoE layer (main layers in order, then MTP): tokens per expert [E] i64 and the selection.
+  // A forward over a cache computes neither the counts (undefined) nor the aux loss (0).
   std::vector<Tensor> expert_counts;
   std::vector<Tensor> expert_topk;
   std::vector<Tensor> dsa_indices;  // per DSA layer of the main stack: the attended sets

@@ -94,6 +94,12 @@ Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
 // same numbers on both devices). A non-finite entry throws, naming op and what.
 Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
                            const char* what);
+// The same where a non-finite entry of CUDA x does not throw (the check would wait for the
+// device): it sets nonfinite (an i32 [1] on the device, zeroed by the caller; never reset here) to
+// 1, for the caller to act on without reading it (ops::nan_if_flagged_). On the CPU it throws as
+// above and nonfinite is not touched.
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                           const char* what, Tensor& nonfinite);
 
 // Top-k selection over dense-layout scores [T, W] (pool = 1: tokens; pool = P: pools).
 // Query t has n_t candidates (r + 1 tokens, or floor((r + 1) / P) pools, r = t - doc_start); the

@@ -40,14 +40,26 @@ Shape rows_shape(const Tensor& ids, int64_t d) {
   shape.push_back(d);
   return shape;
 }
-}  // namespace
 
-Tensor embedding_forward(const Tensor& table_, const Tensor& ids) {
+Tensor embedding_forward_impl(const Tensor& table_, const Tensor& ids,
+                              const std::span<const int64_t>* host_ids) {
   constexpr const char* op = "embedding_forward";
   HLM_CHECK(table_.defined(), "{}: table is undefined", op);
   HLM_CHECK(table_.dim() == 2, "{}: table must be [V, D], got {}", op, table_.describe());
   detail::one_device(op, {table_, "table"}, {{ids, "ids"}});
-  const std::vector<int64_t> id = check_ids(op, ids, table_.size(0));
+  std::vector<int64_t> id;
+  if (host_ids) {
+    detail::require_int(ids, op, "ids");
+    HLM_CHECK(int64_t(host_ids->size()) == ids.numel(), "{}: {} host ids for {} ids", op,
+              host_ids->size(), ids.numel());
+    const int64_t vocab = table_.size(0);
+    for (size_t t = 0; t < host_ids->size(); ++t)
+      if ((*host_ids)[t] < 0 || (*host_ids)[t] >= vocab)
+        bad_id(op, int64_t(t), (*host_ids)[t], vocab);
+    if (ids.is_cpu()) id.assign(host_ids->begin(), host_ids->end());
+  } else {
+    id = check_ids(op, ids, table_.size(0));
+  }
   const Tensor table = table_.contiguous();
   Tensor out = detail::new_output(rows_shape(ids, table.size(1)), table.dtype(), table.device());
   if (table.device() == Device::cpu) {
@@ -56,6 +68,17 @@ Tensor embedding_forward(const Tensor& table_, const Tensor& ids) {
     HLM_CUDA_PATH(op, cuda::embedding_forward(table, ids.contiguous(), out));
   }
   return out;
+}
+
+}  // namespace
+
+Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
+  return embedding_forward_impl(table, ids, nullptr);
+}
+
+Tensor embedding_forward(const Tensor& table, const Tensor& ids,
+                         std::span<const int64_t> host_ids) {
+  return embedding_forward_impl(table, ids, &host_ids);
 }
 
 void embedding_backward(const Tensor& dy_, const Tensor& ids, Tensor& dtable) {

@@ -9,12 +9,18 @@
 // does: f32 / f64 results are bit-identical to the CPU reference and run to run.
 #pragma once
 
+#include <span>
+
 #include "core/tensor.h"
 
 namespace hlm::ops {
 
 // Returns [ids..., D] in the table's dtype.
 Tensor embedding_forward(const Tensor& table, const Tensor& ids);
+// The same, where the caller holds the ids' values on the host too (`host_ids`, in flat order:
+// the values it uploaded): those are checked, on the host, instead of the device ids, so a CUDA
+// lookup does not wait for the device. The caller answers for host_ids equalling ids.
+Tensor embedding_forward(const Tensor& table, const Tensor& ids, std::span<const int64_t> host_ids);
 // dy [ids..., D]; dtable [V, D] += the scattered rows.
 void embedding_backward(const Tensor& dy, const Tensor& ids, Tensor& dtable);
 

@@ -4,7 +4,8 @@
 // With use_qk_l2norm, q and k are first L2-normalised (eps 1e-6 inside the sqrt).
 // Value head h reads qk head h / (HV/H) (GVA). `state_indices` (optional i32/i64 [N]) picks the
 // slot of a state pool [P, HV, K, V] for each sequence (continuous batching); a negative index
-// skips that sequence (its o row is zero). Slots must be distinct.
+// skips that sequence (its o row is zero). Slots must be distinct. Its values are checked on the
+// host: a CPU tensor costs nothing, a CUDA one a copy that waits for the device.
 // CPU (FP32, the reference layout of the CUDA kernel) and CUDA (one thread per state column,
 // the column in registers; deterministic) implementations.
 #pragma once

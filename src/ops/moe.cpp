@@ -426,4 +426,52 @@ MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tens
   return r;
 }
 
+Tensor moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                          const Tensor& topk_idx, double swiglu_limit, bool round_bf16) {
+  const char* op = "moe_routed_experts";
+  for (auto [t, what] :
+       {std::pair<const Tensor*, const char*>{&x, "x"}, {&gate_up, "gate_up"}, {&down, "down"}})
+    HLM_CHECK(t->defined(), "{}: {} is undefined", op, what);
+  HLM_CHECK(x.dim() == 2, "{}: x must be [T, D], got {}", op, x.describe());
+  ExpertDims d{};
+  d.T = x.size(0);
+  d.D = x.size(1);
+  HLM_CHECK(gate_up.dim() == 3 && gate_up.size(2) == d.D && gate_up.size(1) % 2 == 0 &&
+                gate_up.size(0) >= 1 && gate_up.size(1) >= 2,
+            "{}: gate_up must be [E, 2I, D = {}], got {}", op, d.D, gate_up.describe());
+  d.E = gate_up.size(0);
+  d.I = gate_up.size(1) / 2;
+  detail::require_shape(down, {d.E, d.D, d.I}, op, "down");
+  detail::one_device(op, {x, "x"}, {{gate_up, "gate_up"}, {down, "down"}});
+  HLM_CHECK(!std::isnan(swiglu_limit), "{}: swiglu_limit must not be NaN", op);
+  if (round_bf16) {
+    HLM_CHECK(x.dtype() == DType::f32, "{} (round_bf16): x must be f32, got {}", op, x.describe());
+    for (auto [t, what] :
+         {std::pair<const Tensor*, const char*>{&gate_up, "gate_up"}, {&down, "down"}})
+      HLM_CHECK(t->dtype() == DType::f32 || t->dtype() == DType::bf16,
+                "{} (round_bf16): {} must be f32 or bf16, got {}", op, what, t->describe());
+  } else {
+    HLM_CHECK(x.dtype() == DType::f32 || x.dtype() == DType::f64,
+              "{}: x must be f32 or f64, got {}", op, x.describe());
+    detail::require_same_dtype(gate_up, x, op, "gate_up", "x");
+    detail::require_same_dtype(down, x, op, "down", "x");
+  }
+  detail::require_int(topk_idx, op, "topk_idx");
+  HLM_CHECK(topk_idx.dim() == 2 && topk_idx.size(0) == d.T && topk_idx.size(1) >= 1,
+            "{}: topk_idx must be [T = {}, K], got {}", op, d.T, topk_idx.describe());
+  const Device dev = detail::one_device(op, {x, "x"}, {{topk_idx, "topk_idx"}});
+  const int64_t N = d.T * topk_idx.size(1);
+  Tensor eo = detail::new_output({N, d.D}, x.dtype(), dev);
+  if (N == 0) return eo;
+  if (dev == Device::cpu) {
+    const std::vector<int64_t> idx = check_topk_idx(topk_idx, d.T, d.E, op, "topk_idx", false);
+    cpu::moe_routed_experts(x.contiguous(), gate_up.contiguous(), down.contiguous(), idx,
+                            swiglu_limit, round_bf16, eo);
+  } else {
+    HLM_CUDA_PATH(op, cuda::moe_routed_experts(dev_input(x), dev_input(gate_up), dev_input(down),
+                                               dev_input(topk_idx), swiglu_limit, round_bf16, eo));
+  }
+  return eo;
+}
+
 }  // namespace hlm::ops

@@ -139,4 +139,23 @@ struct MoeGrads {
 MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
                               MoeWeightGrads& g);
 
+// ---- routed experts with no host wait (inference)
+// ------------------------------------------------ eo [T K, D]: row a = t K + k is
+// Expert_{topk_idx[t, k]}(x_t), unweighted (what moe_combine takes), computed without the host
+// reading the selection: on CUDA the assignments are sorted by expert on the device and each
+// expert's rows go through one weight-streaming kernel, so a decode step does not wait for the
+// device here (the grouped GEMM path sizes its groups on the host).
+//   gu = r(x_t) r(W_gu[e])^T,  h = swiglu_clamped(gu),  eo = r(h) r(W_dn[e])^T
+// round_bf16: r rounds to bf16 (x f32; weights f32 or bf16), FP32 accumulation: the operands of a
+// bf16 GEMM. Else r is the identity, x and the weights of one dtype (f32 or f64), accumulated in
+// it. gu, h and eo are in x's dtype.
+// Each output element is one sum over its input channels in a fixed order that no other row
+// changes (32 strided partial sums, k = j (mod 32) in increasing k, then a butterfly over the 32:
+// the order of a warp's sum, which the CPU follows, so the CPU and CUDA agree bit for bit): a
+// token's result does not depend on the batch it is in.
+// topk_idx [T, K] i64 / i32. On the CPU its values are checked; on CUDA they are not read (that
+// would wait): a row whose index is outside [0, E) is left NaN.
+Tensor moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                          const Tensor& topk_idx, double swiglu_limit, bool round_bf16);
+
 }  // namespace hlm::ops

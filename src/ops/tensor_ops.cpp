@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "ops/cpu/tensor_ops.h"
 #include "ops/cuda/tensor_ops.cuh"
@@ -121,6 +122,23 @@ void scale_(Tensor& c, double beta) {
   HLM_CHECK(c.dim() == 2, "{}: c must be 2-D, got {}", op, c.describe());
   if (c.numel() == 0) return;
   HLM_DISPATCH(op, c.device(), scale_, c, beta);
+}
+
+void nan_if_flagged_(Tensor& t, const Tensor& flag) {
+  constexpr const char* op = "nan_if_flagged_";
+  require_fdt(t, op, "t");
+  HLM_CHECK(t.is_contiguous(), "{}: t must be contiguous, got {}", op, t.describe());
+  HLM_CHECK(flag.defined() && flag.dtype() == DType::i32 && flag.numel() == 1 &&
+                flag.device() == t.device(),
+            "{}: flag must be an i32 [1] tensor on t's device ({}), got {}", op,
+            device_name(t.device()), flag.defined() ? flag.describe() : "undefined");
+  if (t.numel() == 0) return;
+  if (t.is_cpu()) {
+    if (flag.contiguous().data<int32_t>()[0] != 0)
+      t.fill_(std::numeric_limits<double>::quiet_NaN());
+    return;
+  }
+  HLM_CUDA_PATH(op, cuda::nan_if_flagged_(t, flag));
 }
 
 Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& rows) {

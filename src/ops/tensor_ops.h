@@ -34,6 +34,10 @@ Tensor sum_rows(const Tensor& x, DType dt);
 // c = beta * c (beta == 0: c = 0 without reading it) for a 2-D f32 / f64 / bf16 c of any strides;
 // the product is formed in f64 and rounded once to c's dtype.
 void scale_(Tensor& c, double beta);
+// Every element of t (contiguous f32 / f64 / bf16) set to NaN when flag[0] != 0 (flag an i32 [1]
+// on t's device): a check made on the device and reported through the result, without the host
+// reading the flag (on CUDA nothing waits).
+void nan_if_flagged_(Tensor& t, const Tensor& flag);
 
 // out[r, :] = src[rows[r], :]: the rows of a contiguous 2-D src [N, C] (any dtype, bytes copied)
 // in the order given, as a new contiguous [R, C] tensor on src's device. rows are host indices,

@@ -4,6 +4,7 @@
 #include "ops/token_pick.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "ops/cpu/token_pick.h"
 #include "ops/cuda/token_pick.cuh"
@@ -44,9 +45,10 @@ TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRo
   }
   const Device dev = logits.device();
   TokenPick out;
-  out.token = detail::new_output({R}, DType::i64, dev);
-  out.logprob = detail::new_output({R}, DType::f64, dev);
-  out.bad = detail::new_output({R}, DType::i64, dev);
+  out.packed = detail::new_output({3, R}, DType::i64, dev);
+  out.token = out.packed.select(0, 0);
+  out.logprob = out.packed.select(0, 1).bitcast(DType::f64);
+  out.bad = out.packed.select(0, 2);
   if (R == 0) return out;
   if (given)
     HLM_DISPATCH(op, dev, score_tokens, logits, *given, out);
@@ -58,6 +60,22 @@ TokenPick pick(const char* op, const Tensor& logits_, const std::vector<SampleRo
 }
 
 }  // namespace
+
+std::vector<RowPick> TokenPick::to_host() const {
+  HLM_CHECK(packed.defined() && packed.dim() == 2 && packed.size(0) == 3,
+            "TokenPick::to_host: no packed [3, R] outputs");
+  const Tensor h = packed.to(Device::cpu);
+  const int64_t R = h.size(1);
+  const int64_t* p = h.data<int64_t>();
+  std::vector<RowPick> rows(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    RowPick& q = rows[size_t(r)];
+    q.token = p[r];
+    std::memcpy(&q.logprob, &p[R + r], sizeof(double));
+    q.bad = p[2 * R + r];
+  }
+  return rows;
+}
 
 TokenPick greedy_pick(const Tensor& logits) {
   return pick("greedy_pick", logits, nullptr, nullptr);

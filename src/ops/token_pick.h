@@ -31,10 +31,21 @@
 
 namespace hlm::ops {
 
+// One row's pick on the host.
+struct RowPick {
+  int64_t token = 0;
+  double logprob = 0;
+  int64_t bad = -1;  // the first non-finite logit's id, or -1 (then token and logprob are 0)
+};
+
+// The three outputs are views of one [3, R] buffer, so the host reads a pick in one copy.
 struct TokenPick {
   Tensor token;    // [R] i64
   Tensor logprob;  // [R] f64
   Tensor bad;      // [R] i64
+  Tensor packed;   // [3, R] i64: token, logprob's bits, bad
+  // Every row's pick on the host (one device-to-host copy).
+  std::vector<RowPick> to_host() const;
 };
 
 // One row's sampling settings (infer::SamplingParams with the draw).
@@ -43,13 +54,6 @@ struct SampleRow {
   int64_t top_k = 0;       // 0: off; else >= 1
   double top_p = 1;        // in (0, 1]
   double u = 0;            // in [0, 1)
-};
-
-// One row's pick on the host.
-struct RowPick {
-  int64_t token = 0;
-  double logprob = 0;
-  int64_t bad = -1;  // the first non-finite logit's id, or -1 (then token and logprob are 0)
 };
 
 // logits [R, V] (V >= 1): f32 or f64 on the CPU, also bf16 on CUDA. Outputs on the logits' device.

@@ -92,5 +92,15 @@ TEST(CoreTensor, FillZeroAndChecks) {
   }
 }
 
+TEST(CoreTensor, BitcastIsAViewOfTheSameBytes) {
+  const Tensor t = Tensor::from_vector<int64_t>({2, 2}, {0, int64_t(0x3ff0000000000000), 3, 4});
+  const Tensor d = t.select(0, 0).bitcast(DType::f64);
+  EXPECT_TRUE(d.same_storage(t));
+  EXPECT_EQ(d.dtype(), DType::f64);
+  EXPECT_EQ(d.shape(), Shape({2}));
+  EXPECT_EQ(d.data<double>()[1], 1.0);  // the bits of 1.0
+  testing::expect_error([&] { (void)t.bitcast(DType::f32); }, "8-byte elements, f32 has 4");
+}
+
 }  // namespace
 }  // namespace hlm

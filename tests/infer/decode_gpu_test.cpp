@@ -186,5 +186,50 @@ TEST(DecodeGpu, TheGeneratorOnCudaYieldsTheCpuTokens) {
       worst, static_cast<long long>(sg.accepted()), static_cast<long long>(sg.drafts()));
 }
 
+// The decode step waits for the device only to read its picks: the model's forward over the cache
+// (KDA decode, DSA over the cache with KPool, FP8 pooled scoring, MoE, mHC) copies nothing to the
+// host and never synchronizes; the Generator's step copies one [3, B] block of picks (and one
+// more in a step that scores a prompt).
+TEST(DecodeGpu, AStepWaitsForTheDeviceOnlyForItsPicks) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 GEMMs, FP8 pooled scoring" : "f32");
+    const ModelConfig cfg = gpu_config(bf16);
+    HybridModel dev(cfg, {.dtype = DType::f32, .seed = 5, .mtp = false});
+    dev.to(Device::cuda);
+    Rng rng(testing::test_seed());
+    ModelCache cache(cfg, DType::f32,
+                     {.max_seqs = 2, .max_tokens = 24, .page = 4, .device = Device::cuda});
+    const int64_t a = cache.open(), b = cache.open();
+    cached_forward(dev, cache,
+                   {random_tokens(5, cfg.vocab_size, rng), random_tokens(3, cfg.vocab_size, rng)},
+                   {a, b});
+    // Steps across a KPool pool's completion (positions 5..9 and 3..7).
+    for (int step = 0; step < 5; ++step) {
+      reset_transfer_stats();
+      cached_forward(dev, cache, {{1 + step}, {2 + step}}, {a, b});
+      const TransferStats t = transfer_stats();
+      EXPECT_EQ(t.to_host, 0u) << "step " << step;
+      EXPECT_EQ(t.synchronizes, 0u) << "step " << step;
+    }
+    infer::Generator g(dev, {.max_seqs = 2, .max_tokens = 24, .page = 4});
+    for (const bool scored : {true, false}) {
+      infer::Request r;
+      r.prompt = random_tokens(4, cfg.vocab_size, rng);
+      r.max_new = 6;
+      r.prompt_logprobs = scored;
+      if (!scored) r.sampling = infer::SamplingParams{0.9, 0, 0.95, 3};
+      g.submit(r);
+    }
+    for (int step = 0; g.busy(); ++step) {
+      reset_transfer_stats();
+      g.step();
+      // Step 0 prefills both prompts, one of them scored.
+      EXPECT_EQ(transfer_stats().to_host, step == 0 ? 2u : 1u) << "step " << step;
+      EXPECT_EQ(transfer_stats().synchronizes, 0u) << "step " << step;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hlm

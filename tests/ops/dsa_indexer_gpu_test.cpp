@@ -451,5 +451,31 @@ TEST(DsaIndexerGpu, BadArgumentsAreRefused) {
                         "indexer_scores: q must be f32 or f64");
 }
 
+// The FP8 emulation with a non-finite flag: the values of the checking call for finite input, the
+// flag set (not thrown) for a non-finite one, nothing read back; the CPU still throws.
+TEST(DsaIndexerGpu, Fp8EmulationFlagsNonFiniteWithoutReadingBack) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  ops::IndexerScoreOptions o8;
+  o8.fp8 = true;
+  const Tensor x = randn({6, 2, 128}, DType::f32, rng);
+  Tensor flag = gpu(Tensor::zeros({1}, DType::i32));
+  reset_transfer_stats();
+  const Tensor got = ops::indexer_fp8_emulate(gpu(x), o8, "test", "q", flag);
+  EXPECT_EQ(transfer_stats().to_host, 0u);
+  EXPECT_TRUE(testing::bit_equal(cpu(got), ops::indexer_fp8_emulate(x, o8, "test", "q")));
+  EXPECT_EQ(cpu(flag).data<int32_t>()[0], 0);
+  std::vector<double> v = x.to_f64_vector();
+  v[300] = std::numeric_limits<double>::quiet_NaN();
+  const Tensor bad = Tensor::from_values({6, 2, 128}, v, DType::f32);
+  EXPECT_NO_THROW(ops::indexer_fp8_emulate(gpu(bad), o8, "test", "k", flag));
+  EXPECT_EQ(cpu(flag).data<int32_t>()[0], 1);
+  Tensor cpu_flag = Tensor::zeros({1}, DType::i32);
+  testing::expect_error([&] { ops::indexer_fp8_emulate(bad, o8, "test", "k", cpu_flag); },
+                        "fp8 emulation: k holds a non-finite value at row 2, channel 44");
+  testing::expect_error([&] { ops::indexer_fp8_emulate(gpu(x), o8, "test", "q", cpu_flag); },
+                        "the non-finite flag must be an i32 [1] tensor on x's device");
+}
+
 }  // namespace
 }  // namespace hlm

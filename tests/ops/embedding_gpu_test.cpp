@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/rng.h"
 #include "ops/dispatch.h"
 #include "ops/embedding.h"
@@ -157,6 +158,24 @@ TEST(EmbeddingGpu, BadIdsRefusedWithTheCpuMessage) {
   EXPECT_THROW(ops::embedding_backward(gpu(randn({2, 3}, DType::f32, rng).to(DType::bf16)),
                                        gpu(Tensor::from_vector<int64_t>({2}, {0, 1})), bf),
                Error);
+}
+
+// Device ids with their host values: the rows of the device check's path, and no copy back.
+TEST(EmbeddingGpu, HostIdsSkipTheDeviceCheck) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  const Tensor table = gpu(randn({300, 16}, DType::f32, rng));
+  const Tensor ids = random_ids({37}, 300, 0, DType::i64, rng);
+  const std::vector<int64_t> v = ids.to_i64_vector();
+  const Tensor dev_ids = gpu(ids);
+  reset_transfer_stats();
+  const Tensor out = ops::embedding_forward(table, dev_ids, v);
+  EXPECT_EQ(transfer_stats().to_host, 0u);
+  EXPECT_TRUE(bit_equal(cpu(out), cpu(ops::embedding_forward(table, dev_ids))));
+  std::vector<int64_t> bad = v;
+  bad[3] = -1;
+  testing::expect_error([&] { ops::embedding_forward(table, dev_ids, bad); },
+                        "ids[3] (flat position) = -1 is outside the vocabulary [0, 300)");
 }
 
 }  // namespace

@@ -83,5 +83,24 @@ TEST(OpsEmbedding, BadIds) {
                Error);
 }
 
+// The ids' values given from the host: the same rows, checked there with the same message.
+TEST(OpsEmbedding, HostIds) {
+  Rng rng(test_seed());
+  const Tensor table = randn({5, 3}, DType::f32, rng);
+  const std::vector<int64_t> v = {4, 0, 2, 2};
+  const Tensor ids = Tensor::from_vector<int64_t>({4}, v);
+  EXPECT_TRUE(testing::bit_equal(ops::embedding_forward(table, ids, v),
+                                 ops::embedding_forward(table, ids)));
+  const std::vector<int64_t> bad = {4, 0, 5, 2};
+  testing::expect_error(
+      [&] { ops::embedding_forward(table, Tensor::from_vector<int64_t>({4}, bad), bad); },
+      "ids[2] (flat position) = 5 is outside the vocabulary [0, 5)");
+  testing::expect_error(
+      [&] {
+        ops::embedding_forward(table, ids, std::vector<int64_t>{1, 2});
+      },
+      "2 host ids for 4 ids");
+}
+
 }  // namespace
 }  // namespace hlm

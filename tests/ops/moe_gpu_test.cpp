@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "core/device.h"
 #include "gpu_compare.h"
 #include "ops/dispatch.h"
 #include "ops/moe.h"
@@ -400,6 +401,71 @@ TEST(MoeExpertsGpu, EmptyBatchAndMixedInputDtypes) {
   check("experts out (f64 weights)",
         ops::moe_experts_forward(m.x.dev, w64, gpu(m.idx.to(DType::i32)), gpu(m.w), 10.0, sg),
         ops::moe_experts_forward(m.x.ref, wc, m.idx, m.w, 10.0, sc), DType::f32);
+}
+
+// moe_routed_experts on CUDA: the CPU op's numbers (which follow the kernel's summation order),
+// a token's rows the same bits alone as in its batch, the host never waiting (no device-to-host
+// copy), NaN rows for indices outside [0, E), reruns bit-identical.
+TEST(MoeRoutedExpertsGpu, MatchesCpuBatchInvariantNoHostWait) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  testing::PoisonOutputs poison;
+  Rng rng(testing::test_seed());
+  struct Case {
+    int64_t T, D, E, I, K;
+    DType x, w;
+    bool rb;
+    int skew;
+  };
+  int64_t equal = 0, total = 0;
+  for (const Case c : {Case{9, 64, 16, 32, 4, DType::f32, DType::f32, false, 0},
+                       Case{70, 64, 16, 32, 4, DType::f32, DType::f32, false, 1},
+                       Case{9, 64, 16, 32, 4, DType::f64, DType::f64, false, 0},
+                       Case{9, 64, 16, 32, 4, DType::f32, DType::f32, true, 0},
+                       Case{70, 64, 16, 32, 4, DType::f32, DType::bf16, true, 2},
+                       Case{5, 33, 7, 9, 3, DType::f32, DType::bf16, true, 0},
+                       Case{1, 33, 7, 9, 3, DType::f64, DType::f64, false, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "T " << c.T << " D " << c.D << " " << dtype_name(c.x)
+                                      << " weights " << dtype_name(c.w) << (c.rb ? " bf16" : ""));
+    const ExpertCase m = make_experts(c.T, c.D, c.E, c.I, c.K, 8, c.x, c.skew, rng);
+    const Tensor gu = m.gate_up.to(c.w), dn = m.down.to(c.w);
+    const Tensor want = ops::moe_routed_experts(m.x.ref, gu, dn, m.idx, 1.5, c.rb);
+    const Tensor dgu = gpu(gu), ddn = gpu(dn), didx = gpu(m.idx);
+    reset_transfer_stats();
+    const Tensor got = ops::moe_routed_experts(m.x.dev, dgu, ddn, didx, 1.5, c.rb);
+    EXPECT_EQ(transfer_stats().to_host, 0u) << "the host waited for the device";
+    const Tensor h = cpu(got);
+    EXPECT_LE(gpu_compare::max_rel_err(h, want), c.x == DType::f64 ? 1e-14 : 1e-6);
+    const std::vector<double> hv = h.to_f64_vector(), wv = want.to_f64_vector();
+    for (size_t i = 0; i < hv.size(); ++i) equal += hv[i] == wv[i];
+    total += int64_t(hv.size());
+    EXPECT_TRUE(
+        testing::bit_equal(cpu(ops::moe_routed_experts(m.x.dev, dgu, ddn, didx, 1.5, c.rb)), h))
+        << "rerun";
+    // Each token alone: the same bits as in the batch.
+    for (int64_t t = 0; t < c.T; t += std::max<int64_t>(1, c.T / 4)) {
+      const Tensor one = cpu(ops::moe_routed_experts(m.x.dev.slice(0, t, t + 1), dgu, ddn,
+                                                     didx.slice(0, t, t + 1), 1.5, c.rb));
+      ASSERT_TRUE(testing::bit_equal(one, h.slice(0, t * c.K, (t + 1) * c.K))) << "token " << t;
+    }
+  }
+  std::printf("  routed experts: %lld of %lld CUDA outputs equal the CPU's bits\n",
+              static_cast<long long>(equal), static_cast<long long>(total));
+  // An index outside [0, E), not read on the host: its row is NaN, the others as before.
+  const ExpertCase m = make_experts(3, 16, 4, 8, 2, 8, DType::f32, 0, rng);
+  std::vector<int64_t> iv = m.idx.to_i64_vector();
+  iv[3] = 4;
+  const Tensor bad = Tensor::from_vector<int64_t>({3, 2}, iv);
+  const Tensor ref =
+      cpu(ops::moe_routed_experts(m.x.dev, gpu(m.gate_up), gpu(m.down), gpu(m.idx), 10, false));
+  const Tensor got = cpu(ops::moe_routed_experts(m.x.dev, gpu(m.gate_up), gpu(m.down),
+                                                 gpu(bad.to(DType::i32)), 10, false));
+  for (int64_t a = 0; a < 6; ++a)
+    for (int64_t d = 0; d < 16; ++d) {
+      if (a == 3)
+        ASSERT_TRUE(std::isnan(got.at({a, d})));
+      else
+        ASSERT_EQ(got.at({a, d}), ref.at({a, d})) << a << " " << d;
+    }
 }
 
 TEST(MoeGpu, BadArguments) {

@@ -567,5 +567,72 @@ TEST(MoeExperts, BadInputThrows) {
   EXPECT_THROW(swiglu_clamped_forward(randn({3, 5}, DType::f64, rng), 10), Error);
 }
 
+// moe_routed_experts on the CPU against an FP64 reference written here (ref_ffn over the operands
+// the op takes: bf16-rounded under round_bf16), and against moe_experts_forward's unweighted eo.
+TEST(MoeRoutedExperts, MatchesReference) {
+  Rng rng(test_seed());
+  auto rounded = [](const Tensor& t) { return t.to(DType::bf16).to(DType::f64); };
+  for (const bool rb : {false, true})
+    for (DType dt : {DType::f64, DType::f32}) {
+      if (rb && dt == DType::f64) continue;
+      SCOPED_TRACE(::testing::Message() << dtype_name(dt) << (rb ? " round_bf16" : ""));
+      const MoeCase m = make_moe(7, 40, 5, 9, 2, 3, dt, rng);
+      const double lim = 1.5;
+      const Tensor eo = moe_routed_experts(m.x, m.gate_up, m.down, m.idx, lim, rb);
+      ASSERT_EQ(eo.shape(), Shape({7 * 2, 40}));
+      ASSERT_EQ(eo.dtype(), dt);
+      const Tensor x64 = rb ? rounded(m.x) : m.x.to(DType::f64);
+      const Tensor gu64 = rb ? rounded(m.gate_up) : m.gate_up.to(DType::f64);
+      const Tensor dn64 = rb ? rounded(m.down) : m.down.to(DType::f64);
+      double worst = 0, scale = 0;
+      for (int64_t a = 0; a < 14; ++a) {
+        const int64_t t = a / 2, e = m.idx.to_i64_vector()[size_t(a)];
+        std::vector<double> xt(40);
+        for (int64_t d = 0; d < 40; ++d) xt[size_t(d)] = x64.at({t, d});
+        // h rounded to bf16 under round_bf16 is inside ref_ffn's tolerance below (a 2^-9
+        // relative change of one h feeds a sum of 9 terms).
+        const std::vector<double> o = ref_ffn(xt, gu64, dn64, e, 9, 40, lim);
+        for (int64_t d = 0; d < 40; ++d) {
+          worst = std::max(worst, std::fabs(eo.at({a, d}) - o[size_t(d)]));
+          scale = std::max(scale, std::fabs(o[size_t(d)]));
+        }
+      }
+      EXPECT_LE(worst / scale, rb ? 5e-3 : dt == DType::f64 ? 1e-13 : 2e-6);
+      if (rb) continue;
+      // The same rows as moe_experts_forward's saved eo (another code path, per expert GEMMs).
+      MoeSaved s;
+      moe_experts_forward(m.x, MoeWeights{m.gate_up, m.down, {}, {}}, m.idx, m.w, lim, s);
+      const Tensor want = s.eo.reshape({14, 40});
+      const double tol = dt == DType::f64 ? 1e-12 : 1e-5;
+      EXPECT_TRUE(close(eo.to(DType::f64), want.to(DType::f64), {tol, tol}));
+    }
+  // Weights stored in bf16 under round_bf16: the same values as f32 weights rounded there.
+  const MoeCase m = make_moe(4, 16, 3, 5, 2, 3, DType::f32, rng);
+  const Tensor a = moe_routed_experts(m.x, m.gate_up, m.down, m.idx, 10.0, true);
+  const Tensor b =
+      moe_routed_experts(m.x, m.gate_up.to(DType::bf16), m.down.to(DType::bf16), m.idx, 10.0, true);
+  EXPECT_TRUE(testing::bit_equal(a, b));
+}
+
+TEST(MoeRoutedExperts, BadArguments) {
+  Rng rng(test_seed());
+  const MoeCase m = make_moe(3, 8, 4, 4, 2, 3, DType::f32, rng);
+  const Tensor oob = Tensor::from_vector<int64_t>({3, 2}, {0, 1, 2, 4, 1, 3});
+  testing::expect_error([&] { moe_routed_experts(m.x, m.gate_up, m.down, oob, 10, false); },
+                        "topk_idx[1, 1] = 4 is outside [0, 4)");
+  testing::expect_error(
+      [&] { moe_routed_experts(m.x.to(DType::f64), m.gate_up, m.down, m.idx, 10, true); },
+      "x must be f32");
+  testing::expect_error(
+      [&] { moe_routed_experts(m.x, m.gate_up.to(DType::f64), m.down, m.idx, 10, false); },
+      "gate_up");
+  testing::expect_error(
+      [&] { moe_routed_experts(m.x, m.gate_up, m.down, m.idx.slice(0, 0, 2), 10, false); },
+      "topk_idx must be [T = 3, K]");
+  testing::expect_error(
+      [&] { moe_routed_experts(m.x, m.gate_up, m.down, m.idx, std::nan(""), false); },
+      "swiglu_limit must not be NaN");
+}
+
 }  // namespace
 }  // namespace hlm::ops

@@ -3,6 +3,9 @@
 // add_, add_bias_, sum_rows, scale_ and the final conv state gradient scatter, all bit-identical.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
+#include "core/device.h"
 #include "core/rng.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
@@ -87,6 +90,25 @@ TEST(TensorOpsGpu, FinalConvStateBackward) {
       EXPECT_TRUE(testing::bit_equal(cpu(dx_g), dx_c)) << "W " << W;
       EXPECT_TRUE(testing::bit_equal(cpu(di_g), di_c)) << "W " << W;
     }
+}
+
+TEST(TensorOpsGpu, NanIfFlaggedReadsNothingBack) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed());
+  for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
+    const Tensor a = randn({33, 7}, DType::f32, rng).to(dt);
+    Tensor b = gpu(a);
+    reset_transfer_stats();
+    ops::nan_if_flagged_(b, gpu(Tensor::zeros({1}, DType::i32)));
+    Tensor c = gpu(a);
+    ops::nan_if_flagged_(c, gpu(Tensor::full({1}, 3, DType::i32)));
+    EXPECT_EQ(transfer_stats().to_host, 0u);
+    EXPECT_TRUE(testing::bit_equal(cpu(b), a));
+    for (double v : cpu(c).to_f64_vector()) EXPECT_TRUE(std::isnan(v));
+  }
+  Tensor t = gpu(Tensor::zeros({2}, DType::f32));
+  testing::expect_error([&] { ops::nan_if_flagged_(t, Tensor::zeros({1}, DType::i32)); },
+                        "on t's device");
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // the final conv state gradient scatter against plain loops, and their argument errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "core/rng.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
@@ -51,6 +53,23 @@ TEST(TensorOps, FinalConvStateBackward) {
   ops::causal_conv1d_final_state_backward(dfin, cu, 4, dx, &di);
   EXPECT_EQ(dx.to_f64_vector(), (std::vector<double>{3, 0, 0, 4, 5, 6}));
   EXPECT_EQ(di.to_f64_vector(), (std::vector<double>{0, 1, 2, 0, 0, 0}));
+}
+
+TEST(TensorOps, NanIfFlagged) {
+  Rng rng(testing::test_seed());
+  for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
+    const Tensor a = randn({3, 4}, DType::f32, rng).to(dt);
+    Tensor b = a.clone();
+    ops::nan_if_flagged_(b, Tensor::zeros({1}, DType::i32));
+    EXPECT_TRUE(testing::bit_equal(a, b));
+    ops::nan_if_flagged_(b, Tensor::full({1}, 1, DType::i32));
+    for (double v : b.to_f64_vector()) EXPECT_TRUE(std::isnan(v));
+  }
+  Tensor t = Tensor::zeros({2}, DType::f32);
+  testing::expect_error([&] { ops::nan_if_flagged_(t, Tensor::zeros({2}, DType::i32)); },
+                        "flag must be an i32 [1] tensor");
+  testing::expect_error([&] { ops::nan_if_flagged_(t, Tensor::zeros({1}, DType::i64)); },
+                        "flag must be an i32 [1] tensor");
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 // at temperatures 0.05 to 5; and ops::score_tokens (given tokens' log-probabilities).
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +52,17 @@ TEST(TokenPickGpu, MatchesCpu) {
         EXPECT_LE(std::fabs(a - b), 1e-12 * std::max(1.0, std::fabs(b))) << r;
       }
       if (V > 3) EXPECT_EQ(tok.data<int64_t>()[1], 1);
+      // The host's view: one copy of the packed outputs, the same values.
+      reset_transfer_stats();
+      const std::vector<ops::RowPick> rows = got.to_host();
+      EXPECT_EQ(transfer_stats().to_host, 1u);
+      ASSERT_EQ(int64_t(rows.size()), R);
+      for (int64_t r = 0; r < R; ++r) {
+        EXPECT_EQ(rows[size_t(r)].token, tok.data<int64_t>()[r]);
+        EXPECT_EQ(rows[size_t(r)].bad, bad.data<int64_t>()[r]);
+        EXPECT_EQ(std::bit_cast<uint64_t>(rows[size_t(r)].logprob),
+                  std::bit_cast<uint64_t>(lp.data<double>()[r]));
+      }
       EXPECT_TRUE(testing::bit_equal(cpu(again.logprob), lp));
       EXPECT_TRUE(testing::bit_equal(cpu(again.token), tok));
     }

@@ -136,8 +136,15 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     const DsaIndexer::TokenProjection tp = ix.project_tokens(x, p.c_q, pos);
     ops::IndexerScoreOptions so = ix.score_options();
     // The FP8 emulation is per query head and per key row: applied here once, to the new rows.
+    // On CUDA its finiteness check is not read back (that would wait for the device): a
+    // non-finite q or k sets `nonfinite`, which makes this layer's output NaN, and the sampler
+    // then reports a non-finite logit.
+    Tensor nonfinite;
+    if (so.fp8 && dev == Device::cuda) nonfinite = Tensor::zeros({1}, DType::i32, dev);
     auto emulate = [&](const Tensor& v, const char* what) {
-      return so.fp8 ? ops::indexer_fp8_emulate(v, so, kOp, what) : ops::contiguous(v);
+      if (!so.fp8) return ops::contiguous(v);
+      return nonfinite.defined() ? ops::indexer_fp8_emulate(v, so, kOp, what, nonfinite)
+                                 : ops::indexer_fp8_emulate(v, so, kOp, what);
     };
     const Tensor qs = emulate(tp.q, "q");
     if (P == 1) {
@@ -207,6 +214,7 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     profile::Scope ps_att("attention");
     ops::CachedAttentionOut att =
         ops::cached_sparse_attention(q_abs, c.kv, scores, cs, rkv, config().softmax_scale_value());
+    if (nonfinite.defined()) ops::nan_if_flagged_(att.out, nonfinite);
     ps_att.end();
     return finish(att.out, std::move(att.sel));
   } else {

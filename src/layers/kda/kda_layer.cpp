@@ -923,8 +923,7 @@ Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
   da.g = ops::kda_gate(ga);
   da.beta = ops::sigmoid_forward(b_proj_.forward(ctx, xc, nullptr)).view({N, HV});
   da.state = pool.recurrent;
-  da.state_indices = Tensor::from_vector<int64_t>({N}, slots);
-  if (!x.is_cpu()) da.state_indices = da.state_indices.to(x.device());
+  da.state_indices = Tensor::from_vector<int64_t>({N}, slots);  // on the host: read there
   da.use_qk_l2norm = true;
   const Tensor o = ops::kda_decode_step(da);
 

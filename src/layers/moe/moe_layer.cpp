@@ -214,6 +214,11 @@ bool MoeLayer::use_grouped(const Tensor& xc) const {
          down_->value.dtype() == xc.dtype();
 }
 
+bool MoeLayer::use_routed(const Context& ctx, const Tensor& xc) const {
+  return !ctx.training && use_grouped(xc) &&
+         xc.size(0) * cfg_.top_k <= kRoutedRowsPerExpert * gate_up_->value.size(0);
+}
+
 void MoeLayer::run_experts_grouped(const Tensor& xc, const std::vector<int64_t>& idx, int64_t K,
                                    Saved& s, bool keep) const {
   const int64_t Tn = xc.size(0), D = cfg_.hidden_size, E = gate_up_->value.size(0);
@@ -412,7 +417,8 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
 }
 
 MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
-                                   Saved* saved, const Tensor& replay_idx, dist::Comm* ep) const {
+                                   Saved* saved, const Tensor& replay_idx, dist::Comm* ep,
+                                   bool stats) const {
   check_input(x);
   HLM_CHECK((cfg_.ep_size > 1) == (ep != nullptr), "MoeLayer({}): {} (config ep_size {})", path_,
             ep ? "an expert-parallel group was given to a layer that holds every expert"
@@ -434,6 +440,9 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
   profile::Scope ps_experts("routed experts");
   if (ep)
     run_experts_ep(fctx, xc, *ep, s);
+  else if (use_routed(fctx, xc))
+    s.eo = ops::moe_routed_experts(xc, gate_up_->value, down_->value, s.topk_idx, cfg_.swiglu_limit,
+                                   gate_up_w_.precision().kind == GemmKind::bf16);
   else
     run_experts(fctx, xc, s.topk_idx.to_i64_vector(), K, s);
   ps_experts.end();
@@ -445,8 +454,8 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
   out.y = ops::as_dtype(y, x.dtype());
   out.topk_idx = s.route.topk_idx;
   out.topk_weight = s.route.topk_weight;
-  out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
-  if (cfg_.aux_loss_coeff > 0)
+  if (stats) out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
+  if (stats && cfg_.aux_loss_coeff > 0)
     out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, seqs, cfg_.aux_loss_coeff);
   if (keep) {
     s.x = xc;

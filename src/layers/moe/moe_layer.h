@@ -167,8 +167,17 @@ class MoeLayer : public Module {
   // expert run here on this rank's tokens. Parameter gradients are this rank's share: the
   // router's and the shared expert's sum over the group is the whole batch's, and each routed
   // expert's is whole on the rank that holds it.
+  // stats false: neither the aux loss (Output::aux_loss 0) nor the expert load (counts undefined),
+  // as over the inference cache: both check or read the selection on the host, which waits for
+  // the device.
+  // On CUDA, outside training (no Saved kept) and at decode sizes (T K <= kRoutedRowsPerExpert
+  // E), the routed experts run through ops::moe_routed_experts: the selection stays on the device.
   Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
-                 const Tensor& replay_idx = Tensor(), dist::Comm* ep = nullptr) const;
+                 const Tensor& replay_idx = Tensor(), dist::Comm* ep = nullptr,
+                 bool stats = true) const;
+  // The device path's limit on the mean rows per expert (above it the grouped GEMMs' tensor cores
+  // pay for the host-sized groups).
+  static constexpr int64_t kRoutedRowsPerExpert = 16;
   // The same with the layout read from cu_seqlens [N+1] i32/i64 (undefined: one sequence).
   Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
                  const Tensor& replay_idx = Tensor()) const;
@@ -212,6 +221,8 @@ class MoeLayer : public Module {
   // activations or a native one whose weights have the activations' dtype. The same numerics as
   // the per-expert Linear path (bf16 operands, FP32 accumulation), another summation order.
   bool use_grouped(const Tensor& xc) const;
+  // ops::moe_routed_experts instead of the grouped GEMMs (see forward).
+  bool use_routed(const Context& ctx, const Tensor& xc) const;
   void run_experts_grouped(const Tensor& xc, const std::vector<int64_t>& idx, int64_t K, Saved& s,
                            bool keep) const;
   // d(eo) [T * K, D] -> d(routed rows of x) [T * K, D]; the experts' weight gradients +=.

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/formats.h"
 #include "ops/activations.h"
 #include "ops/gemm.h"
 #include "ops/op_checks.h"
@@ -523,6 +524,74 @@ void moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& 
     experts_bwd<double>(s, w, dout, g, d, r);
   else
     experts_bwd<float>(s, w, dout, g, d, r);
+}
+
+namespace {
+
+// The input values of a routed-experts GEMM as the products take them.
+template <class A>
+std::vector<A> gemv_operand(const Tensor& t, bool round_bf16) {
+  std::vector<A> v(static_cast<size_t>(t.numel()));
+  if (t.dtype() == DType::f64) {
+    std::copy_n(t.data<double>(), v.size(), v.begin());
+  } else if (t.dtype() == DType::bf16) {
+    const bf16* p = t.data<bf16>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = A(bf16_to_float(p[i]));
+  } else {
+    const float* p = t.data<float>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = A(round_bf16 ? hlm::round_bf16(p[i]) : p[i]);
+  }
+  return v;
+}
+
+// sum_k w[k] x[k] (k < n) in the CUDA kernel's order: lane l sums k = l, l + 32, ... with fused
+// multiply-adds, then the 32 partial sums are added by the xor butterfly (lane 0's result).
+template <class A>
+A warp_order_dot(const A* w, const A* x, int64_t n) {
+  A p[32];
+  for (int l = 0; l < 32; ++l) {
+    A acc = 0;
+    for (int64_t k = l; k < n; k += 32) acc = std::fma(w[k], x[k], acc);
+    p[l] = acc;
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    A q[32];
+    for (int l = 0; l < 32; ++l) q[l] = p[l] + p[l ^ off];
+    std::copy_n(q, 32, p);
+  }
+  return p[0];
+}
+
+template <class A>
+void routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                    const std::vector<int64_t>& idx, double limit, bool rb, Tensor& eo) {
+  const int64_t T = x.size(0), D = x.size(1), I = gate_up.size(1) / 2;
+  const int64_t K = int64_t(idx.size()) / std::max<int64_t>(T, 1);
+  const std::vector<A> xv = gemv_operand<A>(x, rb), gu_w = gemv_operand<A>(gate_up, rb),
+                       dn_w = gemv_operand<A>(down, rb);
+  A* out = eo.data<A>();
+  std::vector<A> gu(static_cast<size_t>(2 * I)), h(static_cast<size_t>(I));
+  for (int64_t a = 0; a < T * K; ++a) {
+    const int64_t t = a / K, e = idx[size_t(a)];
+    for (int64_t n = 0; n < 2 * I; ++n)
+      gu[size_t(n)] = warp_order_dot(&gu_w[size_t((e * 2 * I + n) * D)], &xv[size_t(t * D)], D);
+    swiglu_rows<A>(gu.data(), h.data(), 1, I, limit);
+    if (rb)
+      for (A& v : h) v = A(hlm::round_bf16(float(v)));
+    for (int64_t n = 0; n < D; ++n)
+      out[a * D + n] = warp_order_dot(&dn_w[size_t((e * D + n) * I)], h.data(), I);
+  }
+}
+
+}  // namespace
+
+void moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                        const std::vector<int64_t>& idx, double swiglu_limit, bool round_bf16,
+                        Tensor& eo) {
+  if (x.dtype() == DType::f64)
+    routed_experts<double>(x, gate_up, down, idx, swiglu_limit, round_bf16, eo);
+  else
+    routed_experts<float>(x, gate_up, down, idx, swiglu_limit, round_bf16, eo);
 }
 
 }  // namespace hlm::ops::cpu

@@ -38,5 +38,9 @@ void moe_experts_forward(const Tensor& x, const MoeWeights& w, const std::vector
 // r.dx, r.dtopk_weight written; g accumulated.
 void moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tensor& dout,
                           MoeWeightGrads& g, MoeGrads& r);
+// eo [T K, D] written (x's dtype); idx checked.
+void moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                        const std::vector<int64_t>& idx, double swiglu_limit, bool round_bf16,
+                        Tensor& eo);
 
 }  // namespace hlm::ops::cpu

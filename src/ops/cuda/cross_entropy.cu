@@ -28,6 +28,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/device.h"
 #include "ops/cuda/cross_entropy.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
 
@@ -196,9 +197,7 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, int64_t 
     });
     check_launch("cross_entropy_forward");
     std::vector<A> h(static_cast<size_t>(nt));
-    const cudaError_t err =
-        cudaMemcpy(h.data(), out.row_loss.raw(), h.size() * sizeof(A), cudaMemcpyDeviceToHost);
-    HLM_CHECK(err == cudaSuccess, "cross_entropy_forward: {}", cudaGetErrorString(err));
+    device_copy(h.data(), Device::cpu, out.row_loss.raw(), Device::cuda, h.size() * sizeof(A));
     double sum = 0;  // token order, FP64; ignored rows are +0
     for (const A r : h) sum += double(r);
     out.loss = count > 0 ? sum / double(count) : 0.0;

@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "core/device.h"
 #include "ops/cuda/dsa_common.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
 #include "ops/op_checks.h"
@@ -529,10 +530,8 @@ uint32_t* radix_sort(uint32_t* const (&keys)[2], int64_t* const (&vals)[2], int6
   return keys[passes & 1];
 }
 
-void read_back(void* dst, const void* src, size_t bytes, const char* op) {
-  const cudaError_t err = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost);
-  HLM_CHECK(err == cudaSuccess, "{}: reading back the pattern's checks: {}", op,
-            cudaGetErrorString(err));
+void read_back(void* dst, const void* src, size_t bytes) {
+  device_copy(dst, Device::cpu, src, Device::cuda, bytes);
 }
 
 }  // namespace
@@ -580,7 +579,7 @@ DsaPatternDev device_rows_pattern(const Tensor& rows_, const std::vector<int64_t
   exclusive_scan(cptr<int32_t>(count), T, mptr<int64_t>(d.row_ptr), sm, kname);
   min_reduce(RowProblems{cptr<int32_t>(flag)}, T, reinterpret_cast<uint64_t*>(sm + 1), kname);
   uint64_t head[3];
-  read_back(head, sm, sizeof(head), op);
+  read_back(head, sm, sizeof(head));
   const int64_t E = int64_t(head[0]);
   d.entries = E;
   const int64_t bad_t = head[1] == kNone ? T : int64_t(head[1] >> 32);
@@ -591,11 +590,10 @@ DsaPatternDev device_rows_pattern(const Tensor& rows_, const std::vector<int64_t
     const size_t es = rows.element_size();
     int64_t v = 0;
     if (rows.dtype() == DType::i64) {
-      read_back(&v, static_cast<const char*>(rows.raw()) + size_t(bad_t * W + bad_j) * es, es, op);
+      read_back(&v, static_cast<const char*>(rows.raw()) + size_t(bad_t * W + bad_j) * es, es);
     } else {
       int32_t v32 = 0;
-      read_back(&v32, static_cast<const char*>(rows.raw()) + size_t(bad_t * W + bad_j) * es, es,
-                op);
+      read_back(&v32, static_cast<const char*>(rows.raw()) + size_t(bad_t * W + bad_j) * es, es);
       v = v32;
     }
     const size_t doc = size_t(std::upper_bound(cu.begin(), cu.end(), bad_t) - cu.begin()) - 1;
@@ -642,7 +640,7 @@ DsaPatternDev device_rows_pattern(const Tensor& rows_, const std::vector<int64_t
     min_reduce(SortedRepeats{sorted, cptr<int64_t>(d.key_entry), cptr<int64_t>(d.query)}, E,
                reinterpret_cast<uint64_t*>(sm + 3), kname);
     uint64_t rep = kNone;
-    read_back(&rep, sm + 3, sizeof(rep), op);
+    read_back(&rep, sm + 3, sizeof(rep));
     if (rep != kNone && int64_t(rep >> 32) < bad_t)
       HLM_FAIL("{}: {} row {} holds index {} more than once", op, what, int64_t(rep >> 32),
                int64_t(rep & 0xffffffffu));

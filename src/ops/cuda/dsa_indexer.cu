@@ -918,10 +918,14 @@ void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, cons
 }
 
 Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
-                           const char* what) {
+                           const char* what, Tensor* nonfinite) {
   Tensor out;
   dispatch_storage(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
+    if (nonfinite) {
+      out = fp8_emulate<T>(x, opt, *nonfinite);
+      return;
+    }
     Tensor bad = alloc({1}, DType::i32);
     bad.zero_();
     out = fp8_emulate<T>(x, opt, bad);

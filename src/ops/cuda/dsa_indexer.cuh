@@ -29,9 +29,10 @@ void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
 void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, const DsaPatternDev& p,
                          const IndexerScoreOptions& opt, double scale, Tensor& scores,
                          const char* op);
-// The dequantised FP8 values of every row of x (ops::indexer_fp8_emulate), computation dtype.
+// The dequantised FP8 values of every row of x (ops::indexer_fp8_emulate), computation dtype. A
+// non-finite entry throws, or with nonfinite sets nonfinite[0] to 1 (nothing read back).
 Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
-                           const char* what);
+                           const char* what, Tensor* nonfinite);
 // g.dq, g.dk, g.dw written; d_scores [T, W] in the dense layout.
 void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                    const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,

@@ -8,6 +8,7 @@
 // small beside the ops that use the indices. No atomics.
 #include <cuda_runtime.h>
 
+#include "core/device.h"
 #include "ops/cuda/index_check.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
 
@@ -74,8 +75,7 @@ IndexScan scan_indices(const Tensor& idx, int64_t bound, bool has_ignore, int64_
                                  mptr<int64_t>(out));
   check_launch("scan_indices");
   int64_t h[3];
-  const cudaError_t err = cudaMemcpy(h, out.raw(), sizeof(h), cudaMemcpyDeviceToHost);
-  HLM_CHECK(err == cudaSuccess, "scan_indices: {}", cudaGetErrorString(err));
+  device_copy(h, Device::cpu, out.raw(), Device::cuda, sizeof(h));
   r.first_bad = h[0] < n ? h[0] : -1;
   r.bad_value = h[1];
   r.kept = h[2];

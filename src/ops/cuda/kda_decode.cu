@@ -135,7 +135,6 @@ void kda_decode_step(const KdaDecodeArgs& a, const std::vector<int64_t>& slots, 
   } else {
     launch<float>(a, s.data<int64_t>(), float(scale), o);
   }
-  device_synchronize();
 }
 
 }  // namespace hlm::ops::cuda

@@ -60,5 +60,9 @@ void moe_experts_forward(const Tensor& x, const MoeWeights& w, const Tensor& top
 void moe_experts_backward(const MoeSaved& s, const MoeWeights& w,
                           const std::vector<int64_t>& idx_host, const Tensor& dout,
                           MoeWeightGrads& g, MoeGrads& r);
+// x [T, D] f32 / f64; weights f32 / f64 / bf16 as ops::moe_routed_experts allows; topk_idx
+// [T, K] i64 / i32 (not checked); eo [T K, D] of x's dtype.
+void moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                        const Tensor& topk_idx, double swiglu_limit, bool round_bf16, Tensor& eo);
 
 }  // namespace hlm::ops::cuda

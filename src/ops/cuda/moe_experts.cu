@@ -20,9 +20,14 @@
 // dW_gu[e] += dgup^T xp; dxp = dgup W_gu[e]; dx = sum_k dxp[pos[t K + k]] + shared dx, k
 // ascending. The shared expert runs through ops::gemm / ops::matmul. Every step is deterministic
 // (no atomics, cuBLAS with atomics disallowed), so two runs give the same bits.
+// Inference at decode sizes (moe_routed_experts): the same sort, then for each projection one
+// weight-streaming kernel over every expert's rows (expert_gemv_kernel), so no group size is read
+// on the host; the down projection writes each row at its assignment.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
+#include "core/device.h"
 #include "ops/cuda/gemm.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
 #include "ops/cuda/moe.cuh"
@@ -123,12 +128,13 @@ unsigned grid_for(int64_t n) {
 // The permutation of the assignments of idx [N] by expert.
 struct Perm {
   Tensor perm, pos;  // [N] i64 each
+  Tensor off;        // [E + 1] i64: expert e's sorted positions are [off[e], off[e + 1])
 };
 Perm sort_by_expert(const Tensor& idx, int64_t E) {
   const int64_t N = idx.numel();
   const bool i32 = idx.dtype() == DType::i32;
   Tensor count = alloc({E}, DType::i64), off = alloc({E + 1}, DType::i64);
-  Perm p{alloc({N}, DType::i64), alloc({N}, DType::i64)};
+  Perm p{alloc({N}, DType::i64), alloc({N}, DType::i64), off};
   expert_count_kernel<<<unsigned(E), kThreads>>>(idx.raw(), i32, N, mptr<int64_t>(count));
   check_launch("moe experts: count");
   expert_offsets_kernel<<<1, 32>>>(cptr<int64_t>(count), E, mptr<int64_t>(off));
@@ -137,6 +143,85 @@ Perm sort_by_expert(const Tensor& idx, int64_t E) {
                                                    mptr<int64_t>(p.perm), mptr<int64_t>(p.pos));
   check_launch("moe experts: scatter");
   return p;
+}
+
+// ---- routed experts, weight-streaming (moe_routed_experts) ----
+// Y[out(p), n] = sum_k r(X[in(p), k]) r(W[e, n, k]) for expert e = blockIdx.y, its sorted
+// positions p in [off[e], off[e + 1]), and the output channels n of this block; in(p) =
+// in_perm[p] / in_div (or p), out(p) = out_perm[p] (or p); r rounds to bf16 when kRound.
+// Each warp owns kGemvCh output channels, so a block reads its kGemvWarps kGemvCh rows of W once
+// per kGemvRows of the expert's rows: at decode sizes (a few rows per expert) the weights are
+// streamed once. A lane sums k = lane, lane + 32, ... with fused multiply-adds, then warp_sum's
+// butterfly: one fixed order per output element, whatever the other rows.
+constexpr int kGemvWarps = 8, kGemvCh = 4, kGemvRows = 8;
+
+template <bool kRound, class A, class T>
+__device__ __forceinline__ A gemv_ld(const T* p, int64_t i) {
+  if constexpr (kRound && std::is_same_v<T, float>)
+    return A(__bfloat162float(__float2bfloat16_rn(p[i])));
+  else
+    return ld<A>(p, i);
+}
+
+template <bool kRound, class TX, class TW, class A>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    expert_gemv_kernel(const TX* __restrict__ X, const int64_t* __restrict__ in_perm,
+                       int64_t in_div, const TW* __restrict__ W, const int64_t* __restrict__ off,
+                       const int64_t* __restrict__ out_perm, A* __restrict__ Y, int64_t Nout,
+                       int64_t Kin) {
+  const int64_t e = blockIdx.y, p0 = off[e], p1 = off[e + 1];
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t n0 = (int64_t(blockIdx.x) * kGemvWarps + int(threadIdx.x) / 32) * kGemvCh;
+  if (p0 == p1 || n0 >= Nout) return;
+  const TW* We = W + e * Nout * Kin;
+  int64_t wrow[kGemvCh];
+#pragma unroll
+  for (int c = 0; c < kGemvCh; ++c) wrow[c] = std::min(n0 + c, Nout - 1) * Kin;
+  for (int64_t q0 = p0; q0 < p1; q0 += kGemvRows) {
+    int64_t xrow[kGemvRows];
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {
+      const int64_t p = std::min(q0 + r, p1 - 1);
+      xrow[r] = (in_perm ? in_perm[p] / in_div : p) * Kin;
+    }
+    A acc[kGemvCh][kGemvRows];
+#pragma unroll
+    for (int c = 0; c < kGemvCh; ++c)
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) acc[c][r] = A(0);
+    for (int64_t k = lane; k < Kin; k += 32) {
+      A w[kGemvCh];
+#pragma unroll
+      for (int c = 0; c < kGemvCh; ++c) w[c] = gemv_ld<kRound, A>(We, wrow[c] + k);
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) {
+        const A xv = gemv_ld<kRound, A>(X, xrow[r] + k);
+#pragma unroll
+        for (int c = 0; c < kGemvCh; ++c) acc[c][r] = dfma(w[c], xv, acc[c][r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+#pragma unroll
+      for (int c = 0; c < kGemvCh; ++c) {
+        const A v = warp_sum(acc[c][r]);
+        const int64_t p = q0 + r;
+        if (lane == 0 && p < p1 && n0 + c < Nout)
+          Y[(out_perm ? out_perm[p] : p) * Nout + n0 + c] = v;
+      }
+  }
+}
+
+template <bool kRound, class TX, class TW, class A>
+void expert_gemv(const Tensor& X, const int64_t* in_perm, int64_t in_div, const Tensor& W,
+                 const Tensor& off, const int64_t* out_perm, Tensor& Y) {
+  const int64_t E = W.size(0), Nout = W.size(1), Kin = W.size(2);
+  const int64_t per_block = int64_t(kGemvWarps) * kGemvCh;
+  const dim3 grid(unsigned((Nout + per_block - 1) / per_block), unsigned(E));
+  expert_gemv_kernel<kRound, TX, TW, A><<<grid, kGemvWarps * 32>>>(cptr<TX>(X), in_perm, in_div,
+                                                                   cptr<TW>(W), cptr<int64_t>(off),
+                                                                   out_perm, mptr<A>(Y), Nout, Kin);
+  check_launch("moe_routed_experts");
 }
 
 // A new [rows, C] tensor of src's dtype: row r is src's row map[r] / div.
@@ -323,6 +408,39 @@ void moe_experts_backward(const MoeSaved& s, const MoeWeights& w,
     sdx = ops::matmul(dsgu, false, sgu_w, false);
   }
   moe_combine_rows(dxp, p.pos, K, Tensor(), sdx, r.dx);
+}
+
+void moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,
+                        const Tensor& topk_idx, double limit, bool round_bf16, Tensor& eo) {
+  const int64_t T = x.size(0), E = gate_up.size(0), I = gate_up.size(1) / 2, K = topk_idx.size(1),
+                N = T * K;
+  // A row whose index lies outside [0, E) gets no place in the sort: it stays NaN.
+  device_memset(Device::cuda, eo.raw(), 0xFF, eo.nbytes());
+  const Perm p = sort_by_expert(topk_idx, E);
+  Tensor gu = alloc({N, 2 * I}, x.dtype()), h = alloc({N, I}, x.dtype());
+  // Weights of two dtypes (bf16 and f32) under round_bf16: both read as bf16.
+  const bool mixed = round_bf16 && gate_up.dtype() != down.dtype();
+  const Tensor gw = mixed ? in_dtype(gate_up, DType::bf16) : gate_up;
+  const Tensor dw = mixed ? in_dtype(down, DType::bf16) : down;
+  auto run = [&](auto rnd, auto tx, auto tw) {
+    constexpr bool kRound = decltype(rnd)::value;
+    using TX = decltype(tx);
+    using TW = decltype(tw);
+    using A = acc_t<TX>;
+    expert_gemv<kRound, TX, TW, A>(x, cptr<int64_t>(p.perm), K, gw, p.off, nullptr, gu);
+    swiglu_clamped_forward(gu, limit, h);
+    expert_gemv<kRound, A, TW, A>(h, nullptr, 1, dw, p.off, cptr<int64_t>(p.perm), eo);
+  };
+  using RoundOn = std::true_type;
+  using RoundOff = std::false_type;
+  if (x.dtype() == DType::f64)
+    run(RoundOff{}, double{}, double{});
+  else if (!round_bf16)
+    run(RoundOff{}, float{}, float{});
+  else if (gw.dtype() == DType::bf16)
+    run(RoundOn{}, float{}, nv_bf16{});
+  else
+    run(RoundOn{}, float{}, float{});
 }
 
 }  // namespace hlm::ops::cuda

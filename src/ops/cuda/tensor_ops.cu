@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "ops/cuda/layer_ops_common.cuh"
 #include "ops/cuda/tensor_ops.cuh"
@@ -107,6 +108,15 @@ __global__ void scale_kernel(T* __restrict__ c, Layout l, int64_t n, double beta
   }
 }
 
+template <class T>
+__global__ void nan_if_flagged_kernel(T* __restrict__ t, int64_t n,
+                                      const int32_t* __restrict__ flag, double qnan) {
+  if (*flag == 0) return;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    t[i] = convert<T>(qnan);
+}
+
 // One thread per (sequence n, entry i, channel ch) of dfinal [N, W-1, C].
 template <class T>
 __global__ void final_state_bwd_kernel(const T* __restrict__ dfin, const int64_t* __restrict__ cu,
@@ -195,6 +205,16 @@ void scale_(Tensor& c, double beta) {
     scale_kernel<T><<<grid_for(n), kThreads>>>(mptr<T>(c), l, n, beta);
   });
   check_launch("scale_");
+}
+
+void nan_if_flagged_(Tensor& t, const Tensor& flag) {
+  const int64_t n = t.numel();
+  dispatch_storage(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    nan_if_flagged_kernel<T><<<grid_for(n), kThreads>>>(mptr<T>(t), n, cptr<int32_t>(flag),
+                                                        std::numeric_limits<double>::quiet_NaN());
+  });
+  check_launch("nan_if_flagged_");
 }
 
 void causal_conv1d_final_state_backward(const Tensor& dfinal, const std::vector<int64_t>& cu,

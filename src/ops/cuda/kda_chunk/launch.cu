@@ -182,7 +182,6 @@ KdaOutput forward(const KdaArgs& a, const KdaDims& d, const KdaChunkCudaBuffers&
     run_kernels<__nv_bfloat16>(a, pl, x, static_cast<__nv_bfloat16*>(out.o.raw()), tf32);
   else
     run_kernels<float>(a, pl, x, out.o.data<float>(), tf32);
-  device_synchronize();
   return out;
 }
 
