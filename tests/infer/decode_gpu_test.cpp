@@ -15,6 +15,9 @@
 #include <cstdio>
 
 #include "core/device.h"
+#ifdef HLM_CUDA_EMU
+#include "cuda_emu.h"
+#endif
 #include "infer/generator.h"
 #include "infer_models.h"
 
@@ -207,10 +210,19 @@ TEST(DecodeGpu, AStepWaitsForTheDeviceOnlyForItsPicks) {
     // Steps across a KPool pool's completion (positions 5..9 and 3..7).
     for (int step = 0; step < 5; ++step) {
       reset_transfer_stats();
+#ifdef HLM_CUDA_EMU
+      const uint64_t k0 = emu::kernel_launches(), g0 = emu::blas_calls();
+#endif
       cached_forward(dev, cache, {{1 + step}, {2 + step}}, {a, b});
       const TransferStats t = transfer_stats();
       EXPECT_EQ(t.to_host, 0u) << "step " << step;
       EXPECT_EQ(t.synchronizes, 0u) << "step " << step;
+#ifdef HLM_CUDA_EMU
+      if (step == 4)
+        std::printf("[ decode step ] %s: %llu kernels and %llu cuBLAS calls for %lld layers\n",
+                    bf16 ? "bf16 GEMMs" : "f32", (unsigned long long)(emu::kernel_launches() - k0),
+                    (unsigned long long)(emu::blas_calls() - g0), (long long)cfg.num_hidden_layers);
+#endif
     }
     infer::Generator g(dev, {.max_seqs = 2, .max_tokens = 24, .page = 4});
     for (const bool scored : {true, false}) {

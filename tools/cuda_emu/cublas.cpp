@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -59,7 +60,16 @@ bool supported(cudaDataType t) {
   return t == CUDA_R_32F || t == CUDA_R_64F || t == CUDA_R_16BF || t == CUDA_R_16F;
 }
 
+std::atomic<uint64_t> g_blas_calls{0};
+thread_local bool t_in_grouped = false;
+
 }  // namespace
+
+namespace hlm::emu {
+uint64_t blas_calls() {
+  return g_blas_calls.load();
+}
+}  // namespace hlm::emu
 
 extern "C" {
 
@@ -114,6 +124,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
                             cudaDataType Ctype, int ldc, cublasComputeType_t computeType,
                             cublasGemmAlgo_t) {
   if (!handle) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!t_in_grouped) ++g_blas_calls;
   if (m < 0 || n < 0 || k < 0) return CUBLAS_STATUS_INVALID_VALUE;
   if (!supported(Atype) || !supported(Btype) || !supported(Ctype))
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -158,6 +169,11 @@ cublasStatus_t cublasGemmGroupedBatchedEx(
     int group_count, const int group_size[], cublasComputeType_t computeType) {
   if (!handle) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (group_count < 0) return CUBLAS_STATUS_INVALID_VALUE;
+  ++g_blas_calls;
+  struct InGrouped {  // the problems below are this call's, not calls of their own
+    InGrouped() { t_in_grouped = true; }
+    ~InGrouped() { t_in_grouped = false; }
+  } in_grouped;
   const bool f64 = computeType == CUBLAS_COMPUTE_64F || computeType == CUBLAS_COMPUTE_64F_PEDANTIC;
   const size_t scalar = f64 ? sizeof(double) : sizeof(float);
   int64_t p = 0;

@@ -79,6 +79,11 @@ struct LaunchConfig {
 // An invalid configuration sets the error that cudaGetLastError returns.
 void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx);
 
+// Counts since the process started: kernel launches that ran (a race-check run counts once), and
+// cuBLAS GEMM calls (a grouped call counts once). For tests that hold a step to a kernel budget.
+uint64_t kernel_launches();
+uint64_t blas_calls();
+
 template <class F>
 void launch(const LaunchConfig& cfg, F&& body) {
   using Fn = std::remove_reference_t<F>;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
@@ -706,6 +707,12 @@ void cp_async_wait(int pending_groups) {
 
 constexpr size_t kMaxSmemOptin = 232448;  // an H100 / H200's opt-in limit per block
 
+static std::atomic<uint64_t> g_kernel_launches{0};
+
+uint64_t kernel_launches() {
+  return g_kernel_launches.load();
+}
+
 void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   const uint64_t nt = uint64_t(cfg.block.x) * cfg.block.y * cfg.block.z;
   if (nt == 0 || nt > 1024 || cfg.block.z > 64 || cfg.grid.x == 0 || cfg.grid.y == 0 ||
@@ -718,6 +725,7 @@ void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
     return;
   }
   if (t_block) die("a kernel launched another kernel (dynamic parallelism is not emulated)");
+  ++g_kernel_launches;
   const Guarded smem = cfg.smem ? guarded_alloc(cfg.smem) : Guarded{};
   if (cfg.smem && !smem.ptr) die("cannot map %zu bytes of shared memory", cfg.smem);
   // The exact dynamic size, so that an access past it reaches the guard page.
