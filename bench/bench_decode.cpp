@@ -120,6 +120,7 @@ int main(int argc, char** argv) {
     o.seed = 1;
     if (a.device == Device::cuda && !cuda_available()) usage("--device cuda: no CUDA device");
     HybridModel model(cfg, o);
+    model.keep_gemm_weights_in_bf16();  // as generate and serve load it: the same results
     if (a.device == Device::cuda) model.to(Device::cuda);
     const std::string mode = a.sampling.greedy() ? "greedy"
                                                  : fmt::format("temperature {} top-k {} top-p {}",

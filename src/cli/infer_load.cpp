@@ -45,6 +45,9 @@ std::unique_ptr<HybridModel> load_inference_model(const std::string& dir, const 
         fmt::format("{} --speculative needs the MTP block's weights (model.layers.{}.*): {}",
                     command, cfg.num_hidden_layers, e.what()));
   }
+  // Only GEMMs that round to bf16 read these weights: bf16 storage keeps every result's bits and
+  // halves their bytes (before the move, so half of them travel).
+  model->keep_gemm_weights_in_bf16();
   if (dev != Device::cpu) model->to(dev);
   return model;
 }

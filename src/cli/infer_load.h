@@ -23,7 +23,8 @@ Device inference_device(const std::string& device, const std::string& dtype, con
 void check_inference_memory(const ModelConfig& cfg, const Workload& w, int64_t cache_bytes,
                             const std::string& what);
 
-// The checkpoint in dir checked against cfg, then the model built, loaded and moved to dev. With
+// The checkpoint in dir checked against cfg, then the model built, loaded, its bf16-GEMM weights
+// kept in bf16 (Module::keep_gemm_weights_in_bf16) and moved to dev. With
 // opt.mtp (`command --speculative`) an error in the checkpoint says that the MTP block's weights
 // are needed.
 std::unique_ptr<HybridModel> load_inference_model(const std::string& dir, const ModelConfig& cfg,

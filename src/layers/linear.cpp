@@ -116,6 +116,14 @@ void add_bias(Tensor& y, const Tensor& b) {
 
 }  // namespace
 
+void Linear::keep_gemm_weights_in_bf16() {
+  if (!weight_ || weight_read_elsewhere_ || precision_.kind != GemmKind::bf16) return;
+  Param& w = *weight_;
+  if (!w.value.defined() || w.value.dtype() == DType::bf16 || w.value.dtype() == DType::f64) return;
+  w.value = as_dtype(w.value, DType::bf16);
+  w.grad = Tensor();
+}
+
 Tensor Linear::forward(const Context& ctx, const Tensor& x, Saved* saved) const {
   HLM_CHECK(weight_ != nullptr, "Linear::forward: the layer is not initialised");
   HLM_CHECK(x.defined() && x.device() == weight_->value.device(),

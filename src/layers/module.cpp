@@ -38,6 +38,10 @@ void Module::to_dtype(DType dt) {
   }
 }
 
+void Module::keep_gemm_weights_in_bf16() {
+  for (auto& [name, child] : children_) child->keep_gemm_weights_in_bf16();
+}
+
 void Module::to(Device dev) {
   for (auto& [name, p] : named_parameters()) {
     if (p->value.defined() && p->value.device() != dev) p->value = p->value.to(dev);

@@ -51,6 +51,12 @@ class Module {
   void to(Device dev);
   // Allocate (if needed) and zero every gradient.
   void zero_grad();
+  // Inference: every weight that only bf16 GEMMs read (GemmKind::bf16) is kept in bf16, on its
+  // device, and its gradient dropped. Such a GEMM rounds its weight to bf16 anyway, so every result
+  // keeps its bits, and the weights take half the memory and half the bytes read per step (no
+  // per-call conversion). Not for training: the optimizer needs the f32 values. The default
+  // recurses into the children; the modules that own such weights override it.
+  virtual void keep_gemm_weights_in_bf16();
 
  protected:
   Param& add_param(const std::string& name, Tensor value, bool keep_fp32 = false,

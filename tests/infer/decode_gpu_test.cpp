@@ -200,6 +200,7 @@ TEST(DecodeGpu, AStepWaitsForTheDeviceOnlyForItsPicks) {
     const ModelConfig cfg = gpu_config(bf16);
     HybridModel dev(cfg, {.dtype = DType::f32, .seed = 5, .mtp = false});
     dev.to(Device::cuda);
+    dev.keep_gemm_weights_in_bf16();  // as generate and serve load it (a no-op for f32 GEMMs)
     Rng rng(testing::test_seed());
     ModelCache cache(cfg, DType::f32,
                      {.max_seqs = 2, .max_tokens = 24, .page = 4, .device = Device::cuda});
@@ -240,6 +241,43 @@ TEST(DecodeGpu, AStepWaitsForTheDeviceOnlyForItsPicks) {
       EXPECT_EQ(transfer_stats().to_host, step == 0 ? 2u : 1u) << "step " << step;
       EXPECT_EQ(transfer_stats().synchronizes, 0u) << "step " << step;
     }
+  }
+}
+
+// keep_gemm_weights_in_bf16 on CUDA (after the move): the same tokens, log-probabilities and
+// logits, bit for bit, as with the f32 weights, the MoE experts' too.
+TEST(DecodeGpu, GemmWeightsKeptInBf16ChangeNoBit) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  const ModelConfig cfg = gpu_config(true);
+  HybridModel ref(cfg, {.dtype = DType::f32, .seed = 9, .mtp = false});
+  HybridModel dev(cfg, {.dtype = DType::f32, .seed = 9, .mtp = false});
+  ref.to(Device::cuda);
+  dev.to(Device::cuda);
+  dev.keep_gemm_weights_in_bf16();
+  bool experts_bf16 = false;
+  for (auto& [n, p] : dev.named_parameters()) {
+    EXPECT_EQ(p->value.device(), Device::cuda) << n;
+    if (n.find("experts.down_proj") != std::string::npos)
+      experts_bf16 = p->value.dtype() == DType::bf16;
+  }
+  EXPECT_TRUE(experts_bf16);
+  Rng rng(testing::test_seed());
+  std::vector<infer::Request> reqs;
+  for (const int64_t len : {5, 9}) {
+    infer::Request r;
+    r.prompt = random_tokens(len, cfg.vocab_size, rng);
+    r.max_new = 6;
+    r.prompt_logprobs = true;
+    r.sampling = infer::SamplingParams{0.9, 0, 0.95, uint64_t(len)};
+    reqs.push_back(r);
+  }
+  const CacheOptions opt{.max_seqs = 2, .max_tokens = 48, .page = 4};
+  const std::vector<infer::Result> want = infer::Generator(ref, opt).run(reqs);
+  const std::vector<infer::Result> got = infer::Generator(dev, opt).run(reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
+    EXPECT_EQ(got[i].logprobs, want[i].logprobs) << i;
+    EXPECT_EQ(got[i].prompt_logprobs, want[i].prompt_logprobs) << i;
   }
 }
 

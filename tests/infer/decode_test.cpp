@@ -233,5 +233,57 @@ TEST(Decode, ThePlanIsWhatTheCacheAllocates) {
   }
 }
 
+// HybridModel::keep_gemm_weights_in_bf16 (inference): the weights that only bf16 GEMMs read go
+// to bf16 and every number stays the same: a full forward's logits and a cached decode's, bit for
+// bit, for each stack under bf16 GEMMs (MoE experts and MLA's kv_b_proj, which the queries
+// absorb and which therefore stays f32, included).
+TEST(Decode, GemmWeightsKeptInBf16ChangeNoBit) {
+  constexpr int64_t L = 9;
+  for (const Stack& st : stacks()) {
+    SCOPED_TRACE(st.name);
+    nlohmann::json j = base_json();
+    j.merge_patch(st.patch);
+    j["gemm_precision"] = "bf16";
+    const ModelConfig cfg = ModelConfig::from_json(j, st.name);
+    const HybridModel ref(cfg, {.dtype = DType::f32, .seed = 5, .mtp = false});
+    HybridModel m(cfg, {.dtype = DType::f32, .seed = 5, .mtp = false});
+    const int64_t bytes_before = [&] {
+      int64_t b = 0;
+      for (auto& [n, p] : m.named_parameters()) b += int64_t(p->value.nbytes());
+      return b;
+    }();
+    m.keep_gemm_weights_in_bf16();
+    int64_t bytes = 0, in_bf16 = 0;
+    for (auto& [n, p] : m.named_parameters()) {
+      bytes += int64_t(p->value.nbytes());
+      in_bf16 += p->value.dtype() == DType::bf16;
+      if (n.find("kv_b_proj") != std::string::npos || n.find("norm") != std::string::npos)
+        EXPECT_EQ(p->value.dtype(), DType::f32) << n;
+      if (n.find("experts.gate_up_proj") != std::string::npos)
+        EXPECT_EQ(p->value.dtype(), DType::bf16) << n;
+    }
+    EXPECT_GT(in_bf16, 0);
+    EXPECT_LT(bytes, bytes_before);
+    Rng rng(test_seed());
+    const std::vector<int64_t> tok = random_tokens(L, cfg.vocab_size, rng);
+    ModelInputs in;
+    in.tokens = Tensor::from_vector({L}, tok);
+    EXPECT_TRUE(
+        testing::bit_equal(m.forward(eval_ctx(), in).logits, ref.forward(eval_ctx(), in).logits));
+    ModelCache ca(cfg, DType::f32, {.max_seqs = 1, .max_tokens = L, .page = 4});
+    ModelCache cb(cfg, DType::f32, {.max_seqs = 1, .max_tokens = L, .page = 4});
+    const int64_t sa = ca.open(), sb = cb.open();
+    const std::vector<int64_t> prompt(tok.begin(), tok.begin() + 5);
+    EXPECT_TRUE(testing::bit_equal(cached_forward(m, ca, {prompt}, {sa}).logits,
+                                   cached_forward(ref, cb, {prompt}, {sb}).logits));
+    for (int64_t t = 5; t < L; ++t)
+      EXPECT_TRUE(testing::bit_equal(cached_forward(m, ca, {{tok[size_t(t)]}}, {sa}).logits,
+                                     cached_forward(ref, cb, {{tok[size_t(t)]}}, {sb}).logits))
+          << "token " << t;
+    std::printf("[ bf16 weights ] %-45s %lld parameters in bf16, %.1f%% of the bytes\n", st.name,
+                static_cast<long long>(in_bf16), 100.0 * double(bytes) / double(bytes_before));
+  }
+}
+
 }  // namespace
 }  // namespace hlm

@@ -390,6 +390,7 @@ Mla::Mla(const MlaConfig& cfg, const PrecisionPolicy& policy, const std::string&
   kv_a_proj_.init(D, rkv + dr, false, prec("kv_a_proj_with_mqa"), dt);
   add_child("kv_a_proj_with_mqa", &kv_a_proj_);
   kv_b_proj_.init(rkv, H * (dn + dv), false, prec("kv_b_proj"), dt);
+  kv_b_proj_.set_weight_read_elsewhere();  // absorbed into the queries (absorb_query)
   add_child("kv_b_proj", &kv_b_proj_);
   o_proj_.init(H * dv, D, false, prec("o_proj"), dt);
   add_child("o_proj", &o_proj_);

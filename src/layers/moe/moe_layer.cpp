@@ -547,6 +547,15 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   return ops::as_dtype(dx, saved.x_dtype);
 }
 
+void MoeLayer::keep_gemm_weights_in_bf16() {
+  Module::keep_gemm_weights_in_bf16();  // the router and the shared expert
+  for (auto [p, lin] : {std::pair<Param*, const Linear*>{gate_up_, &gate_up_w_}, {down_, &down_w_}})
+    if (lin->precision().kind == GemmKind::bf16 && p->value.dtype() == DType::f32) {
+      p->value = ops::as_dtype(p->value, DType::bf16);
+      p->grad = Tensor();
+    }
+}
+
 void MoeLayer::update_bias(const Tensor& counts, double rate) {
   HLM_CHECK(std::isfinite(rate), "MoeLayer({})::update_bias: rate must be finite, got {}", path_,
             rate);

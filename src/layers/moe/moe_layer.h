@@ -190,6 +190,9 @@ class MoeLayer : public Module {
   // bias_i += rate * sign(mean(counts) - counts_i) (sign(0) = 0), rounded once to the bias dtype.
   // counts [E], all-reduced over the global batch by the caller. Over-loaded experts go down,
   // under-loaded ones up.
+  // Module: the experts' weights too (the grouped GEMMs, the routed kernel and the per-expert
+  // Linears all round them to bf16 under a bf16 expert GEMM).
+  void keep_gemm_weights_in_bf16() override;
   void update_bias(const Tensor& counts, double rate);
 
   const MoeConfig& config() const { return cfg_; }
