@@ -54,6 +54,9 @@ bool cuda_caching();
 // stream's order (before any later kernel or copy).
 void device_copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t nbytes);
 void device_memset_zero(Device d, void* p, size_t nbytes);
+// Every byte of [p, p + nbytes) set to `byte` (e.g. 0xFF: the NaN poison of the tests).
+void device_memset(Device d, void* p, int byte, size_t nbytes);
+void device_synchronize();
 
 // Counts of the copies between the host and CUDA since start or the last reset. A copy to the host
 // waits for the device (the default stream drains first): `to_host` counts the places where the
@@ -67,8 +70,5 @@ struct TransferStats {
 };
 TransferStats transfer_stats();
 void reset_transfer_stats();
-// Every byte of [p, p + nbytes) set to `byte` (e.g. 0xFF: the NaN poison of the tests).
-void device_memset(Device d, void* p, int byte, size_t nbytes);
-void device_synchronize();
 
 }  // namespace hlm

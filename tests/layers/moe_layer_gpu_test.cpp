@@ -24,25 +24,37 @@ namespace {
 using testing::cpu;
 using testing::gpu;
 
+// 8 experts top-2 of 16 channels, a shared expert, the clamp active on part of the activations.
+MoeConfig small_config(DType dt, uint64_t seed) {
+  MoeConfig c;
+  c.hidden_size = 32;
+  c.n_experts = 8;
+  c.top_k = 2;
+  c.moe_intermediate_size = 16;
+  c.n_shared_experts = 1;
+  c.swiglu_limit = 1.5;
+  c.aux_loss_coeff = 1e-2;
+  c.dtype = dt;
+  c.seed = seed;
+  c.init_std = 0.3;
+  return c;
+}
+
+// bf16 GEMMs for bf16 parameters, native ones for f32.
+PrecisionPolicy policy_for(DType dt) {
+  PrecisionPolicy pol;
+  pol.default_kind = dt == DType::bf16 ? GemmKind::bf16 : GemmKind::native;
+  return pol;
+}
+
 TEST(MoeLayerGpu, GroupedExpertsMatchCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   for (DType dt : {DType::f32, DType::bf16}) {
     for (bool recompute : {false, true}) {
       SCOPED_TRACE(std::string(dtype_name(dt)) + (recompute ? " recompute" : ""));
-      MoeConfig c;
-      c.hidden_size = 32;
-      c.n_experts = 8;
-      c.top_k = 2;
-      c.moe_intermediate_size = 16;
-      c.n_shared_experts = 1;
-      c.swiglu_limit = 1.5;
-      c.aux_loss_coeff = 1e-2;
-      c.dtype = dt;
-      c.seed = 3;
-      c.init_std = 0.3;
-      PrecisionPolicy pol;
-      pol.default_kind = dt == DType::bf16 ? GemmKind::bf16 : GemmKind::native;
-      MoeLayer ref(c, pol, "model.layers.1.mlp"), dev(c, pol, "model.layers.1.mlp");
+      const MoeConfig c = small_config(dt, 3);
+      MoeLayer ref(c, policy_for(dt), "model.layers.1.mlp"),
+          dev(c, policy_for(dt), "model.layers.1.mlp");
       // Route every token away from expert 7: an expert without tokens.
       {
         std::vector<double> b(8, 0.0);
@@ -119,20 +131,9 @@ TEST(MoeLayerGpu, InferenceKeepsTheSelectionOnTheDevice) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   for (DType dt : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(dtype_name(dt));
-    MoeConfig c;
-    c.hidden_size = 32;
-    c.n_experts = 8;
-    c.top_k = 2;
-    c.moe_intermediate_size = 16;
-    c.n_shared_experts = 1;
-    c.swiglu_limit = 1.5;
-    c.aux_loss_coeff = 1e-2;
-    c.dtype = dt;
-    c.seed = 5;
-    c.init_std = 0.3;
-    PrecisionPolicy pol;
-    pol.default_kind = dt == DType::bf16 ? GemmKind::bf16 : GemmKind::native;
-    MoeLayer ref(c, pol, "model.layers.1.mlp"), dev(c, pol, "model.layers.1.mlp");
+    const MoeConfig c = small_config(dt, 5);
+    MoeLayer ref(c, policy_for(dt), "model.layers.1.mlp"),
+        dev(c, policy_for(dt), "model.layers.1.mlp");
     dev.to(Device::cuda);
     Rng rng(testing::test_seed(), 98);
     const Context eval{false, false};
