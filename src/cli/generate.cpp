@@ -125,6 +125,7 @@ void run_generate(const GenerateArgs& a) {
   w.max_seq_len = longest;
   w.dtype = opt.dtype;
   w.mtp = a.speculative;
+  w.bf16_gemm_weights = true;  // load_inference_model keeps them in bf16
   checkpoint::LoadOptions lo;
   if (!a.speculative) lo.ignore_layers_from = cfg.num_hidden_layers;
   lo.allow_missing = cfg.tie_word_embeddings;

@@ -280,6 +280,7 @@ void run_serve(const ServeArgs& a) {
   w.tokens = std::min<int64_t>(a.cache_tokens, cfg.max_position_embeddings);
   w.dtype = opt.dtype;
   w.mtp = a.speculative;
+  w.bf16_gemm_weights = true;  // load_inference_model keeps them in bf16
   check_inference_memory(cfg, w, cb.total(), "serve");
   const std::unique_ptr<tokenizer::Tokenizer> tok = tokenizer_if_any(a.model);
   const std::unique_ptr<HybridModel> model =

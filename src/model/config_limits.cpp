@@ -255,6 +255,22 @@ MemoryEstimate estimate_memory(const ModelConfig& c, const Workload& w) {
   const uint64_t cb = w.dtype == DType::f64 ? 8 : 4;  // compute dtype
   MemoryEstimate m;
   m.parameters = umul(P, pb);
+  if (w.bf16_gemm_weights && pb > 2) {
+    const uint64_t experts =
+        u(mul(c.moe.n_routed_experts, mul(3, c.hidden_size, c.moe.moe_intermediate_size)));
+    auto bf16_experts = [&](int64_t layer) {
+      return c.precision
+                 .resolve(fmt::format("model.layers.{}.mlp.experts", layer), ModuleRole::moe_expert)
+                 .kind == GemmKind::bf16;
+    };
+    uint64_t narrowed = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      if (c.is_moe_layer(l) && bf16_experts(l)) narrowed = uadd(narrowed, experts);
+    if (w.mtp && c.mtp.num_layers > 0 && c.mtp_mlp_kind() == MlpKind::moe &&
+        bf16_experts(c.num_hidden_layers))
+      narrowed = uadd(narrowed, experts);
+    m.parameters -= umul(narrowed, pb - 2);
+  }
   if (w.training) {
     // Gradients: f32, or f64 for f64 parameters.
     const uint64_t gb = w.dtype == DType::f64 ? 8 : 4;

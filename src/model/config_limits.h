@@ -64,6 +64,10 @@ struct Workload {
   DType dtype = DType::f32;      // parameter dtype
   bool mtp = true;               // the MTP block is built
   bool dense_attention = false;  // DSA layers attend every earlier token (the warm-up stage)
+  // Inference that keeps the weights of bf16 GEMMs in bf16 (Module::keep_gemm_weights_in_bf16):
+  // the routed experts whose GEMM resolves to bf16 are counted at 2 bytes (the bulk of a MoE
+  // model); the other weights at dtype (an over-estimate by their bf16 share).
+  bool bf16_gemm_weights = false;
 };
 
 struct MemoryEstimate {

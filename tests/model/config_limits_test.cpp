@@ -152,6 +152,25 @@ TEST(ModelConfigLimits, MemoryEstimateFromTheShapes) {
   EXPECT_EQ(estimate_memory(c, w).training, 16 * P);  // + the FP32 masters
   EXPECT_EQ(estimate_memory(c, w).parameters, 2 * P);
   w.dtype = DType::f32;
+  {
+    // Inference with the bf16 GEMMs' weights in bf16: the routed experts at 2 bytes when their
+    // GEMM is bf16 (every MoE layer and the MTP block's), nothing changed under native GEMMs.
+    Workload inf;
+    inf.tokens = 1024;
+    inf.bf16_gemm_weights = true;
+    EXPECT_EQ(estimate_memory(c, inf).parameters, 4 * P) << "native GEMMs";
+    json jb = tiny_json();
+    jb["gemm_precision"] = "bf16";
+    const ModelConfig cb = ModelConfig::from_json(jb, "bf16");
+    const uint64_t Pb = uint64_t(parameter_count(cb, true));
+    const uint64_t experts = uint64_t(routed_expert_parameter_count(cb, true));
+    ASSERT_GT(experts, 0u);
+    EXPECT_EQ(estimate_memory(cb, inf).parameters, 4 * Pb - 2 * experts);
+    inf.mtp = false;
+    EXPECT_EQ(estimate_memory(cb, inf).parameters,
+              4 * uint64_t(parameter_count(cb, false)) -
+                  2 * uint64_t(routed_expert_parameter_count(cb, false)));
+  }
   // Activations: the residual streams and logits grow with T; a dense MLA layer's index table
   // with T * L.
   Workload w2 = w;
