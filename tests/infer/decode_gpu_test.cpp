@@ -9,7 +9,8 @@
 // relative error below 5e-5; bf16 GEMMs: below 1e-3) and, for f32, its DSA selections exactly;
 // the Generator on CUDA yields the CPU's greedy and sampled tokens and their log-probabilities
 // (1e-4) with sequences joining and leaving, and speculative decoding with the MTP block yields the
-// same tokens.
+// same tokens; a decode step's forward copies nothing to the host (the Generator's step one block
+// of picks); the weights kept in bf16 change no bit.
 #include <gtest/gtest.h>
 
 #include <cstdio>
