@@ -147,34 +147,37 @@ Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
   return out;
 }
 
-Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
-                           const char* what) {
+namespace {
+
+// Both overloads: nonfinite null throws on a non-finite CUDA value, else sets the flag.
+Tensor fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                   const char* what, Tensor* nonfinite) {
   detail::require_float_dev(x, op, what);
   HLM_CHECK(x.dim() >= 1 && opt.fp8_amax_floor > 0,
             "{}: fp8 emulation of {} needs a tensor [..., d] and a positive amax floor, got {} "
             "and {}",
             op, what, x.describe(), opt.fp8_amax_floor);
   if (x.is_cpu()) return cpu::indexer_fp8_emulate(x.contiguous(), opt, op, what);
+  if (nonfinite)
+    HLM_CHECK(nonfinite->defined() && nonfinite->dtype() == DType::i32 && nonfinite->numel() == 1 &&
+                  nonfinite->device() == x.device() && nonfinite->is_contiguous(),
+              "{}: the non-finite flag must be an i32 [1] tensor on x's device, got {}", op,
+              nonfinite->defined() ? nonfinite->describe() : "undefined");
   Tensor out;
-  HLM_CUDA_PATH(op, out = cuda::indexer_fp8_emulate(x.contiguous(), opt, op, what, nullptr));
+  HLM_CUDA_PATH(op, out = cuda::indexer_fp8_emulate(x.contiguous(), opt, op, what, nonfinite));
   return out;
+}
+
+}  // namespace
+
+Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
+                           const char* what) {
+  return fp8_emulate(x, opt, op, what, nullptr);
 }
 
 Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, const char* op,
                            const char* what, Tensor& nonfinite) {
-  if (x.defined() && x.is_cpu()) return indexer_fp8_emulate(x, opt, op, what);
-  HLM_CHECK(nonfinite.defined() && nonfinite.dtype() == DType::i32 && nonfinite.numel() == 1 &&
-                x.defined() && nonfinite.device() == x.device() && nonfinite.is_contiguous(),
-            "{}: the non-finite flag must be an i32 [1] tensor on x's device, got {}", op,
-            nonfinite.defined() ? nonfinite.describe() : "undefined");
-  detail::require_float_dev(x, op, what);
-  HLM_CHECK(x.dim() >= 1 && opt.fp8_amax_floor > 0,
-            "{}: fp8 emulation of {} needs a tensor [..., d] and a positive amax floor, got {} "
-            "and {}",
-            op, what, x.describe(), opt.fp8_amax_floor);
-  Tensor out;
-  HLM_CUDA_PATH(op, out = cuda::indexer_fp8_emulate(x.contiguous(), opt, op, what, &nonfinite));
-  return out;
+  return fp8_emulate(x, opt, op, what, &nonfinite);
 }
 
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,

@@ -151,8 +151,9 @@ MoeGrads moe_experts_backward(const MoeSaved& s, const MoeWeights& w, const Tens
 // it. gu, h and eo are in x's dtype.
 // Each output element is one sum over its input channels in a fixed order that no other row
 // changes (32 strided partial sums, k = j (mod 32) in increasing k, then a butterfly over the 32:
-// the order of a warp's sum, which the CPU follows, so the CPU and CUDA agree bit for bit): a
-// token's result does not depend on the batch it is in.
+// the order of a warp's sum, which the CPU follows: the two sums agree bit for bit, and the
+// outputs wherever the SwiGLU's exponentials do, as every one did on the emulation): a token's
+// result does not depend on the batch it is in.
 // topk_idx [T, K] i64 / i32. On the CPU its values are checked; on CUDA they are not read (that
 // would wait): a row whose index is outside [0, E) is left NaN.
 Tensor moe_routed_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down,

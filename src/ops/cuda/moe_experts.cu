@@ -189,12 +189,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     for (int c = 0; c < kGemvCh; ++c)
 #pragma unroll
       for (int r = 0; r < kGemvRows; ++r) acc[c][r] = A(0);
+    // The chunk's rows (uniform over the block): at batch 1 an expert has one, and the others'
+    // loads and products are skipped.
+    const int nr = int(std::min<int64_t>(kGemvRows, p1 - q0));
     for (int64_t k = lane; k < Kin; k += 32) {
       A w[kGemvCh];
 #pragma unroll
       for (int c = 0; c < kGemvCh; ++c) w[c] = gemv_ld<kRound, A>(We, wrow[c] + k);
 #pragma unroll
       for (int r = 0; r < kGemvRows; ++r) {
+        if (r >= nr) break;
         const A xv = gemv_ld<kRound, A>(X, xrow[r] + k);
 #pragma unroll
         for (int c = 0; c < kGemvCh; ++c) acc[c][r] = dfma(w[c], xv, acc[c][r]);
