@@ -17,6 +17,7 @@
 #include "core/rng.h"
 #include "cuda_emu.h"
 #include "ops/cuda/mma_tf32.cuh"
+#include "ops/cuda/sm90.cuh"
 #include "testing.h"
 
 namespace hlm {
@@ -267,6 +268,130 @@ TEST(CudaEmu, CpAsyncLandsAtTheWait) {
   }
   cudaFree(src);
   cudaFree(out);
+}
+
+// ---------------------------------------------------------------- Hopper: wgmma, mbarrier, TMA
+
+namespace sm = ops::cuda::sm90;
+
+// A [64 x 16] and B [16 x 8] (bf16, K-major, no swizzle: core matrices along K 128 bytes apart,
+// along M/N 256) in the block's dynamic shared memory from offset 0 (A) and 4096 (B).
+void fill_wgmma_tiles(unsigned char* sm, int b_value) {
+  const int t = int(threadIdx.x);
+  for (int i = t; i < 64 * 16; i += 128) {
+    const int m = i / 16, k = i % 16;
+    const uint16_t one = 0x3f80;  // 1.0 in bf16
+    std::memcpy(sm + (m % 8) * 16 + (m / 8) * 256 + (k / 8) * 128 + (k % 8) * 2, &one, 2);
+  }
+  for (int i = t; i < 8 * 16; i += 128) {
+    const int n = i / 16, k = i % 16;
+    const uint16_t v = uint16_t(__float_as_uint(float(b_value)) >> 16);
+    std::memcpy(sm + 4096 + (n % 8) * 16 + (k / 8) * 128 + (k % 8) * 2, &v, 2);
+  }
+}
+
+// The product is formed when its group is retired: the accumulators hold the old values before
+// the wait, and the shared memory is read then (a kernel that overwrites an operand before the
+// wait sees the new values used, which a GPU does not promise either).
+TEST(CudaEmu, WgmmaLandsAtTheWait) {
+  float* out = device_array<float>(128 * 3);
+  emu::launch(emu::LaunchConfig(1, 128, 8192), [&]() {
+    auto* sm = static_cast<unsigned char*>(emu::dynamic_smem());
+    fill_wgmma_tiles(sm, 1);
+    __syncthreads();
+    const uint64_t da = sm::smem_desc(sm, sm::Swizzle::none, 128, 256);
+    const uint64_t db = sm::smem_desc(sm + 4096, sm::Swizzle::none, 128, 256);
+    float d[4] = {7.f, 7.f, 7.f, 7.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+    sm::wgmma_fence();
+    sm::wgmma_bf16<8>(d, da, db, false);
+    sm::wgmma_commit();
+    sm::wgmma_bf16<8>(e, da, db, true);
+    sm::wgmma_commit();
+    const int t = int(threadIdx.x);
+    out[t] = d[0];        // not retired yet
+    sm::wgmma_wait<1>();  // the first group only
+    out[128 + t] = d[0] + 100.f * e[0];
+    __syncthreads();
+    fill_wgmma_tiles(sm, 2);  // B changes before the second group is retired
+    __syncthreads();
+    sm::wgmma_wait<0>();
+    out[256 + t] = e[0];
+  });
+  for (int t = 0; t < 128; ++t) {
+    EXPECT_EQ(out[t], 7.f) << t;
+    EXPECT_EQ(out[128 + t], 16.f) << t;  // sum over 16 of 1 x 1; e untouched
+    EXPECT_EQ(out[256 + t], 32.f) << t;  // read at the wait: 1 x 2
+  }
+  cudaFree(out);
+}
+
+// Phases complete on arrivals and transaction bytes; a tensor load lands when its barrier is
+// waited on (before, its destination holds what it held).
+TEST(CudaEmu, MbarrierPhasesAndTensorLoads) {
+  float* src = device_array<float>(64);
+  for (int i = 0; i < 64; ++i) src[i] = float(i);
+  const CUtensorMap map = sm::tensor_map(src, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, {8, 8}, {32}, {8, 8},
+                                         CU_TENSOR_MAP_SWIZZLE_NONE);
+  float* out = device_array<float>(8);
+  emu::launch(emu::LaunchConfig(1, 1, 1024), [&]() {
+    auto* sm = static_cast<unsigned char*>(emu::dynamic_smem());
+    auto* dst = reinterpret_cast<float*>(sm);
+    auto* bar = reinterpret_cast<uint64_t*>(sm + 512);
+    sm::mbarrier_init(bar, 1);
+    sm::mbarrier_arrive_expect_tx(bar, 256);
+    sm::tma_load<2>(dst, &map, {0, 0}, bar);
+    out[0] = dst[9];  // not landed: the 0xff fill of shared memory
+    out[1] = sm::mbarrier_try_wait(bar, 0) ? 1.f : 0.f;
+    out[2] = dst[9];
+    out[3] = sm::mbarrier_try_wait(bar, 1) ? 1.f : 0.f;  // phase 1 is in progress
+    sm::mbarrier_arrive(bar);                            // completes it (no bytes expected)
+    out[4] = sm::mbarrier_try_wait(bar, 1) ? 1.f : 0.f;
+    out[5] = sm::mbarrier_try_wait(bar, 0) ? 1.f : 0.f;  // phase 2 (parity 0) is in progress
+  });
+  EXPECT_TRUE(std::isnan(out[0]));
+  EXPECT_EQ(out[1], 1.f);
+  EXPECT_EQ(out[2], 9.f);
+  EXPECT_EQ(out[3], 0.f);
+  EXPECT_EQ(out[4], 1.f);
+  EXPECT_EQ(out[5], 0.f);
+  cudaFree(src);
+  cudaFree(out);
+}
+
+TEST(CudaEmuDeathTest, WgmmaMisuseAborts) {
+  const auto product = [](bool wait, bool same_b, unsigned threads) {
+    emu::launch(emu::LaunchConfig(1, threads, 8192), [=]() {
+      auto* sm = static_cast<unsigned char*>(emu::dynamic_smem());
+      float d[4] = {};
+      const uint64_t db =
+          sm::smem_desc(sm + (same_b || threadIdx.x ? 4096 : 6144), sm::Swizzle::none, 128, 256);
+      sm::wgmma_bf16<8>(d, sm::smem_desc(sm, sm::Swizzle::none, 128, 256), db, false);
+      sm::wgmma_commit();
+      if (wait) sm::wgmma_wait<0>();
+    });
+  };
+  EXPECT_DEATH(product(false, true, 128), "not retired");
+  EXPECT_DEATH(product(true, false, 128), "different");
+  EXPECT_DEATH(product(true, true, 64), "fewer than 128");
+}
+
+TEST(CudaEmuDeathTest, MbarrierMisuseAborts) {
+  // Two arrivals expected, one comes: every thread polls forever.
+  EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 64, 64),
+                           []() {
+                             auto* bar = static_cast<uint64_t*>(emu::dynamic_smem());
+                             if (threadIdx.x == 0) sm::mbarrier_init(bar, 2);
+                             __syncthreads();
+                             if (threadIdx.x == 0) sm::mbarrier_arrive(bar);
+                             sm::mbarrier_wait(bar, 0);
+                           }),
+               "cannot proceed");
+  EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 32, 64),
+                           []() {
+                             auto* bar = static_cast<uint64_t*>(emu::dynamic_smem());
+                             sm::mbarrier_arrive(bar);
+                           }),
+               "before mbarrier.init");
 }
 
 TEST(CudaEmu, BadLaunchConfigurationIsAnError) {

@@ -119,6 +119,39 @@ void cp_async(void* dst, const void* src, int bytes);
 void cp_async_commit();
 void cp_async_wait(int pending_groups);
 
+// ---- Hopper (sm_90a): wgmma, mbarrier and TMA, as src/ops/cuda/sm90.cuh issues them.
+// The shared-window address of a byte of the block's dynamic shared memory (what
+// __cvta_generic_to_shared gives on a GPU; wgmma descriptors hold it), and back. Congruent with
+// the generic address modulo 1024, so that aligning either aligns both (the swizzle patterns are
+// functions of the shared address's bits 4 to 9).
+uint32_t smem_address(const void* p);
+void* smem_pointer(uint32_t address, size_t bytes);
+// wgmma.mma_async.sync.aligned.m64nNk16 (bf16) / m64nNk8 (tf32), f32 accumulators d[N / 2]; A from
+// the shared-memory descriptor desc_a, or (a != nullptr) from the registers a[4]; B from desc_b.
+// A warpgroup collective (the 128 threads of warps 4 j .. 4 j + 3). The product is deferred: it is
+// formed, reading the shared memory then, when wgmma_wait retires its group.
+enum class WgmmaType : uint8_t { bf16, tf32 };
+void wgmma(WgmmaType type, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b,
+           bool accumulate, int scale_a, int scale_b, int trans_a, int trans_b);
+void wgmma_fence();
+void wgmma_commit();
+void wgmma_wait(int pending_groups);
+// mbarrier objects (8 bytes of shared memory: the state lives in them). arrive returns the
+// state token (its phase bit); tx_bytes > 0 is arrive.expect_tx.
+void mbarrier_init(uint64_t* bar, uint32_t count);
+uint64_t mbarrier_arrive(uint64_t* bar, uint32_t tx_bytes);
+void mbarrier_expect_tx(uint64_t* bar, uint32_t tx_bytes);
+// Whether the phase of parity `parity` has completed. Performs the tensor loads queued on bar
+// first; a false result lets the other threads run.
+bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity);
+// cp.async.bulk.tensor.{1-5}d tile loads (global -> shared, complete_tx on bar: queued, performed
+// when a thread waits on bar) and stores (shared -> global, bulk groups per thread: performed at
+// bulk_wait or the thread's end). map: a CUtensorMap from the emulated cuTensorMapEncodeTiled.
+void tma_load(void* dst, const void* map, const int32_t* coords, int rank, uint64_t* bar);
+void tma_store(const void* map, const int32_t* coords, int rank, const void* src);
+void bulk_commit();
+void bulk_wait(int pending_groups);
+
 inline float flush_subnormal(float x) {
   return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x;
 }
@@ -281,6 +314,9 @@ requires(std::is_same_v<T, int> || std::is_same_v<T, unsigned> ||
          std::is_same_v<T, unsigned long long>) T atomicAdd(T* p, T v) {
   return std::atomic_ref<T>(*p).fetch_add(v);
 }
+// Dynamic shared memory only (static __shared__ arrays are thread-local host statics here).
 inline size_t __cvta_generic_to_shared(const void* p) {
-  return reinterpret_cast<size_t>(p);
+  return ::hlm::emu::smem_address(p);
 }
+#undef __grid_constant__
+#define __grid_constant__

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda.h>  // CUtensorMap and cuTensorMapEncodeTiled's types
+
 #include "cuda_emu.h"
 
 #if !defined(__x86_64__)
@@ -195,8 +197,18 @@ char* stack_for(size_t i) {
 
 // ------------------------------------------------------------------ the block scheduler
 
-enum class State : uint8_t { runnable, barrier, collective, done };
-enum class Kind : uint8_t { sync, shfl, ballot, mma, mma_bf16, ldmatrix };
+enum class State : uint8_t { runnable, barrier, collective, wgroup, done };
+enum class Kind : uint8_t {
+  sync,
+  shfl,
+  ballot,
+  mma,
+  mma_bf16,
+  ldmatrix,
+  wgmma,
+  wg_commit,
+  wg_wait
+};
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::sync:
@@ -211,9 +223,70 @@ const char* kind_name(Kind k) {
       return "mma.sync (bf16)";
     case Kind::ldmatrix:
       return "ldmatrix";
+    case Kind::wgmma:
+      return "wgmma.mma_async";
+    case Kind::wg_commit:
+      return "wgmma.commit_group";
+    case Kind::wg_wait:
+      return "wgmma.wait_group";
   }
   return "?";
 }
+
+// The arguments of one wgmma.mma_async as a thread issues it.
+struct WgmmaArgs {
+  WgmmaType type;
+  int n;
+  float* d;
+  uint64_t desc_a, desc_b;
+  const uint32_t* a;  // nullptr: A from desc_a
+  bool accumulate;
+  int scale_a, scale_b, trans_a, trans_b;
+  bool same_op(const WgmmaArgs& o) const {
+    return type == o.type && n == o.n && desc_a == o.desc_a && desc_b == o.desc_b &&
+           (a == nullptr) == (o.a == nullptr) && accumulate == o.accumulate &&
+           scale_a == o.scale_a && scale_b == o.scale_b && trans_a == o.trans_a &&
+           trans_b == o.trans_b;
+  }
+};
+
+// One wgmma of a warpgroup, issued and not yet retired: the A registers as they were at the
+// issue, the accumulator registers of its 128 threads.
+struct WgmmaOp {
+  WgmmaArgs args{};
+  uint32_t a[128][4] = {};
+  float* d[128] = {};
+};
+
+struct WarpGroup {
+  int arrived = 0;                // threads waiting at a warpgroup collective
+  std::vector<WgmmaOp> ops;       // issued, not retired (the oldest first)
+  std::vector<size_t> group_end;  // the end (in ops) of each committed group
+};
+
+// An emulated CUtensorMap (cuTensorMapEncodeTiled below writes it into the 128 opaque bytes).
+struct TensorMap {
+  uint64_t magic;
+  uint64_t base;
+  uint64_t dim[5];
+  uint64_t stride[5];  // bytes; stride[0] is the element size
+  uint32_t box[5];
+  uint32_t rank, elem_bytes, swizzle_span;  // swizzle_span: 0 (none), 32, 64 or 128 bytes
+};
+static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap), "the emulated map must fit a CUtensorMap");
+constexpr uint64_t kTensorMapMagic = 0x50414d544d4c4831ull;
+
+struct TmaLoad {
+  void* dst;
+  TensorMap map;
+  int32_t c[5];
+  uint64_t* bar;
+};
+struct BulkStore {
+  TensorMap map;
+  int32_t c[5];
+  const void* src;
+};
 
 struct Copy {
   void* dst;
@@ -242,6 +315,11 @@ struct Lane {
   // cp.async: copies not yet performed, and the end (in `copies`) of each committed group
   std::vector<Copy> copies;
   std::vector<size_t> group_end;
+  // wgmma in progress (a warpgroup collective): its arguments; wgmma.wait_group: the count
+  const WgmmaArgs* wg = nullptr;
+  // cp.async.bulk tensor stores not yet performed, and the end of each committed bulk group
+  std::vector<BulkStore> stores;
+  std::vector<size_t> store_group_end;
 };
 
 struct Block {
@@ -258,6 +336,10 @@ struct Block {
   void (*body)(void*) = nullptr;
   void* ctx = nullptr;
   char* smem = nullptr;
+  size_t smem_bytes = 0;
+  std::vector<WarpGroup> wgs;  // per 128 threads
+  std::vector<TmaLoad> tma;    // tensor loads issued, not yet performed
+  int poll_misses = 0;         // mbarrier polls that failed since anything last changed
 };
 
 thread_local Block* t_block = nullptr;
@@ -314,6 +396,7 @@ void wake(Block& b, Lane* L, int n, State waiting, unsigned mask = 0xffffffffu) 
 // Releases the barrier (from its last arrival, or from a lane's exit: then the running lane is
 // done and not among the waiting).
 void release_barrier(Block& b) {
+  b.poll_misses = 0;
   b.barrier_result = b.barrier_count;
   b.barrier_count = 0;
   b.at_barrier = 0;
@@ -352,6 +435,7 @@ void mma_finish(Lane* L, const float (&A)[16][K], const float (&B)[K][8]) {
 
 // Completes the collective of the lanes `mask` of warp w (each of them waits at it).
 void complete_collective(Block& b, int w, unsigned mask) {
+  b.poll_misses = 0;
   Lane* L = &b.lanes[size_t(w) * 32];
   const int n = std::min(32, int(b.lanes.size()) - 32 * w);
   const Lane* first = t_lane;
@@ -470,6 +554,10 @@ void complete_collective(Block& b, int w, unsigned mask) {
       }
       break;
     }
+    case Kind::wgmma:
+    case Kind::wg_commit:
+    case Kind::wg_wait:
+      die("warp %d: a warpgroup instruction met a warp collective", w);
   }
   wake(b, L, n, State::collective, mask);
   if (mask == 0xffffffffu) b.arrived[size_t(w)] = 0;
@@ -508,9 +596,13 @@ void collective() {
   complete_collective(b, w, me.mask);
 }
 
+void perform_stores(Lane& l, size_t upto);
+
 void finish_lane(Lane& l) {
   perform_copies(l, l.copies.size());
   l.group_end.clear();
+  perform_stores(l, l.stores.size());
+  l.store_group_end.clear();
   l.state = State::done;
   Block& b = *t_block;
   --b.live;
@@ -533,7 +625,9 @@ void lane_main(void* arg) {
     char buf[160];
     std::snprintf(buf, sizeof buf, "\n  thread (%u,%u,%u) warp %d lane %d: %s", l.tid.x, l.tid.y,
                   l.tid.z, l.index / 32, l.index % 32,
-                  l.state == State::barrier ? "at __syncthreads" : kind_name(l.kind));
+                  l.state == State::barrier    ? "at __syncthreads"
+                  : l.state == State::runnable ? "polling an mbarrier"
+                                               : kind_name(l.kind));
     s += buf;
     if (s.size() > 4000) {
       s += "\n  ...";
@@ -554,6 +648,9 @@ void run_block(Block& b, bool reverse) {
   b.queue.assign(size_t(n), 0);
   b.head = b.count = 0;
   b.reverse = reverse;
+  for (WarpGroup& g : b.wgs) g = WarpGroup{};
+  b.tma.clear();
+  b.poll_misses = 0;
   for (int j = 0; j < n; ++j) {
     Lane& l = b.lanes[size_t(reverse ? n - 1 - j : j)];
     l.copies.clear();
@@ -564,6 +661,10 @@ void run_block(Block& b, bool reverse) {
   // The lanes pass control among themselves; it comes back here when none is runnable.
   switch_away(t_scheduler);
   if (b.live > 0) deadlock(b);
+  for (size_t g = 0; g < b.wgs.size(); ++g)
+    if (!b.wgs[g].ops.empty())
+      die("block (%u,%u,%u): warpgroup %zu ended with %zu wgmma not retired by wgmma.wait_group",
+          t_block_idx.x, t_block_idx.y, t_block_idx.z, g, b.wgs[g].ops.size());
   t_lane = nullptr;
 }
 
@@ -588,6 +689,8 @@ void run_grid(const LaunchConfig& cfg, void (*body)(void*), void* ctx, bool reve
   b.body = body;
   b.ctx = ctx;
   b.smem = smem.ptr;
+  b.smem_bytes = smem.bytes;
+  b.wgs.resize(size_t((nt + 127) / 128));
   Block* outer_block = t_block;
   t_block = &b;
   t_block_dim = uint3{cfg.block.x, cfg.block.y, cfg.block.z};
@@ -701,6 +804,446 @@ void cp_async_wait(int pending_groups) {
   const size_t upto = l.group_end[size_t(groups - pending_groups - 1)];
   l.group_end.erase(l.group_end.begin(), l.group_end.begin() + (groups - pending_groups));
   perform_copies(l, upto);
+}
+
+// ------------------------------------------------------------------ Hopper: wgmma, mbarrier, TMA
+
+namespace {
+
+// The shared window: addresses count from the 1024-byte boundary at or below the dynamic shared
+// memory's start, so that an address and its generic pointer agree modulo 1024.
+uintptr_t smem_window(const Block& b) {
+  return reinterpret_cast<uintptr_t>(b.smem) & ~uintptr_t(1023);
+}
+
+// The 16-byte chunk swizzles of wgmma and TMA (span 32, 64 or 128 bytes; 0: none): bits 4..6 of
+// a shared address XOR bits 7..9, as many bits as the span has 16-byte chunks past the first.
+uint32_t swizzle(uint32_t a, uint32_t span) {
+  const uint32_t bits = span == 128 ? 7u : span == 64 ? 3u : span == 32 ? 1u : 0u;
+  return a ^ (((a >> 7) & bits) << 4);
+}
+
+// The shared address of element (mn, k) of a wgmma operand (mn: the row of A or the column of B;
+// K elements of esz bytes each) under its descriptor, in the canonical layouts of the PTX ISA
+// ("Shared memory matrix layout"; core matrices of 8 rows x 16 bytes):
+//   K-major (the K elements of a row contiguous):
+//     no swizzle: row mn % 8 of a core matrix at 16 bytes, core matrices along M/N at SBO,
+//                 along K at LBO;
+//     swizzle of span S (32, 64, 128): 8 rows of S bytes per atom, atoms along M/N at SBO,
+//                 the K bytes contiguous from the start (LBO unused);
+//   M/N-major (transposed: the M/N elements of a k contiguous):
+//     no swizzle: core matrix rows are k % 8 (16 bytes of 8 M/N elements), core matrices along
+//                 K at LBO, along M/N at SBO;
+//     swizzle of span S: 8 k-rows of S bytes per atom, atoms along K at SBO, along M/N at LBO.
+// Then the swizzle of the descriptor's mode on the address.
+uint32_t operand_address(uint64_t desc, int mn, int k, int esz, bool mn_major) {
+  const uint32_t start = uint32_t(desc & 0x3fff) << 4;
+  const uint32_t lbo = uint32_t((desc >> 16) & 0x3fff) << 4;
+  const uint32_t sbo = uint32_t((desc >> 32) & 0x3fff) << 4;
+  const uint32_t mode = uint32_t(desc >> 62);
+  const uint32_t span = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 0;
+  uint32_t a;
+  if (!mn_major) {
+    const uint32_t kb = uint32_t(k * esz), r = uint32_t(mn);
+    a = span == 0 ? start + (r % 8) * 16 + (r / 8) * sbo + (kb / 16) * lbo + kb % 16
+                  : start + (r % 8) * span + (r / 8) * sbo + kb;
+  } else {
+    const uint32_t mb = uint32_t(mn * esz), r = uint32_t(k);
+    a = span == 0 ? start + (r % 8) * 16 + (r / 8) * lbo + (mb / 16) * sbo + mb % 16
+                  : start + (r % 8) * span + (r / 8) * sbo + (mb / span) * lbo + mb % span;
+  }
+  return swizzle(a, span);
+}
+
+float operand_value(const Block& b, uint32_t address, WgmmaType type) {
+  if (type == WgmmaType::bf16) {
+    uint16_t h;
+    std::memcpy(&h, smem_pointer(address, 2), 2);
+    return __uint_as_float(uint32_t(h) << 16);
+  }
+  uint32_t u;
+  std::memcpy(&u, smem_pointer(address, 4), 4);
+  (void)b;
+  return __uint_as_float(u & 0xffffe000u);  // TF32: the low 13 bits are ignored
+}
+
+// D = A B (+ D): A [64][K] from the descriptor or the issue's registers, B [K][N] from its
+// descriptor, products and the accumulator summed in FP64 and rounded once.
+void run_wgmma(const Block& b, const WgmmaOp& op) {
+  const WgmmaArgs& w = op.args;
+  const bool bf = w.type == WgmmaType::bf16;
+  const int K = bf ? 16 : 8, esz = bf ? 2 : 4, N = w.n;
+  std::vector<double> A(size_t(64) * K), B(size_t(K) * N);
+  if (w.a) {
+    // Registers: warp j of the warpgroup holds rows 16 j .. 16 j + 15 in mma.sync's A fragment
+    // (lane = 4 g + t): bf16 a_r = (g + 8 (r % 2), 2 t + 8 (r / 2) .. + 1), two per register;
+    // tf32 a_r = (g + 8 (r % 2), t + 4 (r / 2)).
+    for (int i = 0; i < 128; ++i) {
+      const int row0 = 16 * (i / 32) + ((i % 32) >> 2), t = i & 3;
+      for (int r = 0; r < 4; ++r) {
+        const int row = row0 + 8 * (r & 1);
+        const uint32_t v = op.a[i][r];
+        if (bf) {
+          const int col = 2 * t + 8 * (r >> 1);
+          A[size_t(row) * K + col] = __uint_as_float(v << 16);
+          A[size_t(row) * K + col + 1] = __uint_as_float(v & 0xffff0000u);
+        } else {
+          A[size_t(row) * K + t + 4 * (r >> 1)] = __uint_as_float(v & 0xffffe000u);
+        }
+      }
+    }
+  } else {
+    for (int m = 0; m < 64; ++m)
+      for (int k = 0; k < K; ++k)
+        A[size_t(m) * K + k] =
+            operand_value(b, operand_address(w.desc_a, m, k, esz, w.trans_a != 0), w.type);
+  }
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k)
+      B[size_t(k) * N + n] =
+          operand_value(b, operand_address(w.desc_b, n, k, esz, w.trans_b != 0), w.type);
+  // Accumulators (PTX ISA, wgmma D fragment): warp j, lane 4 g + t, register 4 c + e holds
+  // row 16 j + g + 8 (e / 2), column 8 c + 2 t + e % 2.
+  std::vector<double> D(size_t(64) * N, 0.0);
+  if (w.accumulate)
+    for (int i = 0; i < 128; ++i) {
+      const int row0 = 16 * (i / 32) + ((i % 32) >> 2), t = i & 3;
+      for (int r = 0; r < N / 2; ++r)
+        D[size_t(row0 + 8 * ((r >> 1) & 1)) * N + 8 * (r >> 2) + 2 * t + (r & 1)] = op.d[i][r];
+    }
+  const double sa = w.scale_a, sb = w.scale_b;
+  for (int m = 0; m < 64; ++m)
+    for (int k = 0; k < K; ++k) {
+      const double a = sa * A[size_t(m) * K + k];
+      for (int n = 0; n < N; ++n) D[size_t(m) * N + n] += a * (sb * B[size_t(k) * N + n]);
+    }
+  for (int i = 0; i < 128; ++i) {
+    const int row0 = 16 * (i / 32) + ((i % 32) >> 2), t = i & 3;
+    for (int r = 0; r < N / 2; ++r)
+      op.d[i][r] = float(D[size_t(row0 + 8 * ((r >> 1) & 1)) * N + 8 * (r >> 2) + 2 * t + (r & 1)]);
+  }
+}
+
+// Completes the warpgroup collective of warpgroup g (each of its 128 threads waits at it).
+void complete_wg(Block& b, int g) {
+  b.poll_misses = 0;
+  Lane* L = &b.lanes[size_t(g) * 128];
+  WarpGroup& wg = b.wgs[size_t(g)];
+  const Lane& first = *t_lane;
+  for (int i = 0; i < 128; ++i) {
+    const bool same =
+        L[i].kind == first.kind &&
+        (first.kind != Kind::wgmma ? L[i].arg == first.arg : L[i].wg->same_op(*first.wg));
+    if (!same)
+      die("warpgroup %d of block (%u,%u,%u): threads %d and %d meet at different warpgroup "
+          "instructions (%s, %s) or with different operands",
+          g, t_block_idx.x, t_block_idx.y, t_block_idx.z, first.index, L[i].index,
+          kind_name(first.kind), kind_name(L[i].kind));
+  }
+  switch (first.kind) {
+    case Kind::wgmma: {
+      WgmmaOp op;
+      op.args = *first.wg;
+      for (int i = 0; i < 128; ++i) {
+        op.d[i] = L[i].wg->d;
+        if (op.args.a)
+          for (int r = 0; r < 4; ++r) op.a[i][r] = L[i].wg->a[r];
+      }
+      op.args.d = nullptr;
+      op.args.a = op.args.a ? op.a[0] : nullptr;  // a marker only: the values are in op.a
+      wg.ops.push_back(op);
+      break;
+    }
+    case Kind::wg_commit:
+      wg.group_end.push_back(wg.ops.size());
+      break;
+    case Kind::wg_wait: {
+      const int groups = int(wg.group_end.size()), keep = first.arg;
+      if (groups > keep) {
+        const size_t upto = wg.group_end[size_t(groups - keep - 1)];
+        for (size_t i = 0; i < upto; ++i) run_wgmma(b, wg.ops[i]);
+        wg.ops.erase(wg.ops.begin(), wg.ops.begin() + std::ptrdiff_t(upto));
+        wg.group_end.erase(wg.group_end.begin(), wg.group_end.begin() + (groups - keep));
+        for (size_t& e : wg.group_end) e -= upto;
+      }
+      break;
+    }
+    default:
+      die("not a warpgroup instruction");
+  }
+  for (int j = 0; j < 128; ++j) {
+    const int i = b.reverse ? 127 - j : j;
+    if (L[i].state != State::wgroup) continue;
+    if (&L[i] == t_lane)
+      L[i].state = State::runnable;
+    else
+      enqueue(b, L[i]);
+  }
+  wg.arrived = 0;
+}
+
+// The calling thread waits at a warpgroup collective (its kind and arguments set); the last of
+// the 128 to arrive completes it.
+void wg_collective() {
+  Block& b = *t_block;
+  Lane& me = *t_lane;
+  const int g = me.index / 128;
+  if (128 * (g + 1) > int(b.lanes.size()))
+    die("%s: the block's %zu threads leave warpgroup %d with fewer than 128", kind_name(me.kind),
+        b.lanes.size(), g);
+  for (int w = 4 * g; w < 4 * g + 4; ++w)
+    if (b.exited[size_t(w)] > 0)
+      die("%s: a thread of warpgroup %d has exited", kind_name(me.kind), g);
+  me.state = State::wgroup;
+  if (++b.wgs[size_t(g)].arrived == 128)
+    complete_wg(b, g);
+  else
+    yield();
+}
+
+// mbarrier state in its 8 bytes: pending arrivals (bits 0..19), the expected count (20..39), the
+// transaction count (40..60, signed), a mark of initialisation (61..62 = 01) and the phase (63).
+struct Mbar {
+  uint32_t pending, expected;
+  int32_t tx;
+  uint32_t phase;
+};
+Mbar mbar_load(const uint64_t* bar) {
+  const uint64_t v = *bar;
+  if (((v >> 61) & 3) != 1)
+    die("mbarrier at %p used before mbarrier.init", static_cast<const void*>(bar));
+  Mbar m;
+  m.pending = uint32_t(v & 0xfffff);
+  m.expected = uint32_t((v >> 20) & 0xfffff);
+  const uint32_t tx = uint32_t((v >> 40) & 0x1fffff);
+  m.tx = int32_t(tx << 11) >> 11;
+  m.phase = uint32_t(v >> 63);
+  return m;
+}
+void mbar_store(uint64_t* bar, const Mbar& m) {
+  if (m.tx > 0xfffff || m.tx < -0xfffff)
+    die("mbarrier at %p: transaction count %d outside [-(2^20 - 1), 2^20 - 1]",
+        static_cast<void*>(bar), m.tx);
+  *bar = uint64_t(m.pending) | (uint64_t(m.expected) << 20) |
+         (uint64_t(uint32_t(m.tx) & 0x1fffff) << 40) | (uint64_t(1) << 61) |
+         (uint64_t(m.phase) << 63);
+}
+// The phase completes when every expected arrival has come and the transactions are done.
+void mbar_advance(Mbar& m) {
+  if (m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1;
+    m.pending = m.expected;
+  }
+}
+
+// The byte offset in global memory of box element `e` (dims innermost first) of a map at coords
+// c, or -1 when it lies outside the tensor.
+int64_t global_offset(const TensorMap& m, const int32_t* c, const uint32_t* e) {
+  int64_t off = 0;
+  for (uint32_t d = 0; d < m.rank; ++d) {
+    const int64_t x = int64_t(c[d]) + e[d];
+    if (x < 0 || x >= int64_t(m.dim[d])) return -1;
+    off += x * int64_t(m.stride[d]);
+  }
+  return off;
+}
+
+// Visits every element of a box: f(global offset or -1, shared address of the element).
+template <class F>
+void for_box(const TensorMap& m, const int32_t* c, uint32_t dst, F&& f) {
+  uint32_t e[5] = {0, 0, 0, 0, 0};
+  uint64_t n = 1;
+  for (uint32_t d = 0; d < m.rank; ++d) n *= m.box[d];
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t r = i;
+    for (uint32_t d = 0; d < m.rank; ++d) {
+      e[d] = uint32_t(r % m.box[d]);
+      r /= m.box[d];
+    }
+    f(global_offset(m, c, e), swizzle(dst + uint32_t(i * m.elem_bytes), m.swizzle_span));
+  }
+}
+
+const TensorMap& checked_map(const void* map) {
+  const auto* m = static_cast<const TensorMap*>(map);
+  if (m->magic != kTensorMapMagic)
+    die("cp.async.bulk.tensor: %p is not a tensor map from cuTensorMapEncodeTiled", map);
+  return *m;
+}
+
+void perform_tma(Block& b, const TmaLoad& t) {
+  const uint32_t dst = smem_address(t.dst);
+  char* g = reinterpret_cast<char*>(t.map.base);
+  uint32_t bytes = 0;
+  for_box(t.map, t.c, dst, [&](int64_t off, uint32_t s) {
+    void* p = smem_pointer(s, t.map.elem_bytes);
+    if (off < 0)
+      std::memset(p, 0,
+                  t.map.elem_bytes);  // out of bounds: zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    else
+      std::memcpy(p, g + off, t.map.elem_bytes);
+    bytes += t.map.elem_bytes;
+  });
+  Mbar m = mbar_load(t.bar);
+  m.tx -= int32_t(bytes);
+  mbar_advance(m);
+  mbar_store(t.bar, m);
+  b.poll_misses = 0;
+}
+
+void perform_stores(Lane& l, size_t upto) {
+  for (size_t i = 0; i < upto; ++i) {
+    const BulkStore& st = l.stores[i];
+    char* g = reinterpret_cast<char*>(st.map.base);
+    for_box(st.map, st.c, smem_address(st.src), [&](int64_t off, uint32_t s) {
+      if (off >= 0) std::memcpy(g + off, smem_pointer(s, st.map.elem_bytes), st.map.elem_bytes);
+    });
+  }
+  l.stores.erase(l.stores.begin(), l.stores.begin() + std::ptrdiff_t(upto));
+  for (size_t& e : l.store_group_end) e -= upto;
+}
+
+}  // namespace
+
+uint32_t smem_address(const void* p) {
+  const Block* b = t_block;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  if (!b || !b->smem || a < reinterpret_cast<uintptr_t>(b->smem) ||
+      a > reinterpret_cast<uintptr_t>(b->smem) + b->smem_bytes)
+    die("%p is not in the block's dynamic shared memory (in the emulation only dynamic shared "
+        "memory has a shared-window address: wgmma, TMA and cvta operands must live there)",
+        p);
+  return uint32_t(a - smem_window(*b));
+}
+
+void* smem_pointer(uint32_t address, size_t bytes) {
+  const Block& b = *t_block;
+  const uintptr_t p = smem_window(b) + address, lo = reinterpret_cast<uintptr_t>(b.smem);
+  if (p < lo || p + bytes > lo + b.smem_bytes)
+    die("shared address %#x (%zu bytes) lies outside the block's %zu bytes of dynamic shared "
+        "memory",
+        address, bytes, b.smem_bytes);
+  return reinterpret_cast<void*>(p);
+}
+
+void wgmma(WgmmaType type, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b,
+           bool accumulate, int scale_a, int scale_b, int trans_a, int trans_b) {
+  if (n < 8 || n > 256 || n % 8 != 0) die("wgmma: N = %d is not a multiple of 8 in [8, 256]", n);
+  if (type == WgmmaType::tf32 && (trans_a || trans_b))
+    die("wgmma: tf32 operands are K-major only (no transpose)");
+  if ((scale_a != 1 && scale_a != -1) || (scale_b != 1 && scale_b != -1))
+    die("wgmma: imm-scale-a / imm-scale-b must be 1 or -1");
+  for (uint64_t desc : {desc_a, desc_b})
+    if ((desc >> 49) & 7) die("wgmma: a descriptor's base offset (bits 49..51) is not emulated");
+  const WgmmaArgs args{type,       n,       d,       a ? 0 : desc_a,  desc_b, a,
+                       accumulate, scale_a, scale_b, a ? 0 : trans_a, trans_b};
+  Lane& me = *t_lane;
+  me.kind = Kind::wgmma;
+  me.wg = &args;
+  wg_collective();
+  me.wg = nullptr;
+}
+
+void wgmma_fence() {}
+
+void wgmma_commit() {
+  t_lane->kind = Kind::wg_commit;
+  t_lane->arg = 0;
+  wg_collective();
+}
+
+void wgmma_wait(int pending_groups) {
+  t_lane->kind = Kind::wg_wait;
+  t_lane->arg = pending_groups;
+  wg_collective();
+}
+
+void mbarrier_init(uint64_t* bar, uint32_t count) {
+  if (count < 1 || count > 0xfffff) die("mbarrier.init: count %u outside [1, 2^20 - 1]", count);
+  if (reinterpret_cast<uintptr_t>(bar) % 8) die("mbarrier at %p: not 8-byte aligned", bar);
+  mbar_store(bar, Mbar{count, count, 0, 0});
+  t_block->poll_misses = 0;
+}
+
+uint64_t mbarrier_arrive(uint64_t* bar, uint32_t tx_bytes) {
+  Mbar m = mbar_load(bar);
+  if (m.pending == 0) die("mbarrier at %p: an arrival beyond its expected count", bar);
+  const uint64_t token = uint64_t(m.phase) << 63;
+  m.tx += int32_t(tx_bytes);
+  --m.pending;
+  mbar_advance(m);
+  mbar_store(bar, m);
+  t_block->poll_misses = 0;
+  return token;
+}
+
+void mbarrier_expect_tx(uint64_t* bar, uint32_t tx_bytes) {
+  Mbar m = mbar_load(bar);
+  m.tx += int32_t(tx_bytes);
+  mbar_store(bar, m);
+  t_block->poll_misses = 0;
+}
+
+bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
+  Block& b = *t_block;
+  // The tensor loads that complete on bar land now, in the order they were issued.
+  for (size_t i = 0; i < b.tma.size();)
+    if (b.tma[i].bar == bar) {
+      const TmaLoad t = b.tma[i];
+      b.tma.erase(b.tma.begin() + std::ptrdiff_t(i));
+      perform_tma(b, t);
+    } else {
+      ++i;
+    }
+  if (mbar_load(bar).phase != (parity & 1)) return true;
+  // Not yet: the other threads run. Polls that keep failing while nothing else happens (every
+  // runnable thread polls) can never succeed.
+  if (++b.poll_misses > 4 * b.live + 64) deadlock(b);
+  if (b.count > 0) {  // another thread can run (else this one polls again at once)
+    enqueue(b, *t_lane);
+    yield();
+  }
+  return false;
+}
+
+void tma_load(void* dst, const void* map, const int32_t* coords, int rank, uint64_t* bar) {
+  const TensorMap& m = checked_map(map);
+  if (uint32_t(rank) != m.rank)
+    die("cp.async.bulk.tensor.%dd with a tensor map of rank %u", rank, m.rank);
+  if (reinterpret_cast<uintptr_t>(dst) % 128)
+    die("cp.async.bulk.tensor: the shared destination %p is not 128-byte aligned", dst);
+  (void)smem_address(dst);
+  (void)mbar_load(bar);
+  TmaLoad t{dst, m, {0, 0, 0, 0, 0}, bar};
+  for (int d = 0; d < rank; ++d) t.c[d] = coords[d];
+  t_block->tma.push_back(t);
+  t_block->poll_misses = 0;
+}
+
+void tma_store(const void* map, const int32_t* coords, int rank, const void* src) {
+  const TensorMap& m = checked_map(map);
+  if (uint32_t(rank) != m.rank)
+    die("cp.async.bulk.tensor.%dd with a tensor map of rank %u", rank, m.rank);
+  if (reinterpret_cast<uintptr_t>(src) % 128)
+    die("cp.async.bulk.tensor: the shared source %p is not 128-byte aligned", src);
+  (void)smem_address(src);
+  BulkStore st{m, {0, 0, 0, 0, 0}, src};
+  for (int d = 0; d < rank; ++d) st.c[d] = coords[d];
+  t_lane->stores.push_back(st);
+}
+
+void bulk_commit() {
+  t_lane->store_group_end.push_back(t_lane->stores.size());
+}
+
+void bulk_wait(int pending_groups) {
+  Lane& l = *t_lane;
+  const int groups = int(l.store_group_end.size());
+  if (groups <= pending_groups) return;
+  const size_t upto = l.store_group_end[size_t(groups - pending_groups - 1)];
+  l.store_group_end.erase(l.store_group_end.begin(),
+                          l.store_group_end.begin() + (groups - pending_groups));
+  perform_stores(l, upto);
 }
 
 // ------------------------------------------------------------------ launch
@@ -955,6 +1498,106 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   if (!a->recorded || !b->recorded) return fail(cudaErrorInvalidResourceHandle);
   *ms = std::chrono::duration<float, std::milli>(b->t - a->t).count();
   return cudaSuccess;
+}
+
+// The driver's tensor-map encoder, emulated: the checks its documentation lists, then the map's
+// fields in the opaque bytes (TensorMap). Interleaved layouts, element strides other than 1 and
+// the NaN out-of-bounds fill are not emulated.
+CUresult cuTensorMapEncodeTiled(CUtensorMap* tensorMap, CUtensorMapDataType tensorDataType,
+                                cuuint32_t tensorRank, void* globalAddress,
+                                const cuuint64_t* globalDim, const cuuint64_t* globalStrides,
+                                const cuuint32_t* boxDim, const cuuint32_t* elementStrides,
+                                CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill oobFill) {
+  uint32_t esz = 0;
+  switch (tensorDataType) {
+    case CU_TENSOR_MAP_DATA_TYPE_UINT8:
+      esz = 1;
+      break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT16:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT16:
+    case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16:
+      esz = 2;
+      break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT32:
+    case CU_TENSOR_MAP_DATA_TYPE_INT32:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32_FTZ:
+    case CU_TENSOR_MAP_DATA_TYPE_TFLOAT32:
+    case CU_TENSOR_MAP_DATA_TYPE_TFLOAT32_FTZ:
+      esz = 4;
+      break;
+    case CU_TENSOR_MAP_DATA_TYPE_UINT64:
+    case CU_TENSOR_MAP_DATA_TYPE_INT64:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT64:
+      esz = 8;
+      break;
+    default:
+      return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!tensorMap || tensorRank < 1 || tensorRank > 5 || !globalAddress ||
+      reinterpret_cast<uintptr_t>(globalAddress) % 16 != 0)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (interleave != CU_TENSOR_MAP_INTERLEAVE_NONE || oobFill != CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    hlm::emu::die("cuTensorMapEncodeTiled: interleaved layouts and the NaN fill are not emulated");
+  hlm::emu::TensorMap m{};
+  m.magic = hlm::emu::kTensorMapMagic;
+  m.base = reinterpret_cast<uint64_t>(globalAddress);
+  m.rank = tensorRank;
+  m.elem_bytes = esz;
+  m.stride[0] = esz;
+  for (uint32_t d = 0; d < tensorRank; ++d) {
+    if (globalDim[d] < 1 || globalDim[d] > (uint64_t(1) << 32) || boxDim[d] < 1 ||
+        boxDim[d] > 256 || elementStrides[d] < 1 || elementStrides[d] > 8)
+      return CUDA_ERROR_INVALID_VALUE;
+    if (elementStrides[d] != 1)
+      hlm::emu::die("cuTensorMapEncodeTiled: element strides other than 1 are not emulated");
+    m.dim[d] = globalDim[d];
+    m.box[d] = boxDim[d];
+    if (d > 0) {
+      const uint64_t st = globalStrides[d - 1];
+      if (st % 16 != 0 || st >= (uint64_t(1) << 40)) return CUDA_ERROR_INVALID_VALUE;
+      m.stride[d] = st;
+    }
+  }
+  const uint32_t inner = boxDim[0] * esz;
+  if (inner % 16 != 0) return CUDA_ERROR_INVALID_VALUE;
+  switch (swizzle) {
+    case CU_TENSOR_MAP_SWIZZLE_NONE:
+      m.swizzle_span = 0;
+      break;
+    case CU_TENSOR_MAP_SWIZZLE_32B:
+      m.swizzle_span = 32;
+      break;
+    case CU_TENSOR_MAP_SWIZZLE_64B:
+      m.swizzle_span = 64;
+      break;
+    case CU_TENSOR_MAP_SWIZZLE_128B:
+      m.swizzle_span = 128;
+      break;
+    default:
+      hlm::emu::die("cuTensorMapEncodeTiled: swizzle mode %d is not emulated", int(swizzle));
+  }
+  if (m.swizzle_span && inner > m.swizzle_span) return CUDA_ERROR_INVALID_VALUE;
+  // A swizzled box narrower than its span: how the hardware places its rows is not emulated.
+  if (m.swizzle_span && inner != m.swizzle_span)
+    hlm::emu::die(
+        "cuTensorMapEncodeTiled: a swizzled box's inner dimension (%u bytes) must fill "
+        "its %u-byte span in the emulation",
+        inner, m.swizzle_span);
+  std::memset(tensorMap, 0, sizeof(CUtensorMap));
+  std::memcpy(tensorMap, &m, sizeof m);
+  return CUDA_SUCCESS;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** funcPtr, unsigned int,
+                                             unsigned long long,
+                                             cudaDriverEntryPointQueryResult* driverStatus) {
+  const bool found = symbol && std::strcmp(symbol, "cuTensorMapEncodeTiled") == 0;
+  *funcPtr = found ? reinterpret_cast<void*>(&cuTensorMapEncodeTiled) : nullptr;
+  if (driverStatus)
+    *driverStatus = found ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return found ? cudaSuccess : fail(cudaErrorSymbolNotFound);
 }
 
 }  // extern "C"
