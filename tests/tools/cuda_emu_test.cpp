@@ -2,9 +2,11 @@
 // products against the fragment layouts of the PTX ISA (mma.m16n8k8 .tf32, mma.m16n8k16 .bf16 and
 // ldmatrix.x4, plain and transposed) and a 64 x 64 x 32 product through mma_tf32.cuh against FP64,
 // shuffles in every mode, ballot / any / all (also on two disjoint half-warp masks at once),
-// barrier counts, cp.async copies that land only at the wait, and the checks that abort a faulty
-// kernel: a deadlocked barrier, a race (HLM_EMU_RACECHECK), an access past an allocation (also one
-// reused from the CUDA allocator's cache), a bad launch configuration.
+// barrier counts, cp.async copies that land only at the wait, wgmma products and TMA loads that
+// land at their waits, mbarrier phases, and the checks that abort a faulty kernel: a deadlocked
+// barrier, a race (HLM_EMU_RACECHECK), an access past an allocation (also one reused from the CUDA
+// allocator's cache), a bad launch configuration, wgmma and mbarrier misuse. (The layouts of
+// wgmma and TMA are tested in tests/ops/sm90_gpu_test.cu, on the GPU too.)
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -25,6 +25,10 @@
 //     sum with the accumulator are formed in FP64 and rounded once
 //     (the hardware's internal rounding is not documented: results agree to FP32 rounding, not
 //     to the bit). ex2.approx / rcp.approx: exp2f and IEEE division with subnormals flushed.
+//   - Hopper (sm_90a): wgmma is a warpgroup collective whose product is formed when its group is
+//     retired (wgmma_wait); mbarrier state lives in its 8 bytes; a TMA tensor load lands when a
+//     thread waits on its mbarrier, a tensor store when its bulk group is waited for;
+//     cuTensorMapEncodeTiled writes the emulation's own map (docs/cuda_emu.md).
 //   - HLM_EMU_REVERSE=1 runs the threads of each block and the blocks of each grid in reverse
 //     order.
 //   - Race check (HLM_EMU_RACECHECK=1): every launch runs twice from the same device memory,
