@@ -228,6 +228,33 @@ SeqLayout seqs_of(const std::vector<int64_t>& lengths) {
   return SeqLayout::from_lengths(lengths);
 }
 
+std::vector<AuxPiece> aux_pieces(const SeqLayout& seqs, const Tensor& topk_idx, int64_t E,
+                                 const std::vector<int64_t>& bounds) {
+  const std::vector<int64_t> idx = topk_idx.to_i64_vector();
+  const int64_t K = topk_idx.size(1);
+  const std::vector<int64_t>& cu = seqs.offsets();
+  std::vector<AuxPiece> out;
+  for (size_t p = 0; p + 1 < bounds.size(); ++p) {
+    AuxPiece a;
+    a.begin = bounds[p];
+    a.end = bounds[p + 1];
+    std::vector<int64_t> lengths;
+    for (size_t q = 0; q + 1 < cu.size(); ++q) {
+      const int64_t lo = std::max(cu[q], a.begin), hi = std::min(cu[q + 1], a.end);
+      if (lo >= hi) continue;  // not in this piece (empty sequences are nowhere)
+      lengths.push_back(hi - lo);
+      a.whole.lengths.push_back(cu[q + 1] - cu[q]);
+      std::vector<int64_t> c(size_t(E), 0);
+      for (int64_t t = cu[q]; t < cu[q + 1]; ++t)
+        for (int64_t k = 0; k < K; ++k) ++c[size_t(idx[size_t(t * K + k)])];
+      a.whole.counts.insert(a.whole.counts.end(), c.begin(), c.end());
+    }
+    a.seqs = SeqLayout::from_lengths(lengths);
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
 int64_t total(const std::vector<int64_t>& lengths) {
   int64_t t = 0;
   for (int64_t l : lengths) t += l;

@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "core/seq_layout.h"
 #include "core/tensor.h"
+#include "ops/moe.h"
 
 namespace hlm::testing {
 
@@ -88,6 +89,18 @@ Tensor cu_of(const std::vector<int64_t>& lengths);
 // The checked layout of the same batch.
 SeqLayout seqs_of(const std::vector<int64_t>& lengths);
 int64_t total(const std::vector<int64_t>& lengths);
+
+// A packed batch cut into pieces at token offsets `bounds` (0 = b_0 < ... < b_P = T), as context
+// parallelism cuts it: piece p holds tokens [b_p, b_{p+1}), its layout the sequences clipped to
+// it, and `whole` each clipped sequence's whole length and expert counts (from topk_idx [T, K]
+// of E experts), as ops::moe_seq_aux_loss takes them.
+struct AuxPiece {
+  int64_t begin = 0, end = 0;
+  SeqLayout seqs;
+  ops::MoeAuxWhole whole;
+};
+std::vector<AuxPiece> aux_pieces(const SeqLayout& seqs, const Tensor& topk_idx, int64_t E,
+                                 const std::vector<int64_t>& bounds);
 
 // A small model config (2 layers, KDA + DSA with KPool, MoE, mHC, MTP; vocab 24): the model.json of
 // the command-line tests.

@@ -28,6 +28,8 @@ struct TrainArgs {
   std::vector<std::string> sets;
   bool overwrite = false;
   int64_t expert_parallel = 1;
+  int64_t context_parallel = 1;
+  std::string cp_mode = "chunkwise";
 };
 
 // The default training config: in the current directory, else beside the executable (build
@@ -128,6 +130,8 @@ void run_train(const TrainArgs& a) {
   // Under mpirun the processes train one model data-parallel (train/data_parallel.h).
   if (dist::world().size() > 1) opts.comm = &dist::world();
   opts.expert_parallel = int(a.expert_parallel);
+  opts.context_parallel = int(a.context_parallel);
+  opts.cp_mode = a.cp_mode == "headwise" ? KdaCpMode::headwise : KdaCpMode::chunkwise;
   train::Trainer trainer(cfg, opts);
   const train::TrainSummary sum = trainer.run();
   if (sum.interrupted_by) throw ExitStatus{128 + sum.interrupted_by};
@@ -167,6 +171,14 @@ std::function<void()> setup_train(CLI::App& app) {
                  "under mpirun: split every MoE layer's experts over groups of this many "
                  "processes (default 1: every process holds every expert)")
       ->check(count_range(1, 1 << 20));
+  app.add_option("--context-parallel", a->context_parallel,
+                 "under mpirun: split each part of the batch along its tokens over groups of "
+                 "this many processes (default 1; KDA, MoE and dense-MLP models without MTP)")
+      ->check(count_range(1, 1 << 20));
+  app.add_option("--cp-mode", a->cp_mode,
+                 "the KDA layers' context-parallel mode: chunkwise (states passed between "
+                 "slices, default) or headwise (heads exchanged with all-to-alls)")
+      ->check(CLI::IsMember({"chunkwise", "headwise"}));
   return [a] { run_train(*a); };
 }
 

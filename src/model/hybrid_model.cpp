@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "core/seq_layout.h"
 #include "dist/comm.h"
+#include "dist/context_parallel.h"
 #include "model/model_cache.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -306,10 +307,10 @@ class FeedForward : public Module {
   // cached: a forward over the inference cache, which computes neither the aux loss nor the
   // expert load (each a host read of the selection).
   Tensor forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
-                 const Tensor& replay, bool cached) const {
+                 const Tensor& replay, bool cached, const dist::CpSlice* cp = nullptr) const {
     if (!moe_) return mlp_->forward(c, x, s ? &s->mlp : nullptr);
     MoeLayer::Output o =
-        moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_, /*stats=*/!cached);
+        moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_, /*stats=*/!cached, cp);
     if (out) {
       out->aux_loss = o.aux_loss;
       out->counts = o.counts;
@@ -338,6 +339,12 @@ struct CacheCall {
   bool draft_last = false;  // every sequence is [token, draft]: keep the KDA states between them
 };
 
+// A context-parallel forward (ModelInputs::cp): this rank's slice and the KDA layers' mode.
+struct CpCall {
+  const dist::CpSlice* slice = nullptr;
+  KdaCpMode mode = KdaCpMode::chunkwise;
+};
+
 // Rows `rows` of x [T, D] as [R, D], and the inverse: y's rows written at `rows` of out.
 Tensor rows_of(const Tensor& x, const std::vector<int64_t>& rows) {
   return ops::gather_rows(ops::contiguous(x), rows);
@@ -350,6 +357,7 @@ class DecoderLayer : public Module {
   struct Saved {
     Tensor x;           // input streams [T, n, D] (always kept)
     Tensor given;       // the DSA selection given to the forward (kept for the re-run)
+    CpCall cp;          // context parallel (kept for the re-run)
     bool full = false;  // false under Recompute::full: backward re-runs the layer
     MhcSite::Saved attn_site, ffn_site;
     RmsNorm::Saved in_norm, post_norm;
@@ -416,22 +424,27 @@ class DecoderLayer : public Module {
 
   // X [T, n, D] -> X' [T, n, D]. given: the DSA selection to attend (undefined: the layer's own).
   Tensor forward(const Context& ctx, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
-                 const Tensor& replay, const Tensor& given, const CacheCall* cc = nullptr) const {
+                 const Tensor& replay, const Tensor& given, const CacheCall* cc = nullptr,
+                 const CpCall& cp = {}) const {
     if (cc) {
       Saved local;
       return run(ctx, x, cu, &local, out, replay, given, cc);
     }
     if (ctx.training && s && recompute_ == Recompute::full) {
       Saved local;
+      local.cp = cp;
       Tensor y = run(ctx, x, cu, &local, out, replay, given);
       s->x = x;
       s->given = given;
+      s->cp = cp;
       s->full = false;
       return y;
     }
     if (s) s->full = true;
     Saved local;
-    return run(ctx, x, cu, s ? s : &local, out, replay, given);
+    Saved& w = s ? *s : local;
+    w.cp = cp;
+    return run(ctx, x, cu, &w, out, replay, given);
   }
 
   // dX' -> dX; parameter grads +=. d_aux: weight of the MoE aux loss; indexer_scale: of the
@@ -441,6 +454,7 @@ class DecoderLayer : public Module {
     if (!s.full) {
       // Full recompute: re-run the layer (deterministic: the same selection and routing).
       Saved again;
+      again.cp = s.cp;
       Out ignored;
       run(ctx, s.x, cu, &again, &ignored, replay, s.given);
       return run_backward(ctx, dx_out, again, d_aux, indexer_scale);
@@ -493,6 +507,8 @@ class DecoderLayer : public Module {
       KdaState fin;
       y = kda_->forward(c, a, cu, &init, nullptr, &fin);
       cc->cache->store_kda_states(cc->layer, *cc->slots, fin);
+    } else if (kda_ && s->cp.slice) {
+      y = kda_->forward(c, a, *s->cp.slice, train ? &s->kda : nullptr, s->cp.mode);
     } else if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
     } else {
@@ -517,7 +533,8 @@ class DecoderLayer : public Module {
     Tensor b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
     ps_hc2.end();
     profile::Scope ps_ffn(ffn_->moe() ? "moe" : "mlp");
-    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
+    Tensor f =
+        ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr, s->cp.slice);
     ps_ffn.end();
     HLM_PROFILE("mhc + norm");
     return mhc_ ? ffn_hc_->write_back(c, f, s->ffn_site) : add(x1, f.reshape({T, 1, D}));
@@ -856,11 +873,36 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   // parameters' device.
   const Device dev = embed_->value.device();
   Tensor tokens = host_i64(in.tokens);
-  // The batch's sequences, checked once (the tensor as given: i64 / i32 only, then the values).
-  const SeqLayout seqs =
-      SeqLayout::from_tensor(in.cu_seqlens, T, "HybridModel::forward: cu_seqlens");
+  // The batch's sequences, checked once (the tensor as given: i64 / i32 only, then the values);
+  // under context parallelism the slice's own.
+  const SeqLayout seqs = [&] {
+    if (!in.cp) return SeqLayout::from_tensor(in.cu_seqlens, T, "HybridModel::forward: cu_seqlens");
+    const dist::CpSlice& cp = *in.cp;
+    HLM_CHECK(T == cp.tokens(cp.rank()),
+              "HybridModel::forward: context-parallel rank {} holds {} tokens, tokens has {}",
+              cp.rank(), cp.tokens(cp.rank()), T);
+    if (in.cu_seqlens.defined())
+      HLM_CHECK(
+          SeqLayout::from_tensor(in.cu_seqlens, T, "HybridModel::forward: cu_seqlens").offsets() ==
+              cp.local().offsets(),
+          "HybridModel::forward: under context parallelism cu_seqlens must be the slice's "
+          "own layout (or undefined)");
+    return cp.local();
+  }();
   const std::vector<int64_t>& cu_vec = seqs.offsets();
   const bool has_targets = in.targets.defined();
+  if (in.cp) {
+    HLM_CHECK(in.cache == nullptr,
+              "HybridModel::forward: a forward over a cache does not run context parallel");
+    for (size_t l = 0; l < layers_.size(); ++l)
+      HLM_CHECK(!layers_[l]->is_dsa(),
+                "HybridModel::forward: layer {} is a DSA / MLA layer, which does not run context "
+                "parallel yet (KDA layers, MoE and dense MLPs do)",
+                l);
+    HLM_CHECK(!(mtp_ && has_targets),
+              "HybridModel::forward: the MTP block (a DSA layer) does not run context parallel "
+              "yet; build the model without it (HybridModelOptions::mtp, train's mtp false)");
+  }
   if (has_targets)
     HLM_CHECK(in.targets.dim() == 1 && in.targets.size(0) == T,
               "HybridModel::forward: targets must be [{}], got {}", T, in.targets.describe());
@@ -976,7 +1018,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     }
     const CacheCall cc{in.cache, &in.cache_slots, int64_t(l), in.draft_last};
     x = layers_[l]->forward(ctx, x, seqs, train ? &s->layers[l] : nullptr, &lo, rp, given,
-                            cached ? &cc : nullptr);
+                            cached ? &cc : nullptr, CpCall{in.cp, in.cp_mode});
     if (layers_[l]->is_dsa()) {
       ++dsa_i;
       prev_sel = lo.indices;

@@ -122,6 +122,16 @@ struct ModelInputs {
   int64_t lm_normalizer = 0;
   int64_t mtp_normalizer = 0;
   int64_t aux_sequences = 0;
+  // Context parallelism (docs/parallel.md, "Context parallelism"): this call is rank
+  // cp->rank()'s slice of the packed batch cp->global(), every rank of cp's group calling
+  // together. tokens, targets and replay hold the slice's rows; cu_seqlens is undefined or the
+  // slice's own layout (cp->local()). The KDA layers pass what crosses a slice boundary on
+  // (cp_mode), the MoE aux loss takes the whole sequences' counts; every loss and gradient is
+  // this slice's share (with the global batch's normalizers above, they sum over the ranks to the
+  // whole batch's). Not over a cache; DSA layers and the MTP block do not run context parallel
+  // yet (refused).
+  const dist::CpSlice* cp = nullptr;
+  KdaCpMode cp_mode = KdaCpMode::chunkwise;
 };
 
 struct ModelOutput {

@@ -245,7 +245,7 @@ struct AuxArgs {
   Device dev = Device::cpu;
 };
 AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const SeqLayout& seqs,
-                  const char* op) {
+                  const MoeAuxWhole* whole, const char* op) {
   detail::require_real(logits, op, "logits");
   HLM_CHECK(logits.dim() == 2, "{}: logits must be [T, E], got {}", op, logits.describe());
   AuxArgs a;
@@ -254,32 +254,55 @@ AuxArgs check_aux(const Tensor& logits, const Tensor& topk_idx, const SeqLayout&
   a.K = topk_idx.size(1);
   seqs.check_tokens(logits.size(0), op, "logits");
   a.cu = seqs.offsets();
+  if (whole) {
+    const int64_t N = seqs.num_seqs(), E = logits.size(1);
+    HLM_CHECK(int64_t(whole->lengths.size()) == N && int64_t(whole->counts.size()) == N * E,
+              "{}: whole must hold {} lengths and {} x {} counts, got {} and {}", op, N, N, E,
+              whole->lengths.size(), whole->counts.size());
+    for (int64_t q = 0; q < N; ++q) {
+      HLM_CHECK(whole->lengths[size_t(q)] >= seqs.length(q),
+                "{}: sequence {} has {} tokens here but {} in whole", op, q, seqs.length(q),
+                whole->lengths[size_t(q)]);
+      int64_t sum = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t c = whole->counts[size_t(q * E + e)];
+        HLM_CHECK(c >= 0 && c <= whole->lengths[size_t(q)],
+                  "{}: whole count {} of sequence {}, expert {}, outside [0, {}]", op, c, q, e,
+                  whole->lengths[size_t(q)]);
+        sum += c;
+      }
+      HLM_CHECK(sum == a.K * whole->lengths[size_t(q)],
+                "{}: sequence {}'s whole counts sum to {}, not K x length = {}", op, q, sum,
+                a.K * whole->lengths[size_t(q)]);
+    }
+  }
   return a;
 }
 }  // namespace
 
 double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const SeqLayout& seqs,
-                        double coeff) {
+                        double coeff, const MoeAuxWhole* whole) {
   const char* op = "moe_seq_aux_loss";
-  const AuxArgs a = check_aux(logits, topk_idx, seqs, op);
+  const AuxArgs a = check_aux(logits, topk_idx, seqs, whole, op);
   if (a.dev == Device::cpu)
-    return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr);
+    return cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, 0.0, nullptr, whole);
   double loss = 0;
   HLM_CUDA_PATH(op, loss = cuda::moe_seq_aux_loss(dev_input(logits), dev_input(topk_idx), a.cu,
-                                                  coeff, 0.0, nullptr));
+                                                  coeff, 0.0, nullptr, whole));
   return loss;
 }
 
 Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
-                                 const SeqLayout& seqs, double coeff, double dloss) {
+                                 const SeqLayout& seqs, double coeff, double dloss,
+                                 const MoeAuxWhole* whole) {
   const char* op = "moe_seq_aux_loss_backward";
-  const AuxArgs a = check_aux(logits, topk_idx, seqs, op);
+  const AuxArgs a = check_aux(logits, topk_idx, seqs, whole, op);
   Tensor dl = detail::new_output(logits.shape(), detail::compute_dtype(logits.dtype()), a.dev);
   if (a.dev == Device::cpu)
-    cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl);
+    cpu::moe_seq_aux_loss(logits, a.idx, a.K, a.cu, coeff, dloss, &dl, whole);
   else
     HLM_CUDA_PATH(op, cuda::moe_seq_aux_loss(dev_input(logits), dev_input(topk_idx), a.cu, coeff,
-                                             dloss, &dl));
+                                             dloss, &dl, whole));
   return dl;
 }
 

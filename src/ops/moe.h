@@ -80,11 +80,22 @@ void moe_bias_update(Tensor& bias, const Tensor& load, double rate);
 //   per sequence of T_s tokens: f_i = E / (K T_s) * #{t : i in idx_t}, P_i = (1/T_s) sum_t
 //   s'_{i,t}, s'_{i,t} = s_{i,t} / sum_j s_{j,t} (ALL experts), L_s = coeff * sum_i f_i P_i.
 // f is a count (no gradient); the gradient flows to the logits through P.
+// Under context parallelism a sequence of seqs may be a piece of a longer one (the rest on other
+// ranks). `whole` then gives, for each sequence q of seqs, the whole sequence's length and its
+// expert counts, which replace the piece's own in T_s and f_i; P_i sums the piece's tokens over
+// the whole T_s. The result is the piece's share: the pieces' shares of a sequence sum to its
+// L_s, and each token's gradient is the whole sequence's. (The mean is still over seqs' own
+// non-empty sequences: the caller rescales.)
+struct MoeAuxWhole {
+  std::vector<int64_t> lengths;  // [N]: the whole sequence's tokens (>= the piece's)
+  std::vector<int64_t> counts;   // [N E]: its tokens routed to each expert
+};
 double moe_seq_aux_loss(const Tensor& logits, const Tensor& topk_idx, const SeqLayout& seqs,
-                        double coeff);
+                        double coeff, const MoeAuxWhole* whole = nullptr);
 // dlogits [T, E] of dloss * loss.
 Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
-                                 const SeqLayout& seqs, double coeff, double dloss = 1.0);
+                                 const SeqLayout& seqs, double coeff, double dloss = 1.0,
+                                 const MoeAuxWhole* whole = nullptr);
 
 // ---- clamped SwiGLU ---------------------------------------------------------------------------
 // gu [..., 2I] (gate | up) -> h [..., I]; limit <= 0 or infinite: no clamp (DeepSeek-V3).

@@ -2,6 +2,7 @@
 #include "train/trainer.h"
 
 #include "core/device.h"
+#include "dist/context_parallel.h"
 #include "dist/nccl_comm.h"
 
 #include <fmt/format.h>
@@ -554,6 +555,26 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     HLM_CHECK(E % ep == 0,
               "--expert-parallel {}: the degree must divide the experts of a MoE layer, {}", ep, E);
   }
+  const int cp = opts_.context_parallel;
+  if (cp != 1) {
+    HLM_CHECK(cp >= 1 && nproc % cp == 0,
+              "--context-parallel {}: the degree must be at least 1 and divide the number of "
+              "processes, {}",
+              cp, nproc);
+    const int64_t attn =
+        cfg_.model.count_layers(LayerKind::dsa) + cfg_.model.count_layers(LayerKind::mla);
+    HLM_CHECK(attn == 0,
+              "--context-parallel {}: the model's {} DSA / MLA layer(s) do not run context "
+              "parallel yet (KDA layers, MoE and dense MLPs do)",
+              cp, attn);
+    HLM_CHECK(!(cfg_.mtp && cfg_.model.mtp.num_layers > 0),
+              "--context-parallel {}: the MTP block (a DSA layer) does not run context parallel "
+              "yet; train without it (--set mtp=false)",
+              cp);
+    HLM_CHECK(opts_.cp_mode != KdaCpMode::headwise || cfg_.model.kda.num_heads % cp == 0,
+              "--cp-mode headwise: the KDA layers' {} heads do not divide by the degree {}",
+              cfg_.model.kda.num_heads, cp);
+  }
   if (nproc > 1 && opts_.device != Device::cpu) {
     // One GPU per rank of this host, before anything is allocated there.
     cuda_select_device(dist::local_rank() % cuda_device_count());
@@ -562,6 +583,8 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   if (ep > 1)
     groups_ = std::make_unique<ExpertGroups>(
         make_expert_groups(*opts_.comm, ep, opts_.device != Device::cpu));
+  // Context-parallel group g: the ranks [g cp, (g + 1) cp), in rank order.
+  if (cp > 1) cp_comm_ = opts_.comm->split(opts_.comm->rank() / cp, opts_.comm->rank());
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
   mo.seed = cfg_.seed;
@@ -608,8 +631,15 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "(set model.vocab_size={})",
               cfg_.data_path, data_->vocab_size(), cfg_.model.vocab_size, data_->vocab_size());
   }
-  // Every rank needs a sequence of each global batch (the first batch tells; all are alike).
-  if (dp_) (void)shard_batch(data_->batch(1), dp_->rank(), dp_->size());
+  // Every part needs a sequence of each global batch, and every slice of a part a token (the
+  // first batch tells; all are alike).
+  if (dp_) {
+    const Batch part = shard_batch(data_->batch(1), dp_->rank() / cp, dp_->size() / cp);
+    HLM_CHECK(part.num_tokens() >= cp,
+              "--context-parallel {}: a part of the global batch holds {} tokens, fewer than the "
+              "degree (raise tokens_per_step)",
+              cp, part.num_tokens());
+  }
   if (opts_.resume) {
     // The lock before the state is read: a run still writing there is refused, not raced.
     std::error_code ec;
@@ -951,6 +981,12 @@ TrainSummary Trainer::run() {
         "the {} processes that hold the same experts",
         dp_->size() / groups_->ep, groups_->ep, cfg_.model.moe.n_routed_experts / groups_->ep,
         cfg_.model.moe.n_routed_experts, groups_->data->size()));
+  if (cp_comm_)
+    log(fmt::format(
+        "context parallel: {} groups of {} processes, each part of the global batch split along "
+        "its tokens over a group (KDA layers {})",
+        dp_->size() / cp_comm_->size(), cp_comm_->size(),
+        opts_.cp_mode == KdaCpMode::headwise ? "headwise" : "chunkwise"));
   if (root_) write_param_list();
   move_to_device();
   if (opts_.resume)
@@ -1025,7 +1061,14 @@ TrainSummary Trainer::run() {
       have_stage = true;
     }
     const Batch global = data_->batch(s);
-    const Batch batch = dp_ ? shard_batch(global, dp_->rank(), dp_->size()) : global;
+    // Data parallel over the groups of cp ranks; each group's part split along its tokens.
+    const int cp = opts_.context_parallel;
+    const Batch batch = dp_ ? shard_batch(global, dp_->rank() / cp, dp_->size() / cp) : global;
+    std::optional<dist::CpSlice> slice;
+    if (cp > 1)
+      slice.emplace(*cp_comm_,
+                    SeqLayout::from_tensor(batch.cu_seqlens, batch.num_tokens(), "batch"),
+                    dist::CpSlice::even_bounds(batch.num_tokens(), cp));
     const double lr = sched_->at(s);
     const double t0 = now_s();
     const bool on_gpu = opts_.device != Device::cpu;
@@ -1033,9 +1076,17 @@ TrainSummary Trainer::run() {
     profile::Scope ps_step("step");
     model_->zero_grad();
     ModelInputs in;
-    in.tokens = batch.tokens;
-    in.cu_seqlens = batch.cu_seqlens;
-    in.targets = batch.targets;
+    if (slice) {
+      const int64_t b0 = slice->begin(slice->rank()), b1 = slice->end(slice->rank());
+      in.tokens = batch.tokens.slice(0, b0, b1).contiguous();
+      in.targets = batch.targets.slice(0, b0, b1).contiguous();
+      in.cp = &*slice;
+      in.cp_mode = opts_.cp_mode;
+    } else {
+      in.tokens = batch.tokens;
+      in.cu_seqlens = batch.cu_seqlens;
+      in.targets = batch.targets;
+    }
     in.logits = false;  // on CUDA: the head and the loss in chunks (no [T, V] logits held)
     if (dp_) {
       const LossNormalizers nz = global_normalizers(global);

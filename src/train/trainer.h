@@ -176,6 +176,13 @@ struct TrainerOptions {
   // divide the number of processes and every MoE layer's expert count. Checkpoints keep the
   // one-process layout, so a run resumes with any degree.
   int expert_parallel = 1;
+  // Context parallelism (docs/parallel.md, "In the trainer"): each part of the global batch is
+  // split along its tokens over a group of this many consecutive processes (1: none), the KDA
+  // layers in cp_mode; data parallel over the N / context_parallel groups. It must divide the
+  // number of processes; the model must have no DSA / MLA layers and train no MTP block (they do
+  // not run context parallel yet). Checkpoints keep the one-process layout.
+  int context_parallel = 1;
+  KdaCpMode cp_mode = KdaCpMode::chunkwise;
 };
 
 struct EvalResult {
@@ -255,6 +262,7 @@ class Trainer {
   TrainConfig cfg_;
   TrainerOptions opts_;
   std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
+  std::unique_ptr<dist::Comm> cp_comm_;   // context parallelism: this rank's group
   std::set<const Param*> split_experts_;  // and this rank's shares of the expert weights
   std::unique_ptr<HybridModel> model_;
   std::unique_ptr<AdamW> opt_;

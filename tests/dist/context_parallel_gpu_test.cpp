@@ -23,5 +23,15 @@ TEST(KdaContextParallelGpu, MatchesTheWholeBatch) {
   testing::expect_dist_check(n, "--kda-cp f32 cuda short");
 }
 
+// The whole model's context parallelism on GPUs (`--model-cp f32 cuda short`, 2 ranks): KDA
+// layers chunkwise and headwise, MoE with the sequence aux loss, mHC; the loss terms and the
+// gradients summed over the ranks against the whole batch on the same GPU.
+TEST(ModelContextParallelGpu, MatchesTheWholeBatch) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
+  testing::expect_dist_check(2, "--model-cp f32 cuda short");
+}
+
 }  // namespace
 }  // namespace hlm

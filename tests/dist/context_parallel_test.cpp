@@ -138,5 +138,16 @@ TEST(KdaContextParallel, MatchesTheWholeBatchOnTwoThreeAndFourRanks) {
   }
 }
 
+// The whole model (KDA layers, dense MLP, MoE with the sequence aux loss, mHC) over a slice per
+// rank against the whole batch (tests/dist/dist_check.cpp, --model-cp): f64 on 2, 3 and 4 ranks
+// (headwise at 2 and 4), f32 on 4; every recompute mode.
+TEST(ModelContextParallel, MatchesTheWholeBatchOnTwoThreeAndFourRanks) {
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  for (const auto& [dt, n] : {std::pair{"f64", 2}, {"f64", 3}, {"f64", 4}, {"f32", 4}}) {
+    SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
+    testing::expect_dist_check(n, std::string("--model-cp ") + dt + " cpu");
+  }
+}
+
 }  // namespace
 }  // namespace hlm

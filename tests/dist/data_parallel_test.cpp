@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -272,6 +273,57 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
   expect_as_one("split", "one");
   ASSERT_EQ(train(1, "--resume split_b"), 0) << read("err.txt");
   expect_same_tensors("split_b", "one", "model.safetensors", 1e-10);
+}
+
+// Context parallelism (HybridModel's ModelInputs::cp): each part of the global batch split along
+// its tokens over groups of 2 or 4 processes, the KDA layers chunkwise or headwise; with data
+// parallelism across the groups and with expert parallelism; a checkpoint of a context-parallel
+// run resumes in one process. The model: the test model's layers all KDA (its DSA layers and the
+// MTP block do not run context parallel yet), with MoE and the sequence aux loss.
+TEST_F(DataParallelRun, ContextParallelTrainsAsOne) {
+  const std::string kda = " --set model.layer_pattern=KKK --set mtp=false";
+  ASSERT_EQ(train(1, "--config train.json --out one" + kda), 0) << read("err.txt");
+  EXPECT_GT(double(metrics("one").back().at("aux_loss")), 0);
+  const std::tuple<int, std::string, std::string> runs[] = {
+      {2, "--context-parallel 2", "1 groups of 2 processes"},
+      {2, "--context-parallel 2 --cp-mode headwise", "(KDA layers headwise)"},
+      {4, "--context-parallel 2", "2 groups of 2 processes"},
+      {4, "--context-parallel 4", "1 groups of 4 processes"},
+      {4, "--context-parallel 2 --expert-parallel 2", "2 groups of 2 processes"}};
+  int i = 0;
+  for (const auto& [n, args, says] : runs) {
+    SCOPED_TRACE(fmt::format("{} processes, {}", n, args));
+    const std::string run = fmt::format("cp{}", i++);
+    ASSERT_EQ(train(n, "--config train.json --out " + run + kda + " " + args), 0)
+        << read("err.txt");
+    EXPECT_NE(read("out.txt").find("context parallel: "), std::string::npos) << read("out.txt");
+    EXPECT_NE(read("out.txt").find(says), std::string::npos) << read("out.txt");
+    expect_as_one(run, "one");
+  }
+  ASSERT_EQ(train(4, "--config train.json --out again --context-parallel 2" + kda), 0)
+      << read("err.txt");
+  expect_same_bits("again", "cp2");
+  // A checkpoint of 4 processes in context-parallel pairs resumes in one process.
+  ASSERT_EQ(train(4, "--config train.json --out half --context-parallel 2 --stop-after 4" + kda), 0)
+      << read("err.txt");
+  ASSERT_EQ(train(1, "--resume half"), 0) << read("err.txt");
+  expect_same_tensors("half", "one", "model.safetensors", 1e-10);
+  // Refused, with nothing written: a degree that does not divide the processes, the DSA layers
+  // and the MTP block, headwise over more ranks than KDA heads.
+  const std::pair<std::string, std::string> bad[] = {
+      {"--context-parallel 3" + kda,
+       "the degree must be at least 1 and divide the number of processes, 4"},
+      {"--context-parallel 2", "DSA / MLA layer(s) do not run context parallel yet"},
+      {"--context-parallel 2 --set model.layer_pattern=KKK",
+       "the MTP block (a DSA layer) does not run context parallel yet"},
+      {"--context-parallel 4 --cp-mode headwise" + kda,
+       "the KDA layers' 2 heads do not divide by the degree 4"},
+      {"--context-parallel 2 --cp-mode sideways" + kda, "--cp-mode"}};
+  for (const auto& [args, message] : bad) {
+    EXPECT_EQ(train(4, "--config train.json --out cpbad " + args), 2) << args;
+    EXPECT_NE(read("err.txt").find(message), std::string::npos) << args << ": " << read("err.txt");
+    EXPECT_FALSE(fs::exists(dir_ / "cpbad")) << args;
+  }
 }
 
 TEST_F(DataParallelRun, AKilledRankEndsTheJobAndTheCheckpointResumes) {

@@ -177,6 +177,28 @@ TEST(MoeBalanceGpu, LoadBiasUpdateAndAuxLoss) {
                                                                seqs, coeff, 0.7)),
                             cpu(dl)));
     }
+  // Context-parallel pieces (a sequence's whole length and counts given): the GPU's pieces
+  // against the CPU's whole batch, cut inside sequences.
+  for (DType dt : {DType::f32, DType::f64}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const std::vector<int64_t> lens{40, 3, 0, 90, 1};
+    const SeqLayout seqs = testing::seqs_of(lens);
+    const Tensor logits = randn({134, E}, dt, rng, 2.0);
+    const Tensor idx = ops::moe_router_forward(logits, Tensor(), c).topk_idx;
+    const double coeff = 0.01, whole = ops::moe_seq_aux_loss(logits, idx, seqs, coeff);
+    const Tensor dwhole = ops::moe_seq_aux_loss_backward(logits, idx, seqs, coeff, 1.0);
+    double sum = 0;
+    for (const testing::AuxPiece& p : testing::aux_pieces(seqs, idx, E, {0, 20, 42, 43, 134})) {
+      const Tensor l = gpu(logits.slice(0, p.begin, p.end).contiguous());
+      const Tensor i = gpu(idx.slice(0, p.begin, p.end).contiguous());
+      const double share = double(p.seqs.num_seqs()) / 4.0;
+      sum += ops::moe_seq_aux_loss(l, i, p.seqs, coeff, &p.whole) * share;
+      check("aux dlogits of a piece",
+            ops::moe_seq_aux_loss_backward(l, i, p.seqs, coeff, share, &p.whole),
+            dwhole.slice(0, p.begin, p.end).contiguous(), dt);
+    }
+    EXPECT_LE(std::fabs(sum - whole), (dt == DType::f32 ? 2e-5 : 1e-12) * std::fabs(whole));
+  }
   // every sigmoid underflows in FP32: the rescaled scores, finite
   const Tensor low = Tensor::full({6, E}, -120.0, DType::f32);
   std::vector<double> lv = low.to_f64_vector();

@@ -280,6 +280,57 @@ TEST(MoeBalance, SeqAuxLossMatchesReferenceAndGradient) {
   EXPECT_THROW(moe_seq_aux_loss(logits, idx, SeqLayout::from_lengths({3, 5}), coeff), Error);
 }
 
+// Context parallelism cuts sequences into pieces on different ranks: each piece's loss, given its
+// whole sequence's length and counts, is its share, so the pieces' losses (each call's mean
+// rescaled to the whole batch's sequences) sum to the whole batch's loss, and every token's
+// gradient is the whole batch's (FP64, pieces cut inside sequences, one piece a single token).
+TEST(MoeBalance, SeqAuxLossOfPiecesSumsToTheWhole) {
+  Rng rng(test_seed());
+  MoeRouterConfig c;
+  c.n_experts = 8;
+  c.top_k = 3;
+  const std::vector<int64_t> lens{7, 12, 0, 1, 9};
+  const SeqLayout seqs = SeqLayout::from_lengths(lens);
+  const Tensor logits = randn({29, 8}, DType::f64, rng, 1.5);
+  const Tensor idx = moe_router_forward(logits, Tensor(), c).topk_idx;
+  const double coeff = 1e-2;
+  const double whole = moe_seq_aux_loss(logits, idx, seqs, coeff);
+  const Tensor dwhole = moe_seq_aux_loss_backward(logits, idx, seqs, coeff, 1.0);
+  const double n_whole = 4;  // non-empty sequences
+  double dmax = 0;
+  for (double v : dwhole.to_f64_vector()) dmax = std::max(dmax, std::abs(v));
+  for (const std::vector<int64_t>& bounds :
+       std::vector<std::vector<int64_t>>{{0, 10, 29}, {0, 3, 4, 20, 29}, {0, 19, 20, 21, 29}}) {
+    double sum = 0, worst = 0;
+    for (const testing::AuxPiece& p : testing::aux_pieces(seqs, idx, 8, bounds)) {
+      const Tensor l = logits.slice(0, p.begin, p.end).contiguous();
+      const Tensor i = idx.slice(0, p.begin, p.end).contiguous();
+      const double share = double(p.seqs.num_seqs()) / n_whole;
+      sum += moe_seq_aux_loss(l, i, p.seqs, coeff, &p.whole) * share;
+      const Tensor d = moe_seq_aux_loss_backward(l, i, p.seqs, coeff, share, &p.whole);
+      const Tensor want = dwhole.slice(0, p.begin, p.end).contiguous();
+      for (int64_t e = 0; e < d.numel(); ++e)
+        worst = std::max(worst, std::abs(d.data<double>()[e] - want.data<double>()[e]));
+    }
+    EXPECT_NEAR(sum, whole, 1e-15 * std::abs(whole)) << bounds.size() - 1 << " pieces";
+    EXPECT_LE(worst, 1e-15 * dmax) << bounds.size() - 1 << " pieces";
+  }
+  // The batch's own lengths and counts as `whole`: the same bits as without.
+  const testing::AuxPiece all = testing::aux_pieces(seqs, idx, 8, {0, 29})[0];
+  const SeqLayout nonempty = SeqLayout::from_lengths({7, 12, 1, 9});
+  EXPECT_EQ(moe_seq_aux_loss(logits, idx, nonempty, coeff, &all.whole), whole);
+  // A whole that does not describe the sequences is refused.
+  ops::MoeAuxWhole bad = all.whole;
+  bad.lengths[0] = 6;  // shorter than the piece
+  EXPECT_THROW(moe_seq_aux_loss(logits, idx, nonempty, coeff, &bad), Error);
+  bad = all.whole;
+  bad.counts[0] += 1;  // counts no longer K per token
+  EXPECT_THROW(moe_seq_aux_loss(logits, idx, nonempty, coeff, &bad), Error);
+  bad = all.whole;
+  bad.lengths.pop_back();
+  EXPECT_THROW(moe_seq_aux_loss_backward(logits, idx, nonempty, coeff, 1.0, &bad), Error);
+}
+
 // Item 8 of the hardening list: with very negative router logits every sigmoid underflows (FP32:
 // below -88.7), the sum of the scores is 0 and s / sum(s) was 0 / 0; the aux loss (and so the
 // whole objective) became NaN while the main losses were finite. The normalised scores are the

@@ -14,11 +14,13 @@
 //   dx_t   = sum_k dx_e[a] + dx_shared_t + dx_r_t               (in that order)
 #include "layers/moe/moe_layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
 #include "core/profile.h"
 #include "dist/comm.h"
+#include "dist/context_parallel.h"
 #include "ops/gemm.h"
 #include "ops/tensor_ops.h"
 
@@ -409,6 +411,45 @@ void MoeLayer::check_input(const Tensor& x) const {
             "MoeLayer({}): x must be [T, {}], got {}", path_, cfg_.hidden_size, x.describe());
 }
 
+namespace {
+
+// The whole sequences of a context-parallel slice (seqs = cp.local()): each local sequence's
+// length in the global batch and its expert counts summed over every slice that holds part of
+// it (one all-gather of [S, E] counts per global sequence; integer sums, in rank order).
+std::shared_ptr<const ops::MoeAuxWhole> aux_whole(const Tensor& topk_idx, int64_t E,
+                                                  const SeqLayout& seqs, const dist::CpSlice& cp) {
+  HLM_CHECK(seqs.offsets() == cp.local().offsets(),
+            "MoeLayer: under context parallelism the layout must be the slice's own");
+  const std::vector<int64_t>& g = cp.global().offsets();
+  const int64_t S = cp.global().num_seqs(), K = topk_idx.size(1), b0 = cp.begin(cp.rank());
+  // The global sequence of each local one (the last that starts at or before its first token).
+  std::vector<int64_t> of;
+  for (int64_t q = 0; q < seqs.num_seqs(); ++q) {
+    const int64_t t = b0 + seqs.offsets()[size_t(q)];
+    of.push_back(int64_t(std::upper_bound(g.begin(), g.end(), t) - g.begin()) - 1);
+  }
+  const std::vector<int64_t> idx = topk_idx.to_i64_vector();
+  std::vector<int64_t> mine(size_t(S * E), 0);
+  for (int64_t q = 0; q < seqs.num_seqs(); ++q)
+    for (int64_t t = seqs.offsets()[size_t(q)]; t < seqs.offsets()[size_t(q) + 1]; ++t)
+      for (int64_t k = 0; k < K; ++k) ++mine[size_t(of[size_t(q)] * E + idx[size_t(t * K + k)])];
+  const Tensor all = cp.allgather(Tensor::from_vector<int64_t>({S * E}, mine)).to(Device::cpu);
+  const int64_t* a = all.data<int64_t>();
+  auto w = std::make_shared<ops::MoeAuxWhole>();
+  for (int64_t q = 0; q < seqs.num_seqs(); ++q) {
+    const int64_t gs = of[size_t(q)];
+    w->lengths.push_back(g[size_t(gs) + 1] - g[size_t(gs)]);
+    for (int64_t e = 0; e < E; ++e) {
+      int64_t c = 0;
+      for (int r = 0; r < cp.size(); ++r) c += a[(int64_t(r) * S + gs) * E + e];
+      w->counts.push_back(c);
+    }
+  }
+  return w;
+}
+
+}  // namespace
+
 MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens,
                                    Saved* saved, const Tensor& replay_idx) const {
   check_input(x);
@@ -418,7 +459,7 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Te
 
 MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
                                    Saved* saved, const Tensor& replay_idx, dist::Comm* ep,
-                                   bool stats) const {
+                                   bool stats, const dist::CpSlice* cp) const {
   check_input(x);
   HLM_CHECK((cfg_.ep_size > 1) == (ep != nullptr), "MoeLayer({}): {} (config ep_size {})", path_,
             ep ? "an expert-parallel group was given to a layer that holds every expert"
@@ -455,8 +496,11 @@ MoeLayer::Output MoeLayer::forward(const Context& ctx, const Tensor& x, const Se
   out.topk_idx = s.route.topk_idx;
   out.topk_weight = s.route.topk_weight;
   if (stats) out.counts = ops::moe_expert_load(s.route.topk_idx, cfg_.n_experts);
-  if (stats && cfg_.aux_loss_coeff > 0)
-    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, seqs, cfg_.aux_loss_coeff);
+  if (stats && cfg_.aux_loss_coeff > 0) {
+    if (cp && cp->size() > 1) s.aux_whole = aux_whole(s.route.topk_idx, cfg_.n_experts, seqs, *cp);
+    out.aux_loss = ops::moe_seq_aux_loss(s.logits, s.route.topk_idx, seqs, cfg_.aux_loss_coeff,
+                                         s.aux_whole.get());
+  }
   if (keep) {
     s.x = xc;
     s.x_dtype = x.dtype();
@@ -536,8 +580,8 @@ Tensor MoeLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
   const ops::MoeRouterConfig rc = cfg_.router_config();
   Tensor dl = ops::moe_router_backward(R.logits, R.route, rc, cg.dw);
   if (cfg_.aux_loss_coeff > 0 && d_aux != 0) {
-    const Tensor da = ops::moe_seq_aux_loss_backward(R.logits, R.topk_idx, saved.seqs,
-                                                     cfg_.aux_loss_coeff, d_aux);
+    const Tensor da = ops::moe_seq_aux_loss_backward(
+        R.logits, R.topk_idx, saved.seqs, cfg_.aux_loss_coeff, d_aux, saved.aux_whole.get());
     ops::add_(dl, da);
   }
   const Tensor dxr = as_dtype(gate_.backward(ctx, dl, R.router), cdt);

@@ -66,7 +66,8 @@ namespace hlm {
 
 namespace dist {
 class Comm;
-}
+class CpSlice;
+}  // namespace dist
 
 struct MoeConfig {
   int64_t hidden_size = 0;     // D
@@ -153,6 +154,9 @@ class MoeLayer : public Module {
     Tensor h;                     // [N, I] activations (bf16 under a bf16 GEMM)
     // Expert parallel: the dispatch, and the experts' own Saved over the rows this rank received.
     std::shared_ptr<const EpDispatch> ep_dispatch;
+    // Context parallel: the whole sequences' lengths and expert counts of the aux loss (kept also
+    // under ctx.recompute: the backward needs no exchange).
+    std::shared_ptr<const ops::MoeAuxWhole> aux_whole;
   };
 
   // Validates cfg; `path` is the module's full name (e.g. "model.layers.3.mlp"). Precisions are
@@ -172,9 +176,13 @@ class MoeLayer : public Module {
   // the device.
   // On CUDA, outside training (no Saved kept) and at decode sizes (T K <= kRoutedRowsPerExpert
   // E), the routed experts run through ops::moe_routed_experts: the selection stays on the device.
+  // Context parallel (cp: this rank's slice of a packed batch, seqs = cp->local()): the aux loss
+  // of a sequence cut by a slice boundary takes the whole sequence's length and expert counts
+  // (one all-gather over the group of every slice's counts per sequence), so it is this slice's
+  // share (ops::moe_seq_aux_loss); everything else is per token.
   Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
-                 const Tensor& replay_idx = Tensor(), dist::Comm* ep = nullptr,
-                 bool stats = true) const;
+                 const Tensor& replay_idx = Tensor(), dist::Comm* ep = nullptr, bool stats = true,
+                 const dist::CpSlice* cp = nullptr) const;
   // The device path's limit on the mean rows per expert (above it the grouped GEMMs' tensor cores
   // pay for the host-sized groups).
   static constexpr int64_t kRoutedRowsPerExpert = 16;

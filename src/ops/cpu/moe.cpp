@@ -187,7 +187,8 @@ namespace {
 struct AuxArgs {
   int64_t T, E, K;
   std::vector<int64_t> cu, idx;
-  int64_t n_seq = 0;  // non-empty sequences
+  int64_t n_seq = 0;                   // non-empty sequences
+  const MoeAuxWhole* whole = nullptr;  // the whole sequences of pieces (context parallel)
 };
 // The sigmoid scores of one token's logits l[0..E) into s and their sum S, from which the loss
 // takes s_e / S. When every logit is so negative that the sum underflows (S below the smallest
@@ -220,15 +221,20 @@ double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, 
   T total = 0;
   std::vector<T> f(static_cast<size_t>(E)), P(static_cast<size_t>(E)), s(static_cast<size_t>(E));
   for (size_t q = 0; q + 1 < a.cu.size(); ++q) {
-    const int64_t t0 = a.cu[q], t1 = a.cu[q + 1], Ts = t1 - t0;
-    if (Ts == 0) continue;
+    const int64_t t0 = a.cu[q], t1 = a.cu[q + 1];
+    if (t1 == t0) continue;
+    // T_s and the counts: the whole sequence's under context parallelism, else this one's.
+    const int64_t Ts = a.whole ? a.whole->lengths[q] : t1 - t0;
     std::fill(f.begin(), f.end(), T(0));
     std::fill(P.begin(), P.end(), T(0));
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t k = 0; k < K; ++k) f[size_t(a.idx[size_t(t * K + k)])] += T(1);
+      if (!a.whole)
+        for (int64_t k = 0; k < K; ++k) f[size_t(a.idx[size_t(t * K + k)])] += T(1);
       const T S = aux_scores(l + t * E, E, s.data());
       for (int64_t e = 0; e < E; ++e) P[size_t(e)] += s[size_t(e)] / S;
     }
+    if (a.whole)
+      for (int64_t e = 0; e < E; ++e) f[size_t(e)] = T(a.whole->counts[size_t(int64_t(q) * E + e)]);
     const T fscale = T(E) / (T(K) * T(Ts));
     T Ls = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -257,9 +263,10 @@ double aux_impl(const Tensor& logits_in, const AuxArgs& a, double coeff, T* dl, 
 }  // namespace
 
 double moe_seq_aux_loss(const Tensor& logits, const std::vector<int64_t>& idx, int64_t K,
-                        const std::vector<int64_t>& cu, double coeff, double dloss,
-                        Tensor* dlogits) {
+                        const std::vector<int64_t>& cu, double coeff, double dloss, Tensor* dlogits,
+                        const MoeAuxWhole* whole) {
   AuxArgs a;
+  a.whole = whole;
   a.T = logits.size(0);
   a.E = logits.size(1);
   a.K = K;

@@ -22,8 +22,8 @@ void moe_expert_load(const std::vector<int64_t>& idx, Tensor& load);
 void moe_bias_update(Tensor& bias, const Tensor& load, double rate);
 // Returns the loss; with dlogits (allocated [T, E]) also writes dloss * its gradient.
 double moe_seq_aux_loss(const Tensor& logits, const std::vector<int64_t>& idx, int64_t K,
-                        const std::vector<int64_t>& cu, double coeff, double dloss,
-                        Tensor* dlogits);
+                        const std::vector<int64_t>& cu, double coeff, double dloss, Tensor* dlogits,
+                        const MoeAuxWhole* whole = nullptr);
 void swiglu_clamped_forward(const Tensor& gu, double limit, Tensor& h);
 void swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit, Tensor& dgu);
 // out [T, D] from eo [T, K, D], w [T, K] (undefined: plain sum), shared [T, D] (or undefined).

@@ -273,13 +273,16 @@ template <class A>
 __global__ void __launch_bounds__(128)
     aux_seq_kernel(const A* __restrict__ ppart, const int64_t* __restrict__ cpart,
                    const int64_t* __restrict__ seq_seg, const int64_t* __restrict__ cu,
+                   const int64_t* __restrict__ wlen, const int64_t* __restrict__ wcount,
                    A* __restrict__ f, A* __restrict__ lseq, int64_t E, int64_t K) {
   __shared__ A red[4];
-  const int64_t s = blockIdx.x, Ts = cu[s + 1] - cu[s];
-  if (Ts == 0) {
+  const int64_t s = blockIdx.x;
+  if (cu[s + 1] == cu[s]) {
     if (threadIdx.x == 0) lseq[s] = A(0);
     return;
   }
+  // T_s and the counts: the whole sequence's (wlen / wcount, context parallel), else this one's.
+  const int64_t Ts = wlen ? wlen[s] : cu[s + 1] - cu[s];
   const A fscale = A(E) / (A(K) * A(Ts));
   A part = 0;
   for (int64_t e = threadIdx.x; e < E; e += 128) {
@@ -289,6 +292,7 @@ __global__ void __launch_bounds__(128)
       p += ppart[g * E + e];
       c += cpart[g * E + e];
     }
+    if (wcount) c = wcount[s * E + e];
     const A fe = A(c) * fscale;
     f[s * E + e] = fe;
     part += fe * (p / A(Ts));
@@ -303,13 +307,13 @@ __global__ void __launch_bounds__(128)
 template <class A>
 __global__ void __launch_bounds__(kWarps * 32)
     aux_bwd_kernel(const A* __restrict__ logits, const A* __restrict__ q, const A* __restrict__ f,
-                   const int64_t* __restrict__ cu, int64_t nseq, A* __restrict__ dl, int64_t T,
-                   int64_t E, A coeff_dloss, A n_seq) {
+                   const int64_t* __restrict__ cu, const int64_t* __restrict__ wlen, int64_t nseq,
+                   A* __restrict__ dl, int64_t T, int64_t E, A coeff_dloss, A n_seq) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kWarps + warp;
   if (t >= T) return;
   const int64_t s = last_le(cu, nseq + 1, t);
-  const A Ts = A(cu[s + 1] - cu[s]);
+  const A Ts = A(wlen ? wlen[s] : cu[s + 1] - cu[s]);
   const A base = coeff_dloss / (n_seq * Ts);
   const A* fs_ = f + s * E;
   const A* qt = q + t * E;
@@ -482,7 +486,7 @@ void moe_bias_update(Tensor& bias, const Tensor& load, double rate) {
 }
 
 double moe_seq_aux_loss(const Tensor& logits, const Tensor& idx, const std::vector<int64_t>& cu,
-                        double coeff, double dloss, Tensor* dlogits) {
+                        double coeff, double dloss, Tensor* dlogits, const MoeAuxWhole* whole) {
   const int64_t T = logits.size(0), E = logits.size(1), K = idx.size(1);
   const int64_t N = int64_t(cu.size()) - 1;
   int64_t n_seq = 0;
@@ -508,6 +512,10 @@ double moe_seq_aux_loss(const Tensor& logits, const Tensor& idx, const std::vect
     Tensor q = alloc({T, E}, dt), ppart = alloc({nseg, E}, dt),
            cpart = alloc({nseg, E}, DType::i64), f = alloc({N, E}, dt), lseq = alloc({N}, dt);
     const Tensor segd = to_device(seg), seq_segd = to_device(seq_seg), cud = to_device(cu);
+    const Tensor wlen = whole ? to_device(whole->lengths) : Tensor(),
+                 wcount = whole ? to_device(whole->counts) : Tensor();
+    const int64_t* wl = whole ? cptr<int64_t>(wlen) : nullptr;
+    const int64_t* wc = whole ? cptr<int64_t>(wcount) : nullptr;
     aux_ratio_kernel<A><<<blocks_for(T, kWarps), kWarps * 32>>>(cptr<A>(logits), mptr<A>(q), T, E);
     check_launch("moe_seq_aux_loss");
     aux_partial_kernel<A><<<dim3(unsigned(nseg), unsigned((E + 127) / 128)), 128>>>(
@@ -515,13 +523,13 @@ double moe_seq_aux_loss(const Tensor& logits, const Tensor& idx, const std::vect
         K);
     check_launch("moe_seq_aux_loss");
     aux_seq_kernel<A><<<unsigned(N), 128>>>(cptr<A>(ppart), cptr<int64_t>(cpart),
-                                            cptr<int64_t>(seq_segd), cptr<int64_t>(cud), mptr<A>(f),
-                                            mptr<A>(lseq), E, K);
+                                            cptr<int64_t>(seq_segd), cptr<int64_t>(cud), wl, wc,
+                                            mptr<A>(f), mptr<A>(lseq), E, K);
     check_launch("moe_seq_aux_loss");
     if (dlogits) {
       aux_bwd_kernel<A><<<blocks_for(T, kWarps), kWarps * 32>>>(
-          cptr<A>(logits), cptr<A>(q), cptr<A>(f), cptr<int64_t>(cud), N, mptr<A>(*dlogits), T, E,
-          A(dloss) * A(coeff), A(n_seq));
+          cptr<A>(logits), cptr<A>(q), cptr<A>(f), cptr<int64_t>(cud), wl, N, mptr<A>(*dlogits), T,
+          E, A(dloss) * A(coeff), A(n_seq));
       check_launch("moe_seq_aux_loss_backward");
       return;
     }

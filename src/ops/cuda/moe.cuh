@@ -28,8 +28,10 @@ void moe_expert_load(const Tensor& idx, Tensor& load);
 void moe_bias_update(Tensor& bias, const Tensor& load, double rate);
 // logits [T, E] f32 / f64; idx [T, K]; cu the checked host offsets of the sequences. Returns the
 // loss; with dlogits (allocated [T, E], logits' dtype) also writes dloss * its gradient.
+// whole: ops::moe_seq_aux_loss's (or nullptr).
 double moe_seq_aux_loss(const Tensor& logits, const Tensor& idx, const std::vector<int64_t>& cu,
-                        double coeff, double dloss, Tensor* dlogits);
+                        double coeff, double dloss, Tensor* dlogits,
+                        const MoeAuxWhole* whole = nullptr);
 
 // ---- clamped SwiGLU and combine (moe.cu) --------------------------------------------------------
 // gu [..., 2I], h [..., I], dh, dgu: one dtype, f32 / f64 / bf16 (computed in f32, f64 for f64).
