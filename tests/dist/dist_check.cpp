@@ -459,7 +459,7 @@ int moe_ep(const std::string& dtype, const std::string& device) {
 
 // `--model-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): the whole model's context
 // parallelism (ModelInputs::cp) over this job's ranks against the whole batch run in this process:
-// a model of three KDA layers (4 heads), a dense MLP and two MoE layers with the sequence aux loss,
+// a model of three KDA layers (4 heads of 32), a dense MLP and two MoE layers with the aux loss,
 // and mHC. Each rank runs its slice with the whole batch's normalizers; the loss terms summed over
 // the ranks, every parameter gradient summed over the ranks and the expert counts summed over the
 // ranks must equal the whole batch's: within 1e-10 (f64) or 5e-5 (f32) relative (the counts
@@ -476,7 +476,7 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
     "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
     "num_hidden_layers": 3, "layer_pattern": "KKK", "first_k_dense_replace": 1,
     "intermediate_size": 24, "initializer_range": 0.2,
-    "linear_num_heads": 4, "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
+    "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
     "num_nextn_predict_layers": 0, "gemm_precision": "native"
