@@ -5,7 +5,9 @@
 // of the 3 steps (both indexer stages) within 1e-5 of the objective (FP32: the sums are taken in
 // another order), the checkpoint written in the one-process layout. Then the same with the
 // experts split over the two processes (expert parallelism: the MoE layers' all-to-alls over NCCL
-// too). On GPUs each rank needs its own device.
+// too), and with each part of the batch split along its tokens over the two (context
+// parallelism: a model whose layers are all KDA, without MTP). On GPUs each rank needs its own
+// device.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -75,11 +77,20 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   fs::create_directories(dir);
   std::ofstream(dir / "model.json") << model_json();
   std::ofstream(dir / "train.json") << kTrain;
-  auto train = [&](int n, const std::string& out, int ep = 1) {
+  // The context-parallel runs' model: the same with every layer KDA, and no MTP.
+  nlohmann::json kda = nlohmann::json::parse(model_json());
+  kda["layer_pattern"] = "KKK";
+  std::ofstream(dir / "model_kda.json") << kda.dump();
+  nlohmann::json tk = nlohmann::json::parse(kTrain);
+  tk["model"] = "model_kda.json";
+  tk["mtp"] = false;
+  std::ofstream(dir / "train_kda.json") << tk.dump();
+  auto train = [&](int n, const std::string& out, int ep = 1, int cp = 1,
+                   const std::string& config = "train.json") {
     std::string cmd = "cd " + dir.string() + " && OMP_NUM_THREADS=1 ";
     if (n > 1) cmd += testing::mpirun_prefix(n);
-    cmd += testing::dist_check() + " --train train.json " + out + " cuda " + std::to_string(ep) +
-           " > out.txt 2>&1";
+    cmd += testing::dist_check() + " --train " + config + " " + out + " cuda " +
+           std::to_string(ep) + " " + std::to_string(cp) + " > out.txt 2>&1";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   };
@@ -90,10 +101,17 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   ASSERT_EQ(train(2, "ep", 2), 0) << read(dir / "out.txt");
   EXPECT_NE(read(dir / "out.txt").find("expert parallel: 1 groups of 2 processes"),
             std::string::npos);
-  const auto b = metrics(dir / "one");
-  ASSERT_EQ(b.size(), 3u);
-  EXPECT_GT(double(b.back().at("indexer_loss")), 0);
-  for (const char* run : {"two", "ep"}) {
+  ASSERT_EQ(train(1, "kda_one", 1, 1, "train_kda.json"), 0) << read(dir / "out.txt");
+  ASSERT_EQ(train(2, "cp", 1, 2, "train_kda.json"), 0) << read(dir / "out.txt");
+  EXPECT_NE(read(dir / "out.txt").find("context parallel: 1 groups of 2 processes"),
+            std::string::npos);
+  const auto first = metrics(dir / "one");
+  ASSERT_EQ(first.size(), 3u);
+  EXPECT_GT(double(first.back().at("indexer_loss")), 0);
+  EXPECT_GT(double(metrics(dir / "kda_one").back().at("aux_loss")), 0);
+  for (const char* run : {"two", "ep", "cp"}) {
+    const std::string ref = std::string(run) == "cp" ? "kda_one" : "one";
+    const auto b = metrics(dir / ref);
     const auto a = metrics(dir / run);
     ASSERT_EQ(a.size(), 3u) << run;
     for (size_t i = 0; i < a.size(); ++i)
@@ -104,7 +122,7 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
     // The checkpoint of two GPU processes holds the one-process layout (the experts whole).
     for (const char* file : {"trainer_state.safetensors", "model.safetensors"}) {
       const auto sa = safetensors::load((dir / run / file).string());
-      const auto sb = safetensors::load((dir / "one" / file).string());
+      const auto sb = safetensors::load((dir / ref / file).string());
       EXPECT_EQ(sa.tensors.size(), sb.tensors.size()) << run << " " << file;
       for (const auto& [name, t] : sb.tensors) {
         ASSERT_TRUE(sa.tensors.count(name)) << run << " " << name;

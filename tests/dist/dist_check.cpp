@@ -5,7 +5,8 @@
 // (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
-// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP]` runs the trainer instead, and
+// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP]]` runs the trainer instead,
+// and
 // `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism, `--moe-ep DTYPE DEVICE`
 // the MoE layer's expert parallelism and `--model-cp DTYPE DEVICE [short]` the whole model's
 // context parallelism (below).
@@ -196,11 +197,13 @@ void check_nccl(Comm& w) {
 
 }  // namespace
 
-// `--train CONFIG OUT DEVICE [EP]` (cpu or cuda): the trainer (train/trainer.h) on a training
-// config, data parallel over the processes of the job (and expert parallel over groups of EP),
-// as `hybridlm train [--expert-parallel EP]` runs it (tests/dist/data_parallel_gpu_test.cpp: the
-// emulation build then needs no command-line tool).
-int train(const std::string& config, const std::string& out, const std::string& device, int ep) {
+// `--train CONFIG OUT DEVICE [EP [CP]]` (cpu or cuda): the trainer (train/trainer.h) on a
+// training config, data parallel over the processes of the job (expert parallel over groups of
+// EP, context parallel over groups of CP), as `hybridlm train [--expert-parallel EP]
+// [--context-parallel CP]` runs it (tests/dist/data_parallel_gpu_test.cpp: the emulation build
+// then needs no command-line tool).
+int train(const std::string& config, const std::string& out, const std::string& device, int ep,
+          int cp) {
   Comm& w = hlm::dist::world();
   hlm::train::TrainConfig cfg =
       hlm::train::make_train_config(hlm::train::read_train_config_file(config), {}, config,
@@ -210,6 +213,7 @@ int train(const std::string& config, const std::string& out, const std::string& 
   o.device = device == "cuda" ? hlm::Device::cuda : hlm::Device::cpu;
   o.comm = w.size() > 1 ? &w : nullptr;
   o.expert_parallel = ep;
+  o.context_parallel = cp;
   o.plot = false;
   hlm::train::Trainer(cfg, o).run();
   return 0;
@@ -603,19 +607,20 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
   return failures == 0 ? 0 : 1;
 }
 
-// The expert-parallel degree of --train: a whole number >= 1.
+// The expert- or context-parallel degree of --train: a whole number >= 1.
 int degree(const char* s) {
   char* end = nullptr;
   const long v = std::strtol(s, &end, 10);
   HLM_CHECK(*s != 0 && *end == 0 && v >= 1 && v <= 4096,
-            "--train: the expert-parallel degree must be a whole number in [1, 4096], got '{}'", s);
+            "--train: a parallel degree must be a whole number in [1, 4096], got '{}'", s);
   return int(v);
 }
 
 int main(int argc, char** argv) {
   try {
-    if ((argc == 5 || argc == 6) && std::string(argv[1]) == "--train")
-      return train(argv[2], argv[3], argv[4], argc == 6 ? degree(argv[5]) : 1);
+    if (argc >= 5 && argc <= 7 && std::string(argv[1]) == "--train")
+      return train(argv[2], argv[3], argv[4], argc >= 6 ? degree(argv[5]) : 1,
+                   argc == 7 ? degree(argv[6]) : 1);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--kda-cp")
       return kda_cp(argv[2], argv[3], argc == 4);
