@@ -21,6 +21,8 @@
 //   top-p: the key at which the weights' running sum first reaches ceil(top_p T), T the
 //          candidates' total (the kept: keys >= it; kept = the sum up to and with it);
 //   draw:  the key at which it first exceeds floor(u kept).
+// T (and kept without top-p) is the total of the search's first histogram, which holds every
+// candidate: no pass of its own.
 // The histograms add with shared-memory integer atomics (a warp whose candidates share a bin adds
 // once, by its leader): integer sums, so the result does not depend on the order.
 #include <cuda_runtime.h>
@@ -94,7 +96,6 @@ struct RowState {
   unsigned long long hist[kBins];
   double sv[kWarps], ss[kWarps];
   int64_t si[kWarps], sb[kWarps];
-  unsigned long long su[kWarps];
   double m, lse;
   int64_t best, bad;
   unsigned long long found_above;
@@ -109,11 +110,15 @@ __device__ __forceinline__ unsigned long long weight(double x, double m, double 
 // The key at which the running total over the candidates (keys >= lo) in decreasing key order
 // first reaches (count_reaches, weight_reaches: >= target) or exceeds (weight_exceeds: > target)
 // the target; *above gets the total of the candidates before it. The target must be met by the
-// candidates' whole total.
+// candidates' whole total. frac >= 0 (weight modes): the target is that fraction of the whole
+// total, taken from the first digit's histogram (which holds every candidate) instead of a pass of
+// its own: weight_reaches ceil(frac total) in [1, total], weight_exceeds floor(frac total) below
+// total.
 template <class T>
 __device__ typename KeyOf<T>::Key find_key(RowState& st, const T* row, int64_t V, Find mode,
                                            unsigned long long target, typename KeyOf<T>::Key lo,
-                                           double t, double unit, unsigned long long* above_out) {
+                                           double t, double unit, unsigned long long* above_out,
+                                           double frac = -1) {
   using Key = typename KeyOf<T>::Key;
   constexpr int D = KeyOf<T>::kDigits;
   const int lane = int(threadIdx.x) % 32;
@@ -147,6 +152,18 @@ __device__ typename KeyOf<T>::Key find_key(RowState& st, const T* row, int64_t V
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (d == 0 && frac >= 0) {
+        unsigned long long total = 0;
+        for (int b = 0; b < kBins; ++b) total += st.hist[b];
+        const double want = frac * static_cast<double>(total);
+        if (mode == Find::weight_reaches) {
+          target = static_cast<unsigned long long>(ceil(want));
+          target = target < 1 ? 1 : (target > total ? total : target);
+        } else {
+          target = static_cast<unsigned long long>(want);
+          target = target >= total ? total - 1 : target;
+        }
+      }
       int pick = -1;
       for (int b = kBins - 1; b >= 0; --b) {
         const unsigned long long h = st.hist[b];
@@ -173,23 +190,6 @@ __device__ typename KeyOf<T>::Key find_key(RowState& st, const T* row, int64_t V
   }
   *above_out = above;
   return prefix;
-}
-
-// The sum of W over the candidates (keys >= lo), the same in every thread.
-template <class T>
-__device__ unsigned long long total_weight(RowState& st, const T* row, int64_t V,
-                                           typename KeyOf<T>::Key lo, double t, double unit) {
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  unsigned long long s = 0;
-  for (int64_t v = threadIdx.x; v < V; v += kThreads)
-    if (KeyOf<T>::of(row, v) >= lo) s += weight(ld<double>(row, v), st.m, t, unit);
-  s = warp_sum(s);
-  if (lane == 0) st.su[warp] = s;
-  __syncthreads();
-  unsigned long long all = 0;
-  for (int w = 0; w < kWarps; ++w) all += st.su[w];
-  __syncthreads();
-  return all;
 }
 
 template <class T>
@@ -257,17 +257,16 @@ __global__ void __launch_bounds__(kThreads)
     if (top_k > 0 && top_k < V)
       lo = find_key(st, row, V, Find::count_reaches, static_cast<unsigned long long>(top_k), lo,
                     temp, unit, &above);
-    unsigned long long kept = total_weight(st, row, V, lo, temp, unit);
+    // The candidates' total weight comes from each search's first histogram (frac).
     if (top_p < 1) {
-      unsigned long long target =
-          static_cast<unsigned long long>(ceil(top_p * static_cast<double>(kept)));
-      target = target < 1 ? 1 : (target > kept ? kept : target);
-      lo = find_key(st, row, V, Find::weight_reaches, target, lo, temp, unit, &above);
-      kept = above + weight(ld<double>(row, id_of(lo)), m, temp, unit);
+      lo = find_key(st, row, V, Find::weight_reaches, 0, lo, temp, unit, &above, top_p);
+      const unsigned long long kept = above + weight(ld<double>(row, id_of(lo)), m, temp, unit);
+      unsigned long long at = static_cast<unsigned long long>(u * static_cast<double>(kept));
+      at = at >= kept ? kept - 1 : at;
+      pick = id_of(find_key(st, row, V, Find::weight_exceeds, at, lo, temp, unit, &above));
+    } else {
+      pick = id_of(find_key(st, row, V, Find::weight_exceeds, 0, lo, temp, unit, &above, u));
     }
-    unsigned long long at = static_cast<unsigned long long>(u * static_cast<double>(kept));
-    at = at >= kept ? kept - 1 : at;
-    pick = id_of(find_key(st, row, V, Find::weight_exceeds, at, lo, temp, unit, &above));
   }
   if (threadIdx.x == 0) {
     token[r] = pick;
