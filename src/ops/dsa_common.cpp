@@ -190,4 +190,13 @@ void check_pattern(Pattern& p, int64_t nkeys, const char* op, const char* what) 
   p.nkeys = nkeys;
 }
 
+PageTable page_table(const std::vector<const std::vector<int64_t>*>& pages) {
+  PageTable t;
+  for (const auto* p : pages) t.max_pages = std::max(t.max_pages, int64_t(p->size()));
+  t.flat.assign(pages.size() * size_t(t.max_pages), 0);
+  for (size_t n = 0; n < pages.size(); ++n)
+    std::copy(pages[n]->begin(), pages[n]->end(), t.flat.begin() + int64_t(n) * t.max_pages);
+  return t;
+}
+
 }  // namespace hlm::ops::dsa_detail

@@ -89,6 +89,14 @@ Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t
 // has T + 1 ascending entries ending at the entry count, every slot is in [0, W), every key row in
 // [0, nkeys); otherwise throws, naming op and what. Sets p.nkeys.
 void check_pattern(Pattern& p, int64_t nkeys, const char* op, const char* what);
+
+// Page tables of different lengths as one row-major [N, max_pages] table (zeros past each end),
+// for a device copy.
+struct PageTable {
+  std::vector<int64_t> flat;
+  int64_t max_pages = 1;
+};
+PageTable page_table(const std::vector<const std::vector<int64_t>*>& pages);
 // Builds the inverse map of a pattern whose forward part is filled.
 void build_inverse(Pattern& p);
 

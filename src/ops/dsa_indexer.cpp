@@ -116,11 +116,13 @@ Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, cons
   return out;
 }
 
-Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
-                              const dsa_detail::Pattern& p_, const IndexerScoreOptions& opt) {
-  const char* op = "indexer_scores_pattern";
+namespace {
+
+// The checks of the scoring over cache rows (T queries, key rows k [R, d_I]).
+ScoreArgs check_rows_args(const Tensor& q, const Tensor& k, const Tensor& w, int64_t T,
+                          const IndexerScoreOptions& opt, const char* op) {
   detail::require_float_dev(q, op, "q");
-  HLM_CHECK(q.dim() == 3 && q.size(0) == p_.T, "{}: q must be [T = {}, H_I, d_I], got {}", op, p_.T,
+  HLM_CHECK(q.dim() == 3 && q.size(0) == T, "{}: q must be [T = {}, H_I, d_I], got {}", op, T,
             q.describe());
   HLM_CHECK(k.defined() && k.dim() == 2, "{}: k must be [R, d_I], got {}", op,
             k.defined() ? k.describe() : "undefined");
@@ -135,6 +137,15 @@ Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
             opt.scale);
   a.scale = opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(double(a.D));
   a.q = q.contiguous(), a.k = k.contiguous(), a.w = w.contiguous();
+  return a;
+}
+
+}  // namespace
+
+Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
+                              const dsa_detail::Pattern& p_, const IndexerScoreOptions& opt) {
+  const char* op = "indexer_scores_pattern";
+  const ScoreArgs a = check_rows_args(q, k, w, p_.T, opt, op);
   Pattern p = p_;
   dsa_detail::check_pattern(p, k.size(0), op, "the key rows");
   Tensor out = new_scores(a, p.W);
@@ -144,6 +155,73 @@ Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
     HLM_CUDA_PATH(op, cuda::indexer_scores_rows(a.q, a.k, a.w, cuda::upload_pattern(p, false), opt,
                                                 a.scale, out, op));
   }
+  return out;
+}
+
+Tensor indexer_scores_cached(const Tensor& q, const Tensor& k, const Tensor& w,
+                             const CachedSelection& s, const IndexerScoreOptions& opt) {
+  const char* op = "indexer_scores_cached";
+  const int64_t T = int64_t(s.ncand.size());
+  const ScoreArgs a = check_rows_args(q, k, w, T, opt, op);
+  HLM_CHECK(int64_t(s.pos.size()) == T && int64_t(s.seq_of.size()) == T && s.page > 0 && s.P >= 1 &&
+                s.page % s.P == 0,
+            "{}: T positions, candidate counts and sequences, and a page size that is a multiple "
+            "of P; got {}, {} and {}, page {}, P {}",
+            op, s.pos.size(), T, s.seq_of.size(), s.page, s.P);
+  // Every page of every table holds page / P key rows of k.
+  const int64_t per_page = s.page / s.P, R = k.size(0);
+  for (const std::vector<int64_t>* pg : s.pages) {
+    HLM_CHECK(pg != nullptr, "{}: a sequence has no page table", op);
+    for (int64_t p : *pg)
+      HLM_CHECK(p >= 0 && (p + 1) * per_page <= R,
+                "{}: page {} holds key rows outside the {} rows of k", op, p, R);
+  }
+  int64_t W = 1;
+  std::vector<int64_t> row_ptr(size_t(T + 1), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = s.seq_of[size_t(t)], c = s.ncand[size_t(t)];
+    HLM_CHECK(n >= 0 && n < int64_t(s.pages.size()) && c == (s.pos[size_t(t)] + 1) / s.P &&
+                  int64_t(s.pages[size_t(n)]->size()) * s.page > s.pos[size_t(t)],
+              "{}: query {} (position {}, sequence {}) has no page for its position or a wrong "
+              "candidate count",
+              op, t, s.pos[size_t(t)], n);
+    W = std::max(W, c);
+    row_ptr[size_t(t + 1)] = row_ptr[size_t(t)] + c;
+  }
+  Tensor out = new_scores(a, W);
+  if (a.dev == Device::cpu) {
+    Pattern p;
+    p.T = T, p.W = W, p.nkeys = R;
+    p.row_ptr = row_ptr;
+    for (int64_t t = 0; t < T; ++t) {
+      const std::vector<int64_t>& pg = *s.pages[size_t(s.seq_of[size_t(t)])];
+      for (int64_t j = 0; j < s.ncand[size_t(t)]; ++j) {
+        const int64_t tok = j * s.P;
+        p.slot.push_back(int32_t(j));
+        p.key.push_back((pg[size_t(tok / s.page)] * s.page + tok % s.page) / s.P);
+        p.query.push_back(t);
+      }
+    }
+    cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
+    return out;
+  }
+  HLM_CUDA_PATH(op, {
+    const dsa_detail::PageTable pt = dsa_detail::page_table(s.pages);
+    auto up = [](const std::vector<int64_t>& v, const Shape& shape) {
+      return Tensor::from_vector<int64_t>(shape, v).to(Device::cuda);
+    };
+    const int64_t E = row_ptr.back();
+    cuda::DsaPatternDev d;
+    d.T = T, d.W = W, d.nkeys = R, d.entries = E;
+    d.row_ptr = up(row_ptr, {T + 1});
+    d.slot = detail::new_output({E}, DType::i32, Device::cuda);
+    d.key = detail::new_output({E}, DType::i64, Device::cuda);
+    d.query = detail::new_output({E}, DType::i64, Device::cuda);
+    cuda::cached_candidates(up(s.ncand, {T}), up(s.seq_of, {T}),
+                            up(pt.flat, {int64_t(s.pages.size()), pt.max_pages}), s.page, s.P,
+                            d.row_ptr, d.slot, d.key, d.query);
+    cuda::indexer_scores_rows(a.q, a.k, a.w, d, opt, a.scale, out, op);
+  });
   return out;
 }
 

@@ -30,6 +30,7 @@
 
 #include "core/seq_layout.h"
 #include "core/tensor.h"
+#include "ops/dsa_sparse_attention.h"
 
 namespace hlm::ops {
 
@@ -89,6 +90,16 @@ IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, c
 // the pattern to the device.
 Tensor indexer_scores_pattern(const Tensor& q, const Tensor& k, const Tensor& w,
                               const dsa_detail::Pattern& p, const IndexerScoreOptions& opt);
+// The same over every candidate of each query of a forward over an inference cache, without a
+// pattern from the host: query t scores candidates j = 0 .. s.ncand[t] - 1 of its sequence
+// s.seq_of[t] (tokens with s.P = 1, complete pools of s.P tokens otherwise), key row the
+// candidate's storage row from the sequence's page table (DsaCacheView::row / pool_row), in slot
+// j. scores [T, max(1, max ncand)]. The candidates' count and pages are checked on the host (each
+// ncand[t] = (pos[t] + 1) / P, covered by the page table, every page's rows inside k); CUDA builds
+// the entries on the device from the page tables (O(T + pages) numbers copied, not one per
+// candidate), the CPU the same pattern on the host, so the scores are indexer_scores_pattern's.
+Tensor indexer_scores_cached(const Tensor& q, const Tensor& k, const Tensor& w,
+                             const CachedSelection& s, const IndexerScoreOptions& opt);
 // The values the FP8 scoring computes with (IndexerScoreOptions::fp8) for every row of x [...,
 // d_I]: x quantised and dequantised per row and 128-channel block, in x's computation dtype (the
 // same numbers on both devices). A non-finite entry throws, naming op and what.

@@ -205,11 +205,7 @@ CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, co
     return r;
   }
   HLM_CUDA_PATH(op, {
-    size_t max_pages = 1;
-    for (const auto* p : s.pages) max_pages = std::max(max_pages, p->size());
-    std::vector<int64_t> flat(s.pages.size() * max_pages, 0);
-    for (size_t n = 0; n < s.pages.size(); ++n)
-      std::copy(s.pages[n]->begin(), s.pages[n]->end(), flat.begin() + int64_t(n * max_pages));
+    const dsa_detail::PageTable pt = dsa_detail::page_table(s.pages);
     auto up = [](const std::vector<int64_t>& v, const Shape& shape) {
       return Tensor::from_vector<int64_t>(shape, v).to(Device::cuda);
     };
@@ -222,7 +218,7 @@ CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, co
     d.query = detail::new_output({E}, DType::i64, Device::cuda);
     r.sel = detail::new_output({T, W}, DType::i32, Device::cuda);
     cuda::cached_select(scores_.contiguous(), up(s.ncand, {T}), up(s.pos, {T}), up(s.seq_of, {T}),
-                        up(flat, {int64_t(s.pages.size()), int64_t(max_pages)}), s.page, s.K, s.P,
+                        up(pt.flat, {int64_t(s.pages.size()), pt.max_pages}), s.page, s.K, s.P,
                         d.row_ptr, r.sel, d.slot, d.key, d.query);
     r.out = detail::new_output({T, q.size(1), d_v}, q.dtype(), Device::cuda);
     r.lse = detail::new_output({T, q.size(1)}, detail::compute_dtype(q.dtype()), Device::cuda);

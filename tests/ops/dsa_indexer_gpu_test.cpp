@@ -203,6 +203,90 @@ TEST(DsaIndexerGpu, ScoresAndGradientsMatchCpu) {
   }
 }
 
+// The scoring over an inference cache from its page tables (ops::indexer_scores_cached): the
+// same bits as indexer_scores_pattern over the host-built list of each query's candidate rows, on
+// the CPU and on CUDA (where the device builds the entries), tokens (P = 1) and pools (P = 4),
+// shuffled page tables, queries of three sequences at different positions, and the FP8 emulation;
+// CUDA against the CPU within the dtype's tolerance. Refused: a page past the key rows, a wrong
+// candidate count.
+TEST(DsaIndexerGpu, CachedScoresFromPageTables) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Poison poison;
+  Rng rng(testing::test_seed());
+  const int64_t page = 8, H = 3, D = 40, npages = 24;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t P : {1, 4})
+      for (bool fp8 : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " P " << P << " fp8 " << fp8);
+        // Three sequences' page tables: a shuffle of the pages.
+        std::vector<int64_t> perm(npages);
+        for (int64_t i = 0; i < npages; ++i) perm[size_t(i)] = i;
+        for (int64_t i = npages - 1; i > 0; --i)
+          std::swap(perm[size_t(i)], perm[size_t(rng.next_u64() % uint64_t(i + 1))]);
+        const std::vector<std::vector<int64_t>> tables = {{perm.begin(), perm.begin() + 10},
+                                                          {perm.begin() + 10, perm.begin() + 13},
+                                                          {perm.begin() + 13, perm.end()}};
+        ops::CachedSelection cs;
+        cs.page = page, cs.P = P, cs.K = 4 * P;
+        for (const auto& t : tables) cs.pages.push_back(&t);
+        const std::vector<std::pair<int64_t, int64_t>> queries = {
+            {0, 79}, {1, 0}, {2, 50}, {0, 3}, {2, 87}, {1, 23}};  // (sequence, position)
+        for (const auto& [n, p] : queries) {
+          cs.seq_of.push_back(n);
+          cs.pos.push_back(p);
+          cs.ncand.push_back((p + 1) / P);
+        }
+        const int64_t T = int64_t(queries.size()), R = npages * page / P;
+        const Tensor q = randn({T, H, D}, DType::f32, rng).to(dt);
+        const Tensor k = randn({R, D}, DType::f32, rng).to(dt);
+        const Tensor w = randn({T, H}, DType::f32, rng).to(dt);
+        ops::IndexerScoreOptions opt;
+        opt.pool = P;
+        opt.fp8 = fp8;
+        // The host list of each query's candidate rows.
+        ops::dsa_detail::Pattern pat;
+        pat.T = T, pat.W = 1;
+        pat.row_ptr.push_back(0);
+        for (int64_t t = 0; t < T; ++t) {
+          const auto& pg = tables[size_t(cs.seq_of[size_t(t)])];
+          for (int64_t j = 0; j < cs.ncand[size_t(t)]; ++j) {
+            pat.slot.push_back(int32_t(j));
+            pat.key.push_back((pg[size_t(j * P / page)] * page + j * P % page) / P);
+            pat.query.push_back(t);
+          }
+          pat.row_ptr.push_back(pat.entries());
+          pat.W = std::max(pat.W, cs.ncand[size_t(t)]);
+        }
+        // The CPU takes f32 / f64: bf16 inputs as their f32 values.
+        const Tensor qc = q.to(dt == DType::bf16 ? DType::f32 : dt);
+        const Tensor kc = k.to(dt == DType::bf16 ? DType::f32 : dt);
+        const Tensor wc = w.to(dt == DType::bf16 ? DType::f32 : dt);
+        const Tensor want = ops::indexer_scores_pattern(qc, kc, wc, pat, opt);
+        EXPECT_TRUE(testing::bit_equal(ops::indexer_scores_cached(qc, kc, wc, cs, opt), want));
+        const Tensor got_dev = ops::indexer_scores_cached(gpu(q), gpu(k), gpu(w), cs, opt);
+        EXPECT_TRUE(testing::bit_equal(
+            cpu(got_dev), cpu(ops::indexer_scores_pattern(gpu(q), gpu(k), gpu(w), pat, opt))));
+        check("cached scores", got_dev, want);
+      }
+  // Refusals (on the host, before anything runs).
+  const std::vector<int64_t> table = {0, 5};
+  ops::CachedSelection cs;
+  cs.page = 8, cs.P = 1, cs.K = 4, cs.pages = {&table}, cs.seq_of = {0}, cs.pos = {9},
+  cs.ncand = {10};
+  const Tensor q = Tensor::zeros({1, 2, 8}, DType::f32), w = Tensor::zeros({1, 2}, DType::f32);
+  testing::expect_error(
+      [&] {
+        ops::indexer_scores_cached(q, Tensor::zeros({40, 8}, DType::f32), w, cs, {});
+      },
+      "holds key rows outside");
+  cs.ncand = {9};
+  testing::expect_error(
+      [&] {
+        ops::indexer_scores_cached(q, Tensor::zeros({48, 8}, DType::f32), w, cs, {});
+      },
+      "wrong candidate count");
+}
+
 // More heads than one 32-head tile (the 64-row tile of the explicit-rows kernels), one head (the
 // dense dk kernel without head groups), and a head count that leaves partial row groups.
 TEST(DsaIndexerGpu, HeadCounts) {

@@ -1,12 +1,13 @@
 // DsaLayer::forward_cached (layers/dsa/dsa_layer.h): the DSA layer over an inference cache, on the
 // CPU or CUDA. The new tokens' latent rows and indexer keys are written into the cache first, then
 // every query's set is selected among all its sequence's tokens and attended, through the ops of
-// the training forward run over the cache's storage rows (a pattern of storage rows in place of
-// packed token ids: ops::indexer_scores_pattern, ops::sparse_attention_pattern), so the scores, the
-// selection (ops/dsa_common.h's best_indices, the rule of topk_select) and each query's slot order
-// are the training forward's. The patterns of the candidates are built on the host; the sparse
-// stage's top-k, its expansion to cache rows and the attention run where the op runs
-// (ops::cached_sparse_attention: on the device for CUDA, nothing read back).
+// the training forward run over the cache's storage rows (storage rows in place of packed token
+// ids: ops::indexer_scores_cached, ops::cached_sparse_attention, ops::sparse_attention_pattern), so
+// the scores, the selection (ops/dsa_common.h's best_indices, the rule of topk_select) and each
+// query's slot order are the training forward's. The sparse stage's candidates come from the page
+// tables where the op runs (on CUDA the device builds them: no per-candidate list is copied), and
+// its top-k, expansion to cache rows and attention run there too (nothing read back); the dense
+// and given sets are built on the host.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -186,30 +187,20 @@ DsaLayer::Output DsaLayer::forward_cached(const Tensor& x, const SeqLayout& seqs
     }
     so.fp8 = false;  // applied above
     so.pool = P;
-    // Candidates of query t: its tokens 0..r (P = 1) or complete pools j < (r + 1) / P.
-    std::vector<int64_t> ncand(static_cast<size_t>(T));
-    int64_t Ws = 1;
-    for (int64_t t = 0; t < T; ++t) {
-      ncand[size_t(t)] = (pos[size_t(t)] + 1) / P;
-      Ws = std::max(Ws, ncand[size_t(t)]);
-    }
-    std::vector<int64_t> rows(static_cast<size_t>(T * Ws), -1);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < ncand[size_t(t)]; ++j)
-        rows[size_t(t * Ws + j)] =
-            P == 1 ? c.row(seq_of[size_t(t)], j) : c.pool_row(seq_of[size_t(t)], j, P);
-    const Tensor scores =
-        ops::indexer_scores_pattern(qs, c.keys, ops::contiguous(tp.w), pattern_of(rows, T, Ws), so);
-    // The selection and the attention in one op (on the device for CUDA: nothing read back).
+    // Candidates of query t: its tokens 0..r (P = 1) or complete pools j < (r + 1) / P, scored
+    // from the page tables (on CUDA no per-candidate list crosses to the device).
     ops::CachedSelection cs;
     cs.pos = pos;
-    cs.ncand = ncand;
+    cs.ncand.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) cs.ncand[size_t(t)] = (pos[size_t(t)] + 1) / P;
     for (size_t n : seq_of) cs.seq_of.push_back(int64_t(n));
     cs.pages = c.pages;
     cs.page = c.page;
     cs.K = K;
     cs.P = P;
     cs.tail = P > 1 && ic.kpool_always_select_tail;
+    const Tensor scores = ops::indexer_scores_cached(qs, c.keys, ops::contiguous(tp.w), cs, so);
+    // The selection and the attention in one op (on the device for CUDA: nothing read back).
     ps_ix.end();
     profile::Scope ps_att("attention");
     ops::CachedAttentionOut att =

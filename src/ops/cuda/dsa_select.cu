@@ -349,7 +349,35 @@ __global__ void cached_expand_kernel(
   }
 }
 
+// One block per query: its candidates' entries.
+__global__ void cached_candidates_kernel(const int64_t* __restrict__ ncand,
+                                         const int64_t* __restrict__ seq_of,
+                                         const int64_t* __restrict__ pages, int64_t max_pages,
+                                         int64_t page, int64_t P,
+                                         const int64_t* __restrict__ row_ptr,
+                                         int32_t* __restrict__ slot, int64_t* __restrict__ key,
+                                         int64_t* __restrict__ query) {
+  const int64_t t = blockIdx.x, n = ncand[t], e0 = row_ptr[t];
+  const int64_t* pg = pages + seq_of[t] * max_pages;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const int64_t p = j * P;  // the candidate's first token
+    key[e0 + j] = (pg[p / page] * page + p % page) / P;
+    slot[e0 + j] = int32_t(j);
+    query[e0 + j] = t;
+  }
+}
+
 }  // namespace
+
+void cached_candidates(const Tensor& ncand, const Tensor& seq_of, const Tensor& pages, int64_t page,
+                       int64_t P, const Tensor& row_ptr, Tensor& slot, Tensor& key, Tensor& query) {
+  const int64_t T = ncand.numel();
+  if (T == 0) return;
+  cached_candidates_kernel<<<unsigned(T), kThreads>>>(
+      cptr<int64_t>(ncand), cptr<int64_t>(seq_of), cptr<int64_t>(pages), pages.size(1), page, P,
+      cptr<int64_t>(row_ptr), mptr<int32_t>(slot), mptr<int64_t>(key), mptr<int64_t>(query));
+  check_launch("cached_candidates");
+}
 
 void cached_select(const Tensor& scores, const Tensor& ncand, const Tensor& pos,
                    const Tensor& seq_of, const Tensor& pages, int64_t page, int64_t K, int64_t P,

@@ -25,6 +25,12 @@ void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k
 void cached_select(const Tensor& scores, const Tensor& ncand, const Tensor& pos,
                    const Tensor& seq_of, const Tensor& pages, int64_t page, int64_t K, int64_t P,
                    const Tensor& row_ptr, Tensor& sel, Tensor& slot, Tensor& key, Tensor& query);
+// The candidates of the scoring over an inference cache (ops::indexer_scores_cached) as pattern
+// entries: query t's candidates j = 0 .. ncand[t] - 1 at entries row_ptr[t] + j (slot j, query t,
+// key the storage row of token j (P = 1) or of pool j: pages[seq_of[t]][j P / page] page / P +
+// (j P % page) / P). ncand, seq_of, row_ptr: i64; pages [N, max_pages].
+void cached_candidates(const Tensor& ncand, const Tensor& seq_of, const Tensor& pages, int64_t page,
+                       int64_t P, const Tensor& row_ptr, Tensor& slot, Tensor& key, Tensor& query);
 // indices i32 [T, K (+ P - 1)] from the selected pools i32 [T, K / P] (KPoolSelection).
 void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
                           bool always_select_tail, Tensor& indices);
