@@ -206,20 +206,11 @@ Tensor indexer_scores_cached(const Tensor& q, const Tensor& k, const Tensor& w,
     return out;
   }
   HLM_CUDA_PATH(op, {
-    const dsa_detail::PageTable pt = dsa_detail::page_table(s.pages);
-    auto up = [](const std::vector<int64_t>& v, const Shape& shape) {
-      return Tensor::from_vector<int64_t>(shape, v).to(Device::cuda);
-    };
-    const int64_t E = row_ptr.back();
-    cuda::DsaPatternDev d;
-    d.T = T, d.W = W, d.nkeys = R, d.entries = E;
-    d.row_ptr = up(row_ptr, {T + 1});
-    d.slot = detail::new_output({E}, DType::i32, Device::cuda);
-    d.key = detail::new_output({E}, DType::i64, Device::cuda);
-    d.query = detail::new_output({E}, DType::i64, Device::cuda);
-    cuda::cached_candidates(up(s.ncand, {T}), up(s.seq_of, {T}),
-                            up(pt.flat, {int64_t(s.pages.size()), pt.max_pages}), s.page, s.P,
-                            d.row_ptr, d.slot, d.key, d.query);
+    cuda::DsaPatternDev d = cuda::pattern_for_entries(T, W, R, row_ptr);
+    cuda::cached_candidates(Tensor::from_vector<int64_t>({T}, s.ncand).to(Device::cuda),
+                            Tensor::from_vector<int64_t>({T}, s.seq_of).to(Device::cuda),
+                            cuda::upload_page_table(s.pages), s.page, s.P, d.row_ptr, d.slot, d.key,
+                            d.query);
     cuda::indexer_scores_rows(a.q, a.k, a.w, d, opt, a.scale, out, op);
   });
   return out;

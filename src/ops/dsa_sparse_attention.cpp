@@ -205,21 +205,14 @@ CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, co
     return r;
   }
   HLM_CUDA_PATH(op, {
-    const dsa_detail::PageTable pt = dsa_detail::page_table(s.pages);
     auto up = [](const std::vector<int64_t>& v, const Shape& shape) {
       return Tensor::from_vector<int64_t>(shape, v).to(Device::cuda);
     };
-    const int64_t E = row_ptr.back();
-    cuda::DsaPatternDev d;
-    d.T = T, d.W = W, d.nkeys = pat.nkeys, d.entries = E;
-    d.row_ptr = up(row_ptr, {T + 1});
-    d.slot = detail::new_output({E}, DType::i32, Device::cuda);
-    d.key = detail::new_output({E}, DType::i64, Device::cuda);
-    d.query = detail::new_output({E}, DType::i64, Device::cuda);
+    cuda::DsaPatternDev d = cuda::pattern_for_entries(T, W, pat.nkeys, row_ptr);
     r.sel = detail::new_output({T, W}, DType::i32, Device::cuda);
     cuda::cached_select(scores_.contiguous(), up(s.ncand, {T}), up(s.pos, {T}), up(s.seq_of, {T}),
-                        up(pt.flat, {int64_t(s.pages.size()), pt.max_pages}), s.page, s.K, s.P,
-                        d.row_ptr, r.sel, d.slot, d.key, d.query);
+                        cuda::upload_page_table(s.pages), s.page, s.K, s.P, d.row_ptr, r.sel,
+                        d.slot, d.key, d.query);
     r.out = detail::new_output({T, q.size(1), d_v}, q.dtype(), Device::cuda);
     r.lse = detail::new_output({T, q.size(1)}, detail::compute_dtype(q.dtype()), Device::cuda);
     cuda::sparse_attention(q.contiguous(), kv.contiguous(), d, d_v, scale, r.out, r.lse);

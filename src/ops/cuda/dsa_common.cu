@@ -59,6 +59,7 @@
 #include "core/device.h"
 #include "ops/cuda/dsa_common.cuh"
 #include "ops/cuda/layer_ops_common.cuh"
+#include "ops/dispatch.h"
 #include "ops/op_checks.h"
 
 namespace hlm::ops::cuda {
@@ -75,6 +76,23 @@ DsaPatternDev upload_pattern(const dsa_detail::Pattern& p, bool with_inverse) {
     d.key_entry = to_device(p.key_entry);
   }
   return d;
+}
+
+DsaPatternDev pattern_for_entries(int64_t T, int64_t W, int64_t nkeys,
+                                  const std::vector<int64_t>& row_ptr) {
+  DsaPatternDev d;
+  d.T = T, d.W = W, d.nkeys = nkeys, d.entries = row_ptr.back();
+  d.row_ptr = to_device(row_ptr);
+  d.slot = detail::new_output({d.entries}, DType::i32, Device::cuda);
+  d.key = detail::new_output({d.entries}, DType::i64, Device::cuda);
+  d.query = detail::new_output({d.entries}, DType::i64, Device::cuda);
+  return d;
+}
+
+Tensor upload_page_table(const std::vector<const std::vector<int64_t>*>& pages) {
+  const dsa_detail::PageTable pt = dsa_detail::page_table(pages);
+  return Tensor::from_vector<int64_t>({int64_t(pages.size()), pt.max_pages}, pt.flat)
+      .to(Device::cuda);
 }
 
 DsaLayoutDev upload_layout(const std::vector<int64_t>& cu, int64_t P) {

@@ -28,6 +28,12 @@ struct DsaPatternDev {
 };
 // A host-built pattern copied to the device.
 DsaPatternDev upload_pattern(const dsa_detail::Pattern& p, bool with_inverse);
+// A pattern whose entries a kernel fills from page tables (the forward over an inference cache):
+// row_ptr [T+1] copied, slot / key / query allocated for its last entry count; and the page
+// tables as [N, max_pages] (dsa_detail::page_table).
+DsaPatternDev pattern_for_entries(int64_t T, int64_t W, int64_t nkeys,
+                                  const std::vector<int64_t>& row_ptr);
+Tensor upload_page_table(const std::vector<const std::vector<int64_t>*>& pages);
 
 // dsa_detail::rows_pattern of CUDA rows [T, W] (i32 or i64; strided rows are copied first) built
 // on the device: the same arrays (rows in slot order, each key's readers in increasing (t, slot)
