@@ -12,6 +12,7 @@
 #include "dist/comm.h"
 #include "dist/context_parallel.h"
 #include "layers/kda/kda_layer.h"
+#include "model/hybrid_model.h"
 #include "testing.h"
 
 namespace hlm {
@@ -147,6 +148,72 @@ TEST(ModelContextParallel, MatchesTheWholeBatchOnTwoThreeAndFourRanks) {
     SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
     testing::expect_dist_check(n, std::string("--model-cp ") + dt + " cpu");
   }
+}
+
+// The model over a slice in one process (a group of one): the plain forward's loss and gradients,
+// bit for bit (the KDA layers' one-rank path, the aux loss's whole counts from this slice alone);
+// and the refusals: DSA layers and the MTP block, a slice of the wrong size, cu_seqlens that are
+// not the slice's.
+TEST(ModelContextParallel, OneRankIsThePlainModelAndRefusals) {
+  nlohmann::json j = nlohmann::json::parse(testing::kSmallModelJson);
+  j["layer_pattern"] = "KK";
+  j["router_aux_loss_coef"] = 0.05;
+  const ModelConfig kda_cfg = ModelConfig::from_json(j);
+  const SeqLayout seqs = SeqLayout::from_lengths({9, 14});
+  const Tensor tokens = Tensor::from_vector<int64_t>(
+      {23}, {1, 5, 7, 2, 9, 11, 3, 3, 4, 8, 6, 0, 12, 13, 2, 7, 19, 21, 5, 5, 1, 17, 23});
+  const Tensor targets = Tensor::from_vector<int64_t>(
+      {23}, {5, 7, 2, 9, 11, 3, 3, 4, -100, 6, 0, 12, 13, 2, 7, 19, 21, 5, 5, 1, 17, 23, -100});
+  const std::unique_ptr<dist::Comm> one = dist::self_comm();
+  const dist::CpSlice slice(*one, seqs, {0, 23});
+  const Context ctx{true, false};
+  for (const KdaCpMode mode : {KdaCpMode::chunkwise, KdaCpMode::headwise}) {
+    HybridModel m(kda_cfg, {.dtype = DType::f64, .seed = 3, .mtp = false});
+    auto run = [&](bool cp) {
+      m.zero_grad();
+      ModelInputs in;
+      in.tokens = tokens;
+      in.targets = targets;
+      if (cp) {
+        in.cp = &slice;
+        in.cp_mode = mode;
+      } else {
+        in.cu_seqlens = testing::cu_of({9, 14});
+      }
+      HybridModel::SavedPtr s;
+      const ModelOutput o = m.forward(ctx, in, &s);
+      m.backward(ctx, *s);
+      std::vector<Tensor> g;
+      for (const auto& [name, p] : m.named_parameters()) g.push_back(p->grad.clone());
+      return std::pair{o, g};
+    };
+    const auto [plain, gp] = run(false);
+    const auto [sliced, gs] = run(true);
+    EXPECT_GT(plain.aux_loss, 0);
+    EXPECT_EQ(sliced.loss, plain.loss);
+    EXPECT_EQ(sliced.aux_loss, plain.aux_loss);
+    for (size_t i = 0; i < gp.size(); ++i) EXPECT_TRUE(testing::bit_equal(gs[i], gp[i])) << i;
+  }
+  // Refusals.
+  HybridModel kda(kda_cfg, {.dtype = DType::f64, .seed = 3, .mtp = false});
+  HybridModel full(ModelConfig::from_json(nlohmann::json::parse(testing::kSmallModelJson)),
+                   {.dtype = DType::f64, .seed = 3});
+  auto forward = [&](HybridModel& m, const Tensor& t, const Tensor& cu) {
+    ModelInputs in;
+    in.tokens = t;
+    in.targets = t.numel() == 23 ? targets : Tensor();
+    in.cu_seqlens = cu;
+    in.cp = &slice;
+    HybridModel::SavedPtr s;
+    m.forward(ctx, in, &s);
+  };
+  testing::expect_error([&] { forward(full, tokens, {}); }, "is a DSA / MLA layer");
+  testing::expect_error([&] { forward(kda, tokens.slice(0, 0, 20).contiguous(), {}); },
+                        "holds 23 tokens, tokens has 20");
+  testing::expect_error([&] { forward(kda, tokens, testing::cu_of({23})); },
+                        "cu_seqlens must be the slice's own layout");
+  HybridModel with_mtp(kda_cfg, {.dtype = DType::f64, .seed = 3});
+  testing::expect_error([&] { forward(with_mtp, tokens, {}); }, "the MTP block");
 }
 
 }  // namespace
