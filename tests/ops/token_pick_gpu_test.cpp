@@ -6,9 +6,13 @@
 // at temperatures 0.05 to 5; and ops::score_tokens (given tokens' log-probabilities).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "core/device.h"
 #include "ops/token_pick.h"
@@ -19,6 +23,32 @@ namespace {
 
 using testing::cpu;
 using testing::gpu;
+
+// Where tokens a and b fall in row x's sampling order under p (a failure's message): each one's
+// rank among the candidates and the running share of the weights before it and after it, against
+// the draw u (and top_p's cut), so a boundary case shows as u within rounding of a share.
+std::string where_in_order(const std::vector<double>& x, int64_t V, const ops::SampleRow& p,
+                           int64_t a, int64_t b) {
+  std::vector<int64_t> ids(size_t(V), 0);
+  for (int64_t v = 0; v < V; ++v) ids[size_t(v)] = v;
+  std::sort(ids.begin(), ids.end(), [&](int64_t i, int64_t j) {
+    return x[size_t(i)] > x[size_t(j)] || (x[size_t(i)] == x[size_t(j)] && i < j);
+  });
+  const double mx = x[size_t(ids[0])];
+  double total = 0;
+  std::vector<double> run(size_t(V) + 1, 0.0);
+  for (int64_t i = 0; i < V; ++i) {
+    total += std::exp((x[size_t(ids[size_t(i)])] - mx) / p.temperature);
+    run[size_t(i) + 1] = total;
+  }
+  std::string s = fmt::format("T {} k {} p {} u {:.17g}:", p.temperature, p.top_k, p.top_p, p.u);
+  for (int64_t t : {a, b}) {
+    const int64_t rank = std::find(ids.begin(), ids.end(), t) - ids.begin();
+    s += fmt::format(" token {} (logit {}) rank {} share {:.17g}..{:.17g};", t, x[size_t(t)], rank,
+                     run[size_t(rank)] / total, run[size_t(rank) + 1] / total);
+  }
+  return s;
+}
 
 TEST(TokenPickGpu, MatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
@@ -100,7 +130,12 @@ TEST(TokenPickGpu, SampleMatchesCpu) {
       const Tensor tok = cpu(got.token), lp = cpu(got.logprob), bad = cpu(got.bad);
       for (int64_t r = 0; r < R; ++r) {
         EXPECT_EQ(bad.data<int64_t>()[r], -1) << r;
-        EXPECT_EQ(tok.data<int64_t>()[r], want.token.data<int64_t>()[r]) << r;
+        const int64_t g = tok.data<int64_t>()[r], w = want.token.data<int64_t>()[r];
+        if (g != w) {
+          ADD_FAILURE() << "row " << r << ": device " << g << ", cpu " << w << "; "
+                        << where_in_order(h.slice(0, r, r + 1).to_f64_vector(), V, rows[size_t(r)],
+                                          g, w);
+        }
         const double a = lp.data<double>()[r], b = want.logprob.data<double>()[r];
         EXPECT_LE(std::fabs(a - b), 1e-12 * std::max(1.0, std::fabs(b))) << r;
       }
@@ -119,6 +154,31 @@ TEST(TokenPickGpu, SampleMatchesCpu) {
         EXPECT_LE(std::fabs(a - b), 1e-12 * std::max(1.0, std::fabs(b))) << r;
       }
     }
+}
+
+// -0 and +0 are equal logits: the id orders them, as on the CPU (a device key that ordered +0
+// before -0 drew other tokens of the zero class on an H100). Rows of zeros of both signs, with
+// and without larger logits among them, sampled, top-k and top-p.
+TEST(TokenPickGpu, SignedZerosTieByIdAsOnTheCpu) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  const int64_t V = 513, R = 8;
+  std::vector<double> x(size_t(R * V));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < V; ++v)
+      x[size_t(r * V + v)] = (r >= 4 && v % 7 == 3) ? 1.0 : ((v * 5 + r) % 3 == 0 ? -0.0 : 0.0);
+  const std::vector<ops::SampleRow> rows = {
+      {1.0, 0, 1.0, 0.3},  {1.0, 5, 1.0, 0.9},  {1.0, 0, 0.5, 0.99}, {2.0, 300, 0.8, 0.61},
+      {1.0, 0, 1.0, 0.77}, {1.0, 90, 1.0, 0.9}, {0.5, 0, 0.9, 0.95}, {3.0, 0, 1.0, 0.5}};
+  for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor h = Tensor::from_vector<double>({R, V}, x);
+    if (dt != DType::f64) h = h.to(dt);
+    const ops::TokenPick want = ops::sample_pick(dt == DType::bf16 ? h.to(DType::f32) : h, rows);
+    const ops::TokenPick got = ops::sample_pick(gpu(h), rows);
+    const Tensor tok = cpu(got.token);
+    for (int64_t r = 0; r < R; ++r)
+      EXPECT_EQ(tok.data<int64_t>()[r], want.token.data<int64_t>()[r]) << "row " << r;
+  }
 }
 
 }  // namespace

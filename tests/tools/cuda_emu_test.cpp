@@ -377,6 +377,37 @@ TEST(CudaEmuDeathTest, WgmmaMisuseAborts) {
   EXPECT_DEATH(product(true, true, 64), "fewer than 128");
 }
 
+// A tensor copy whose innermost coordinate is off a 16-byte boundary, and a tensor store at a
+// negative coordinate, abort (illegal instructions on an H100); a load at negative coordinates on
+// the boundary does not.
+TEST(CudaEmuDeathTest, TensorCopyOffSixteenBytesAborts) {
+  float* src = device_array<float>(64);
+  const CUtensorMap map = sm::tensor_map(src, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, {8, 8}, {32}, {8, 8},
+                                         CU_TENSOR_MAP_SWIZZLE_NONE);
+  const auto copy = [&](int32_t c0, int32_t c1, bool store) {
+    emu::launch(emu::LaunchConfig(1, 1, 1024), [&]() {
+      auto* sm = static_cast<unsigned char*>(emu::dynamic_smem());
+      if (store) {
+        sm::tma_store<2>(&map, {c0, c1}, sm);
+        sm::bulk_commit();
+        sm::bulk_wait<0>();
+        return;
+      }
+      auto* bar = reinterpret_cast<uint64_t*>(sm + 512);
+      sm::mbarrier_init(bar, 1);
+      sm::mbarrier_arrive_expect_tx(bar, 256);
+      sm::tma_load<2>(sm, &map, {c0, c1}, bar);
+      sm::mbarrier_wait(bar, 0);
+    });
+  };
+  copy(-4, -3, false);  // 16 bytes left of the tensor, rows above it: fine
+  EXPECT_DEATH(copy(2, 0, false), "not on a 16-byte boundary");
+  EXPECT_DEATH(copy(3, 0, true), "not on a 16-byte boundary");
+  EXPECT_DEATH(copy(0, -3, true), "negative coordinate -3 of dimension 1");
+  EXPECT_DEATH(copy(-4, 0, true), "negative coordinate -4 of dimension 0");
+  cudaFree(src);
+}
+
 TEST(CudaEmuDeathTest, MbarrierMisuseAborts) {
   // Two arrivals expected, one comes: every thread polls forever.
   EXPECT_DEATH(emu::launch(emu::LaunchConfig(1, 64, 64),

@@ -38,7 +38,11 @@
 // memory (128-byte aligned; swizzled as the map says, with the same pattern as wgmma's) and
 // completes its bytes on an mbarrier; elements outside the tensor read as zeros. tma_store copies
 // a box back (elements outside the tensor are not written), in bulk groups: bulk_commit, then
-// bulk_wait<0>() before the shared memory is reused.
+// bulk_wait<0>() before the shared memory is reused. Two rules no check of the map tells (an
+// illegal instruction on an H100 otherwise; the emulation aborts): the innermost coordinate of a
+// load or a store is a multiple of 16 bytes, and a store's coordinates are not negative (a load's
+// may be; a store may run past the tensor's end). A store writes the innermost dimension in whole
+// 16-byte units: elements past its extent, up to the next 16-byte boundary, are written too.
 #pragma once
 
 #include <cuda.h>
@@ -209,8 +213,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 
 // ---------------------------------------------------------------- TMA
 
-// Loads the box at coordinates c (innermost first, elements; may lie partly outside the tensor)
-// into dst and completes its bytes on bar. Rank 1 to 3.
+// Loads the box at coordinates c (innermost first, elements; c[0] on a 16-byte boundary; may lie
+// partly outside the tensor) into dst and completes its bytes on bar. Rank 1 to 3.
 template <int kRank>
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map,
                                          const int32_t (&c)[kRank], uint64_t* bar) {
@@ -240,8 +244,9 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map,
         : "memory");
 #endif
 }
-// Stores the box at src (128-byte aligned) to coordinates c of the tensor; the elements outside
-// it are not written. Call fence_proxy_async() first if threads wrote src.
+// Stores the box at src (128-byte aligned) to coordinates c of the tensor (c[0] on a 16-byte
+// boundary, none negative); the elements outside it are not written. Call fence_proxy_async()
+// first if threads wrote src.
 template <int kRank>
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, const int32_t (&c)[kRank],
                                           const void* src) {

@@ -10,13 +10,14 @@
 //
 // A sampled row then selects by radix over the candidates' order. Each id v has the key
 // (ord(x_v), 2^32 - 1 - v), ord mapping the logit's bits to an unsigned integer that grows with
-// the value; the keys are distinct and sort as the CPU's candidates do, the first candidate having
-// the largest key. Its weight is W_v = rint(exp((x_v - m) / t) 2^s), an integer of at most 2^s,
-// with s chosen so that V 2^s < 2^63: sums of weights are exact, so any order of adding them gives
-// the same bits. A search finds, one 8-bit digit at a time from the most significant, the key at
-// which a running total over the keys in decreasing order first meets a target: each digit takes
-// a histogram of the candidates that match the digits found so far (counts, or weights), and one
-// thread scans its 256 bins from the top. Three searches, each skipped when its setting is off:
+// the value (-0 as +0: equal logits, which the id orders, as on the CPU); the keys are distinct
+// and sort as the CPU's candidates do, the first candidate having the largest key. Its weight is
+// W_v = rint(exp((x_v - m) / t) 2^s), an integer of at most 2^s, with s chosen so that
+// V 2^s < 2^63: sums of weights are exact, so any order of adding them gives the same bits. A
+// search finds, one 8-bit digit at a time from the most significant, the key at which a running
+// total over the keys in decreasing order first meets a target: each digit takes a histogram of
+// the candidates that match the digits found so far (counts, or weights), and one thread scans
+// its 256 bins from the top. Three searches, each skipped when its setting is off:
 //   top-k: the k-th largest key, by counts (the candidates from then on: keys >= it);
 //   top-p: the key at which the weights' running sum first reaches ceil(top_p T), T the
 //          candidates' total (the kept: keys >= it; kept = the sum up to and with it);
@@ -68,7 +69,8 @@ struct KeyOf {
   using Key = unsigned long long;
   static constexpr int kDigits = 8;
   __device__ static Key of(const T* row, int64_t v) {
-    const unsigned b = __float_as_uint(ld<float>(row, v));
+    unsigned b = __float_as_uint(ld<float>(row, v));
+    if ((b & 0x7fffffffu) == 0) b = 0;  // -0 is +0: they compare equal, so the id orders them
     const unsigned o = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
     return (Key(o) << 32) | Key(0xffffffffu - unsigned(v));
   }
@@ -78,7 +80,8 @@ struct KeyOf<double> {
   using Key = unsigned __int128;
   static constexpr int kDigits = 12;
   __device__ static Key of(const double* row, int64_t v) {
-    const auto b = static_cast<unsigned long long>(__double_as_longlong(row[v]));
+    auto b = static_cast<unsigned long long>(__double_as_longlong(row[v]));
+    if ((b << 1) == 0) b = 0;  // -0 is +0
     const unsigned long long o = (b >> 63) ? ~b : (b | (1ull << 63));
     return (Key(o) << 32) | Key(0xffffffffu - unsigned(v));
   }
