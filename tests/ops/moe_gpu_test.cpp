@@ -445,6 +445,10 @@ TEST(MoeRoutedExpertsGpu, MatchesCpuBatchInvariantNoHostWait) {
                        Case{9, 64, 16, 32, 4, DType::f32, DType::f32, true, 0},
                        Case{70, 64, 16, 32, 4, DType::f32, DType::bf16, true, 2},
                        Case{5, 33, 7, 9, 3, DType::f32, DType::bf16, true, 0},
+                       // Rows longer than a warp's 256-k step: vector spans (520) and spans cut
+                       // at the row's end (300, 44 past the step).
+                       Case{6, 520, 8, 16, 2, DType::f32, DType::bf16, true, 0},
+                       Case{6, 300, 8, 24, 2, DType::f32, DType::f32, false, 1},
                        Case{1, 33, 7, 9, 3, DType::f64, DType::f64, false, 0}}) {
     SCOPED_TRACE(::testing::Message() << "T " << c.T << " D " << c.D << " " << dtype_name(c.x)
                                       << " weights " << dtype_name(c.w) << (c.rb ? " bf16" : ""));

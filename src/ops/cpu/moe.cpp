@@ -551,14 +551,17 @@ std::vector<A> gemv_operand(const Tensor& t, bool round_bf16) {
   return v;
 }
 
-// sum_k w[k] x[k] (k < n) in the CUDA kernel's order: lane l sums k = l, l + 32, ... with fused
-// multiply-adds, then the 32 partial sums are added by the xor butterfly (lane 0's result).
+// sum_k w[k] x[k] (k < n) in the CUDA kernel's order: lane l sums the spans of 8 consecutive k
+// starting at 8 l, 8 l + 256, ... in ascending k with fused multiply-adds, then the 32 partial
+// sums are added by the xor butterfly (lane 0's result).
 template <class A>
 A warp_order_dot(const A* w, const A* x, int64_t n) {
+  constexpr int64_t kSpan = 8;
   A p[32];
   for (int l = 0; l < 32; ++l) {
     A acc = 0;
-    for (int64_t k = l; k < n; k += 32) acc = std::fma(w[k], x[k], acc);
+    for (int64_t k0 = kSpan * l; k0 < n; k0 += 32 * kSpan)
+      for (int64_t k = k0; k < std::min(n, k0 + kSpan); ++k) acc = std::fma(w[k], x[k], acc);
     p[l] = acc;
   }
   for (int off = 16; off > 0; off >>= 1) {

@@ -21,8 +21,9 @@
 // ascending. The shared expert runs through ops::gemm / ops::matmul. Every step is deterministic
 // (no atomics, cuBLAS with atomics disallowed), so two runs give the same bits.
 // Inference at decode sizes (moe_routed_experts): the same sort, then for each projection one
-// weight-streaming kernel over every expert's rows (expert_gemv_kernel), so no group size is read
-// on the host; the down projection writes each row at its assignment.
+// weight-streaming kernel over every expert's rows (expert_gemv_kernel, 8 consecutive k per lane
+// and step, vector loads), so no group size is read on the host; the down projection writes each
+// row at its assignment.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -151,9 +152,14 @@ Perm sort_by_expert(const Tensor& idx, int64_t E) {
 // in_perm[p] / in_div (or p), out(p) = out_perm[p] (or p); r rounds to bf16 when kRound.
 // Each warp owns kGemvCh output channels, so a block reads its kGemvWarps kGemvCh rows of W once
 // per kGemvRows of the expert's rows: at decode sizes (a few rows per expert) the weights are
-// streamed once. A lane sums k = lane, lane + 32, ... with fused multiply-adds, then warp_sum's
-// butterfly: one fixed order per output element, whatever the other rows.
-constexpr int kGemvWarps = 8, kGemvCh = 4, kGemvRows = 8;
+// streamed once. Lane l takes the spans of kGemvSpan consecutive k starting at kGemvSpan l +
+// 32 kGemvSpan i, i = 0, 1, ..., summing them in ascending k with fused multiply-adds, then
+// warp_sum's butterfly: one fixed order per output element, whatever the other rows (the CPU op
+// follows it, ops/cpu/moe.cpp). When Kin is a multiple of the span and the operands are aligned
+// (kVec), a lane reads each span of W and of x with vector loads (16 bytes of bf16 W): a warp
+// covers 256 k per step, so the loop has 8 steps at Kin = 2048 instead of 64 scalar ones, each
+// with its loads in flight together.
+constexpr int kGemvWarps = 8, kGemvCh = 4, kGemvRows = 8, kGemvSpan = 8;
 
 template <bool kRound, class A, class T>
 __device__ __forceinline__ A gemv_ld(const T* p, int64_t i) {
@@ -163,7 +169,23 @@ __device__ __forceinline__ A gemv_ld(const T* p, int64_t i) {
     return ld<A>(p, i);
 }
 
-template <bool kRound, class TX, class TW, class A>
+// The span of p from i: n = min(kGemvSpan, Kin - i) values (kVec: all, one aligned vector load),
+// rounded to bf16 when kRound; the rest zero (never summed).
+template <bool kVec, bool kRound, class A, class T>
+__device__ __forceinline__ void gemv_span(const T* p, int64_t i, int n, A (&out)[kGemvSpan]) {
+  if constexpr (kVec) {
+    ldv<kGemvSpan>(p, i, out);
+    if constexpr (kRound && std::is_same_v<T, float>)
+#pragma unroll
+      for (int j = 0; j < kGemvSpan; ++j)
+        out[j] = A(__bfloat162float(__float2bfloat16_rn(float(out[j]))));
+  } else {
+#pragma unroll
+    for (int j = 0; j < kGemvSpan; ++j) out[j] = j < n ? gemv_ld<kRound, A>(p, i + j) : A(0);
+  }
+}
+
+template <bool kVec, bool kRound, class TX, class TW, class A>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     expert_gemv_kernel(const TX* __restrict__ X, const int64_t* __restrict__ in_perm,
                        int64_t in_div, const TW* __restrict__ W, const int64_t* __restrict__ off,
@@ -192,16 +214,22 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     // The chunk's rows (uniform over the block): at batch 1 an expert has one, and the others'
     // loads and products are skipped.
     const int nr = int(std::min<int64_t>(kGemvRows, p1 - q0));
-    for (int64_t k = lane; k < Kin; k += 32) {
-      A w[kGemvCh];
+    for (int64_t k0 = int64_t(lane) * kGemvSpan; k0 < Kin; k0 += 32 * kGemvSpan) {
+      const int nk = kVec ? kGemvSpan : int(std::min<int64_t>(kGemvSpan, Kin - k0));
+      A w[kGemvCh][kGemvSpan];
 #pragma unroll
-      for (int c = 0; c < kGemvCh; ++c) w[c] = gemv_ld<kRound, A>(We, wrow[c] + k);
+      for (int c = 0; c < kGemvCh; ++c) gemv_span<kVec, kRound>(We, wrow[c] + k0, nk, w[c]);
 #pragma unroll
       for (int r = 0; r < kGemvRows; ++r) {
         if (r >= nr) break;
-        const A xv = gemv_ld<kRound, A>(X, xrow[r] + k);
+        A xv[kGemvSpan];
+        gemv_span<kVec, kRound>(X, xrow[r] + k0, nk, xv);
 #pragma unroll
-        for (int c = 0; c < kGemvCh; ++c) acc[c][r] = dfma(w[c], xv, acc[c][r]);
+        for (int j = 0; j < kGemvSpan; ++j) {
+          if (!kVec && j >= nk) break;
+#pragma unroll
+          for (int c = 0; c < kGemvCh; ++c) acc[c][r] = dfma(w[c][j], xv[j], acc[c][r]);
+        }
       }
     }
 #pragma unroll
@@ -222,9 +250,20 @@ void expert_gemv(const Tensor& X, const int64_t* in_perm, int64_t in_div, const 
   const int64_t E = W.size(0), Nout = W.size(1), Kin = W.size(2);
   const int64_t per_block = int64_t(kGemvWarps) * kGemvCh;
   const dim3 grid(unsigned((Nout + per_block - 1) / per_block), unsigned(E));
-  expert_gemv_kernel<kRound, TX, TW, A><<<grid, kGemvWarps * 32>>>(cptr<TX>(X), in_perm, in_div,
-                                                                   cptr<TW>(W), cptr<int64_t>(off),
-                                                                   out_perm, mptr<A>(Y), Nout, Kin);
+  const TX* x = cptr<TX>(X);
+  const TW* w = cptr<TW>(W);
+  // Vector loads: every span starts on a multiple of kGemvSpan elements of an aligned base.
+  const bool vec = Kin % kGemvSpan == 0 &&
+                   reinterpret_cast<uintptr_t>(x) % (sizeof(TX) * kGemvSpan) == 0 &&
+                   reinterpret_cast<uintptr_t>(w) % (sizeof(TW) * kGemvSpan) == 0;
+  auto go = [&](auto kvec) {
+    expert_gemv_kernel<decltype(kvec)::value, kRound, TX, TW, A><<<grid, kGemvWarps * 32>>>(
+        x, in_perm, in_div, w, cptr<int64_t>(off), out_perm, mptr<A>(Y), Nout, Kin);
+  };
+  if (vec)
+    go(std::true_type{});
+  else
+    go(std::false_type{});
   check_launch("moe_routed_experts");
 }
 
