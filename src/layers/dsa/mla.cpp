@@ -534,21 +534,55 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
   return dx;
 }
 
+namespace {
+
+// out[:, h, :] = a[:, h, :] op(W_h) for every head h, W_h the rows [w_row0 + h w_rows_per_head,
+// + w_rows) of w: [w_rows, n] (trans_w false) or [w_rows, k] read transposed (trans_w). a: [T, H,
+// k], out: a [T, H, n] view. One grouped GEMM over the heads (a permuted to [H, T, k] first) where
+// its dtype rules allow, so a decode step of a few rows is three launches rather than H products;
+// else one product per head. The same products either way (the CPU's grouped GEMM is the per-head
+// loop; cuBLAS's grouped call may round differently from its single products).
+void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_t w_rows_per_head,
+                   int64_t w_rows, bool trans_w, DType cdt, const ops::GemmOptions& opt,
+                   Tensor out) {
+  const int64_t T = a.size(0), H = a.size(1), k = a.size(2), n = out.size(2);
+  const bool grouped = T > 0 && (opt.round_bf16 ? cdt == DType::f32 : true);
+  if (!grouped) {
+    const Tensor w = as_dt(weight, cdt);
+    for (int64_t h = 0; h < H; ++h) {
+      Tensor o = out.select(1, h);
+      const int64_t r0 = w_row0 + h * w_rows_per_head;
+      ops::gemm(a.select(1, h), false, w.slice(0, r0, r0 + w_rows), trans_w, o, 1.0, 0.0, opt);
+    }
+    return;
+  }
+  // Under round_bf16 a bf16 weight is read as it is (the product rounds f32 operands to bf16).
+  const Tensor w = opt.round_bf16 && weight.dtype() == DType::bf16
+                       ? ops::contiguous(weight)
+                       : ops::contiguous(as_dt(weight, cdt));
+  const Tensor at = ops::contiguous(ops::as_dtype(a, cdt).transpose(0, 1));  // [H, T, k]
+  Tensor ct = Tensor::empty({H, T, n}, cdt, a.device());
+  std::vector<ops::GemmGroup> groups;
+  for (int64_t h = 0; h < H; ++h)
+    groups.push_back(
+        ops::GemmGroup{T, n, k, h * T * k, (w_row0 + h * w_rows_per_head) * w.size(1), h * T * n});
+  ops::gemm_grouped(at, false, w, trans_w, ct, groups, 1.0, 0.0, opt);
+  put(out, ct.transpose(0, 1));
+}
+
+}  // namespace
+
 Tensor Mla::absorb_query(const Tensor& q) const {
   const int64_t T = q.size(0), H = cfg_.num_heads, rkv = cfg_.kv_lora_rank,
                 dn = cfg_.qk_nope_head_dim, dr = cfg_.qk_rope_head_dim, dv = cfg_.v_head_dim;
   check_act(q, {T, H, dn + dr}, device(), "Mla::absorb_query", "q");
   const DType cdt = compute_dtype();
   const Tensor qc = contig(q, cdt);
-  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
-  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
   Tensor qa = Tensor::empty({T, H, rkv + dr}, cdt, q.device());
-  for (int64_t h = 0; h < H; ++h) {
-    const Tensor wuk = w.slice(0, h * (dn + dv), h * (dn + dv) + dn);  // [d_n, r_kv]
-    Tensor out = qa.select(1, h).slice(1, 0, rkv);
-    ops::gemm(qc.select(1, h).slice(1, 0, dn), false, wuk, false, out, 1.0, 0.0, opt);
-    if (dr > 0) put(qa.select(1, h).slice(1, rkv, rkv + dr), qc.select(1, h).slice(1, dn, dn + dr));
-  }
+  // q_abs[:, h, :r_kv] = q_nope[:, h] W_UK_h, W_UK_h the rows [h (d_n + d_v), + d_n) ([d_n, r_kv]).
+  per_head_gemm(qc.slice(2, 0, dn), kv_b_proj_.weight_value(), 0, dn + dv, dn, false, cdt,
+                gemm_opt(kv_b_proj_.precision()), qa.slice(2, 0, rkv));
+  if (dr > 0) put(qa.slice(2, rkv, rkv + dr), qc.slice(2, dn, dn + dr));
   return qa;
 }
 
@@ -583,14 +617,10 @@ Tensor Mla::output(const Context& ctx, const Tensor& o_lat, OutSaved* s) const {
   check_act(o_lat, {T, H, rkv}, device(), "Mla::output", "o_lat");
   const DType cdt = compute_dtype();
   const Tensor ol = contig(o_lat, cdt);
-  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
-  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
   Tensor heads = Tensor::empty({T, H * dv}, cdt, o_lat.device());
-  for (int64_t h = 0; h < H; ++h) {
-    const int64_t r0 = h * (dn + dv) + dn;
-    Tensor out = heads.slice(1, h * dv, (h + 1) * dv);
-    ops::gemm(ol.select(1, h), false, w.slice(0, r0, r0 + dv), true, out, 1.0, 0.0, opt);
-  }
+  // heads[:, h] = o_lat[:, h] W_UV_h^T, W_UV_h the rows [h (d_n + d_v) + d_n, + d_v) ([d_v, r_kv]).
+  per_head_gemm(ol, kv_b_proj_.weight_value(), dn, dn + dv, dv, true, cdt,
+                gemm_opt(kv_b_proj_.precision()), heads.view({T, H, dv}));
   const bool save = s && ctx.training;
   const Tensor y = o_proj_.forward(ctx, heads, save ? &s->o_proj : nullptr);
   if (save) s->o_lat = ol;
