@@ -25,8 +25,9 @@ using testing::cpu;
 using testing::gpu;
 
 // Where tokens a and b fall in row x's sampling order under p (a failure's message): each one's
-// rank among the candidates and the running share of the weights before it and after it, against
-// the draw u (and top_p's cut), so a boundary case shows as u within rounding of a share.
+// rank in the order and the running share of all the row's weights before and after it (before
+// any top-k or top-p cut: the draw's target is u times the kept share), so a boundary case shows
+// as the target within rounding of a share.
 std::string where_in_order(const std::vector<double>& x, int64_t V, const ops::SampleRow& p,
                            int64_t a, int64_t b) {
   std::vector<int64_t> ids(size_t(V), 0);

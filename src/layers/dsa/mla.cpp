@@ -546,7 +546,7 @@ void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_
                    int64_t w_rows, bool trans_w, DType cdt, const ops::GemmOptions& opt,
                    Tensor out) {
   const int64_t T = a.size(0), H = a.size(1), k = a.size(2), n = out.size(2);
-  const bool grouped = T > 0 && (opt.round_bf16 ? cdt == DType::f32 : true);
+  const bool grouped = T > 0 && (!opt.round_bf16 || cdt == DType::f32);
   if (!grouped) {
     const Tensor w = as_dt(weight, cdt);
     for (int64_t h = 0; h < H; ++h) {
