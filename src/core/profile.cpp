@@ -9,6 +9,10 @@
 
 #include "core/device.h"
 
+#ifdef HLM_CUDA_EMU
+#include "cuda_emu.h"  // the emulation's launch and cuBLAS counters
+#endif
+
 namespace hlm::profile {
 namespace {
 
@@ -17,6 +21,7 @@ struct Node {
   int parent = -1, depth = 0;
   std::vector<int> children;
   int64_t calls = 0, total_ns = 0;
+  int64_t launches = 0, blas = 0;  // CUDA emulation only
 };
 
 struct State {
@@ -31,6 +36,16 @@ struct State {
 State& state() {
   static State s;
   return s;
+}
+
+// Kernel launches and cuBLAS calls so far (the CUDA emulation counts them; elsewhere 0).
+void counters(int64_t& launches, int64_t& blas) {
+#ifdef HLM_CUDA_EMU
+  launches = int64_t(::hlm::emu::kernel_launches());
+  blas = int64_t(::hlm::emu::blas_calls());
+#else
+  launches = blas = 0;
+#endif
 }
 
 int64_t now_ns() {
@@ -62,6 +77,8 @@ void walk(const State& s, int id, const std::string& prefix, std::vector<Entry>&
   e.depth = n.depth;
   e.calls = n.calls;
   e.total_ms = n.total_ns * 1e-6;
+  e.launches = n.launches;
+  e.blas = n.blas;
   int64_t kids = 0;
   for (int c : n.children) kids += s.nodes[c].total_ns;
   e.self_ms = (n.total_ns - kids) * 1e-6;
@@ -84,6 +101,14 @@ void set_enabled(bool on) {
   state().enabled = on ? 1 : 0;
 }
 
+bool counts_launches() {
+#ifdef HLM_CUDA_EMU
+  return true;
+#else
+  return false;
+#endif
+}
+
 Scope::Scope(const char* name) {
   if (!enabled()) return;
   State& s = state();
@@ -98,6 +123,7 @@ Scope::Scope(const char* name) {
   node_ = child(s, s.current, name);
   s.current = node_;
   active_ = true;
+  counters(start_launches_, start_blas_);
   start_ns_ = now_ns();
 }
 
@@ -109,6 +135,10 @@ void Scope::end() {
   Node& n = s.nodes[node_];
   n.total_ns += now_ns() - start_ns_;
   n.calls += 1;
+  int64_t launches = 0, blas = 0;
+  counters(launches, blas);
+  n.launches += launches - start_launches_;
+  n.blas += blas - start_blas_;
   s.current = n.parent;
 }
 
@@ -124,14 +154,17 @@ std::string report() {
   double root_ms = 0;
   for (const Entry& e : es)
     if (e.depth == 0) root_ms += e.total_ms;
-  std::string out = fmt::format("{:<52} {:>11} {:>11} {:>8} {:>7}\n", "scope", "total ms",
-                                "self ms", "calls", "share");
+  const bool counted = counts_launches();
+  std::string out = fmt::format("{:<52} {:>11} {:>11} {:>8} {:>7}", "scope", "total ms", "self ms",
+                                "calls", "share");
+  out += counted ? fmt::format(" {:>9} {:>7}\n", "kernels", "cuBLAS") : "\n";
   for (const Entry& e : es) {
     const size_t slash = e.path.rfind('/');
     const std::string name = std::string(2 * e.depth, ' ') +
                              (slash == std::string::npos ? e.path : e.path.substr(slash + 1));
-    out += fmt::format("{:<52} {:>11.3f} {:>11.3f} {:>8} {:>6.1f}%\n", name, e.total_ms, e.self_ms,
+    out += fmt::format("{:<52} {:>11.3f} {:>11.3f} {:>8} {:>6.1f}%", name, e.total_ms, e.self_ms,
                        e.calls, root_ms > 0 ? 100.0 * e.total_ms / root_ms : 0.0);
+    out += counted ? fmt::format(" {:>9} {:>7}\n", e.launches, e.blas) : "\n";
   }
   return out;
 }
@@ -140,7 +173,7 @@ void reset() {
   State& s = state();
   // Scopes open now keep their nodes: times are zeroed, the tree is kept while one is open.
   if (s.current >= 0) {
-    for (Node& n : s.nodes) n.calls = n.total_ns = 0;
+    for (Node& n : s.nodes) n.calls = n.total_ns = n.launches = n.blas = 0;
     return;
   }
   s.nodes.clear();

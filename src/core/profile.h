@@ -3,7 +3,9 @@
 // device at entry and exit (device_synchronize: a CUDA step's kernels are asynchronous) and adds
 // its time to its path in the tree of nested scopes ("step/forward/layer 3 kda/chunk"). The
 // synchronisation serialises the device with the host, so a profiled run is slower than an
-// unprofiled one: its table says where the time goes, the unprofiled run how much there is.
+// unprofiled one: its table says where the time goes, the unprofiled run how much there is. In
+// the CUDA emulation build each scope also counts its kernel launches and cuBLAS calls (two more
+// columns of the report), so a step's launch budget can be read without a GPU.
 // One thread: scopes opened by OpenMP workers are not recorded (they are not the step's
 // structure).
 //
@@ -22,6 +24,9 @@ namespace hlm::profile {
 // Whether scopes record. The first call reads HLM_PROFILE (1: on); set_enabled overrides it.
 bool enabled();
 void set_enabled(bool on);
+// Whether scopes also count the kernel launches and cuBLAS calls they make: in the CUDA
+// emulation build (which counts both), where a step's launch budget is measured without a GPU.
+bool counts_launches();
 
 class Scope {
  public:
@@ -37,7 +42,7 @@ class Scope {
  private:
   bool active_ = false;
   int node_ = -1;
-  int64_t start_ns_ = 0;
+  int64_t start_ns_ = 0, start_launches_ = 0, start_blas_ = 0;
 };
 
 // One node of the tree: a path of scope names, how often it ran, its total and its self time
@@ -47,6 +52,9 @@ struct Entry {
   int depth = 0;
   int64_t calls = 0;
   double total_ms = 0, self_ms = 0;
+  // The kernel launches and cuBLAS calls inside the scope, its children's included, where they
+  // are counted (counts_launches(): the CUDA emulation build), else 0.
+  int64_t launches = 0, blas = 0;
 };
 // The tree depth-first (children in the order they first ran).
 std::vector<Entry> entries();
