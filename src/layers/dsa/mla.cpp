@@ -570,6 +570,31 @@ void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_
   put(out, ct.transpose(0, 1));
 }
 
+// gw[rows of head h] += a[:, h, :]^T b[:, h, :] for every head h, the rows [g_row0 + h
+// g_rows_per_head, + ka) of gw [., kb] (contiguous; f32 or f64). a: [T, H, ka], b: [T, H, kb],
+// both in gw's dtype. One grouped GEMM over the heads where its dtype rules allow, else one
+// accumulating product per head (the CPU's grouped GEMM: the same products in head order).
+void per_head_weight_grad(const Tensor& a, const Tensor& b, Tensor& gw, int64_t g_row0,
+                          int64_t g_rows_per_head, const ops::GemmOptions& opt) {
+  const int64_t T = a.size(0), H = a.size(1), ka = a.size(2), kb = b.size(2);
+  const bool grouped = T > 0 && gw.is_contiguous() &&
+                       (opt.round_bf16 ? gw.dtype() == DType::f32 : gw.dtype() == a.dtype());
+  if (!grouped) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t r0 = g_row0 + h * g_rows_per_head;
+      Tensor g = gw.slice(0, r0, r0 + ka);
+      ops::gemm(a.select(1, h), true, b.select(1, h), false, g, 1.0, 1.0, opt);
+    }
+    return;
+  }
+  const Tensor at = ops::contiguous(a.transpose(0, 1)), bt = ops::contiguous(b.transpose(0, 1));
+  std::vector<ops::GemmGroup> groups;
+  for (int64_t h = 0; h < H; ++h)
+    groups.push_back(
+        ops::GemmGroup{ka, kb, T, h * T * ka, h * T * kb, (g_row0 + h * g_rows_per_head) * kb});
+  ops::gemm_grouped(at, true, bt, false, gw, groups, 1.0, 1.0, opt);
+}
+
 }  // namespace
 
 Tensor Mla::absorb_query(const Tensor& q) const {
@@ -594,20 +619,15 @@ Tensor Mla::absorb_query_backward(const Tensor& dq_abs, const Tensor& q) {
   check_act(dq_abs, {T, H, rkv + dr}, device(), op, "dq_abs");
   const DType cdt = compute_dtype();
   const Tensor qc = contig(q, cdt), dqa = contig(dq_abs, cdt);
-  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
   Tensor& gw = ensure_grad(kv_b_proj_.weight(), "Mla");
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
   Tensor dq = Tensor::empty({T, H, dn + dr}, cdt, q.device());
-  for (int64_t h = 0; h < H; ++h) {
-    const int64_t r0 = h * (dn + dv);
-    const Tensor dlat = dqa.select(1, h).slice(1, 0, rkv);  // [T, r_kv]
-    Tensor dqn = dq.select(1, h).slice(1, 0, dn);
-    ops::gemm(dlat, false, w.slice(0, r0, r0 + dn), true, dqn, 1.0, 0.0, opt);
-    Tensor g = gw.slice(0, r0, r0 + dn);
-    ops::gemm(qc.select(1, h).slice(1, 0, dn), true, dlat, false, g, 1.0, 1.0, opt);
-    if (dr > 0)
-      put(dq.select(1, h).slice(1, dn, dn + dr), dqa.select(1, h).slice(1, rkv, rkv + dr));
-  }
+  const Tensor dlat = dqa.slice(2, 0, rkv);  // [T, H, r_kv]
+  // dq_nope[:, h] = dlat[:, h] W_UK_h^T;  dW_UK_h += q_nope[:, h]^T dlat[:, h].
+  per_head_gemm(dlat, kv_b_proj_.weight_value(), 0, dn + dv, dn, true, cdt, opt,
+                dq.slice(2, 0, dn));
+  per_head_weight_grad(qc.slice(2, 0, dn), dlat, gw, 0, dn + dv, opt);
+  if (dr > 0) put(dq.slice(2, dn, dn + dr), dqa.slice(2, rkv, rkv + dr));
   return dq;
 }
 
@@ -635,18 +655,13 @@ Tensor Mla::output_backward(const Context& ctx, const Tensor& dy, const OutSaved
   check_act(dy, {T, cfg_.hidden_size}, device(), op, "dy");
   const DType cdt = compute_dtype();
   const Tensor dheads = o_proj_.backward(ctx, contig(dy, cdt), s.o_proj);
-  const Tensor w = as_dt(kv_b_proj_.weight_value(), cdt);
   Tensor& gw = ensure_grad(kv_b_proj_.weight(), "Mla");
   const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
   Tensor dol = Tensor::empty({T, H, rkv}, cdt, dy.device());
-  for (int64_t h = 0; h < H; ++h) {
-    const int64_t r0 = h * (dn + dv) + dn;
-    const Tensor dh = dheads.slice(1, h * dv, (h + 1) * dv);
-    Tensor out = dol.select(1, h);
-    ops::gemm(dh, false, w.slice(0, r0, r0 + dv), false, out, 1.0, 0.0, opt);
-    Tensor g = gw.slice(0, r0, r0 + dv);
-    ops::gemm(dh, true, s.o_lat.select(1, h), false, g, 1.0, 1.0, opt);
-  }
+  const Tensor dh = ops::contiguous(dheads).view({T, H, dv});
+  // do_lat[:, h] = dheads[:, h] W_UV_h;  dW_UV_h += dheads[:, h]^T o_lat[:, h].
+  per_head_gemm(dh, kv_b_proj_.weight_value(), dn, dn + dv, dv, false, cdt, opt, dol);
+  per_head_weight_grad(dh, s.o_lat, gw, dn, dn + dv, opt);
   return dol;
 }
 
