@@ -8,7 +8,7 @@
 //     the rounded operands;
 //   - Sm90Gpu.TmaPlacesBoxesAsTheSwizzleSays: tensor loads of boxes partly outside a tensor (zeros
 //     there), in every swizzle, the shared bytes read back; tensor stores that write only inside
-//     (the emulation only for now: on an H100 its kernel stopped with an illegal instruction);
+//     (rows in whole 16-byte units), at the coordinates the hardware allows (docs/cuda_emu.md);
 //   - Sm90Gpu.PipelinedGemm: a TMA producer warp and a wgmma consumer warpgroup through a ring of
 //     shared-memory stages with full / empty mbarriers, against FP64.
 // Skips when no GPU is present (the emulation build runs it on the CPU).

@@ -538,8 +538,8 @@ namespace {
 
 // out[:, h, :] = a[:, h, :] op(W_h) for every head h, W_h the rows [w_row0 + h w_rows_per_head,
 // + w_rows) of w: [w_rows, n] (trans_w false) or [w_rows, k] read transposed (trans_w). a: [T, H,
-// k], out: a [T, H, n] view. One grouped GEMM over the heads (a permuted to [H, T, k] first) where
-// its dtype rules allow, so a decode step of a few rows is three launches rather than H products;
+// k] in cdt, out: a [T, H, n] view. One grouped GEMM over the heads (a permuted to [H, T, k] first)
+// where its dtype rules allow, so a decode step of a few rows is a handful of launches, not H;
 // else one product per head. The same products either way (the CPU's grouped GEMM is the per-head
 // loop; cuBLAS's grouped call may round differently from its single products).
 void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_t w_rows_per_head,
@@ -560,7 +560,7 @@ void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_
   const Tensor w = opt.round_bf16 && weight.dtype() == DType::bf16
                        ? ops::contiguous(weight)
                        : ops::contiguous(as_dt(weight, cdt));
-  const Tensor at = ops::contiguous(ops::as_dtype(a, cdt).transpose(0, 1));  // [H, T, k]
+  const Tensor at = ops::contiguous(a.transpose(0, 1));  // [H, T, k]
   Tensor ct = Tensor::empty({H, T, n}, cdt, a.device());
   std::vector<ops::GemmGroup> groups;
   for (int64_t h = 0; h < H; ++h)

@@ -161,12 +161,14 @@ Perm sort_by_expert(const Tensor& idx, int64_t E) {
 // with its loads in flight together.
 constexpr int kGemvWarps = 8, kGemvCh = 4, kGemvRows = 8, kGemvSpan = 8;
 
-template <bool kRound, class A, class T>
-__device__ __forceinline__ A gemv_ld(const T* p, int64_t i) {
+// v as the product takes an element of a T operand: rounded to bf16 under kRound when T is float
+// (bf16 values are exact already).
+template <bool kRound, class T, class A>
+__device__ __forceinline__ A gemv_round(A v) {
   if constexpr (kRound && std::is_same_v<T, float>)
-    return A(__bfloat162float(__float2bfloat16_rn(p[i])));
+    return A(__bfloat162float(__float2bfloat16_rn(float(v))));
   else
-    return ld<A>(p, i);
+    return v;
 }
 
 // The span of p from i: n = min(kGemvSpan, Kin - i) values (kVec: all, one aligned vector load),
@@ -175,14 +177,12 @@ template <bool kVec, bool kRound, class A, class T>
 __device__ __forceinline__ void gemv_span(const T* p, int64_t i, int n, A (&out)[kGemvSpan]) {
   if constexpr (kVec) {
     ldv<kGemvSpan>(p, i, out);
-    if constexpr (kRound && std::is_same_v<T, float>)
-#pragma unroll
-      for (int j = 0; j < kGemvSpan; ++j)
-        out[j] = A(__bfloat162float(__float2bfloat16_rn(float(out[j]))));
   } else {
 #pragma unroll
-    for (int j = 0; j < kGemvSpan; ++j) out[j] = j < n ? gemv_ld<kRound, A>(p, i + j) : A(0);
+    for (int j = 0; j < kGemvSpan; ++j) out[j] = j < n ? ld<A>(p, i + j) : A(0);
   }
+#pragma unroll
+  for (int j = 0; j < kGemvSpan; ++j) out[j] = gemv_round<kRound, T>(out[j]);
 }
 
 template <bool kVec, bool kRound, class TX, class TW, class A>
