@@ -11,7 +11,10 @@
 // the copies to the host per decode step (each a wait for the device; core/device.h).
 // Greedy, or sampled with --temperature (request b seeded with b); the steps are timed with a
 // steady clock around Generator::step, after a short warm-up generation. HLM_PROFILE=1 prints where
-// each batch's decode steps spent their time (core/profile.h).
+// each batch's decode steps spent their time, HLM_PROFILE=host how long the host took to issue
+// each part (core/profile.h; the root scope "decode step" is the whole step, its pick's wait
+// included); in the CUDA emulation build both also list the decode steps' kernel launches by
+// kernel.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -160,13 +163,21 @@ int main(int argc, char** argv) {
       profile::reset();  // the report covers the decode steps
       reset_transfer_stats();
       std::vector<double> steps;
+      const auto launches0 = profile::launches_by_kernel();
       while (gen.busy()) {
         t0 = std::chrono::steady_clock::now();
-        gen.step();
+        {
+          HLM_PROFILE("decode step");
+          gen.step();
+        }
         steps.push_back(seconds_since(t0));
       }
       if (profile::enabled()) {
         std::printf("%s", profile::report().c_str());
+        if (profile::counts_launches())
+          std::printf("%s", profile::launch_report(launches0, profile::launches_by_kernel(),
+                                                   int64_t(steps.size()))
+                                .c_str());
         profile::reset();
       }
       // Copies to the host per decode step: each waits for the device (core/device.h).

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -21,11 +22,21 @@ struct Node {
   int parent = -1, depth = 0;
   std::vector<int> children;
   int64_t calls = 0, total_ns = 0;
-  int64_t launches = 0, blas = 0;  // CUDA emulation only
+  int64_t launches = 0, blas = 0;                        // CUDA emulation only
+  std::vector<std::pair<std::string, int64_t>> kernels;  // by name (HLM_PROFILE_KERNELS=1)
 };
 
+// Whether scopes also keep their launches by kernel name (the emulation, HLM_PROFILE_KERNELS=1).
+bool keeps_kernels() {
+  static const bool on = [] {
+    const char* v = std::getenv("HLM_PROFILE_KERNELS");
+    return counts_launches() && v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
 struct State {
-  int enabled = -1;  // -1: HLM_PROFILE not read yet
+  int mode = -1;  // a Mode, or -1: HLM_PROFILE not read yet
   std::thread::id owner;
   bool owned = false;
   std::vector<Node> nodes;
@@ -70,6 +81,16 @@ int child(State& s, int parent, const char* name) {
   return id;
 }
 
+void add_kernel(std::vector<std::pair<std::string, int64_t>>& list, const std::string& name,
+                int64_t n) {
+  for (auto& [k, c] : list)
+    if (k == name) {
+      c += n;
+      return;
+    }
+  list.emplace_back(name, n);
+}
+
 void walk(const State& s, int id, const std::string& prefix, std::vector<Entry>& out) {
   const Node& n = s.nodes[id];
   Entry e;
@@ -82,23 +103,44 @@ void walk(const State& s, int id, const std::string& prefix, std::vector<Entry>&
   int64_t kids = 0;
   for (int c : n.children) kids += s.nodes[c].total_ns;
   e.self_ms = (n.total_ns - kids) * 1e-6;
+  // Own launches: the scope's less its children's.
+  e.self_kernels = n.kernels;
+  for (int c : n.children)
+    for (const auto& [name, k] : s.nodes[c].kernels) add_kernel(e.self_kernels, name, -k);
+  e.self_kernels.erase(std::remove_if(e.self_kernels.begin(), e.self_kernels.end(),
+                                      [](const auto& p) { return p.second <= 0; }),
+                       e.self_kernels.end());
+  std::stable_sort(e.self_kernels.begin(), e.self_kernels.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
   out.push_back(e);
   for (int c : n.children) walk(s, c, e.path, out);
 }
 
 }  // namespace
 
-bool enabled() {
+Mode mode() {
   State& s = state();
-  if (s.enabled < 0) {
+  if (s.mode < 0) {
     const char* v = std::getenv("HLM_PROFILE");
-    s.enabled = v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 0;
+    const Mode m = v == nullptr                  ? Mode::off
+                   : std::strcmp(v, "1") == 0    ? Mode::device
+                   : std::strcmp(v, "host") == 0 ? Mode::host
+                                                 : Mode::off;
+    s.mode = int(m);
   }
-  return s.enabled == 1;
+  return Mode(s.mode);
+}
+
+void set_mode(Mode m) {
+  state().mode = int(m);
+}
+
+bool enabled() {
+  return mode() != Mode::off;
 }
 
 void set_enabled(bool on) {
-  state().enabled = on ? 1 : 0;
+  set_mode(on ? Mode::device : Mode::off);
 }
 
 bool counts_launches() {
@@ -119,19 +161,20 @@ Scope::Scope(const char* name) {
   } else if (s.owner != std::this_thread::get_id()) {
     return;
   }
-  device_synchronize();
+  if (Mode(s.mode) == Mode::device) device_synchronize();
   node_ = child(s, s.current, name);
   s.current = node_;
   active_ = true;
   counters(start_launches_, start_blas_);
+  if (keeps_kernels()) start_kernels_ = launches_by_kernel();
   start_ns_ = now_ns();
 }
 
 void Scope::end() {
   if (!active_) return;
   active_ = false;
-  device_synchronize();
   State& s = state();
+  if (Mode(s.mode) == Mode::device) device_synchronize();
   Node& n = s.nodes[node_];
   n.total_ns += now_ns() - start_ns_;
   n.calls += 1;
@@ -139,6 +182,15 @@ void Scope::end() {
   counters(launches, blas);
   n.launches += launches - start_launches_;
   n.blas += blas - start_blas_;
+  if (keeps_kernels()) {
+    for (const auto& [name, c] : launches_by_kernel()) {
+      int64_t was = 0;
+      for (const auto& [bn, bc] : start_kernels_)
+        if (bn == name) was = bc;
+      if (c > was) add_kernel(n.kernels, name, c - was);
+    }
+    start_kernels_.clear();
+  }
   s.current = n.parent;
 }
 
@@ -146,6 +198,35 @@ std::vector<Entry> entries() {
   const State& s = state();
   std::vector<Entry> out;
   for (int r : s.roots) walk(s, r, "", out);
+  return out;
+}
+
+std::vector<std::pair<std::string, int64_t>> launches_by_kernel() {
+  std::vector<std::pair<std::string, int64_t>> out;
+#ifdef HLM_CUDA_EMU
+  for (const auto& [name, n] : ::hlm::emu::kernel_launches_by_name())
+    out.emplace_back(name, int64_t(n));
+#endif
+  return out;
+}
+
+std::string launch_report(const std::vector<std::pair<std::string, int64_t>>& before,
+                          const std::vector<std::pair<std::string, int64_t>>& after,
+                          int64_t steps) {
+  std::vector<std::pair<std::string, int64_t>> d;
+  int64_t total = 0;
+  for (const auto& [name, n] : after) {
+    int64_t was = 0;
+    for (const auto& [bn, bc] : before)
+      if (bn == name) was = bc;
+    if (n > was) d.emplace_back(name, n - was), total += n - was;
+  }
+  std::stable_sort(d.begin(), d.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  const double per = steps > 0 ? 1.0 / double(steps) : 1.0;
+  std::string out = fmt::format("{:>10} {:>10}  kernel\n", "launches", "per step");
+  for (const auto& [name, n] : d) out += fmt::format("{:>10} {:>10.1f}  {}\n", n, n * per, name);
+  out += fmt::format("{:>10} {:>10.1f}  (all)\n", total, total * per);
   return out;
 }
 
@@ -165,6 +246,9 @@ std::string report() {
     out += fmt::format("{:<52} {:>11.3f} {:>11.3f} {:>8} {:>6.1f}%", name, e.total_ms, e.self_ms,
                        e.calls, root_ms > 0 ? 100.0 * e.total_ms / root_ms : 0.0);
     out += counted ? fmt::format(" {:>9} {:>7}\n", e.launches, e.blas) : "\n";
+    for (const auto& [kname, k] : e.self_kernels)
+      out += fmt::format("{:<52} {:>9} x {}\n", std::string(2 * e.depth + 4, ' ') + "(kernel)", k,
+                         kname);
   }
   return out;
 }
@@ -173,7 +257,10 @@ void reset() {
   State& s = state();
   // Scopes open now keep their nodes: times are zeroed, the tree is kept while one is open.
   if (s.current >= 0) {
-    for (Node& n : s.nodes) n.calls = n.total_ns = n.launches = n.blas = 0;
+    for (Node& n : s.nodes) {
+      n.calls = n.total_ns = n.launches = n.blas = 0;
+      n.kernels.clear();
+    }
     return;
   }
   s.nodes.clear();

@@ -3,9 +3,13 @@
 // device at entry and exit (device_synchronize: a CUDA step's kernels are asynchronous) and adds
 // its time to its path in the tree of nested scopes ("step/forward/layer 3 kda/chunk"). The
 // synchronisation serialises the device with the host, so a profiled run is slower than an
-// unprofiled one: its table says where the time goes, the unprofiled run how much there is. In
+// unprofiled one: its table says where the time goes, the unprofiled run how much there is.
+// In host mode (HLM_PROFILE=host) the scopes do not synchronise: each records how long the host
+// took to issue its work (launches, allocations, the host's own code), which, set against the
+// unprofiled step time, says whether a step is bound by the host or by the device. In
 // the CUDA emulation build each scope also counts its kernel launches and cuBLAS calls (two more
-// columns of the report), so a step's launch budget can be read without a GPU.
+// columns of the report), so a step's launch budget can be read without a GPU; with
+// HLM_PROFILE_KERNELS=1 there the report also lists each scope's own launches by kernel name.
 // One thread: scopes opened by OpenMP workers are not recorded (they are not the step's
 // structure).
 //
@@ -17,13 +21,18 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hlm::profile {
 
-// Whether scopes record. The first call reads HLM_PROFILE (1: on); set_enabled overrides it.
-bool enabled();
-void set_enabled(bool on);
+// Whether scopes record, and how. The first call reads HLM_PROFILE ("1": device, "host": host;
+// anything else: off); set_enabled / set_mode override it.
+enum class Mode { off, device, host };
+Mode mode();
+void set_mode(Mode m);
+bool enabled();             // mode() != off
+void set_enabled(bool on);  // device or off
 // Whether scopes also count the kernel launches and cuBLAS calls they make: in the CUDA
 // emulation build (which counts both), where a step's launch budget is measured without a GPU.
 bool counts_launches();
@@ -43,6 +52,7 @@ class Scope {
   bool active_ = false;
   int node_ = -1;
   int64_t start_ns_ = 0, start_launches_ = 0, start_blas_ = 0;
+  std::vector<std::pair<std::string, int64_t>> start_kernels_;  // HLM_PROFILE_KERNELS=1 only
 };
 
 // One node of the tree: a path of scope names, how often it ran, its total and its self time
@@ -55,9 +65,19 @@ struct Entry {
   // The kernel launches and cuBLAS calls inside the scope, its children's included, where they
   // are counted (counts_launches(): the CUDA emulation build), else 0.
   int64_t launches = 0, blas = 0;
+  // HLM_PROFILE_KERNELS=1 in the emulation build: the scope's launches by kernel name, its
+  // children's excluded, most first.
+  std::vector<std::pair<std::string, int64_t>> self_kernels;
 };
 // The tree depth-first (children in the order they first ran).
 std::vector<Entry> entries();
+// Kernel launches per kernel name since the process started, where they are counted
+// (counts_launches()), else empty: a step's launches by kernel are the difference of two calls.
+std::vector<std::pair<std::string, int64_t>> launches_by_kernel();
+// A table of the launches by kernel between `before` and `after` (two launches_by_kernel()),
+// most first, each with its count per `steps`.
+std::string launch_report(const std::vector<std::pair<std::string, int64_t>>& before,
+                          const std::vector<std::pair<std::string, int64_t>>& after, int64_t steps);
 // A table of entries(): total, self, calls and the share of the root scopes' time.
 std::string report();
 // Every recorded time dropped (the tree is rebuilt as scopes run again).

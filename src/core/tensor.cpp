@@ -229,6 +229,18 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   return t;
 }
 
+Tensor Tensor::split_dim(int64_t d, int64_t inner) const {
+  d = wrap_dim(d, dim(), "split_dim");
+  HLM_CHECK(inner >= 1 && shape_[d] % inner == 0,
+            "split_dim: dimension {} of {} is not a multiple of {}", d, describe(), inner);
+  Tensor t = *this;
+  t.shape_[d] = shape_[d] / inner;
+  t.shape_.insert(t.shape_.begin() + d + 1, inner);
+  t.strides_[d] = strides_[d] * inner;
+  t.strides_.insert(t.strides_.begin() + d + 1, strides_[d]);
+  return t;
+}
+
 Tensor Tensor::contiguous() const {
   return is_contiguous() ? *this : clone();
 }

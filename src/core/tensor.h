@@ -87,6 +87,8 @@ class Tensor {
   Tensor select(int64_t d, int64_t index) const;  // drops dimension d
   Tensor transpose(int64_t a, int64_t b) const;
   Tensor unsqueeze(int64_t d) const;
+  // Dimension d (of size n * inner, any stride) as two, [n, inner]: a view of any strides.
+  Tensor split_dim(int64_t d, int64_t inner) const;
   // The same bytes read as dt, whose element size must equal this dtype's.
   Tensor bitcast(DType dt) const;
 

@@ -167,6 +167,32 @@ Tensor Linear::forward(const Context& ctx, const Tensor& x, Saved* saved) const 
   return as_dtype(y, x.dtype());
 }
 
+bool Linear::writes_directly(DType xdt, DType odt) const {
+  return precision_.kind == GemmKind::bf16 && !bias_ && (xdt == DType::f32 || xdt == DType::bf16) &&
+         (odt == DType::f32 || odt == DType::bf16);
+}
+
+void Linear::forward_into(const Tensor& x, Tensor& out) const {
+  HLM_CHECK(weight_ != nullptr, "Linear::forward_into: the layer is not initialised");
+  HLM_CHECK(x.defined() && x.dim() == 2 && x.size(1) == in_,
+            "Linear::forward_into: x must be [T, {}], got {}", in_,
+            x.defined() ? x.describe() : "undefined");
+  HLM_CHECK(out.defined() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_ &&
+                out.device() == x.device() && out.stride(1) == 1,
+            "Linear::forward_into: out must be [{}, {}] with contiguous rows on x's device, got {}",
+            x.size(0), out_, out.defined() ? out.describe() : "undefined");
+  if (writes_directly(x.dtype(), out.dtype())) {
+    HLM_CHECK(x.device() == weight_->value.device(),
+              "Linear::forward_into: x must be on the weight's device ({}), got {}",
+              device_name(weight_->value.device()), x.describe());
+    ops::gemm(x, false, weight_->value, true, out, 1.0, 0.0, ops::GemmOptions{true});
+    return;
+  }
+  // forward's output has x's dtype: a bf16 x goes in as f32 (exact), so out is not rounded twice.
+  const Tensor xin = x.dtype() == DType::bf16 ? ops::as_dtype(x, DType::f32) : x;
+  ops::copy_into(out, forward(Context{false, false}, xin, nullptr));
+}
+
 Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
   HLM_CHECK(weight_ != nullptr, "Linear::backward: the layer is not initialised");
   const Tensor& x = saved.x;

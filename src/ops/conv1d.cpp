@@ -84,4 +84,28 @@ Tensor causal_conv1d_update(const Tensor& x_, Tensor& state, const Tensor& w_, b
   return y;
 }
 
+Tensor causal_conv1d_update_slots(const Tensor& x_, Tensor& pool, const std::vector<int64_t>& slots,
+                                  const Tensor& w_, bool silu) {
+  constexpr const char* op = "causal_conv1d_update_slots";
+  check_conv(op, x_, w_);
+  const int64_t nseq = x_.size(0), width = w_.size(1), c = x_.size(1);
+  HLM_CHECK(pool.defined() && pool.dim() == 3 && pool.size(1) == width - 1 && pool.size(2) == c,
+            "{}: pool must be [S, W - 1 = {}, C = {}], got {}", op, width - 1, c,
+            pool.defined() ? pool.describe() : "undefined");
+  detail::require_like_x(pool, x_, pool.shape(), op, "pool");
+  detail::require_contiguous(pool, op, "pool");
+  HLM_CHECK(int64_t(slots.size()) == nseq, "{}: {} slots for {} sequences", op, slots.size(), nseq);
+  std::vector<char> used(size_t(pool.size(0)), 0);
+  for (int64_t s : slots) {
+    HLM_CHECK(s >= 0 && s < pool.size(0), "{}: slot {} is outside the pool [0, {})", op, s,
+              pool.size(0));
+    HLM_CHECK(!used[size_t(s)], "{}: slot {} is given twice", op, s);
+    used[size_t(s)] = 1;
+  }
+  const Tensor x = x_.contiguous(), w = w_.contiguous();
+  Tensor y = detail::new_output(x.shape(), x.dtype(), x.device());
+  HLM_DISPATCH(op, x.device(), causal_conv1d_update, x, pool, w, silu, y, slots);
+  return y;
+}
+
 }  // namespace hlm::ops

@@ -37,4 +37,10 @@ CausalConv1dGrads causal_conv1d_backward(const Tensor& dy, const Tensor& x, cons
 // updated in place (shifted left by one, x appended). Returns y [N, C].
 Tensor causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu = false);
 
+// The same step over a pool of states (continuous batching): sequence n's state is row slots[n]
+// of pool [S, W-1, C] (distinct slots in [0, S)), updated in place; the arithmetic of
+// causal_conv1d_update on the gathered rows, so the same bits, in one pass. Returns y [N, C].
+Tensor causal_conv1d_update_slots(const Tensor& x, Tensor& pool, const std::vector<int64_t>& slots,
+                                  const Tensor& w, bool silu = false);
+
 }  // namespace hlm::ops

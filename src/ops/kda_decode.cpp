@@ -54,7 +54,13 @@ Dims check(const KdaDecodeArgs& a, std::vector<int64_t>& slots) {
     HLM_CHECK(K == 32 || K == 64 || K == 128 || K == 256,
               "{} on CUDA: K must be 32, 64, 128 or 256, got {}", op, K);
   for (const Tensor* t : {&a.q, &a.k, &a.v, &a.g, &a.beta, &a.state}) {
-    HLM_CHECK(t->is_contiguous(), "{}: inputs must be contiguous, got {}", op, t->describe());
+    // q, k and v: each token's [heads, dim] contiguous, tokens at any stride (the columns of a
+    // wider row); the rest contiguous.
+    const bool rows = t == &a.q || t == &a.k || t == &a.v;
+    HLM_CHECK(rows ? t->stride(2) == 1 && t->stride(1) == t->size(2) && t->stride(0) >= 0
+                   : t->is_contiguous(),
+              "{}: inputs must be contiguous{}, got {} (strides {})", op,
+              rows ? " within each token" : "", t->describe(), shape_str(t->strides()));
     HLM_CHECK(t->device() == a.state.device(), "{}: all inputs must be on the state's device", op);
   }
   slots.resize(size_t(N));

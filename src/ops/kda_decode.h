@@ -15,6 +15,7 @@
 namespace hlm::ops {
 
 struct KdaDecodeArgs {
+  // q, k, v: each token's heads contiguous; the tokens may be strided (columns of a wider row).
   Tensor q, k;           // [N, H, K]   f32 or bf16
   Tensor v;              // [N, HV, V]  dtype of q
   Tensor g;              // [N, HV, K]  f32 log decay

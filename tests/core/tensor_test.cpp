@@ -42,6 +42,23 @@ TEST(CoreTensor, SliceSelectTransposeMatchIndexArithmetic) {
   EXPECT_EQ(s.reshape({9}).to_f64_vector(), c.to_f64_vector());
 }
 
+TEST(CoreTensor, SplitDimIsAViewOfAnyStrides) {
+  Tensor t = iota({3, 10}, DType::f64);
+  Tensor s = t.slice(1, 2, 8).split_dim(1, 3);  // [3, 2, 3] of the columns 2..7
+  EXPECT_EQ(s.shape(), (Shape{3, 2, 3}));
+  EXPECT_EQ(s.strides(), (Shape{10, 3, 1}));
+  EXPECT_TRUE(s.same_storage(t));
+  for (int64_t a = 0; a < 3; ++a)
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t c = 0; c < 3; ++c) EXPECT_EQ(s.at({a, b, c}), double(a * 10 + 2 + b * 3 + c));
+  // A transposed dimension splits by its own stride.
+  Tensor u = t.transpose(0, 1).split_dim(0, 5);  // [2, 5, 3]
+  EXPECT_EQ(u.strides(), (Shape{5, 1, 10}));
+  EXPECT_EQ(u.at({1, 2, 1}), double(1 * 10 + 7));
+  EXPECT_THROW(t.split_dim(1, 4), Error);
+  EXPECT_THROW(t.split_dim(2, 1), Error);
+}
+
 TEST(CoreTensor, CopyIntoStridedDestinationConverts) {
   Tensor dst = Tensor::zeros({4, 6}, DType::f64);
   Tensor src = iota({3, 4}, DType::bf16);

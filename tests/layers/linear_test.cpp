@@ -95,6 +95,36 @@ TEST(LinearBf16, ForwardAndBackwardMatchFp64OfBf16Operands) {
       l.weight().grad, from_mat(ref_linear(dyt, xt, N, T, K, true), {N, K}, DType::f64), tol));
 }
 
+// forward_into: forward's values written into a view; under a bf16 GEMM with x given in bf16 (the
+// rounding forward applies) and out in f32 or bf16, directly, the same bits as forward's output
+// (converted to out's dtype).
+TEST(Linear, ForwardIntoEqualsForward) {
+  Rng rng(testing::test_seed());
+  const int64_t T = 5, K = 40, N = 13;
+  for (bool bias : {false, true})
+    for (GemmKind kind : {GemmKind::bf16, GemmKind::native}) {
+      Linear l(K, N, bias, GemmPrecision{kind}, DType::f32);
+      init_linear(l, rng);
+      const Tensor x = randn({T, K}, DType::f32, rng);
+      const Tensor y = l.forward(Context{false, false}, x, nullptr);
+      for (DType xdt : {DType::f32, DType::bf16})
+        for (DType odt : {DType::f32, DType::bf16}) {
+          if (kind == GemmKind::native && xdt == DType::bf16) continue;
+          EXPECT_EQ(l.writes_directly(xdt, odt), kind == GemmKind::bf16 && !bias);
+          Tensor wide = Tensor::full({T, N + 7}, 3.0, odt);
+          Tensor out = wide.slice(1, 4, 4 + N);
+          l.forward_into(x.to(xdt), out);
+          EXPECT_TRUE(testing::bit_equal(out.contiguous(), y.to(odt)))
+              << "bias " << bias << " x " << dtype_name(xdt) << " out " << dtype_name(odt);
+          EXPECT_EQ(wide.slice(1, 0, 4).to_f64_vector(), std::vector<double>(size_t(T * 4), 3.0));
+          EXPECT_EQ(wide.slice(1, 4 + N, N + 7).to_f64_vector(),
+                    std::vector<double>(size_t(T * 3), 3.0));
+        }
+      Tensor bad = Tensor::empty({T, N + 1}, DType::f32);
+      EXPECT_THROW(l.forward_into(x, bad), Error);
+    }
+}
+
 TEST(LinearNative, GradientsMatchFiniteDifferences) {
   Rng rng(testing::test_seed());
   const int64_t T = 5, K = 7, N = 4;

@@ -183,6 +183,34 @@ TEST(OpsConv1d, FinalStateAndDecodeMatchFullConv) {
       }
 }
 
+// The step over a pool of states through slots: the bits of causal_conv1d_update on the gathered
+// rows, written back to those rows; the pool's other rows untouched.
+TEST(OpsConv1d, UpdateThroughSlotsEqualsGatheredUpdate) {
+  Rng rng(test_seed());
+  for (DType dt : {DType::f32, DType::f64})
+    for (int64_t width : {1, 2, 4}) {
+      const int64_t S = 6, c = 9;
+      const std::vector<int64_t> slots = {4, 0, 5};
+      const int64_t n = int64_t(slots.size());
+      Tensor w = randn({c, width}, dt, rng), pool = randn({S, width - 1, c}, dt, rng);
+      const Tensor pool0 = pool.clone();
+      Tensor gathered = Tensor::empty({n, width - 1, c}, dt);
+      for (int64_t i = 0; i < n; ++i)
+        gathered.slice(0, i, i + 1).copy_(pool0.slice(0, slots[size_t(i)], slots[size_t(i)] + 1));
+      for (int step = 0; step < 3; ++step) {
+        const Tensor x = randn({n, c}, dt, rng);
+        const Tensor want = ops::causal_conv1d_update(x, gathered, w, step != 1);
+        const Tensor got = ops::causal_conv1d_update_slots(x, pool, slots, w, step != 1);
+        EXPECT_TRUE(bit_equal(got, want)) << dtype_name(dt) << " W=" << width << " step " << step;
+        for (int64_t i = 0; i < n; ++i)
+          EXPECT_TRUE(bit_equal(pool.slice(0, slots[size_t(i)], slots[size_t(i)] + 1),
+                                gathered.slice(0, i, i + 1)));
+      }
+      for (int64_t r : {1, 2, 3})
+        EXPECT_TRUE(bit_equal(pool.slice(0, r, r + 1), pool0.slice(0, r, r + 1))) << "row " << r;
+    }
+}
+
 TEST(OpsConv1d, BadInputs) {
   Rng rng(test_seed());
   Tensor x = randn({6, 4}, DType::f32, rng), w = randn({4, 3}, DType::f32, rng);
@@ -198,6 +226,19 @@ TEST(OpsConv1d, BadInputs) {
                Error);
   Tensor state = randn({3, 2, 4}, DType::f32, rng);
   EXPECT_THROW(ops::causal_conv1d_update(randn({2, 4}, DType::f32, rng), state, w), Error);
+  // Through slots: a slot outside the pool, a slot twice, a count that is not N, a pool of the
+  // wrong width or dtype; the pool is left as it was.
+  Tensor pool = randn({3, 2, 4}, DType::f32, rng);
+  const Tensor pool0 = pool.clone();
+  const Tensor x2 = randn({2, 4}, DType::f32, rng);
+  EXPECT_THROW(ops::causal_conv1d_update_slots(x2, pool, {0, 3}, w), Error);
+  EXPECT_THROW(ops::causal_conv1d_update_slots(x2, pool, {0, -1}, w), Error);
+  EXPECT_THROW(ops::causal_conv1d_update_slots(x2, pool, {1, 1}, w), Error);
+  EXPECT_THROW(ops::causal_conv1d_update_slots(x2, pool, {1}, w), Error);
+  Tensor narrow = randn({3, 1, 4}, DType::f32, rng), f64 = randn({3, 2, 4}, DType::f64, rng);
+  EXPECT_THROW(ops::causal_conv1d_update_slots(x2, narrow, {0, 1}, w), Error);
+  EXPECT_THROW(ops::causal_conv1d_update_slots(x2, f64, {0, 1}, w), Error);
+  EXPECT_TRUE(bit_equal(pool, pool0));
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
 // KDA decode on CUDA vs the CPU implementation on the same inputs (f32 and bf16 inputs, GVA,
-// fused L2 norm, a state pool with skipped sequences), and bit-identical run to run.
+// fused L2 norm, a state pool with skipped sequences), bit-identical run to run, and q / k / v
+// given as columns of wider rows equal to the contiguous ones.
 #include <gtest/gtest.h>
 
 #include "ops/kda_decode.h"
+#include "ops/tensor_ops.h"
 #include "testing.h"
 
 namespace hlm {
@@ -37,6 +39,22 @@ TEST(KdaDecodeGpu, MatchesCpuAndIsDeterministic) {
       Tensor o2 = ops::kda_decode_step(g2);
       EXPECT_TRUE(testing::bit_equal(o2, o_gpu));
       EXPECT_TRUE(testing::bit_equal(g2.state, g.state));
+      // q, k and v as columns of one wider row per token (the decode layer's conv output): the
+      // same bits.
+      const int64_t Cq = H * K, Cv = HV * V, C = 2 * Cq + Cv + 5;
+      Tensor wide = Tensor::zeros({N, C}, dt, Device::cuda);
+      ops::KdaDecodeArgs g3 = g;
+      Tensor parts[3] = {wide.slice(1, 0, Cq), wide.slice(1, Cq, 2 * Cq),
+                         wide.slice(1, 2 * Cq, 2 * Cq + Cv)};
+      ops::copy_into(parts[0], g.q.view({N, Cq}));
+      ops::copy_into(parts[1], g.k.view({N, Cq}));
+      ops::copy_into(parts[2], g.v.view({N, Cv}));
+      g3.q = parts[0].split_dim(1, K);
+      g3.k = parts[1].split_dim(1, K);
+      g3.v = parts[2].split_dim(1, V);
+      g3.state = pool0.clone();
+      EXPECT_TRUE(testing::bit_equal(ops::kda_decode_step(g3), o_gpu));
+      EXPECT_TRUE(testing::bit_equal(g3.state, g.state));
     }
 }
 

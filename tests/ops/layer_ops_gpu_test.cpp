@@ -17,6 +17,7 @@
 #include "ops/kda_gate.h"
 #include "ops/l2norm.h"
 #include "ops/rmsnorm.h"
+#include "ops/tensor_ops.h"
 #include "testing.h"
 
 namespace hlm {
@@ -100,6 +101,25 @@ TEST(LayerOpsGpuConv1d, ForwardBackwardUpdate) {
           const Tensor u_dev = ops::causal_conv1d_update(xt.dev, st_dev, w.dev, silu);
           check("conv update y", u_dev, u_ref, dt);
           check("conv update state", st_dev, st_ref, dt);
+          // The same step through slots of a pool (rows N+1 .. 2N in reverse order): the bits
+          // of the plain step, the pool's other rows untouched.
+          Tensor pool = Tensor::zeros({2 * N + 1, W - 1, C}, xt.dev.dtype(), Device::cuda);
+          std::vector<int64_t> slots;
+          for (int64_t i = 0; i < N; ++i) slots.push_back(2 * N - i);
+          Tensor st_slots = fin_dev.clone();
+          for (int64_t i = 0; i < N; ++i) {
+            Tensor row = pool.slice(0, slots[size_t(i)], slots[size_t(i)] + 1);
+            ops::copy_into(row, st_slots.slice(0, i, i + 1));
+          }
+          const Tensor u_slots = ops::causal_conv1d_update_slots(xt.dev, pool, slots, w.dev, silu);
+          EXPECT_TRUE(testing::bit_equal(cpu(u_slots), cpu(u_dev)));
+          const Tensor pc = cpu(pool), sc = cpu(st_dev);
+          for (int64_t i = 0; i < N; ++i)
+            EXPECT_TRUE(testing::bit_equal(pc.slice(0, slots[size_t(i)], slots[size_t(i)] + 1),
+                                           sc.slice(0, i, i + 1)));
+          for (int64_t r = 0; r <= N; ++r)
+            EXPECT_EQ(pc.slice(0, r, r + 1).to_f64_vector(),
+                      std::vector<double>(size_t((W - 1) * C), 0.0));
         }
 }
 

@@ -51,7 +51,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #ifndef HLM_CUDA_EMU
 #define HLM_CUDA_EMU 1
@@ -80,19 +83,28 @@ struct LaunchConfig {
 };
 
 // Runs body(ctx) as every thread of every block of the launch; returns when all have ended.
-// An invalid configuration sets the error that cudaGetLastError returns.
-void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx);
+// An invalid configuration sets the error that cudaGetLastError returns. `kernel` names the
+// kernel as the launch spelled it (a literal).
+void launch_impl(const char* kernel, const LaunchConfig& cfg, void (*body)(void*), void* ctx);
 
 // Counts since the process started: kernel launches that ran (a race-check run counts once), and
 // cuBLAS GEMM calls (a grouped call counts once). For tests that hold a step to a kernel budget.
 uint64_t kernel_launches();
 uint64_t blas_calls();
+// The launches that ran, per kernel name as the launch spelled it (template arguments included),
+// in the order the names first ran.
+std::vector<std::pair<std::string, uint64_t>> kernel_launches_by_name();
 
 template <class F>
-void launch(const LaunchConfig& cfg, F&& body) {
+void launch(const char* kernel, const LaunchConfig& cfg, F&& body) {
   using Fn = std::remove_reference_t<F>;
   launch_impl(
-      cfg, [](void* c) { (*static_cast<Fn*>(c))(); }, &body);
+      kernel, cfg, [](void* c) { (*static_cast<Fn*>(c))(); }, &body);
+}
+// A launch of a body written in place (the emulation's own tests): named "(body)".
+template <class F>
+void launch(const LaunchConfig& cfg, F&& body) {
+  launch("(body)", cfg, std::forward<F>(body));
 }
 
 // The running thread's coordinates (set by the scheduler before it resumes a thread). Inline

@@ -154,11 +154,23 @@ int main(int argc, char** argv) {
     }
     if (e >= s.size()) fail(in, s, a, "unbalanced parentheses in the kernel's arguments");
     const std::string name = s.substr(b, lt - b);
+    // The name as a literal: whitespace runs (a name split over lines) as one space.
+    std::string label;
+    for (char c : name) {
+      if (std::isspace(static_cast<unsigned char>(c))) {
+        if (!label.empty() && label.back() != ' ') label += ' ';
+      } else if (c == '"' || c == '\\') {
+        label += '?';
+      } else {
+        label += c;
+      }
+    }
+    while (!label.empty() && label.back() == ' ') label.pop_back();
     const std::string cfg = s.substr(lt + 3, gt - lt - 3);
     const std::string args = s.substr(a, e + 1 - a);
     s.replace(b, e + 1 - b,
-              "::hlm::emu::launch(::hlm::emu::LaunchConfig(" + cfg + "), [&]() { " + name + args +
-                  "; })");
+              "::hlm::emu::launch(\"" + label + "\", ::hlm::emu::LaunchConfig(" + cfg +
+                  "), [&]() { " + name + args + "; })");
   }
 
   const std::filesystem::path dir = std::filesystem::path(out).parent_path();

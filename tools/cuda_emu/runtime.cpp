@@ -1284,7 +1284,25 @@ uint64_t kernel_launches() {
   return g_kernel_launches.load();
 }
 
-void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
+static std::mutex g_names_mu;
+static std::vector<std::pair<std::string, uint64_t>> g_names;  // in first-launch order
+
+std::vector<std::pair<std::string, uint64_t>> kernel_launches_by_name() {
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  return g_names;
+}
+
+static void count_name(const char* kernel) {
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  for (auto& [name, n] : g_names)
+    if (name == kernel) {
+      ++n;
+      return;
+    }
+  g_names.emplace_back(kernel, 1);
+}
+
+void launch_impl(const char* kernel, const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   const uint64_t nt = uint64_t(cfg.block.x) * cfg.block.y * cfg.block.z;
   if (nt == 0 || nt > 1024 || cfg.block.z > 64 || cfg.grid.x == 0 || cfg.grid.y == 0 ||
       cfg.grid.z == 0 || cfg.grid.x > 2147483647u || cfg.grid.y > 65535 || cfg.grid.z > 65535) {
@@ -1297,6 +1315,7 @@ void launch_impl(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
   }
   if (t_block) die("a kernel launched another kernel (dynamic parallelism is not emulated)");
   ++g_kernel_launches;
+  count_name(kernel);
   const Guarded smem = cfg.smem ? guarded_alloc(cfg.smem) : Guarded{};
   if (cfg.smem && !smem.ptr) die("cannot map %zu bytes of shared memory", cfg.smem);
   // The exact dynamic size, so that an access past it reaches the guard page.

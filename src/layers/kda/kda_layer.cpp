@@ -352,6 +352,20 @@ Tensor KdaLayer::conv_weight(int which, DType dt, int64_t c0, int64_t c1) const 
       .contiguous();
 }
 
+Tensor KdaLayer::conv_weights(DType dt) const {
+  if (conv_params_.size() == 1)
+    return as_dtype(conv_params_.front()->value.view({-1, cfg_.conv_kernel}), dt).contiguous();
+  Tensor w =
+      Tensor::empty({cfg_.conv_dim(), cfg_.conv_kernel}, dt, conv_params_.front()->value.device());
+  int64_t row = 0;
+  for (int i = 0; i < 3; ++i) {
+    Tensor rows = w.slice(0, row, row + conv_[i].channels);
+    ops::copy_into(rows, conv_weight(i, dt));
+    row += conv_[i].channels;
+  }
+  return w;
+}
+
 // ---- forward ----------------------------------------------------------------------------------
 
 namespace {
@@ -888,28 +902,49 @@ Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
             "{}: decode_step needs contiguous f32 state pools [S, {}, {}] and [S, {}, {}, {}] on "
             "x's device",
             w, Wm, C, HV, K, V);
-  const int64_t S = pool.conv.size(0);
-  const Context ctx{false, false};
   const Tensor xc = ops::contiguous(as_dtype(x, cdt));
 
-  // Projections; the short conv of each part advanced by one token from the slots' conv states.
-  Tensor conv = ops::gather_rows(pool.conv.view({S, Wm * C}), slots).view({N, Wm, C});
-  Tensor act[3], st[3];
+  // Every projection reads x: under bf16 GEMMs x is rounded once here, and each GEMM writes its
+  // output where the next op reads it (q | k | v side by side for the conv; the low-rank gates'
+  // first stage in bf16, the operand of their second), so no per-GEMM conversion runs.
+  const Linear* first[6] = {&q_proj_, &k_proj_,
+                            &v_proj_, f_a_ ? f_a_.get() : f_b_.get(),
+                            &b_proj_, g_a_ ? g_a_.get() : g_b_.get()};
+  bool round_once = true;
+  for (const Linear* l : first) round_once = round_once && l->writes_directly(DType::bf16, cdt);
+  const Tensor xg = round_once ? as_dtype(xc, DType::bf16) : xc;
+  // The operand dtype of a low-rank gate's hidden: bf16 where its second stage rounds it anyway.
+  auto hidden = [&](const Linear& a, const Linear& b) {
+    const DType dt =
+        b.writes_directly(DType::bf16, cdt) && a.writes_directly(xg.dtype(), DType::bf16)
+            ? DType::bf16
+            : cdt;
+    Tensor h = Tensor::empty({N, a.out_features()}, dt, x.device());
+    a.forward_into(xg, h);
+    return h;
+  };
+  auto project = [&](const Linear& l, const Tensor& in, Tensor& out) { l.forward_into(in, out); };
+
+  // Projections into one [N, C] row per token; the short conv advanced by one token in the
+  // slots' conv states in place.
+  Tensor pre = Tensor::empty({N, C}, cdt, x.device());
   const Linear* proj[3] = {&q_proj_, &k_proj_, &v_proj_};
   int64_t off = 0;
   for (int i = 0; i < 3; ++i) {
-    const int64_t ch = conv_[i].channels;
-    st[i] = ops::contiguous(conv.slice(2, off, off + ch));
-    act[i] = ops::causal_conv1d_update(proj[i]->forward(ctx, xc, nullptr), st[i],
-                                       conv_weight(i, cdt), /*silu=*/true);
-    off += ch;
+    Tensor part = pre.slice(1, off, off + conv_[i].channels);
+    project(*proj[i], xg, part);
+    off += conv_[i].channels;
   }
-  Tensor pool_conv = pool.conv.view({S, Wm * C});
-  ops::scatter_rows(pool_conv, slots, cat_last({st[0], st[1], st[2]}).view({N, Wm * C}));
+  Tensor conv_pool = pool.conv;
+  const Tensor act = ops::causal_conv1d_update_slots(pre, conv_pool, slots, conv_weights(cdt),
+                                                     /*silu=*/true);
+  const int64_t Cq = conv_[0].channels, Ck = conv_[1].channels;
 
   // The decay gate, beta, and the recurrent step in place.
-  const Tensor z = f_a_ ? f_b_->forward(ctx, f_a_->forward(ctx, xc, nullptr), nullptr)
-                        : f_b_->forward(ctx, xc, nullptr);
+  Tensor z = Tensor::empty({N, HV * K}, cdt, x.device());
+  project(*f_b_, f_a_ ? hidden(*f_a_, *f_b_) : xg, z);
+  Tensor bl = Tensor::empty({N, HV}, cdt, x.device());
+  project(b_proj_, xg, bl);
   ops::KdaGateArgs ga;
   ga.z = z.view({N, HV, K});
   ga.A_log = A_log_->value;
@@ -917,22 +952,24 @@ Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
   ga.kind = cfg_.gate;
   ga.lower_bound = cfg_.lower_bound;
   ops::KdaDecodeArgs da;
-  da.q = act[0].view({N, H, K});
-  da.k = act[1].view({N, H, K});
-  da.v = act[2].view({N, HV, V});
+  da.q = act.slice(1, 0, Cq).split_dim(1, K);  // [N, H, K], rows of act
+  da.k = act.slice(1, Cq, Cq + Ck).split_dim(1, K);
+  da.v = act.slice(1, Cq + Ck, C).split_dim(1, V);
   da.g = ops::kda_gate(ga);
-  da.beta = ops::sigmoid_forward(b_proj_.forward(ctx, xc, nullptr)).view({N, HV});
+  da.beta = ops::sigmoid_forward(bl);
   da.state = pool.recurrent;
   da.state_indices = Tensor::from_vector<int64_t>({N}, slots);  // on the host: read there
   da.use_qk_l2norm = true;
   const Tensor o = ops::kda_decode_step(da);
 
   // Output gate, gated RMSNorm, output projection.
-  const Tensor og = g_a_ ? g_b_->forward(ctx, g_a_->forward(ctx, xc, nullptr), nullptr)
-                         : g_b_->forward(ctx, xc, nullptr);
+  Tensor og = Tensor::empty({N, V * HV}, cdt, x.device());
+  project(*g_b_, g_a_ ? hidden(*g_a_, *g_b_) : xg, og);
   const ops::RmsNormResult nr = ops::gated_rmsnorm_forward(
       o, og.view({N, HV, V}), as_dtype(o_norm_->value, cdt), cfg_.norm_eps);
-  return as_dtype(o_proj_.forward(ctx, nr.y.view({N, HV * V}), nullptr), x.dtype());
+  Tensor y = Tensor::empty({N, cfg_.hidden_size}, x.dtype(), x.device());
+  project(o_proj_, nr.y.view({N, HV * V}), y);
+  return y;
 }
 
 // ---- backward ---------------------------------------------------------------------------------

@@ -239,6 +239,9 @@ class KdaLayer : public Module {
                      KdaCpRun* cp = nullptr) const;
   // [c1 - c0, W] in dt: channels [c0, c1) of part `which` (c1 < 0: to the last).
   Tensor conv_weight(int which, DType dt, int64_t c0 = 0, int64_t c1 = -1) const;
+  // The three parts' conv weights as one contiguous [C, W] in dt (a view of the parameter when it
+  // holds all three in dt).
+  Tensor conv_weights(DType dt) const;
   std::string where() const;  // "KdaLayer 'path'"
 
   KdaConfig cfg_;

@@ -158,7 +158,8 @@ void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
   });
 }
 
-void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y) {
+void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y,
+                          const std::vector<int64_t>& slots) {
   const int64_t nseq = x.size(0), c = x.size(1), width = w.size(1);
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -167,7 +168,7 @@ void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool 
     T* py = y.data<T>();
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < nseq; ++n) {
-      T* sn = ps + n * (width - 1) * c;
+      T* sn = ps + (slots.empty() ? n : slots[size_t(n)]) * (width - 1) * c;
       for (int64_t ch = 0; ch < c; ++ch) {
         // Window: state[0..W-2] then x; the same terms in the same order as the full conv.
         T z = 0;

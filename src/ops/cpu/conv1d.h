@@ -19,6 +19,8 @@ void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
                             const std::vector<int64_t>& cu, const Tensor& state, bool silu,
                             Tensor& dx, Tensor* dstate, Tensor& dw);
 // One decode step: y [N, C]; state [N, W-1, C] shifted and appended in place.
-void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y);
+// slots: sequence n's state is row slots[n] of state (empty: row n).
+void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y,
+                          const std::vector<int64_t>& slots = {});
 
 }  // namespace hlm::ops::cpu

@@ -18,7 +18,8 @@ struct Dims {
 void kda_decode_step(const KdaDecodeArgs& a, const std::vector<int64_t>& slots, double scale,
                      Tensor& o) {
   const Dims d{a.q.size(0), a.q.size(1), a.v.size(1), a.q.size(2), a.v.size(2)};
-  const Tensor q = a.q.to(DType::f32), k = a.k.to(DType::f32), v = a.v.to(DType::f32);
+  const Tensor q = a.q.to(DType::f32).contiguous(), k = a.k.to(DType::f32).contiguous(),
+               v = a.v.to(DType::f32).contiguous();
   const float *pq = q.data<float>(), *pk = k.data<float>(), *pv = v.data<float>();
   const float *pg = a.g.data<float>(), *pb = a.beta.data<float>();
   float* ps = a.state.data<float>();

@@ -181,13 +181,14 @@ __global__ void conv_dw_reduce_kernel(const A* __restrict__ part, TDW* __restric
 
 template <class TX, class TW>
 __global__ void conv_update_kernel(const TX* __restrict__ x, TX* __restrict__ state,
-                                   const TW* __restrict__ w, TX* __restrict__ y, int64_t N,
-                                   int64_t C, int64_t W, bool silu) {
+                                   const TW* __restrict__ w, TX* __restrict__ y,
+                                   const int64_t* __restrict__ slots, int64_t N, int64_t C,
+                                   int64_t W, bool silu) {
   using A = acc_t<TX>;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= N * C) return;
   const int64_t n = i / C, c = i % C;
-  TX* sn = state + n * (W - 1) * C;
+  TX* sn = state + (slots ? slots[n] : n) * (W - 1) * C;
   A z = 0;
   for (int64_t j = 0; j < W; ++j) {
     const A v = j < W - 1 ? ld<A>(sn, j * C + c) : ld<A>(x, i);
@@ -280,15 +281,18 @@ void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
   });
 }
 
-void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y) {
+void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y,
+                          const std::vector<int64_t>& slots) {
   const int64_t N = x.size(0), C = x.size(1), W = w.size(1);
   if (N * C == 0) return;
+  const Tensor dslots = slots.empty() ? Tensor() : to_device(slots);
+  const int64_t* sp = slots.empty() ? nullptr : dslots.data<int64_t>();
   dispatch_storage(x.dtype(), [&](auto tx) {
     using TX = decltype(tx);
     dispatch_param<TX>(w.dtype(), [&](auto tw) {
       using TW = decltype(tw);
       conv_update_kernel<TX, TW><<<blocks_for(N * C, kThreads), kThreads>>>(
-          cptr<TX>(x), mptr<TX>(state), cptr<TW>(w), mptr<TX>(y), N, C, W, silu);
+          cptr<TX>(x), mptr<TX>(state), cptr<TW>(w), mptr<TX>(y), sp, N, C, W, silu);
       check_launch("causal_conv1d_update");
     });
   });

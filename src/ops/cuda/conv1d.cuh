@@ -17,6 +17,8 @@ void causal_conv1d_forward(const Tensor& x, const Tensor& w, const std::vector<i
 void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
                             const std::vector<int64_t>& cu, const Tensor& state, bool silu,
                             Tensor& dx, Tensor* dstate, Tensor& dw);
-void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y);
+// slots: sequence n's state is row slots[n] of state (empty: row n).
+void causal_conv1d_update(const Tensor& x, Tensor& state, const Tensor& w, bool silu, Tensor& y,
+                          const std::vector<int64_t>& slots = {});
 
 }  // namespace hlm::ops::cuda

@@ -36,7 +36,8 @@ __global__ void __launch_bounds__(32 * kWarps)
     kda_decode_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const float* __restrict__ g, const float* __restrict__ beta,
                       float* __restrict__ state, const int64_t* __restrict__ slots,
-                      float* __restrict__ o, int H, int HV, int V, float scale, bool l2norm) {
+                      float* __restrict__ o, int H, int HV, int V, int64_t q_row, int64_t k_row,
+                      int64_t v_row, float scale, bool l2norm) {
   constexpr int KP = K / kWarps;  // rows per warp
   const int n = blockIdx.z, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int j = blockIdx.x * 32 + lane;
@@ -44,8 +45,8 @@ __global__ void __launch_bounds__(32 * kWarps)
   __shared__ float sq[K], sk[K], sa[K], red[2][kWarps], part[2][kWarps][32];
   const int hk = h / (HV / H);
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
-    sq[i] = load_f(q, (int64_t(n) * H + hk) * K + i);
-    sk[i] = load_f(k, (int64_t(n) * H + hk) * K + i);
+    sq[i] = load_f(q, n * q_row + int64_t(hk) * K + i);
+    sk[i] = load_f(k, n * k_row + int64_t(hk) * K + i);
     sa[i] = expf(g[(int64_t(n) * HV + h) * K + i]);
   }
   __syncthreads();
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   pred = ((part[0][0][lane] + part[0][1][lane]) + part[0][2][lane]) + part[0][3][lane];
   float out = 0;
   if (active) {
-    const float u = beta[int64_t(n) * HV + h] * (load_f(v, (int64_t(n) * HV + h) * V + j) - pred);
+    const float u = beta[int64_t(n) * HV + h] * (load_f(v, n * v_row + int64_t(h) * V + j) - pred);
 #pragma unroll
     for (int r = 0; r < KP; ++r) {
       col[r] = fmaf(sk[warp * KP + r] * ks, u, col[r]);
@@ -100,10 +101,11 @@ void launch(const KdaDecodeArgs& a, const int64_t* slots, float scale, Tensor& o
   const dim3 grid(unsigned((V + 31) / 32), unsigned(HV), unsigned(N)), block(32 * kWarps);
   auto go = [&](auto kc) {
     constexpr int KK = decltype(kc)::value;
-    kda_decode_kernel<KK, T><<<grid, block>>>(
-        static_cast<const T*>(a.q.raw()), static_cast<const T*>(a.k.raw()),
-        static_cast<const T*>(a.v.raw()), a.g.data<float>(), a.beta.data<float>(),
-        a.state.data<float>(), slots, o.data<float>(), H, HV, V, scale, a.use_qk_l2norm);
+    kda_decode_kernel<KK, T>
+        <<<grid, block>>>(static_cast<const T*>(a.q.raw()), static_cast<const T*>(a.k.raw()),
+                          static_cast<const T*>(a.v.raw()), a.g.data<float>(), a.beta.data<float>(),
+                          a.state.data<float>(), slots, o.data<float>(), H, HV, V, a.q.stride(0),
+                          a.k.stride(0), a.v.stride(0), scale, a.use_qk_l2norm);
   };
   switch (K) {
     case 32:
