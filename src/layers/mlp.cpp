@@ -60,14 +60,27 @@ DenseMlp::DenseMlp(const DenseMlpConfig& cfg, const PrecisionPolicy& policy,
 void DenseMlp::run_forward(const Context& ctx, const Tensor& xc, Saved& s, Tensor* y) const {
   const int64_t T = xc.size(0), I = cfg_.intermediate_size;
   const bool keep = ctx.training;
-  const Tensor g = gate_.forward(ctx, xc, keep ? &s.gate : nullptr);
-  const Tensor u = up_.forward(ctx, xc, keep ? &s.up : nullptr);
   Tensor gu = Tensor::empty({T, 2 * I}, xc.dtype(), xc.device());
   Tensor gate_half = gu.slice(1, 0, I), up_half = gu.slice(1, I, 2 * I);
-  ops::copy_into(gate_half, g);
-  ops::copy_into(up_half, u);
-  const Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);
-  Tensor out = down_.forward(ctx, h, keep ? &s.down : nullptr);
+  if (!keep && gate_.writes_directly(DType::bf16, xc.dtype()) &&
+      up_.writes_directly(DType::bf16, xc.dtype())) {
+    // Inference under bf16 GEMMs: x rounded once, both GEMMs writing their halves of gu.
+    const Tensor xg = as_dtype(xc, DType::bf16);
+    gate_.forward_into(xg, gate_half);
+    up_.forward_into(xg, up_half);
+  } else {
+    ops::copy_into(gate_half, gate_.forward(ctx, xc, keep ? &s.gate : nullptr));
+    ops::copy_into(up_half, up_.forward(ctx, xc, keep ? &s.up : nullptr));
+  }
+  Tensor out;
+  if (!keep && down_.writes_directly(DType::bf16, xc.dtype())) {
+    // Inference under a bf16 down GEMM: h written in bf16 (what the GEMM rounds it to).
+    out = Tensor::empty({T, cfg_.hidden_size}, xc.dtype(), xc.device());
+    down_.forward_into(ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit, DType::bf16), out);
+  } else {
+    const Tensor h = ops::swiglu_clamped_forward(gu, cfg_.swiglu_limit);
+    out = down_.forward(ctx, h, keep ? &s.down : nullptr);
+  }
   if (keep) s.gu = gu;
   if (y) *y = out;
 }

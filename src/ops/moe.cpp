@@ -307,11 +307,23 @@ Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
 }
 
 // ---- clamped SwiGLU -----------------------------------------------------------------------------
-Tensor swiglu_clamped_forward(const Tensor& gu_, double limit) {
+Tensor swiglu_clamped_forward(const Tensor& gu, double limit) {
+  return swiglu_clamped_forward(gu, limit, gu.dtype());
+}
+
+Tensor swiglu_clamped_forward(const Tensor& gu_, double limit, DType out_dtype) {
   const char* op = "swiglu_clamped_forward";
   const Shape hs = check_swiglu(gu_, op);
+  HLM_CHECK(out_dtype == gu_.dtype() || (out_dtype == DType::bf16 && gu_.dtype() == DType::f32),
+            "{}: h is written in gu's dtype or, for an f32 gu, bf16; asked for {} from {}", op,
+            dtype_name(out_dtype), gu_.describe());
   const Tensor gu = gu_.is_cpu() ? gu_.contiguous() : dev_input(gu_);
-  Tensor h = detail::new_output(hs, gu.dtype(), gu.device());
+  if (gu.is_cpu() && out_dtype != gu.dtype()) {
+    Tensor h = detail::new_output(hs, gu.dtype(), gu.device());
+    cpu::swiglu_clamped_forward(gu, limit, h);
+    return h.to(out_dtype);
+  }
+  Tensor h = detail::new_output(hs, out_dtype, gu.device());
   HLM_DISPATCH(op, gu.device(), swiglu_clamped_forward, gu, limit, h);
   return h;
 }

@@ -100,6 +100,9 @@ Tensor moe_seq_aux_loss_backward(const Tensor& logits, const Tensor& topk_idx,
 // ---- clamped SwiGLU ---------------------------------------------------------------------------
 // gu [..., 2I] (gate | up) -> h [..., I]; limit <= 0 or infinite: no clamp (DeepSeek-V3).
 Tensor swiglu_clamped_forward(const Tensor& gu, double limit);
+// The same h written in out_dtype: gu's dtype, or bf16 for an f32 gu (h computed in FP32, then
+// rounded once: the operand a bf16 GEMM would round it to).
+Tensor swiglu_clamped_forward(const Tensor& gu, double limit, DType out_dtype);
 // d gu [..., 2I] from dh [..., I]. The clamp passes the gradient where the input lies inside the
 // closed interval (gate <= limit; -limit <= up <= limit), zero outside.
 Tensor swiglu_clamped_backward(const Tensor& gu, const Tensor& dh, double limit);

@@ -245,6 +245,9 @@ TEST(MoeSwigluGpu, ClampForwardBackward) {
         const Tensor dgu = ops::swiglu_clamped_backward(gu.dev, dh.dev, limit);
         check("swiglu dgu", dgu, dgu_ref, dt);
         EXPECT_TRUE(bit_equal(cpu(ops::swiglu_clamped_forward(gu.dev, limit)), cpu(h)));
+        if (dt == DType::f32)  // h in bf16: the f32 h rounded once, as the CPU's
+          EXPECT_TRUE(bit_equal(cpu(ops::swiglu_clamped_forward(gu.dev, limit, DType::bf16)),
+                                cpu(h).to(DType::bf16)));
         EXPECT_TRUE(bit_equal(cpu(ops::swiglu_clamped_backward(gu.dev, dh.dev, limit)), cpu(dgu)));
       }
   // a strided gu and a dh of another dtype

@@ -420,6 +420,13 @@ TEST(MoeSwiglu, ClampForwardAndBackward) {
   const auto h = swiglu_clamped_forward(e, 10.0).to_f64_vector();
   EXPECT_NEAR(h[0], ref_swiglu(10.0, 10.0, 0), 1e-12);
   EXPECT_NEAR(h[1], ref_swiglu(-20.0, -10.0, 0), 1e-12);
+  // h in bf16 from an f32 gu: the f32 h rounded once; other dtype pairs refused.
+  const Tensor g32 = randn({3, 16}, DType::f32, rng, 3.0);
+  const Tensor hb = swiglu_clamped_forward(g32, 2.0, DType::bf16);
+  EXPECT_EQ(hb.dtype(), DType::bf16);
+  EXPECT_TRUE(testing::bit_equal(hb, swiglu_clamped_forward(g32, 2.0).to(DType::bf16)));
+  EXPECT_THROW(swiglu_clamped_forward(gu, 2.0, DType::bf16), Error);
+  EXPECT_THROW(swiglu_clamped_forward(g32, 2.0, DType::f64), Error);
 }
 
 struct MoeCase {

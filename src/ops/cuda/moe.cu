@@ -325,9 +325,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 }
 
 // ---- clamped SwiGLU -----------------------------------------------------------------------------
-template <class T>
+template <class T, class TO>
 __global__ void __launch_bounds__(kEw)
-    swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ h, int64_t rows, int64_t I,
+    swiglu_fwd_kernel(const T* __restrict__ gu, TO* __restrict__ h, int64_t rows, int64_t I,
                       bool clamp, acc_t<T> lim) {
   using A = acc_t<T>;
   const int64_t n = rows * I;
@@ -550,8 +550,17 @@ void swiglu_clamped_forward(const Tensor& gu, double limit, Tensor& h) {
   const bool clamp = limit > 0 && std::isfinite(limit);
   dispatch_storage(gu.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    swiglu_fwd_kernel<T><<<ew_blocks(rows * I), kEw>>>(cptr<T>(gu), mptr<T>(h), rows, I, clamp,
-                                                       acc_t<T>(clamp ? limit : 0.0));
+    const acc_t<T> lim(clamp ? limit : 0.0);
+    if constexpr (std::is_same_v<T, float>) {
+      if (h.dtype() == DType::bf16) {  // an f32 gu into a bf16 h (ops/moe.h)
+        swiglu_fwd_kernel<T, nv_bf16>
+            <<<ew_blocks(rows * I), kEw>>>(cptr<T>(gu), mptr<nv_bf16>(h), rows, I, clamp, lim);
+        check_launch("swiglu_clamped_forward");
+        return;
+      }
+    }
+    swiglu_fwd_kernel<T, T>
+        <<<ew_blocks(rows * I), kEw>>>(cptr<T>(gu), mptr<T>(h), rows, I, clamp, lim);
     check_launch("swiglu_clamped_forward");
   });
 }
