@@ -3,10 +3,14 @@
 // compose the pieces, so they run on the device of their inputs.
 #include "ops/mhc.h"
 
+#include <cmath>
+
 #include "ops/cpu/mhc.h"
 #include "ops/cuda/mhc.cuh"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
+#include "ops/rmsnorm.h"
+#include "ops/tensor_ops.h"
 
 namespace hlm::ops {
 namespace {
@@ -247,6 +251,37 @@ Tensor mhc_collapse(const Tensor& x, const Tensor& pre) {
   Tensor u = rows_out(x, x.dtype());
   HLM_DISPATCH(op, x.device(), mhc_collapse, x, pre, u);
   return u;
+}
+
+MhcCollapseNormed mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
+                                    const Tensor& norm_w, double norm_eps) {
+  const char* op = "mhc_collapse_norm";
+  check_cfg(c, op);
+  const Dims d = check_streams(x, op, c.n);
+  check_params(p, x, d, c, op);
+  check_act(norm_w, x, {d.D}, op, "norm_w");
+  HLM_CHECK(std::isfinite(norm_eps) && norm_eps >= 0,
+            "{}: norm_eps must be finite and >= 0, got {}", op, norm_eps);
+  check_cuda(op, x,
+             {{x, "x"},
+              {p.fn, "params.fn"},
+              {p.base, "params.base"},
+              {p.scale, "params.scale"},
+              {norm_w, "norm_w"}},
+             d.n);
+  const DType dt = cdt(x);
+  const Device dev = x.device();
+  if (dev == Device::cpu) {
+    const MhcMappings m = mhc_mappings_forward(x, p, c);
+    const Tensor u = mhc_collapse(x, m.pre);
+    const RmsNormResult nr = rmsnorm_forward(as_dtype(u, dt), as_dtype(norm_w, dt), norm_eps);
+    return {as_dtype(nr.y, x.dtype()), m.pre, m.post, m.comb};
+  }
+  MhcCollapseNormed r{
+      detail::new_output({d.T, d.D}, x.dtype(), dev), detail::new_output({d.T, d.n}, dt, dev),
+      detail::new_output({d.T, d.n}, dt, dev), detail::new_output({d.T, d.n, d.n}, dt, dev)};
+  HLM_CUDA_PATH(op, cuda::mhc_collapse_norm(x, p, c, norm_w, norm_eps, r));
+  return r;
 }
 
 MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const Tensor& du) {

@@ -102,6 +102,21 @@ struct MhcCollapseGrads {
 };
 MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const Tensor& du);
 
+// Inference: the collapse half of a site and the sublayer's RMSNorm in one pass (a decode step):
+// the mappings, u = sum_j pre_j X_j in X's dtype and a = RMSNorm_w(u) = u rstd w, rstd =
+// 1 / sqrt(mean(u^2) + norm_eps) (the RmsNorm module's math, in the computation dtype, rounded
+// once to X's dtype). norm_w [D] floating. CPU: mhc_mappings_forward, mhc_collapse and
+// rmsnorm_forward in turn (their bits). CUDA: one kernel, one block per token (the projection
+// fn @ flat as block sums instead of cuBLAS: agrees within rounding).
+struct MhcCollapseNormed {
+  Tensor a;     // [T, D] X's dtype
+  Tensor pre;   // [T, n] computation dtype, as MhcMappings
+  Tensor post;  // [T, n]
+  Tensor comb;  // [T, n, n]
+};
+MhcCollapseNormed mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
+                                    const Tensor& norm_w, double norm_eps);
+
 // Write-back X'_i = post_i y + sum_j comb[j][i] X_j: x [T, n, D], y [T, D], post [T, n],
 // comb [T, n, n]; result in X's dtype.
 Tensor mhc_write_back(const Tensor& x, const Tensor& y, const Tensor& post, const Tensor& comb);

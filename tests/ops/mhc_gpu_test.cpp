@@ -242,6 +242,30 @@ TEST(MhcGpu, MappingsMatchCpu) {
       }
 }
 
+TEST(MhcGpu, CollapseNormMatchesCpu) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  testing::PoisonOutputs poison;
+  Rng rng(testing::test_seed());
+  std::vector<Geo> geos = kGeos;
+  geos.push_back({8, 40});  // the 8 x 8 Sinkhorn registers
+  for (DType dt : kDtypes)
+    for (int64_t T : kTokens)
+      for (const Geo& g : geos) {
+        const int64_t n = g.n, D = g.D;
+        const DType cd = comp(dt);
+        ops::MhcConfig c;
+        c.n = n;
+        const In2 x = normal({T, n, D}, dt, rng);
+        const Params2 p = make_params(n, D, cd, rng);
+        const In2 w = uniform({D}, cd, rng, 0.5, 1.5);
+        compare_runs(label("collapse + norm", dt, T, n, D), cd, [&](bool d) {
+          const ops::MhcCollapseNormed r =
+              ops::mhc_collapse_norm(x.on(d), p.on(d), c, w.on(d), 1e-5);
+          return Outs{{"a", r.a}, {"pre", r.pre}, {"post", r.post}, {"comb", r.comb}};
+        });
+      }
+}
+
 TEST(MhcGpu, SiteMatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   testing::PoisonOutputs poison;

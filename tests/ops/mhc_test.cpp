@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ops/rmsnorm.h"
 #include "testing.h"
 
 namespace hlm::ops {
@@ -186,6 +187,45 @@ TEST(MhcSite, ForwardMatchesReferenceF64AndF32) {
   EXPECT_EQ(u32.dtype(), DType::f32);
   EXPECT_TRUE(close(u32, vec_tensor(rf.u, {5, 6}), {2e-5, 2e-4}));
   EXPECT_TRUE(close(xo32, vec_tensor(rf.xo, {5, 4, 6}), {2e-5, 2e-4}));
+}
+
+// Collapse and norm in one op: u of the FP64 reference site, then u rstd w with eps inside the
+// sqrt; pre / post / comb the reference's; bf16 streams round u to bf16 before the norm.
+TEST(MhcSite, CollapseNormMatchesReference) {
+  Rng rng(test_seed());
+  MhcConfig c;
+  SiteInputs s = make_site(5, 4, 6, DType::f64, rng);
+  const Tensor w = rand_uniform({6}, DType::f64, rng, 0.5, 1.5);
+  const double eps = 1e-5;
+  const MhcCollapseNormed r = mhc_collapse_norm(s.x, s.p, c, w, eps);
+  const RefSite ref = ref_site(s.x, s.p.fn, s.p.base, s.p.scale, s.y, c);
+  std::vector<double> a(30);
+  const auto wv = w.to_f64_vector();
+  for (int t = 0; t < 5; ++t) {
+    double ss = 0;
+    for (int e = 0; e < 6; ++e) ss += ref.u[size_t(t * 6 + e)] * ref.u[size_t(t * 6 + e)];
+    const double rstd = 1.0 / std::sqrt(ss / 6 + eps);
+    for (int e = 0; e < 6; ++e)
+      a[size_t(t * 6 + e)] = ref.u[size_t(t * 6 + e)] * rstd * wv[size_t(e)];
+  }
+  const auto tol = testing::tolerance_for(DType::f64);
+  EXPECT_TRUE(close(r.a, vec_tensor(a, {5, 6}), tol));
+  EXPECT_TRUE(close(r.pre, vec_tensor(ref.pre, {5, 4}), tol));
+  EXPECT_TRUE(close(r.post, vec_tensor(ref.post, {5, 4}), tol));
+  EXPECT_TRUE(close(r.comb, vec_tensor(ref.comb, {5, 4, 4}), tol));
+  // bf16 streams: a in bf16, from the bf16 u the collapse stores.
+  const Tensor xb = s.x.to(DType::bf16);
+  const MhcCollapseNormed rb = mhc_collapse_norm(xb, s.p, c, w.to(DType::f32), eps);
+  EXPECT_EQ(rb.a.dtype(), DType::bf16);
+  MhcSiteSaved sv;
+  const Tensor ub = mhc_site_begin(xb, s.p, c, sv);
+  EXPECT_EQ(ub.dtype(), DType::bf16);
+  const RmsNormResult nr = rmsnorm_forward(ub.to(DType::f32), w.to(DType::f32), eps);
+  EXPECT_TRUE(testing::bit_equal(rb.a, nr.y.to(DType::bf16)));
+  // Bad input: a weight of the wrong width, a negative or NaN eps.
+  EXPECT_THROW(mhc_collapse_norm(s.x, s.p, c, randn({5}, DType::f64, rng), eps), Error);
+  EXPECT_THROW(mhc_collapse_norm(s.x, s.p, c, w, -1.0), Error);
+  EXPECT_THROW(mhc_collapse_norm(s.x, s.p, c, w, std::nan("")), Error);
 }
 
 TEST(MhcSite, EpsInsideSqrtAtSmallStreamRms) {

@@ -81,18 +81,35 @@ MhcSite::MhcSite(const MhcSiteConfig& cfg, MhcSiteKind kind, const PrecisionPoli
   scale_ = &add_param(site + "scale", Tensor::from_values({3}, scale, pdt), true, true);
 }
 
-Tensor MhcSite::collapse(const Context& ctx, const Tensor& x, Saved& s) const {
-  HLM_CHECK(x.defined() && x.device() == fn_->value.device(),
-            "MhcSite({}, {})::collapse: x must be a defined tensor on the parameters' device ({}), "
-            "got {}",
-            path_, mhc_site_kind_name(kind_), device_name(fn_->value.device()),
-            x.defined() ? x.describe() : "undefined");
+Tensor MhcSite::collapse_norm(const Tensor& x, const Tensor& norm_w, double eps, Saved& s) const {
+  check_streams(x, "collapse_norm");
+  s = Saved{};
+  s.x = x;
+  s.training = false;
+  ops::MhcCollapseNormed r = ops::mhc_collapse_norm(x, params(), cfg_.op_config(), norm_w, eps);
+  s.maps.pre = r.pre;
+  s.maps.post = r.post;
+  s.maps.comb = r.comb;
+  s.collapsed = true;
+  return r.a;
+}
+
+void MhcSite::check_streams(const Tensor& x, const char* what) const {
+  HLM_CHECK(
+      x.defined() && x.device() == fn_->value.device(),
+      "MhcSite({}, {})::{}: x must be a defined tensor on the parameters' device ({}), got {}",
+      path_, mhc_site_kind_name(kind_), what, device_name(fn_->value.device()),
+      x.defined() ? x.describe() : "undefined");
   HLM_CHECK(x.dtype() == DType::f64 || x.dtype() == DType::f32 || x.dtype() == DType::bf16,
-            "MhcSite({}, {})::collapse: x must be f64, f32 or bf16, got {}", path_,
-            mhc_site_kind_name(kind_), x.describe());
+            "MhcSite({}, {})::{}: x must be f64, f32 or bf16, got {}", path_,
+            mhc_site_kind_name(kind_), what, x.describe());
   HLM_CHECK(x.dim() == 3 && x.size(1) == cfg_.hc_mult && x.size(2) == cfg_.hidden_size,
-            "MhcSite({}, {})::collapse: x must be [T, {}, {}], got {}", path_,
-            mhc_site_kind_name(kind_), cfg_.hc_mult, cfg_.hidden_size, x.describe());
+            "MhcSite({}, {})::{}: x must be [T, {}, {}], got {}", path_, mhc_site_kind_name(kind_),
+            what, cfg_.hc_mult, cfg_.hidden_size, x.describe());
+}
+
+Tensor MhcSite::collapse(const Context& ctx, const Tensor& x, Saved& s) const {
+  check_streams(x, "collapse");
   s = Saved{};
   s.x = x;
   s.training = ctx.training;

@@ -338,22 +338,17 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) ir[t] = A(1) / dsqrt(ss / A(K) + eps);
 }
 
-// Per token: mix = proj * inv_rms (in place), pre, post, the comb logits and comb.
+// One token's mappings from its projection mt [(2+n) n] (fn @ flat, scaled here by inv_rms in
+// place): pre, post [n], the comb logits (Lg; null: not kept) and comb [n, n].
 template <int NM, class A>
-__global__ void __launch_bounds__(kTokThreads)
-    maps_epilogue_kernel(A* __restrict__ mix, const A* __restrict__ ir, In<A> base, In<A> scale,
-                         A* __restrict__ pre, A* __restrict__ post, A* __restrict__ Lg,
-                         A* __restrict__ comb, int64_t T, int n, A heps, int64_t iters) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= T) return;
-  const int64_t m = int64_t(2 + n) * n, nn = int64_t(n) * n;
-  A* mt = mix + t * m;
-  const A inv = ir[t];
+__device__ __forceinline__ void maps_token(A* mt, A inv, In<A> base, In<A> scale, A* pre, A* post,
+                                           A* Lg, A* comb, int n, A heps, int64_t iters) {
+  const int64_t m = int64_t(2 + n) * n;
   for (int64_t q = 0; q < m; ++q) mt[q] = mt[q] * inv;
   const A s0 = scale[0], s1 = scale[1], s2 = scale[2];
   for (int j = 0; j < n; ++j) {
-    pre[t * n + j] = dsigmoid(mt[j] * s0 + base[j]) + heps;
-    post[t * n + j] = A(2) * dsigmoid(mt[n + j] * s1 + base[n + j]);
+    pre[j] = dsigmoid(mt[j] * s0 + base[j]) + heps;
+    post[j] = A(2) * dsigmoid(mt[n + j] * s1 + base[n + j]);
   }
   A M[NM * NM];
 #pragma unroll
@@ -364,16 +359,94 @@ __global__ void __launch_bounds__(kTokThreads)
       if (i < n && j < n) {
         const int q = i * n + j;
         v = mt[2 * n + q] * s2 + base[2 * n + q];
-        Lg[t * nn + q] = v;
+        if (Lg) Lg[q] = v;
       }
       M[i * NM + j] = v;
     }
-  sk_forward<NM>(M, n, heps, iters, static_cast<A*>(nullptr), static_cast<A*>(nullptr), T, t);
+  sk_forward<NM>(M, n, heps, iters, static_cast<A*>(nullptr), static_cast<A*>(nullptr), 1, 0);
 #pragma unroll
   for (int i = 0; i < NM; ++i)
 #pragma unroll
     for (int j = 0; j < NM; ++j)
-      if (i < n && j < n) comb[t * nn + i * n + j] = M[i * NM + j];
+      if (i < n && j < n) comb[i * n + j] = M[i * NM + j];
+}
+
+// Per token: mix = proj * inv_rms (in place), pre, post, the comb logits and comb.
+template <int NM, class A>
+__global__ void __launch_bounds__(kTokThreads)
+    maps_epilogue_kernel(A* __restrict__ mix, const A* __restrict__ ir, In<A> base, In<A> scale,
+                         A* __restrict__ pre, A* __restrict__ post, A* __restrict__ Lg,
+                         A* __restrict__ comb, int64_t T, int n, A heps, int64_t iters) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int64_t m = int64_t(2 + n) * n, nn = int64_t(n) * n;
+  maps_token<NM>(mix + t * m, ir[t], base, scale, pre + t * n, post + t * n, Lg + t * nn,
+                 comb + t * nn, n, heps, iters);
+}
+
+// Inference, one block per token: the site's mappings (its projection fn @ flat as block sums,
+// eight rows a pass), u = sum_j pre_j X_j (rounded to X's dtype when that is bf16, as
+// mhc_collapse stores it) and a = u rstd w, rstd = 1 / sqrt(mean(u^2) + eps) (ops::rmsnorm).
+template <int NM, class A>
+__global__ void __launch_bounds__(kThreads)
+    collapse_norm_kernel(In<A> x, In<A> fn, In<A> base, In<A> scale, In<A> w, A* __restrict__ pre,
+                         A* __restrict__ post, A* __restrict__ comb, Out<A> a, int n, int64_t D,
+                         A norm_eps, A heps, int64_t iters, A rms_eps, bool round_u) {
+  constexpr int kRows = 8;
+  __shared__ A red[kWarps * kRows];
+  __shared__ A mix[(2 + NM) * NM];
+  __shared__ A spre[NM];
+  __shared__ A sinv, srstd;
+  const int64_t t = blockIdx.x, K = int64_t(n) * D, m = int64_t(2 + n) * n, xb = t * K;
+  {
+    A v[1] = {A(0)};
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      const A e = x[xb + k];
+      v[0] += e * e;
+    }
+    const A ss = block_sums<1>(v, red);
+    if (threadIdx.x == 0) sinv = A(1) / dsqrt(ss / A(K) + norm_eps);
+    __syncthreads();
+  }
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    A v[kRows];
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) v[q] = A(0);
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      const A e = x[xb + k];
+#pragma unroll
+      for (int q = 0; q < kRows; ++q)
+        if (r0 + q < m) v[q] += fn[(r0 + q) * K + k] * e;
+    }
+    const A s = block_sums<kRows>(v, red);
+    if (int(threadIdx.x) < kRows && r0 + threadIdx.x < m) mix[r0 + threadIdx.x] = s;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const int64_t nn = int64_t(n) * n;
+    maps_token<NM>(mix, sinv, base, scale, pre + t * n, post + t * n, static_cast<A*>(nullptr),
+                   comb + t * nn, n, heps, iters);
+    for (int j = 0; j < n; ++j) spre[j] = pre[t * n + j];
+  }
+  __syncthreads();
+  // u, twice: for its sum of squares, then for a (no [D] buffer).
+  auto u_at = [&](int64_t e) {
+    A s = 0;
+    for (int j = 0; j < n; ++j) s += spre[j] * x[xb + int64_t(j) * D + e];
+    return round_u ? A(__bfloat162float(__float2bfloat16_rn(float(s)))) : s;
+  };
+  {
+    A v[1] = {A(0)};
+    for (int64_t e = threadIdx.x; e < D; e += kThreads) {
+      const A u = u_at(e);
+      v[0] += u * u;
+    }
+    const A ss = block_sums<1>(v, red);
+    if (threadIdx.x == 0) srstd = A(1) / dsqrt(ss / A(D) + rms_eps);
+    __syncthreads();
+  }
+  const A r = srstd;
+  for (int64_t e = threadIdx.x; e < D; e += kThreads) a.set(t * D + e, u_at(e) * r * w[e]);
 }
 
 // Per token of the mappings backward: da [T, m] (gradient of h = mix scale + base), dp [T, m]
@@ -780,6 +853,25 @@ void mhc_mappings_backward(const Tensor& x_, const MhcParams& p, const MhcConfig
   acc_add_kernel<<<grid_for(m * K), kThreads>>>(in_of<double>(dfn), in_of<double>(g.dfn),
                                                 out_of<double>(g.dfn), m * K);
   check_launch("mhc_mappings_backward (d fn)");
+}
+
+void mhc_collapse_norm(const Tensor& x_, const MhcParams& p, const MhcConfig& c,
+                       const Tensor& norm_w, double norm_eps, MhcCollapseNormed& r) {
+  const int64_t T = x_.size(0), n = x_.size(1), D = x_.size(2);
+  if (T == 0) return;
+  const Tensor x = cont(x_), fn = cont(p.fn), base = cont(p.base), scale = cont(p.scale),
+               w = cont(norm_w);
+  dispatch_acc(compute_dtype(x.dtype()), [&](auto tag) {
+    using A = decltype(tag);
+    dispatch_nm(n, [&](auto nm) {
+      constexpr int NM = decltype(nm)::value;
+      collapse_norm_kernel<NM, A><<<unsigned(T), kThreads>>>(
+          in_of<A>(x), in_of<A>(fn), in_of<A>(base), in_of<A>(scale), in_of<A>(w), mptr<A>(r.pre),
+          mptr<A>(r.post), mptr<A>(r.comb), out_of<A>(r.a), int(n), D, A(c.norm_eps), A(c.hc_eps),
+          c.sinkhorn_iters, A(norm_eps), x.dtype() == DType::bf16);
+    });
+  });
+  check_launch("mhc_collapse_norm");
 }
 
 void mhc_collapse(const Tensor& x_, const Tensor& pre_, Tensor& u) {
