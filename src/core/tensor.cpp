@@ -241,6 +241,31 @@ Tensor Tensor::split_dim(int64_t d, int64_t inner) const {
   return t;
 }
 
+Tensor Tensor::as_strided(const Shape& shape, const Shape& strides, int64_t offset) const {
+  HLM_CHECK(defined(), "as_strided: undefined tensor");
+  HLM_CHECK(shape.size() == strides.size(), "as_strided: {} sizes and {} strides", shape.size(),
+            strides.size());
+  int64_t last = offset_ + offset;  // the last element spanned (or the first when empty)
+  bool empty = false;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    HLM_CHECK(shape[i] >= 0 && strides[i] >= 0, "as_strided: negative size or stride in {} / {}",
+              shape_str(shape), shape_str(strides));
+    if (shape[i] == 0)
+      empty = true;
+    else
+      last += (shape[i] - 1) * strides[i];
+  }
+  const int64_t elems = int64_t(storage_->nbytes / dtype_size(dtype_));
+  HLM_CHECK(offset_ + offset >= 0 && (empty || last < elems),
+            "as_strided: {} with strides {} from element {} leaves the storage of {} elements",
+            shape_str(shape), shape_str(strides), offset_ + offset, elems);
+  Tensor t = *this;
+  t.shape_ = shape;
+  t.strides_ = strides;
+  t.offset_ += offset;
+  return t;
+}
+
 Tensor Tensor::contiguous() const {
   return is_contiguous() ? *this : clone();
 }

@@ -89,6 +89,9 @@ class Tensor {
   Tensor unsqueeze(int64_t d) const;
   // Dimension d (of size n * inner, any stride) as two, [n, inner]: a view of any strides.
   Tensor split_dim(int64_t d, int64_t inner) const;
+  // A view of the same storage with the given shape and (non-negative) strides, starting `offset`
+  // elements after this view's first; every element it spans must lie inside the storage.
+  Tensor as_strided(const Shape& shape, const Shape& strides, int64_t offset = 0) const;
   // The same bytes read as dt, whose element size must equal this dtype's.
   Tensor bitcast(DType dt) const;
 

@@ -117,7 +117,7 @@ void add_bias(Tensor& y, const Tensor& b) {
 }  // namespace
 
 void Linear::keep_gemm_weights_in_bf16() {
-  if (!weight_ || weight_read_elsewhere_ || precision_.kind != GemmKind::bf16) return;
+  if (!weight_ || precision_.kind != GemmKind::bf16) return;
   Param& w = *weight_;
   if (!w.value.defined() || w.value.dtype() == DType::bf16 || w.value.dtype() == DType::f64) return;
   w.value = as_dtype(w.value, DType::bf16);

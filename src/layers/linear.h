@@ -51,11 +51,8 @@ class Linear : public Module {
   int64_t out_features() const { return out_; }
   const GemmPrecision& precision() const { return precision_; }
   void set_precision(const GemmPrecision& p) { precision_ = p; }
-  // Module: the weight in bf16 under a bf16 GEMM, unless marked read elsewhere.
+  // Module: the weight in bf16 under a bf16 GEMM.
   void keep_gemm_weights_in_bf16() override;
-  // The weight is also read outside this layer's GEMMs (MLA's kv_b_proj, absorbed into the
-  // queries in the compute dtype): keep_gemm_weights_in_bf16 leaves it as it is.
-  void set_weight_read_elsewhere() { weight_read_elsewhere_ = true; }
   Param& weight() { return *weight_; }
   Param* bias() { return bias_; }
   const Tensor& weight_value() const { return weight_->value; }
@@ -65,7 +62,6 @@ class Linear : public Module {
   GemmPrecision precision_;
   Param* weight_ = nullptr;
   Param* bias_ = nullptr;
-  bool weight_read_elsewhere_ = false;
 };
 
 }  // namespace hlm

@@ -109,8 +109,9 @@ GemmGroupedCounts gemm_grouped_counts() {
 namespace {
 
 // Block g of t: the [rows, cols] row-major matrix at element off of the contiguous t.
-Tensor block(const Tensor& t, int64_t off, int64_t rows, int64_t cols) {
-  return t.view({t.numel()}).slice(0, off, off + rows * cols).view({rows, cols});
+// The [rows, cols] block of contiguous t at element off, rows ld apart (0: cols).
+Tensor block(const Tensor& t, int64_t off, int64_t rows, int64_t cols, int64_t ld = 0) {
+  return t.as_strided({rows, cols}, {ld > 0 ? ld : cols, 1}, off);
 }
 
 }  // namespace
@@ -142,15 +143,23 @@ void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, 
     HLM_CHECK(q.m >= 1 && q.n >= 1 && q.k >= 0 && q.m < INT_MAX && q.n < INT_MAX && q.k < INT_MAX,
               "{}: group {} has [m, n, k] = [{}, {}, {}] (m, n >= 1, k >= 0, each < 2^31)", op, g,
               q.m, q.n, q.k);
-    for (auto [off, len, t, name] :
-         {std::tuple<int64_t, int64_t, const Tensor*, const char*>{q.a_off, q.m * q.k, &a, "A"},
-          {q.b_off, q.k * q.n, &b, "B"},
-          {q.c_off, q.m * q.n, &c, "C"}})
-      HLM_CHECK(off >= 0 && off + len <= t->numel(),
-                "{}: group {}'s block of {} ({} elements from {}) is outside {}", op, g, name, len,
-                off, t->describe());
+    // Each block as rows x cols, rows ld apart.
+    const int64_t ar = trans_a ? q.k : q.m, ac = trans_a ? q.m : q.k;
+    const int64_t br = trans_b ? q.n : q.k, bc = trans_b ? q.k : q.n;
+    for (auto [off, rows, cols, ld, t, name] :
+         {std::tuple<int64_t, int64_t, int64_t, int64_t, const Tensor*, const char*>{
+              q.a_off, ar, ac, q.lda, &a, "A"},
+          {q.b_off, br, bc, q.ldb, &b, "B"},
+          {q.c_off, q.m, q.n, q.ldc, &c, "C"}}) {
+      HLM_CHECK(ld == 0 || ld >= cols, "{}: group {}'s {} rows are {} apart, shorter than {}", op,
+                g, name, ld, cols);
+      const int64_t span = rows == 0 || cols == 0 ? 0 : (rows - 1) * (ld > 0 ? ld : cols) + cols;
+      HLM_CHECK(off >= 0 && off + span <= t->numel(),
+                "{}: group {}'s block of {} ({} x {} from {}, rows {} apart) is outside {}", op, g,
+                name, rows, cols, off, ld > 0 ? ld : cols, t->describe());
+    }
     if (q.k == 0) {
-      Tensor cg = block(c, q.c_off, q.m, q.n);
+      Tensor cg = block(c, q.c_off, q.m, q.n, q.ldc);
       scale_(cg, beta);
     } else {
       run.push_back(q);
@@ -160,10 +169,11 @@ void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, 
   switch (a.device()) {
     case Device::cpu:
       for (const GemmGroup& q : run) {
-        Tensor cg = block(c, q.c_off, q.m, q.n);
-        gemm(trans_a ? block(a, q.a_off, q.k, q.m) : block(a, q.a_off, q.m, q.k), trans_a,
-             trans_b ? block(b, q.b_off, q.n, q.k) : block(b, q.b_off, q.k, q.n), trans_b, cg,
-             alpha, beta, opt);
+        Tensor cg = block(c, q.c_off, q.m, q.n, q.ldc);
+        gemm(trans_a ? block(a, q.a_off, q.k, q.m, q.lda) : block(a, q.a_off, q.m, q.k, q.lda),
+             trans_a,
+             trans_b ? block(b, q.b_off, q.n, q.k, q.ldb) : block(b, q.b_off, q.k, q.n, q.ldb),
+             trans_b, cg, alpha, beta, opt);
       }
       break;
     case Device::cuda:

@@ -39,13 +39,17 @@ Tensor matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Gemm
 //   C_g = alpha op(A_g) op(B_g) + beta C_g,   op(A_g) [m, k], op(B_g) [k, n], C_g [m, n],
 // where A_g, B_g and C_g are contiguous row-major blocks starting at element a_off / b_off /
 // c_off of a, b and c (A_g is [m, k], or [k, m] with trans_a; B_g is [k, n], or [n, k] with
-// trans_b). a, b, c: contiguous tensors on one device; every block inside its tensor; m, n >= 1,
-// k >= 0. dtypes as gemm: f32 / f64 operands of C's dtype, or with round_bf16 f32 / bf16 operands
-// rounded to bf16 (FP32 accumulation) into an f32 C. CPU: one gemm per group in order; CUDA: one
-// cublasGemmGroupedBatchedEx call (ops/cuda/gemm_cublas.cu). Deterministic run to run.
+// trans_b), rows lda / ldb / ldc apart where those are given. a, b, c: contiguous tensors on one
+// device; every block inside its tensor; m, n >= 1, k >= 0. dtypes as gemm: f32 / f64 operands of
+// C's dtype, or with round_bf16 f32 / bf16 operands rounded to bf16 (FP32 accumulation) into an f32
+// C. CPU: one gemm per group in order; CUDA: one cublasGemmGroupedBatchedEx call
+// (ops/cuda/gemm_cublas.cu). Deterministic run to run. lda / ldb / ldc: the row strides of the
+// blocks (0: packed, the row length), so a group may be the strided rows of a wider tensor (a
+// head's columns of [T, H, d]).
 struct GemmGroup {
   int64_t m, n, k;
   int64_t a_off, b_off, c_off;
+  int64_t lda = 0, ldb = 0, ldc = 0;
 };
 void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha = 1.0, double beta = 0.0,

@@ -59,6 +59,20 @@ TEST(CoreTensor, SplitDimIsAViewOfAnyStrides) {
   EXPECT_THROW(t.split_dim(2, 1), Error);
 }
 
+TEST(CoreTensor, AsStridedViewsTheStorageWithinItsBounds) {
+  Tensor t = iota({4, 6}, DType::f64);
+  Tensor v = t.slice(0, 1, 4).as_strided({3, 2}, {6, 2}, 1);  // from element 7, rows 6 apart
+  EXPECT_TRUE(v.same_storage(t));
+  for (int64_t i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < 2; ++j) EXPECT_EQ(v.at({i, j}), double(7 + i * 6 + j * 2));
+  EXPECT_EQ(t.as_strided({24}, {1}).to_f64_vector(), t.to_f64_vector());
+  EXPECT_THROW(t.as_strided({25}, {1}), Error);  // past the storage
+  EXPECT_THROW(t.slice(0, 3, 4).as_strided({7}, {1}), Error);
+  EXPECT_THROW(t.as_strided({2, 2}, {-1, 1}), Error);        // negative stride
+  EXPECT_THROW(t.as_strided({2, 2}, {1}), Error);            // sizes and strides disagree
+  EXPECT_EQ(t.as_strided({0, 5}, {100, 1}, 23).numel(), 0);  // empty: nothing spanned
+}
+
 TEST(CoreTensor, CopyIntoStridedDestinationConverts) {
   Tensor dst = Tensor::zeros({4, 6}, DType::f64);
   Tensor src = iota({3, 4}, DType::bf16);

@@ -238,6 +238,40 @@ TEST(GemmGroupedGpu, MatchesCpuGroupByGroup) {
       }
 }
 
+// Groups whose blocks are rows of wider tensors (lda / ldc: a head's columns of [T, H, d]), on the
+// CPU and the GPU, against one gemm per group on the strided views; the columns between the
+// groups' blocks are left as they were.
+TEST(GemmGroupedGpu, StridedRows) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed(), 7);
+  const int64_t T = 5, H = 3, k = 6, kb = 8, n = 4, nb = 7;  // a [T, H, kb], c [T, H, nb]
+  for (bool round : {false, true}) {
+    const Tensor a = randn({T * H * kb}, DType::f32, rng), w = randn({H * n * k}, DType::f32, rng);
+    const Tensor c0 = randn({T * H * nb}, DType::f32, rng);
+    std::vector<ops::GemmGroup> groups;
+    for (int64_t h = 0; h < H; ++h)
+      groups.push_back({T, n, k, h * kb + 1, h * n * k, h * nb + 2, H * kb, 0, H * nb});
+    Tensor want = c0.clone();
+    for (const ops::GemmGroup& q : groups) {
+      Tensor cq = want.as_strided({T, n}, {H * nb, 1}, q.c_off);
+      ops::gemm(a.as_strided({T, k}, {H * kb, 1}, q.a_off), false,
+                w.as_strided({n, k}, {k, 1}, q.b_off), true, cq, 1.0, 0.0, ops::GemmOptions{round});
+    }
+    Tensor on_cpu = c0.clone(), on_gpu = gpu(c0);
+    ops::gemm_grouped(a, false, w, true, on_cpu, groups, 1.0, 0.0, ops::GemmOptions{round});
+    ops::gemm_grouped(gpu(a), false, gpu(w), true, on_gpu, groups, 1.0, 0.0,
+                      ops::GemmOptions{round});
+    EXPECT_TRUE(testing::bit_equal(on_cpu, want)) << "round " << round;
+    check("strided groups", on_gpu, want, 1e-6, 1e-6);
+    // Outside the blocks: c0's values, on both.
+    const std::vector<double> g = cpu(on_gpu).to_f64_vector(), c = c0.to_f64_vector();
+    for (int64_t i = 0; i < T * H * nb; ++i) {
+      const int64_t col = i % nb;
+      if (col < 2 || col >= 2 + n) EXPECT_EQ(g[size_t(i)], c[size_t(i)]) << i;
+    }
+  }
+}
+
 TEST(GemmGroupedGpu, ZeroKAndErrors) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   Rng rng(testing::test_seed(), 42);
@@ -258,7 +292,12 @@ TEST(GemmGroupedGpu, ZeroKAndErrors) {
       [&] {
         ops::gemm_grouped(a, false, b, false, c, {{3, 4, 5, 10, 0, 0}});
       },
-      "group 0's block of A (15 elements from 10) is outside");
+      "group 0's block of A (3 x 5 from 10, rows 5 apart) is outside");
+  testing::expect_error(
+      [&] {
+        ops::gemm_grouped(a, false, b, false, c, {{3, 4, 5, 0, 0, 0, 2, 0, 0}});
+      },
+      "group 0's A rows are 2 apart, shorter than 5");
   testing::expect_error(
       [&] {
         ops::gemm_grouped(a, false, b, false, c, {{0, 4, 1, 0, 0, 0}});

@@ -390,7 +390,6 @@ Mla::Mla(const MlaConfig& cfg, const PrecisionPolicy& policy, const std::string&
   kv_a_proj_.init(D, rkv + dr, false, prec("kv_a_proj_with_mqa"), dt);
   add_child("kv_a_proj_with_mqa", &kv_a_proj_);
   kv_b_proj_.init(rkv, H * (dn + dv), false, prec("kv_b_proj"), dt);
-  kv_b_proj_.set_weight_read_elsewhere();  // absorbed into the queries (absorb_query)
   add_child("kv_b_proj", &kv_b_proj_);
   o_proj_.init(H * dv, D, false, prec("o_proj"), dt);
   add_child("o_proj", &o_proj_);
@@ -536,17 +535,28 @@ Tensor Mla::project_backward(const Context& ctx, const Tensor& dq, const Tensor&
 
 namespace {
 
+// The elements of t (a view whose last dimension is contiguous) from its first to its last, as
+// one contiguous 1-D view.
+Tensor flat_span(const Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return t.as_strided({last + 1}, {1});
+}
+
 // out[:, h, :] = a[:, h, :] op(W_h) for every head h, W_h the rows [w_row0 + h w_rows_per_head,
 // + w_rows) of w: [w_rows, n] (trans_w false) or [w_rows, k] read transposed (trans_w). a: [T, H,
-// k] in cdt, out: a [T, H, n] view. One grouped GEMM over the heads (a permuted to [H, T, k] first)
-// where its dtype rules allow, so a decode step of a few rows is a handful of launches, not H;
-// else one product per head. The same products either way (the CPU's grouped GEMM is the per-head
-// loop; cuBLAS's grouped call may round differently from its single products).
+// k] in cdt (or bf16 under a bf16 product with an f32 cdt: the rounding the product applies), out:
+// a [T, H, n] view in cdt; both with a contiguous last dimension. One grouped GEMM over the heads,
+// each head's rows read and written in place (row strides), where its dtype rules allow, so a
+// decode step of a few rows is one launch, not H; else one product per head. The same products
+// either way (the CPU's grouped GEMM is the per-head loop; cuBLAS's grouped call may round
+// differently from its single products).
 void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_t w_rows_per_head,
                    int64_t w_rows, bool trans_w, DType cdt, const ops::GemmOptions& opt,
                    Tensor out) {
   const int64_t T = a.size(0), H = a.size(1), k = a.size(2), n = out.size(2);
-  const bool grouped = T > 0 && (!opt.round_bf16 || cdt == DType::f32);
+  const bool grouped = T > 0 && k > 0 && (!opt.round_bf16 || cdt == DType::f32) &&
+                       a.stride(2) == 1 && out.stride(2) == 1 && out.dtype() == cdt;
   if (!grouped) {
     const Tensor w = as_dt(weight, cdt);
     for (int64_t h = 0; h < H; ++h) {
@@ -560,14 +570,16 @@ void per_head_gemm(const Tensor& a, const Tensor& weight, int64_t w_row0, int64_
   const Tensor w = opt.round_bf16 && weight.dtype() == DType::bf16
                        ? ops::contiguous(weight)
                        : ops::contiguous(as_dt(weight, cdt));
-  const Tensor at = ops::contiguous(a.transpose(0, 1));  // [H, T, k]
-  Tensor ct = Tensor::empty({H, T, n}, cdt, a.device());
+  const Tensor af = flat_span(a);
+  Tensor cf = flat_span(out);
+  // A row stride is only read between rows: with one row, any value >= the row length.
+  const int64_t lda = T > 1 ? a.stride(0) : k, ldc = T > 1 ? out.stride(0) : n;
   std::vector<ops::GemmGroup> groups;
   for (int64_t h = 0; h < H; ++h)
-    groups.push_back(
-        ops::GemmGroup{T, n, k, h * T * k, (w_row0 + h * w_rows_per_head) * w.size(1), h * T * n});
-  ops::gemm_grouped(at, false, w, trans_w, ct, groups, 1.0, 0.0, opt);
-  put(out, ct.transpose(0, 1));
+    groups.push_back(ops::GemmGroup{T, n, k, h * a.stride(1),
+                                    (w_row0 + h * w_rows_per_head) * w.size(1), h * out.stride(1),
+                                    lda, 0, ldc});
+  ops::gemm_grouped(af, false, w, trans_w, cf, groups, 1.0, 0.0, opt);
 }
 
 // gw[rows of head h] += a[:, h, :]^T b[:, h, :] for every head h, the rows [g_row0 + h
@@ -636,12 +648,17 @@ Tensor Mla::output(const Context& ctx, const Tensor& o_lat, OutSaved* s) const {
                 dn = cfg_.qk_nope_head_dim, dv = cfg_.v_head_dim;
   check_act(o_lat, {T, H, rkv}, device(), "Mla::output", "o_lat");
   const DType cdt = compute_dtype();
-  const Tensor ol = contig(o_lat, cdt);
+  const ops::GemmOptions opt = gemm_opt(kv_b_proj_.precision());
+  const bool save = s && ctx.training;
+  // Inference: a bf16 o_lat (the attention's operand) goes to a bf16 product as it is (the
+  // rounding the product would apply to its f32 copy).
+  const bool as_is = !save && opt.round_bf16 && cdt == DType::f32 && o_lat.dtype() == DType::bf16 &&
+                     o_lat.stride(2) == 1;
+  const Tensor ol = as_is ? o_lat : contig(o_lat, cdt);
   Tensor heads = Tensor::empty({T, H * dv}, cdt, o_lat.device());
   // heads[:, h] = o_lat[:, h] W_UV_h^T, W_UV_h the rows [h (d_n + d_v) + d_n, + d_v) ([d_v, r_kv]).
-  per_head_gemm(ol, kv_b_proj_.weight_value(), dn, dn + dv, dv, true, cdt,
-                gemm_opt(kv_b_proj_.precision()), heads.view({T, H, dv}));
-  const bool save = s && ctx.training;
+  per_head_gemm(ol, kv_b_proj_.weight_value(), dn, dn + dv, dv, true, cdt, opt,
+                heads.view({T, H, dv}));
   const Tensor y = o_proj_.forward(ctx, heads, save ? &s->o_proj : nullptr);
   if (save) s->o_lat = ol;
   return y;

@@ -153,9 +153,9 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
     m[g] = as_int(q.m, "m");
     n[g] = as_int(q.n, "n");
     k[g] = as_int(q.k, "k");
-    lda[g] = ta ? m[g] : k[g];
-    ldb[g] = tb ? k[g] : n[g];
-    ldc[g] = n[g];
+    lda[g] = as_int(q.lda > 0 ? q.lda : (ta ? q.m : q.k), "lda");
+    ldb[g] = as_int(q.ldb > 0 ? q.ldb : (tb ? q.k : q.n), "ldb");
+    ldc[g] = as_int(q.ldc > 0 ? q.ldc : q.n, "ldc");
     ptr[g] = reinterpret_cast<int64_t>(pa + size_t(q.a_off) * es_ab);
     ptr[G + g] = reinterpret_cast<int64_t>(pb + size_t(q.b_off) * es_ab);
     ptr[2 * G + g] = reinterpret_cast<int64_t>(pc + size_t(q.c_off) * es);
