@@ -244,7 +244,7 @@ ops::IndexerScoreOptions DsaIndexer::score_options() const {
 }
 
 void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
-                              const std::vector<int64_t>& pos, Saved& s) const {
+                              const std::vector<int64_t>& pos, Saved& s, bool infer) const {
   const Device dev = wk_.weight_value().device();
   check_input(h_in, cfg_.hidden_size, dev, "h", "hidden_size");
   check_input(cq_in, cfg_.q_lora_rank, dev, "c_q", "q_lora_rank");
@@ -258,6 +258,17 @@ void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
   s.h = as_dt(h_in, cdt);
   s.c_q = as_dt(cq_in, cdt);
   s.recomputed = false;
+  // Inference: the GEMMs that read h take it rounded to bf16 once, when all of them round it.
+  bool round_once = infer && wk_.writes_directly(DType::bf16, cdt) &&
+                    weights_proj_.writes_directly(DType::bf16, cdt) &&
+                    (P == 1 || gate_lin_.writes_directly(DType::bf16, cdt));
+  const Tensor hg = round_once ? as_dt(s.h, DType::bf16) : s.h;
+  auto project = [&](const Linear& l, Linear::Saved* ls) {
+    if (!infer || !l.writes_directly(hg.dtype(), cdt)) return l.forward(lin_ctx, s.h, ls);
+    Tensor y = Tensor::empty({T, l.out_features()}, cdt, s.h.device());
+    l.forward_into(hg, y);
+    return y;
+  };
 
   // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
   s.q = ops::contiguous(wq_b_.forward(lin_ctx, s.c_q, &s.wq_b)).view({T, H, d});
@@ -265,7 +276,7 @@ void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
   if (cfg_.hadamard) ops::hadamard_inplace(s.q);
 
   // k = LayerNorm(wk(h)) [T, d] (FP32 / f64 compute), RoPE.
-  s.k_lin = ops::contiguous(wk_.forward(lin_ctx, s.h, &s.wk));
+  s.k_lin = ops::contiguous(project(wk_, &s.wk));
   const auto ln = ops::layernorm_forward(s.k_lin, as_dt(k_norm_w_->value, cdt),
                                          as_dt(k_norm_b_->value, cdt), cfg_.k_norm_eps);
   s.k = ln.y;
@@ -276,11 +287,11 @@ void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
   if (P == 1 && cfg_.hadamard) ops::hadamard_inplace(s.k);
   if (P > 1) {
     gate_lin_.weight().value = gate_->value;
-    s.gate_out = ops::contiguous(gate_lin_.forward(lin_ctx, s.h, &s.gate));
+    s.gate_out = ops::contiguous(project(gate_lin_, &s.gate));
   }
 
   // w = weights_proj(h) * H^-1/2.
-  s.w = ops::contiguous(weights_proj_.forward(lin_ctx, s.h, &s.weights_proj));
+  s.w = ops::contiguous(project(weights_proj_, &s.weights_proj));
   scale_inplace(s.w, 1.0 / std::sqrt(double(H)));
 }
 
@@ -321,7 +332,7 @@ void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const Se
 DsaIndexer::TokenProjection DsaIndexer::project_tokens(const Tensor& h, const Tensor& c_q,
                                                        const std::vector<int64_t>& pos) const {
   Saved s;
-  project_into(h, c_q, pos, s);
+  project_into(h, c_q, pos, s, /*infer=*/true);
   return TokenProjection{s.q, s.k, s.gate_out, s.w};
 }
 

@@ -242,9 +242,10 @@ class DsaIndexer : public Module {
   };
   DType compute_dtype() const;
   // The checks and the per-token intermediates of Saved (h, c_q, q, k_lin, k_mean, k_rstd, k,
-  // gate_out, w and their Linear saves) for tokens at positions pos.
-  void project_into(const Tensor& h, const Tensor& c_q, const std::vector<int64_t>& pos,
-                    Saved& s) const;
+  // gate_out, w and their Linear saves) for tokens at positions pos. infer: only q, k, gate_out
+  // and w are wanted (no Linear saves): h is rounded once for the bf16 GEMMs that read it.
+  void project_into(const Tensor& h, const Tensor& c_q, const std::vector<int64_t>& pos, Saved& s,
+                    bool infer = false) const;
   // Validates the inputs and computes every intermediate of Saved (and the selection if select).
   void run_internals(const Tensor& h, const Tensor& c_q, const SeqLayout& seqs, bool select,
                      Saved& s) const;

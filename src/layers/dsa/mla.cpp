@@ -465,21 +465,33 @@ Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout
     for (size_t n = 0; n + 1 < cu.size(); ++n)
       for (int64_t t = cu[n]; t < cu[n + 1]; ++t) pos[size_t(t)] += (*starts)[n];
   }
+  // Inference: the GEMMs that read x take it rounded to bf16 once, when both round it.
+  const Linear& first_q = cfg_.q_lora_rank > 0 ? q_a_proj_ : q_proj_;
+  const Tensor xg = !save && first_q.writes_directly(DType::bf16, cdt) &&
+                            kv_a_proj_.writes_directly(DType::bf16, cdt)
+                        ? as_dt(xc, DType::bf16)
+                        : xc;
+  auto from_x = [&](const Linear& l, Linear::Saved* ls) {
+    if (save || !l.writes_directly(xg.dtype(), cdt)) return l.forward(ctx, xc, ls);
+    Tensor y = Tensor::empty({T, l.out_features()}, cdt, x.device());
+    l.forward_into(xg, y);
+    return y;
+  };
   Projected p;
   Tensor q2;
   if (cfg_.q_lora_rank > 0) {
-    const Tensor qa = q_a_proj_.forward(ctx, xc, save ? &s->q_a : nullptr);
+    const Tensor qa = from_x(q_a_proj_, save ? &s->q_a : nullptr);
     ops::RmsNormResult nr = ops::rmsnorm_forward(qa, as_dt(q_norm_->value, cdt), cfg_.rms_norm_eps);
     p.c_q = nr.y;
     q2 = q_b_proj_.forward(ctx, p.c_q, save ? &s->q_b : nullptr);
     if (save) s->q_a_out = qa, s->q_rstd = nr.rstd;
   } else {
-    q2 = q_proj_.forward(ctx, xc, save ? &s->q_a : nullptr);
+    q2 = from_x(q_proj_, save ? &s->q_a : nullptr);
   }
   p.q = ops::contiguous(q2).view({T, H, dqk});
   if (cfg_.rotary()) rope(p.q, dn, dr, pos, inv_freq_, rope_factor_, false);
 
-  const Tensor kva = kv_a_proj_.forward(ctx, xc, save ? &s->kv_a : nullptr);
+  const Tensor kva = from_x(kv_a_proj_, save ? &s->kv_a : nullptr);
   const Tensor lat = ops::contiguous(kva.slice(1, 0, rkv));
   ops::RmsNormResult nk = ops::rmsnorm_forward(lat, as_dt(kv_norm_->value, cdt), cfg_.rms_norm_eps);
   p.kv = Tensor::empty({T, rkv + dr}, cdt, x.device());
