@@ -193,6 +193,31 @@ void Linear::forward_into(const Tensor& x, Tensor& out) const {
   ops::copy_into(out, forward(Context{false, false}, xin, nullptr));
 }
 
+void Linear::forward_into_many(const Tensor& x, const std::vector<const Linear*>& layers,
+                               std::vector<Tensor>& outs) {
+  HLM_CHECK(!layers.empty() && layers.size() == outs.size(),
+            "Linear::forward_into_many: {} layers for {} outputs", layers.size(), outs.size());
+  bool grouped = layers.size() > 1;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Linear& l = *layers[i];
+    HLM_CHECK(l.weight_ != nullptr && x.defined() && x.dim() == 2 && x.size(1) == l.in_ &&
+                  outs[i].defined() && outs[i].dim() == 2 && outs[i].size(0) == x.size(0) &&
+                  outs[i].size(1) == l.out_ && outs[i].stride(1) == 1,
+              "Linear::forward_into_many: layer {} takes x [T, {}] into [T, {}], got {} into {}", i,
+              l.in_, l.out_, x.defined() ? x.describe() : "undefined",
+              outs[i].defined() ? outs[i].describe() : "undefined");
+    grouped = grouped && l.writes_directly(x.dtype(), outs[i].dtype()) &&
+              outs[i].dtype() == outs[0].dtype() && l.weight_->value.device() == x.device();
+  }
+  if (!grouped) {
+    for (size_t i = 0; i < layers.size(); ++i) layers[i]->forward_into(x, outs[i]);
+    return;
+  }
+  std::vector<Tensor> w;
+  for (const Linear* l : layers) w.push_back(l->weight_->value);
+  ops::gemm_multi(x, false, w, true, outs, ops::GemmOptions{true});
+}
+
 Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {
   HLM_CHECK(weight_ != nullptr, "Linear::backward: the layer is not initialised");
   const Tensor& x = saved.x;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "layers/module.h"
 #include "layers/precision.h"
@@ -45,6 +46,11 @@ class Linear : public Module {
   void forward_into(const Tensor& x, Tensor& out) const;
   // Whether forward_into writes out without a copy for x of dtype xdt and out of dtype odt.
   bool writes_directly(DType xdt, DType odt) const;
+  // forward_into for several layers that read the same x (a layer's projections): one grouped
+  // GEMM (ops::gemm_multi) where every layer writes directly and the outputs share a dtype, else
+  // one forward_into each. The same values either way.
+  static void forward_into_many(const Tensor& x, const std::vector<const Linear*>& layers,
+                                std::vector<Tensor>& outs);
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved);
 
   int64_t in_features() const { return in_; }

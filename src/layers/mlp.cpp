@@ -7,6 +7,7 @@
 #include "layers/mlp.h"
 
 #include <cmath>
+#include <vector>
 
 #include "ops/moe.h"
 #include "ops/tensor_ops.h"
@@ -64,10 +65,10 @@ void DenseMlp::run_forward(const Context& ctx, const Tensor& xc, Saved& s, Tenso
   Tensor gate_half = gu.slice(1, 0, I), up_half = gu.slice(1, I, 2 * I);
   if (!keep && gate_.writes_directly(DType::bf16, xc.dtype()) &&
       up_.writes_directly(DType::bf16, xc.dtype())) {
-    // Inference under bf16 GEMMs: x rounded once, both GEMMs writing their halves of gu.
+    // Inference under bf16 GEMMs: x rounded once, one grouped GEMM writing both halves of gu.
     const Tensor xg = as_dtype(xc, DType::bf16);
-    gate_.forward_into(xg, gate_half);
-    up_.forward_into(xg, up_half);
+    std::vector<Tensor> halves = {gate_half, up_half};
+    Linear::forward_into_many(xg, {&gate_, &up_}, halves);
   } else {
     ops::copy_into(gate_half, gate_.forward(ctx, xc, keep ? &s.gate : nullptr));
     ops::copy_into(up_half, up_.forward(ctx, xc, keep ? &s.up : nullptr));

@@ -116,6 +116,36 @@ Tensor block(const Tensor& t, int64_t off, int64_t rows, int64_t cols, int64_t l
 
 }  // namespace
 
+void gemm_multi(const Tensor& a, bool trans_a, const std::vector<Tensor>& b, bool trans_b,
+                std::vector<Tensor>& c, GemmOptions opt) {
+  constexpr const char* op = "gemm_multi";
+  HLM_CHECK(!b.empty() && b.size() == c.size(), "{}: {} B operands for {} outputs", op, b.size(),
+            c.size());
+  HLM_CHECK(a.defined() && a.dim() == 2, "{}: A must be 2-D, got {}", op,
+            a.defined() ? a.describe() : "undefined");
+  bool direct = a.device() == Device::cuda && a.stride(1) == 1;
+  for (size_t i = 0; i < b.size(); ++i) {
+    HLM_CHECK(b[i].defined() && c[i].defined() && b[i].dim() == 2 && c[i].dim() == 2,
+              "{}: product {} needs 2-D B and C", op, i);
+    const int64_t m = trans_a ? a.size(1) : a.size(0), k = trans_a ? a.size(0) : a.size(1);
+    const int64_t kb = trans_b ? b[i].size(1) : b[i].size(0);
+    const int64_t n = trans_b ? b[i].size(0) : b[i].size(1);
+    HLM_CHECK(k == kb && c[i].size(0) == m && c[i].size(1) == n,
+              "{}: product {}: op(A) [{}, {}], op(B) [{}, {}], C {}", op, i, m, k, kb, n,
+              c[i].describe());
+    direct = direct && m >= 1 && n >= 1 && k >= 1 && b[i].device() == a.device() &&
+             c[i].device() == a.device() && b[i].stride(1) == 1 && c[i].stride(1) == 1 &&
+             c[i].dtype() == c[0].dtype() &&
+             (opt.round_bf16 ? c[i].dtype() == DType::f32 || c[i].dtype() == DType::bf16
+                             : c[i].dtype() == a.dtype() && b[i].dtype() == a.dtype());
+  }
+  if (!direct) {  // the CPU, or what one grouped call does not take: one gemm each
+    for (size_t i = 0; i < b.size(); ++i) gemm(a, trans_a, b[i], trans_b, c[i], 1.0, 0.0, opt);
+    return;
+  }
+  HLM_CUDA_PATH(op, cuda::gemm_multi(a, trans_a, b, trans_b, c, opt));
+}
+
 void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha, double beta,
                   GemmOptions opt) {

@@ -54,6 +54,13 @@ struct GemmGroup {
 void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha = 1.0, double beta = 0.0,
                   GemmOptions opt = {});
+// One A, several products (the projections that read one input): c[i] = op(A) op(B_i) for every
+// i, A [m, k] (or [k, m] with trans_a) and each c[i] [m, n_i] 2-D with a contiguous last
+// dimension, each B_i [k, n_i] (or [n_i, k] with trans_b); dtypes as gemm, every c[i] of one
+// dtype. CPU: one gemm per product in order (their bits). CUDA: one cublasGemmGroupedBatchedEx
+// call for all (counted by gemm_grouped_counts), A converted once under round_bf16.
+void gemm_multi(const Tensor& a, bool trans_a, const std::vector<Tensor>& b, bool trans_b,
+                std::vector<Tensor>& c, GemmOptions opt = {});
 // CUDA grouped GEMM calls since the start: all of them, and those that cuBLAS did not take as one
 // grouped call for their dtypes (run as one cublasGemmEx per group instead).
 struct GemmGroupedCounts {

@@ -12,6 +12,7 @@
 
 #include "core/rng.h"
 #include "ops/gemm.h"
+#include "ops/tensor_ops.h"
 #include "testing.h"
 
 namespace hlm {
@@ -270,6 +271,54 @@ TEST(GemmGroupedGpu, StridedRows) {
       if (col < 2 || col >= 2 + n) EXPECT_EQ(g[size_t(i)], c[size_t(i)]) << i;
     }
   }
+}
+
+// Several products of one A (gemm_multi): on the GPU one grouped call, each product equal to its
+// own gemm within rounding (round_bf16 into f32 and into bf16 outputs, and f32; outputs as
+// column slices of a wider tensor); on the CPU the bits of the separate gemms.
+TEST(GemmMultiGpu, MatchesSeparateGemms) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Rng rng(testing::test_seed(), 9);
+  const int64_t m = 3, k = 40;
+  const std::vector<int64_t> ns = {16, 7, 33};
+  for (int mode = 0; mode < 3; ++mode) {
+    const bool round = mode > 0;
+    const DType cd = mode == 2 ? DType::bf16 : DType::f32;
+    const Tensor a = randn({m, k}, DType::f32, rng);
+    std::vector<Tensor> b, want, on_cpu;
+    Tensor wide = Tensor::zeros({m, 100}, cd, Device::cuda);
+    std::vector<Tensor> on_gpu;
+    int64_t off = 0;
+    for (int64_t n : ns) {
+      b.push_back(randn({n, k}, DType::f32, rng));
+      want.push_back(Tensor::empty({m, n}, cd));
+      ops::gemm(a, false, b.back(), true, want.back(), 1.0, 0.0, ops::GemmOptions{round});
+      on_cpu.push_back(Tensor::empty({m, n}, cd));
+      on_gpu.push_back(wide.slice(1, off, off + n));
+      off += n + 2;
+    }
+    ops::gemm_multi(a, false, b, true, on_cpu, ops::GemmOptions{round});
+    std::vector<Tensor> bg;
+    for (const Tensor& t : b) bg.push_back(gpu(round ? t.to(DType::bf16) : t));
+    const ops::GemmGroupedCounts before = ops::gemm_grouped_counts();
+    ops::gemm_multi(gpu(a), false, bg, true, on_gpu, ops::GemmOptions{round});
+    EXPECT_EQ(ops::gemm_grouped_counts().calls, before.calls + 1);
+    for (size_t i = 0; i < ns.size(); ++i) {
+      EXPECT_TRUE(testing::bit_equal(on_cpu[i], want[i])) << "mode " << mode << " product " << i;
+      check("gemm_multi product", ops::contiguous(on_gpu[i]), want[i],
+            cd == DType::bf16 ? 8e-3 : 1e-6, cd == DType::bf16 ? 4e-3 : 1e-6);
+    }
+    // The columns between the products stay zero.
+    const std::vector<double> w = cpu(wide).to_f64_vector();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c : {16, 17, 25, 26}) EXPECT_EQ(w[size_t(r * 100 + c)], 0.0) << r << "," << c;
+  }
+  // Bad input: B for a different k, no products.
+  const Tensor a = gpu(randn({2, 8}, DType::f32, rng));
+  std::vector<Tensor> c1 = {Tensor::empty({2, 4}, DType::f32, Device::cuda)};
+  EXPECT_THROW(ops::gemm_multi(a, false, {gpu(randn({4, 9}, DType::f32, rng))}, true, c1), Error);
+  std::vector<Tensor> c2 = {Tensor::empty({2, 4}, DType::f32, Device::cuda)};
+  EXPECT_THROW(ops::gemm_multi(a, false, {}, true, c2), Error);
 }
 
 TEST(GemmGroupedGpu, ZeroKAndErrors) {

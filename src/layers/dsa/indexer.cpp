@@ -263,11 +263,20 @@ void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
                     weights_proj_.writes_directly(DType::bf16, cdt) &&
                     (P == 1 || gate_lin_.writes_directly(DType::bf16, cdt));
   const Tensor hg = round_once ? as_dt(s.h, DType::bf16) : s.h;
+  if (P > 1) gate_lin_.weight().value = gate_->value;
+  // With h rounded once, the products that read it as one grouped GEMM.
+  std::vector<const Linear*> from_h = {&wk_, &weights_proj_};
+  if (P > 1) from_h.push_back(&gate_lin_);
+  std::vector<Tensor> on_h;
+  if (round_once) {
+    for (const Linear* l : from_h)
+      on_h.push_back(Tensor::empty({T, l->out_features()}, cdt, s.h.device()));
+    Linear::forward_into_many(hg, from_h, on_h);
+  }
   auto project = [&](const Linear& l, Linear::Saved* ls) {
-    if (!infer || !l.writes_directly(hg.dtype(), cdt)) return l.forward(lin_ctx, s.h, ls);
-    Tensor y = Tensor::empty({T, l.out_features()}, cdt, s.h.device());
-    l.forward_into(hg, y);
-    return y;
+    for (size_t i = 0; i < on_h.size(); ++i)
+      if (from_h[i] == &l) return on_h[i];
+    return l.forward(lin_ctx, s.h, ls);
   };
 
   // q = wq_b(c_q) [T, H, d], RoPE, Hadamard.
@@ -285,10 +294,7 @@ void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
   rope_rows(s.k, pos, dr, cfg_.rope_theta, cfg_.rope_interleave, false);
   // Token keys are rotated here (P = 1); pooled keys after the pooling (run_internals, pool_key).
   if (P == 1 && cfg_.hadamard) ops::hadamard_inplace(s.k);
-  if (P > 1) {
-    gate_lin_.weight().value = gate_->value;
-    s.gate_out = ops::contiguous(project(gate_lin_, &s.gate));
-  }
+  if (P > 1) s.gate_out = ops::contiguous(project(gate_lin_, &s.gate));
 
   // w = weights_proj(h) * H^-1/2.
   s.w = ops::contiguous(project(weights_proj_, &s.weights_proj));

@@ -477,21 +477,29 @@ Mla::Projected Mla::project(const Context& ctx, const Tensor& x, const SeqLayout
     l.forward_into(xg, y);
     return y;
   };
+  // Inference with x rounded once: the two products that read it as one grouped GEMM.
+  Tensor qa_pre, kva_pre;
+  if (xg.dtype() != xc.dtype()) {
+    qa_pre = Tensor::empty({T, first_q.out_features()}, cdt, x.device());
+    kva_pre = Tensor::empty({T, kv_a_proj_.out_features()}, cdt, x.device());
+    std::vector<Tensor> outs = {qa_pre, kva_pre};
+    Linear::forward_into_many(xg, {&first_q, &kv_a_proj_}, outs);
+  }
   Projected p;
   Tensor q2;
   if (cfg_.q_lora_rank > 0) {
-    const Tensor qa = from_x(q_a_proj_, save ? &s->q_a : nullptr);
+    const Tensor qa = qa_pre.defined() ? qa_pre : from_x(q_a_proj_, save ? &s->q_a : nullptr);
     ops::RmsNormResult nr = ops::rmsnorm_forward(qa, as_dt(q_norm_->value, cdt), cfg_.rms_norm_eps);
     p.c_q = nr.y;
     q2 = q_b_proj_.forward(ctx, p.c_q, save ? &s->q_b : nullptr);
     if (save) s->q_a_out = qa, s->q_rstd = nr.rstd;
   } else {
-    q2 = from_x(q_proj_, save ? &s->q_a : nullptr);
+    q2 = qa_pre.defined() ? qa_pre : from_x(q_proj_, save ? &s->q_a : nullptr);
   }
   p.q = ops::contiguous(q2).view({T, H, dqk});
   if (cfg_.rotary()) rope(p.q, dn, dr, pos, inv_freq_, rope_factor_, false);
 
-  const Tensor kva = from_x(kv_a_proj_, save ? &s->kv_a : nullptr);
+  const Tensor kva = kva_pre.defined() ? kva_pre : from_x(kv_a_proj_, save ? &s->kv_a : nullptr);
   const Tensor lat = ops::contiguous(kva.slice(1, 0, rkv));
   ops::RmsNormResult nk = ops::rmsnorm_forward(lat, as_dt(kv_norm_->value, cdt), cfg_.rms_norm_eps);
   p.kv = Tensor::empty({T, rkv + dr}, cdt, x.device());

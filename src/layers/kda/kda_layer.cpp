@@ -35,6 +35,8 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "core/enum_names.h"
 #include "core/profile.h"
@@ -906,45 +908,54 @@ Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
 
   // Every projection reads x: under bf16 GEMMs x is rounded once here, and each GEMM writes its
   // output where the next op reads it (q | k | v side by side for the conv; the low-rank gates'
-  // first stage in bf16, the operand of their second), so no per-GEMM conversion runs.
+  // first stage in bf16, the operand of their second), so no per-GEMM conversion runs. The
+  // products that read x go as grouped GEMMs (Linear::forward_into_many): q, k, v and beta in
+  // one, the gates' first stages in another.
   const Linear* first[6] = {&q_proj_, &k_proj_,
                             &v_proj_, f_a_ ? f_a_.get() : f_b_.get(),
                             &b_proj_, g_a_ ? g_a_.get() : g_b_.get()};
   bool round_once = true;
   for (const Linear* l : first) round_once = round_once && l->writes_directly(DType::bf16, cdt);
   const Tensor xg = round_once ? as_dtype(xc, DType::bf16) : xc;
-  // The operand dtype of a low-rank gate's hidden: bf16 where its second stage rounds it anyway.
-  auto hidden = [&](const Linear& a, const Linear& b) {
-    const DType dt =
-        b.writes_directly(DType::bf16, cdt) && a.writes_directly(xg.dtype(), DType::bf16)
-            ? DType::bf16
-            : cdt;
-    Tensor h = Tensor::empty({N, a.out_features()}, dt, x.device());
-    a.forward_into(xg, h);
-    return h;
-  };
   auto project = [&](const Linear& l, const Tensor& in, Tensor& out) { l.forward_into(in, out); };
 
-  // Projections into one [N, C] row per token; the short conv advanced by one token in the
-  // slots' conv states in place.
+  // q, k, v into one [N, C] row per token, and beta's logits.
   Tensor pre = Tensor::empty({N, C}, cdt, x.device());
-  const Linear* proj[3] = {&q_proj_, &k_proj_, &v_proj_};
-  int64_t off = 0;
-  for (int i = 0; i < 3; ++i) {
-    Tensor part = pre.slice(1, off, off + conv_[i].channels);
-    project(*proj[i], xg, part);
-    off += conv_[i].channels;
+  Tensor bl = Tensor::empty({N, HV}, cdt, x.device());
+  const int64_t Cq = conv_[0].channels, Ck = conv_[1].channels;
+  {
+    std::vector<Tensor> outs = {pre.slice(1, 0, Cq), pre.slice(1, Cq, Cq + Ck),
+                                pre.slice(1, Cq + Ck, C), bl};
+    Linear::forward_into_many(xg, {&q_proj_, &k_proj_, &v_proj_, &b_proj_}, outs);
   }
+  // The low-rank gates' hidden (their first stages, on x): bf16 where their second stages round
+  // it anyway.
+  Tensor f_hidden, g_hidden;
+  {
+    std::vector<const Linear*> ls;
+    std::vector<Tensor> outs;
+    for (auto [a, b, h] : {std::tuple{f_a_.get(), f_b_.get(), &f_hidden},
+                           std::tuple{g_a_.get(), g_b_.get(), &g_hidden}}) {
+      if (!a) continue;
+      const DType dt =
+          b->writes_directly(DType::bf16, cdt) && a->writes_directly(xg.dtype(), DType::bf16)
+              ? DType::bf16
+              : cdt;
+      *h = Tensor::empty({N, a->out_features()}, dt, x.device());
+      ls.push_back(a);
+      outs.push_back(*h);
+    }
+    if (!ls.empty()) Linear::forward_into_many(xg, ls, outs);
+  }
+
+  // The short conv advanced by one token in the slots' conv states in place.
   Tensor conv_pool = pool.conv;
   const Tensor act = ops::causal_conv1d_update_slots(pre, conv_pool, slots, conv_weights(cdt),
                                                      /*silu=*/true);
-  const int64_t Cq = conv_[0].channels, Ck = conv_[1].channels;
 
   // The decay gate, beta, and the recurrent step in place.
   Tensor z = Tensor::empty({N, HV * K}, cdt, x.device());
-  project(*f_b_, f_a_ ? hidden(*f_a_, *f_b_) : xg, z);
-  Tensor bl = Tensor::empty({N, HV}, cdt, x.device());
-  project(b_proj_, xg, bl);
+  project(*f_b_, f_a_ ? f_hidden : xg, z);
   ops::KdaGateArgs ga;
   ga.z = z.view({N, HV, K});
   ga.A_log = A_log_->value;
@@ -964,7 +975,7 @@ Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
 
   // Output gate, gated RMSNorm, output projection.
   Tensor og = Tensor::empty({N, V * HV}, cdt, x.device());
-  project(*g_b_, g_a_ ? hidden(*g_a_, *g_b_) : xg, og);
+  project(*g_b_, g_a_ ? g_hidden : xg, og);
   const ops::RmsNormResult nr = ops::gated_rmsnorm_forward(
       o, og.view({N, HV, V}), as_dtype(o_norm_->value, cdt), cfg_.norm_eps);
   Tensor y = Tensor::empty({N, cfg_.hidden_size}, x.dtype(), x.device());

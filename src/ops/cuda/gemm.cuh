@@ -23,7 +23,11 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
 using GemmGroup = ops::GemmGroup;
 void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                   const std::vector<GemmGroup>& groups, double alpha, double beta);
-// gemm_grouped's calls and its per-group fallbacks so far.
+// gemm_multi of ops/gemm.h, checked by its front door (every operand with a contiguous last
+// dimension, every c of one dtype, m, n, k >= 1): one grouped call.
+void gemm_multi(const Tensor& a, bool trans_a, const std::vector<Tensor>& b, bool trans_b,
+                std::vector<Tensor>& c, GemmOptions opt);
+// gemm_grouped's (and gemm_multi's) calls and their per-group fallbacks so far.
 ops::GemmGroupedCounts gemm_grouped_counts();
 
 }  // namespace hlm::ops::cuda

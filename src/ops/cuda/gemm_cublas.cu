@@ -130,35 +130,42 @@ ops::GemmGroupedCounts gemm_grouped_counts() {
   return {g_grouped_calls.load(), g_grouped_loops.load()};
 }
 
-void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
-                  const std::vector<GemmGroup>& groups, double alpha, double beta) {
-  if (groups.empty()) return;
+namespace {
+
+// One product of a grouped call: row-major C [m, n] = op(A) [m, k] op(B) [k, n], rows lda / ldb /
+// ldc apart.
+struct GroupProduct {
+  const void *a, *b;
+  void* c;
+  int64_t m, n, k, lda, ldb, ldc;
+};
+
+// One cublasGemmGroupedBatchedEx call over the products (a loop of cublasGemmEx where cuBLAS does
+// not take the dtypes): A and B of dtype ab, C of dtype cd.
+void grouped_call(const std::vector<GroupProduct>& ps, bool ta, bool tb, DType ab, DType cd,
+                  double alpha, double beta) {
   ++g_grouped_calls;
-  const DType dt = c.dtype();
-  const bool f64 = dt == DType::f64;
+  const bool f64 = cd == DType::f64;
   const cublasComputeType_t compute = f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
-  const cudaDataType_t ty = cuda_type(dt), ty_ab = cuda_type(a.dtype());
-  const size_t G = groups.size(), es = dtype_size(dt), es_ab = dtype_size(a.dtype());
+  const cudaDataType_t ty = cuda_type(cd), ty_ab = cuda_type(ab);
+  const size_t G = ps.size();
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (see the top of this file):
   // cuBLAS's A is our B, its m our n.
   const std::vector<cublasOperation_t> op_a(G, ta ? CUBLAS_OP_T : CUBLAS_OP_N),
       op_b(G, tb ? CUBLAS_OP_T : CUBLAS_OP_N);
   std::vector<int> m(G), n(G), k(G), lda(G), ldb(G), ldc(G), size(G, 1);
   std::vector<int64_t> ptr(3 * G);
-  const auto* pa = static_cast<const char*>(a.raw());
-  const auto* pb = static_cast<const char*>(b.raw());
-  auto* pc = static_cast<char*>(c.raw());
   for (size_t g = 0; g < G; ++g) {
-    const GemmGroup& q = groups[g];
+    const GroupProduct& q = ps[g];
     m[g] = as_int(q.m, "m");
     n[g] = as_int(q.n, "n");
     k[g] = as_int(q.k, "k");
-    lda[g] = as_int(q.lda > 0 ? q.lda : (ta ? q.m : q.k), "lda");
-    ldb[g] = as_int(q.ldb > 0 ? q.ldb : (tb ? q.k : q.n), "ldb");
-    ldc[g] = as_int(q.ldc > 0 ? q.ldc : q.n, "ldc");
-    ptr[g] = reinterpret_cast<int64_t>(pa + size_t(q.a_off) * es_ab);
-    ptr[G + g] = reinterpret_cast<int64_t>(pb + size_t(q.b_off) * es_ab);
-    ptr[2 * G + g] = reinterpret_cast<int64_t>(pc + size_t(q.c_off) * es);
+    lda[g] = as_int(q.lda, "lda");
+    ldb[g] = as_int(q.ldb, "ldb");
+    ldc[g] = as_int(q.ldc, "ldc");
+    ptr[g] = reinterpret_cast<int64_t>(q.a);
+    ptr[G + g] = reinterpret_cast<int64_t>(q.b);
+    ptr[2 * G + g] = reinterpret_cast<int64_t>(q.c);
   }
   const std::vector<float> fa(G, float(alpha)), fb(G, float(beta));
   const std::vector<double> da(G, alpha), db(G, beta);
@@ -178,14 +185,45 @@ void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
   }
   ++g_grouped_loops;
   for (size_t g = 0; g < G; ++g)
-    check_cublas(cublasGemmEx(handle(), op_b[g], op_a[g], n[g], m[g], k[g],
-                              f64 ? static_cast<const void*>(&da[g]) : &fa[g],
-                              reinterpret_cast<const void*>(ptr[G + g]), ty_ab, ldb[g],
-                              reinterpret_cast<const void*>(ptr[g]), ty_ab, lda[g],
-                              f64 ? static_cast<const void*>(&db[g]) : &fb[g],
-                              reinterpret_cast<void*>(ptr[2 * G + g]), ty, ldc[g], compute,
-                              CUBLAS_GEMM_DEFAULT),
-                 "cublasGemmEx");
+    check_cublas(
+        cublasGemmEx(handle(), op_b[g], op_a[g], n[g], m[g], k[g],
+                     f64 ? static_cast<const void*>(&da[g]) : &fa[g], ps[g].b, ty_ab, ldb[g],
+                     ps[g].a, ty_ab, lda[g], f64 ? static_cast<const void*>(&db[g]) : &fb[g],
+                     ps[g].c, ty, ldc[g], compute, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
+}
+
+}  // namespace
+
+void gemm_grouped(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c,
+                  const std::vector<GemmGroup>& groups, double alpha, double beta) {
+  if (groups.empty()) return;
+  const size_t es = dtype_size(c.dtype()), es_ab = dtype_size(a.dtype());
+  const auto* pa = static_cast<const char*>(a.raw());
+  const auto* pb = static_cast<const char*>(b.raw());
+  auto* pc = static_cast<char*>(c.raw());
+  std::vector<GroupProduct> ps;
+  for (const GemmGroup& q : groups)
+    ps.push_back({pa + size_t(q.a_off) * es_ab, pb + size_t(q.b_off) * es_ab,
+                  pc + size_t(q.c_off) * es, q.m, q.n, q.k, q.lda > 0 ? q.lda : (ta ? q.m : q.k),
+                  q.ldb > 0 ? q.ldb : (tb ? q.k : q.n), q.ldc > 0 ? q.ldc : q.n});
+  grouped_call(ps, ta, tb, a.dtype(), c.dtype(), alpha, beta);
+}
+
+void gemm_multi(const Tensor& a_, bool ta, const std::vector<Tensor>& b_, bool tb,
+                std::vector<Tensor>& c, GemmOptions opt) {
+  const DType ab = opt.round_bf16 ? DType::bf16 : a_.dtype();
+  const Tensor a = ops::as_dtype(a_, ab);
+  std::vector<Tensor> b;
+  std::vector<GroupProduct> ps;
+  // A row stride is only read between rows: with one row, the row length.
+  auto ld = [](const Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1); };
+  for (size_t i = 0; i < b_.size(); ++i) {
+    b.push_back(ops::as_dtype(b_[i], ab));
+    const int64_t m = c[i].size(0), n = c[i].size(1), k = ta ? a.size(0) : a.size(1);
+    ps.push_back({a.raw(), b.back().raw(), c[i].raw(), m, n, k, ld(a), ld(b.back()), ld(c[i])});
+  }
+  grouped_call(ps, ta, tb, ab, c.front().dtype(), 1.0, 0.0);
 }
 
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, int64_t m, int64_t n,
