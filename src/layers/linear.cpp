@@ -168,7 +168,10 @@ Tensor Linear::forward(const Context& ctx, const Tensor& x, Saved* saved) const 
 }
 
 bool Linear::writes_directly(DType xdt, DType odt) const {
-  return precision_.kind == GemmKind::bf16 && !bias_ && (xdt == DType::f32 || xdt == DType::bf16) &&
+  if (bias_ || !weight_) return false;
+  if (precision_.kind == GemmKind::native)  // exact in one dtype: x, out and the weight
+    return (xdt == DType::f32 || xdt == DType::f64) && odt == xdt && weight_->value.dtype() == xdt;
+  return precision_.kind == GemmKind::bf16 && (xdt == DType::f32 || xdt == DType::bf16) &&
          (odt == DType::f32 || odt == DType::bf16);
 }
 
@@ -185,7 +188,8 @@ void Linear::forward_into(const Tensor& x, Tensor& out) const {
     HLM_CHECK(x.device() == weight_->value.device(),
               "Linear::forward_into: x must be on the weight's device ({}), got {}",
               device_name(weight_->value.device()), x.describe());
-    ops::gemm(x, false, weight_->value, true, out, 1.0, 0.0, ops::GemmOptions{true});
+    ops::gemm(x, false, weight_->value, true, out, 1.0, 0.0,
+              ops::GemmOptions{precision_.kind == GemmKind::bf16});
     return;
   }
   // forward's output has x's dtype: a bf16 x goes in as f32 (exact), so out is not rounded twice.
@@ -214,8 +218,17 @@ void Linear::forward_into_many(const Tensor& x, const std::vector<const Linear*>
     return;
   }
   std::vector<Tensor> w;
-  for (const Linear* l : layers) w.push_back(l->weight_->value);
-  ops::gemm_multi(x, false, w, true, outs, ops::GemmOptions{true});
+  bool bf16 = true, native = true;
+  for (const Linear* l : layers) {
+    w.push_back(l->weight_->value);
+    bf16 = bf16 && l->precision_.kind == GemmKind::bf16;
+    native = native && l->precision_.kind == GemmKind::native;
+  }
+  if (!bf16 && !native) {  // mixed precisions: one product each
+    for (size_t i = 0; i < layers.size(); ++i) layers[i]->forward_into(x, outs[i]);
+    return;
+  }
+  ops::gemm_multi(x, false, w, true, outs, ops::GemmOptions{bf16});
 }
 
 Tensor Linear::backward(const Context& ctx, const Tensor& dy, const Saved& saved) {

@@ -40,9 +40,10 @@ class Linear : public Module {
 
   Tensor forward(const Context& ctx, const Tensor& x, Saved* saved) const;
   // Inference (nothing saved): forward's y written into out, a [T, out] tensor or view with
-  // contiguous rows on x's device, converted to out's dtype (f64, f32 or bf16). Under a bf16 GEMM
-  // with no bias, x may be given already in bf16 (the rounding forward applies, done once for
-  // several layers), and the GEMM writes out directly; otherwise through forward and a copy.
+  // contiguous rows on x's device, converted to out's dtype (f64, f32 or bf16). With no bias the
+  // GEMM writes out directly: under a bf16 GEMM (x may then be given already in bf16, the
+  // rounding forward applies, done once for several layers) and under a native one with x, out
+  // and the weight of one dtype; otherwise through forward and a copy.
   void forward_into(const Tensor& x, Tensor& out) const;
   // Whether forward_into writes out without a copy for x of dtype xdt and out of dtype odt.
   bool writes_directly(DType xdt, DType odt) const;
