@@ -108,7 +108,6 @@ GemmGroupedCounts gemm_grouped_counts() {
 
 namespace {
 
-// Block g of t: the [rows, cols] row-major matrix at element off of the contiguous t.
 // The [rows, cols] block of contiguous t at element off, rows ld apart (0: cols).
 Tensor block(const Tensor& t, int64_t off, int64_t rows, int64_t cols, int64_t ld = 0) {
   return t.as_strided({rows, cols}, {ld > 0 ? ld : cols, 1}, off);

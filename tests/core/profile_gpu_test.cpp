@@ -1,6 +1,6 @@
 // The profiler's launch counts (core/profile.h): in the CUDA emulation build every scope also
 // counts the kernel launches and cuBLAS calls made inside it, its children's included; checked
-// against the emulation's own counters around the same calls.
+// against the emulation's own counters around the same calls. Host mode does not synchronise.
 #include <gtest/gtest.h>
 
 #ifdef HLM_CUDA_EMU
@@ -74,6 +74,44 @@ TEST(ProfileGpu, ScopesCountTheirLaunchesOnTheEmulation) {
   EXPECT_GT(o->launches, i->launches);  // the outer add
   EXPECT_NE(profile::report().find("kernels"), std::string::npos);
 #endif
+}
+
+// Host mode records the scopes without synchronising the device (device mode synchronises at
+// each scope's entry and exit); the launches by kernel name count the add's kernel.
+TEST(ProfileGpu, HostModeDoesNotSynchroniseAndKernelsAreNamed) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  Tensor x = Tensor::zeros({4, 8}, DType::f32, Device::cuda);
+  const Tensor y = Tensor::full({4, 8}, 1.0, DType::f32).to(Device::cuda);
+  for (const profile::Mode m : {profile::Mode::host, profile::Mode::device}) {
+    profile::set_mode(m);
+    profile::reset();
+    reset_transfer_stats();
+    const auto k0 = profile::launches_by_kernel();
+    {
+      profile::Scope s("add");
+      ops::add_(x, y);
+    }
+    const uint64_t syncs = transfer_stats().synchronizes;
+    const auto k1 = profile::launches_by_kernel();
+    const std::vector<profile::Entry> es = profile::entries();
+    profile::set_mode(profile::Mode::off);
+    profile::reset();
+    const profile::Entry* e = find(es, "add");
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->calls, 1);
+    EXPECT_EQ(syncs, m == profile::Mode::host ? 0u : 2u);
+    if (profile::counts_launches()) {
+      const std::string table = profile::launch_report(k0, k1, 1);
+      EXPECT_NE(table.find("kernel"), std::string::npos);
+      int64_t all = 0;
+      for (const auto& [name, n] : k1) all += n;
+      for (const auto& [name, n] : k0) all -= n;
+      EXPECT_EQ(all, e->launches);  // the scope's launches, by name
+      EXPECT_GE(all, 1);
+    } else {
+      EXPECT_TRUE(k1.empty());
+    }
+  }
 }
 
 }  // namespace
