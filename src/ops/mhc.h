@@ -107,7 +107,9 @@ MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const
 // 1 / sqrt(mean(u^2) + norm_eps) (the RmsNorm module's math, in the computation dtype, rounded
 // once to X's dtype). norm_w [D] floating. CPU: mhc_mappings_forward, mhc_collapse and
 // rmsnorm_forward in turn (their bits). CUDA: one kernel, one block per token (the projection
-// fn @ flat as block sums instead of cuBLAS: agrees within rounding).
+// fn @ flat as block sums instead of cuBLAS: agrees within rounding). That block is bound by its
+// loads' latency: on an H100 it took 118.5 us a site against 44.3 for the composition at one
+// token (bench/RESULTS.md), so the model does not call it yet.
 struct MhcCollapseNormed {
   Tensor a;     // [T, D] X's dtype
   Tensor pre;   // [T, n] computation dtype, as MhcMappings

@@ -887,9 +887,8 @@ Tensor KdaLayer::decode_step(const Tensor& x, const KdaState& pool,
                              const std::vector<int64_t>& slots) const {
   check_input(x);
   const std::string w = where();
-  const int64_t N = x.dim() == 2 ? x.size(0) : -1, H = cfg_.num_heads, HV = cfg_.num_v_heads,
-                K = cfg_.head_k_dim, V = cfg_.head_v_dim, Wm = cfg_.conv_kernel - 1,
-                C = cfg_.conv_dim();
+  const int64_t N = x.dim() == 2 ? x.size(0) : -1, HV = cfg_.num_v_heads, K = cfg_.head_k_dim,
+                V = cfg_.head_v_dim, Wm = cfg_.conv_kernel - 1, C = cfg_.conv_dim();
   HLM_CHECK(N >= 1 && int64_t(slots.size()) == N,
             "{}: decode_step takes x [N >= 1, D] and N slots, got {} and {} slots", w, x.describe(),
             slots.size());
