@@ -14,7 +14,9 @@
 // each batch's decode steps spent their time, HLM_PROFILE=host how long the host took to issue
 // each part (core/profile.h; the root scope "decode step" is the whole step, its pick's wait
 // included); in the CUDA emulation build both also list the decode steps' kernel launches by
-// kernel.
+// kernel. On CUDA the decode steps alone are bracketed for a profiler (core/device.h,
+// cuda_profiler_collect): `ncu --profile-from-start off --metrics gpu__time_duration.sum ...
+// bench_decode ...` times each of their kernels, prefill and warm-up left out.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -164,6 +166,7 @@ int main(int argc, char** argv) {
       reset_transfer_stats();
       std::vector<double> steps;
       const auto launches0 = profile::launches_by_kernel();
+      cuda_profiler_collect(true);
       while (gen.busy()) {
         t0 = std::chrono::steady_clock::now();
         {
@@ -172,6 +175,7 @@ int main(int argc, char** argv) {
         }
         steps.push_back(seconds_since(t0));
       }
+      cuda_profiler_collect(false);
       if (profile::enabled()) {
         std::printf("%s", profile::report().c_str());
         if (profile::counts_launches())

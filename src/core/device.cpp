@@ -13,6 +13,9 @@
 
 #ifdef HLM_HAVE_CUDA
 #include <cuda_runtime.h>
+#ifndef HLM_CUDA_EMU
+#include <cuda_profiler_api.h>
+#endif
 #define HLM_CUDA_CHECK(expr)                                                                 \
   do {                                                                                       \
     cudaError_t err_ = (expr);                                                               \
@@ -273,6 +276,15 @@ void device_synchronize() {
   if (!cuda_available()) return;
   ++transfer_counters().synchronizes;
   HLM_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+}
+
+void cuda_profiler_collect(bool on) {
+#if defined(HLM_HAVE_CUDA) && !defined(HLM_CUDA_EMU)
+  if (!cuda_available()) return;
+  HLM_CUDA_CHECK(on ? cudaProfilerStart() : cudaProfilerStop());
+#else
+  (void)on;
 #endif
 }
 

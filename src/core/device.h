@@ -57,6 +57,10 @@ void device_memset_zero(Device d, void* p, size_t nbytes);
 // Every byte of [p, p + nbytes) set to `byte` (e.g. 0xFF: the NaN poison of the tests).
 void device_memset(Device d, void* p, int byte, size_t nbytes);
 void device_synchronize();
+// Starts / stops the collection of a CUDA profiler attached to the process (cudaProfilerStart /
+// Stop): under `ncu --profile-from-start off` only the kernels launched between the two are
+// profiled. Nothing without a profiler, in a build without CUDA, or in the emulation.
+void cuda_profiler_collect(bool on);
 
 // Counts of the copies between the host and CUDA since start or the last reset. A copy to the host
 // waits for the device (the default stream drains first): `to_host` counts the places where the
