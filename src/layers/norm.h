@@ -54,6 +54,7 @@ class RmsNorm : public Module {
   const RmsNormConfig& config() const { return cfg_; }
   const std::string& path() const { return path_; }
   Param& weight() { return *weight_; }
+  const Tensor& weight_value() const { return weight_->value; }
 
  private:
   RmsNormConfig cfg_;

@@ -350,6 +350,11 @@ Tensor rows_of(const Tensor& x, const std::vector<int64_t>& rows) {
   return ops::gather_rows(ops::contiguous(x), rows);
 }
 
+// The most tokens of a call over the cache whose mHC sites run collapse and norm as one pass
+// (ops::mhc_collapse_norm: each token reads the site's whole projection, so it is for decode
+// steps; a prefill takes the cuBLAS projection).
+constexpr int64_t kFusedCollapseTokens = 64;
+
 // One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
 // post_attention_layernorm, mlp). Also used without mHC (plain residual) when mhc is off.
 class DecoderLayer : public Module {
@@ -477,8 +482,16 @@ class DecoderLayer : public Module {
     const int64_t T = x.size(0), D = x.size(2);
     // Attention site.
     profile::Scope ps_hc("mhc + norm");
-    Tensor u = mhc_ ? attn_hc_->collapse(c, x, s->attn_site) : x.reshape({T, D});
-    Tensor a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
+    // A decode step over the cache: each site's collapse and its norm in one pass.
+    const bool fused = mhc_ && cc && !train && T <= kFusedCollapseTokens;
+    Tensor a;
+    if (fused) {
+      a = attn_hc_->collapse_norm(x, in_norm_->weight_value(), in_norm_->config().eps,
+                                  s->attn_site);
+    } else {
+      Tensor u = mhc_ ? attn_hc_->collapse(c, x, s->attn_site) : x.reshape({T, D});
+      a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
+    }
     ps_hc.end();
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor y;
@@ -529,8 +542,14 @@ class DecoderLayer : public Module {
     profile::Scope ps_hc2("mhc + norm");
     Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
     // FFN site.
-    Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
-    Tensor b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
+    Tensor b;
+    if (fused) {
+      b = ffn_hc_->collapse_norm(x1, post_norm_->weight_value(), post_norm_->config().eps,
+                                 s->ffn_site);
+    } else {
+      Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
+      b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
+    }
     ps_hc2.end();
     profile::Scope ps_ffn(ffn_->moe() ? "moe" : "mlp");
     Tensor f =

@@ -247,7 +247,8 @@ TEST(MhcGpu, CollapseNormMatchesCpu) {
   testing::PoisonOutputs poison;
   Rng rng(testing::test_seed());
   std::vector<Geo> geos = kGeos;
-  geos.push_back({8, 40});  // the 8 x 8 Sinkhorn registers
+  geos.push_back({8, 40});   // the 8 x 8 Sinkhorn registers; flat in two slices of 256
+  geos.push_back({3, 300});  // four slices, the last one part-full; n odd
   for (DType dt : kDtypes)
     for (int64_t T : kTokens)
       for (const Geo& g : geos) {

@@ -81,6 +81,19 @@ MhcSite::MhcSite(const MhcSiteConfig& cfg, MhcSiteKind kind, const PrecisionPoli
   scale_ = &add_param(site + "scale", Tensor::from_values({3}, scale, pdt), true, true);
 }
 
+Tensor MhcSite::collapse_norm(const Tensor& x, const Tensor& norm_w, double eps, Saved& s) const {
+  check_streams(x, "collapse_norm");
+  s = Saved{};
+  s.x = x;
+  s.training = false;
+  ops::MhcCollapseNormed r = ops::mhc_collapse_norm(x, params(), cfg_.op_config(), norm_w, eps);
+  s.maps.pre = r.pre;
+  s.maps.post = r.post;
+  s.maps.comb = r.comb;
+  s.collapsed = true;
+  return r.a;
+}
+
 void MhcSite::check_streams(const Tensor& x, const char* what) const {
   HLM_CHECK(
       x.defined() && x.device() == fn_->value.device(),

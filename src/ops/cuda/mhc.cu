@@ -20,6 +20,10 @@
 //     backward's per-token part (sigmoid and Sinkhorn backward, dp, d inv_rms); the operations
 //     inside run in the CPU's order, so f32 / f64 results differ from the CPU only by the
 //     rounding of exp and of contracted multiply-adds;
+//   inference's collapse + norm (mhc_collapse_norm), for a decode step's few tokens: the
+//     projection and the sum of squares over slices of flat, a block per (slice, token), then a
+//     block per token for the slices' sums in slice order, the mappings, the collapse and the
+//     norm (below, "Inference");
 //   the mappings' projection fn @ flat, dx += dp @ fn and d fn = dp^T flat run as ops::gemm
 //     (cuBLAS); d base and d scale sum the tokens in parts of 64 (in order), then the parts in
 //     order. Parameter gradients are added to their accumulators in f64 and rounded once to the
@@ -371,6 +375,83 @@ __device__ __forceinline__ void maps_token(A* mt, A inv, In<A> base, In<A> scale
       if (i < n && j < n) comb[i * n + j] = M[i * NM + j];
 }
 
+// One token's mappings by one warp (every lane calls it), for a decode step's few tokens: the
+// same operations in the same order as maps_token (the same bits), with the entries spread over
+// the lanes instead of one thread's serial loop (whose dependent loads of base and ~40 Sinkhorn
+// steps took ~29 us a token on an H100). Lane l holds the comb entries q = l + 32 e (e < kE,
+// row q / n, column q % n); a row's or a column's sum gathers its n entries by shuffles, in
+// index order, as the serial loop adds them. mt: the token's projection [m] (unscaled, read
+// only). Writes pre and post [n] (and spre, shared) and comb [n, n].
+template <int NM, class A>
+__device__ __forceinline__ void maps_token_warp(const A* mt, A inv, In<A> base, In<A> scale, A* pre,
+                                                A* post, A* spre, A* comb, int n, A heps,
+                                                int64_t iters) {
+  constexpr int kE = (NM * NM + 31) / 32;
+  const int lane = threadIdx.x & 31, nn = n * n;
+  const A s0 = scale[0], s1 = scale[1], s2 = scale[2];
+  if (lane < n) {
+    const A hp = mt[lane] * inv, hq = mt[n + lane] * inv;
+    const A pj = dsigmoid(hp * s0 + base[lane]) + heps;
+    pre[lane] = pj;
+    spre[lane] = pj;
+    post[lane] = A(2) * dsigmoid(hq * s1 + base[n + lane]);
+  }
+  A v[kE];
+  int row[kE], col[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) {
+    const int q = lane + 32 * e, qc = q < nn ? q : 0;  // lanes past n^2 shadow entry 0
+    row[e] = qc / n;
+    col[e] = qc % n;
+    v[e] = q < nn ? (mt[2 * n + q] * inv) * s2 + base[2 * n + q] : A(0);
+  }
+  // Entry q of the matrix, in every lane (each lane may ask for another q).
+  auto at = [&](int q) {
+    A r = 0;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      const A t = __shfl_sync(0xffffffffu, v[e], q & 31);
+      if ((q >> 5) == e) r = t;
+    }
+    return r;
+  };
+  // Softmax of each row (max, exp, sum in column order, divide), then + eps.
+  A mx[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) mx[e] = at(row[e] * n);
+  for (int j = 1; j < n; ++j)
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      const A t = at(row[e] * n + j);
+      mx[e] = mx[e] < t ? t : mx[e];
+    }
+#pragma unroll
+  for (int e = 0; e < kE; ++e) v[e] = dexp(v[e] - mx[e]);
+  A sum[kE];
+#pragma unroll
+  for (int e = 0; e < kE; ++e) sum[e] = A(0);
+  for (int j = 0; j < n; ++j)
+#pragma unroll
+    for (int e = 0; e < kE; ++e) sum[e] += at(row[e] * n + j);
+#pragma unroll
+  for (int e = 0; e < kE; ++e) v[e] = v[e] / sum[e] + heps;
+  // Column, then (row, column) x (iters - 1): each entry divided by its column's (row's) sum + eps.
+  const int64_t steps = 2 * iters - 1;
+  for (int64_t st = 0; st < steps; ++st) {
+    const bool by_col = (st % 2) == 0;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) sum[e] = A(0);
+    for (int b = 0; b < n; ++b)
+#pragma unroll
+      for (int e = 0; e < kE; ++e) sum[e] += at(by_col ? b * n + col[e] : row[e] * n + b);
+#pragma unroll
+    for (int e = 0; e < kE; ++e) v[e] /= sum[e] + heps;
+  }
+#pragma unroll
+  for (int e = 0; e < kE; ++e)
+    if (lane + 32 * e < nn) comb[lane + 32 * e] = v[e];
+}
+
 // Per token: mix = proj * inv_rms (in place), pre, post, the comb logits and comb.
 template <int NM, class A>
 __global__ void __launch_bounds__(kTokThreads)
@@ -384,49 +465,71 @@ __global__ void __launch_bounds__(kTokThreads)
                  comb + t * nn, n, heps, iters);
 }
 
-// Inference, one block per token: the site's mappings (its projection fn @ flat as block sums,
-// eight rows a pass), u = sum_j pre_j X_j (rounded to X's dtype when that is bf16, as
-// mhc_collapse stores it) and a = u rstd w, rstd = 1 / sqrt(mean(u^2) + eps) (ops::rmsnorm).
+// Inference (a decode step's few tokens), in two kernels. The first sums the mappings'
+// projection over slices of flat: block (s, t) of a (slices, T) grid takes flat[t, s kSlice ..
+// (s + 1) kSlice), each lane holding 8 of its elements in registers, and writes the slice's m
+// dot products with the rows of fn and its sum of squares to part[t, s, 0 .. m]; warp w takes
+// rows w, w + 8, ... (row m: the squares), each lane's 8 products in order, then a warp sum. The
+// reads of fn are coalesced and spread over slices x T blocks (the whole projection read by one
+// block per token was bound by its loads' latency).
+constexpr int64_t kSlice = 256;  // elements of flat per block: 8 per lane
+constexpr int kPerLane = int(kSlice / 32);
+
+template <class A>
+__global__ void __launch_bounds__(kThreads)
+    collapse_norm_part_kernel(In<A> x, In<A> fn, A* __restrict__ part, int m, int64_t K) {
+  const int64_t t = blockIdx.y, s = blockIdx.x, k0 = s * kSlice;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  A xv[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t k = k0 + lane + 32 * i;
+    xv[i] = k < K ? x[t * K + k] : A(0);
+  }
+  A* out = part + (t * gridDim.x + s) * (m + 1);
+  for (int r = warp; r <= m; r += kWarps) {
+    A acc = 0;
+    if (r == m) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) acc += xv[i] * xv[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int64_t k = k0 + lane + 32 * i;
+        if (k < K) acc += fn[int64_t(r) * K + k] * xv[i];
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[r] = acc;
+  }
+}
+
+// The second, one block per token: the slices' sums in slice order (thread r < m: row r, thread
+// m: the squares), the token's mappings by warp 0 (maps_token_warp: the composition's epilogue's
+// operations), u = sum_j
+// pre_j X_j (rounded to X's dtype when that is bf16, as mhc_collapse stores it) and a = u rstd w,
+// rstd = 1 / sqrt(mean(u^2) + eps) (ops::rmsnorm).
 template <int NM, class A>
 __global__ void __launch_bounds__(kThreads)
-    collapse_norm_kernel(In<A> x, In<A> fn, In<A> base, In<A> scale, In<A> w, A* __restrict__ pre,
-                         A* __restrict__ post, A* __restrict__ comb, Out<A> a, int n, int64_t D,
-                         A norm_eps, A heps, int64_t iters, A rms_eps, bool round_u) {
-  constexpr int kRows = 8;
-  __shared__ A red[kWarps * kRows];
-  __shared__ A mix[(2 + NM) * NM];
+    collapse_norm_finish_kernel(In<A> x, const A* __restrict__ part, int64_t slices, In<A> base,
+                                In<A> scale, In<A> w, A* __restrict__ pre, A* __restrict__ post,
+                                A* __restrict__ comb, Out<A> a, int n, int64_t D, A norm_eps,
+                                A heps, int64_t iters, A rms_eps, bool round_u) {
+  __shared__ A red[kWarps];
+  __shared__ A mix[(2 + NM) * NM + 1];  // the m projections, then the sum of squares
   __shared__ A spre[NM];
-  __shared__ A sinv, srstd;
+  __shared__ A srstd;
   const int64_t t = blockIdx.x, K = int64_t(n) * D, m = int64_t(2 + n) * n, xb = t * K;
-  {
-    A v[1] = {A(0)};
-    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
-      const A e = x[xb + k];
-      v[0] += e * e;
-    }
-    const A ss = block_sums<1>(v, red);
-    if (threadIdx.x == 0) sinv = A(1) / dsqrt(ss / A(K) + norm_eps);
-    __syncthreads();
+  if (int64_t(threadIdx.x) <= m) {
+    A acc = 0;
+    for (int64_t s = 0; s < slices; ++s) acc += part[(t * slices + s) * (m + 1) + threadIdx.x];
+    mix[threadIdx.x] = acc;
   }
-  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-    A v[kRows];
-#pragma unroll
-    for (int q = 0; q < kRows; ++q) v[q] = A(0);
-    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
-      const A e = x[xb + k];
-#pragma unroll
-      for (int q = 0; q < kRows; ++q)
-        if (r0 + q < m) v[q] += fn[(r0 + q) * K + k] * e;
-    }
-    const A s = block_sums<kRows>(v, red);
-    if (int(threadIdx.x) < kRows && r0 + threadIdx.x < m) mix[r0 + threadIdx.x] = s;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    const int64_t nn = int64_t(n) * n;
-    maps_token<NM>(mix, sinv, base, scale, pre + t * n, post + t * n, static_cast<A*>(nullptr),
-                   comb + t * nn, n, heps, iters);
-    for (int j = 0; j < n; ++j) spre[j] = pre[t * n + j];
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const A inv = A(1) / dsqrt(mix[m] / A(K) + norm_eps);
+    maps_token_warp<NM>(mix, inv, base, scale, pre + t * n, post + t * n, spre,
+                        comb + t * int64_t(n) * n, n, heps, iters);
   }
   __syncthreads();
   // u, twice: for its sum of squares, then for a (no [D] buffer).
@@ -857,18 +960,25 @@ void mhc_mappings_backward(const Tensor& x_, const MhcParams& p, const MhcConfig
 
 void mhc_collapse_norm(const Tensor& x_, const MhcParams& p, const MhcConfig& c,
                        const Tensor& norm_w, double norm_eps, MhcCollapseNormed& r) {
-  const int64_t T = x_.size(0), n = x_.size(1), D = x_.size(2);
+  const int64_t T = x_.size(0), n = x_.size(1), D = x_.size(2), K = n * D, m = c.n_mix();
   if (T == 0) return;
+  HLM_CHECK(T <= kMaxBlocks, "mhc_collapse_norm on CUDA: {} tokens, at most {}", T, kMaxBlocks);
   const Tensor x = cont(x_), fn = cont(p.fn), base = cont(p.base), scale = cont(p.scale),
                w = cont(norm_w);
-  dispatch_acc(compute_dtype(x.dtype()), [&](auto tag) {
+  const int64_t slices = (K + kSlice - 1) / kSlice;
+  const DType cd = compute_dtype(x.dtype());
+  const Tensor part = alloc({T, slices, m + 1}, cd);
+  dispatch_acc(cd, [&](auto tag) {
     using A = decltype(tag);
+    collapse_norm_part_kernel<A><<<dim3(unsigned(slices), unsigned(T)), kThreads>>>(
+        in_of<A>(x), in_of<A>(fn), mptr<A>(part), int(m), K);
+    check_launch("mhc_collapse_norm (projection slices)");
     dispatch_nm(n, [&](auto nm) {
       constexpr int NM = decltype(nm)::value;
-      collapse_norm_kernel<NM, A><<<unsigned(T), kThreads>>>(
-          in_of<A>(x), in_of<A>(fn), in_of<A>(base), in_of<A>(scale), in_of<A>(w), mptr<A>(r.pre),
-          mptr<A>(r.post), mptr<A>(r.comb), out_of<A>(r.a), int(n), D, A(c.norm_eps), A(c.hc_eps),
-          c.sinkhorn_iters, A(norm_eps), x.dtype() == DType::bf16);
+      collapse_norm_finish_kernel<NM, A><<<unsigned(T), kThreads>>>(
+          in_of<A>(x), mptr<A>(part), slices, in_of<A>(base), in_of<A>(scale), in_of<A>(w),
+          mptr<A>(r.pre), mptr<A>(r.post), mptr<A>(r.comb), out_of<A>(r.a), int(n), D,
+          A(c.norm_eps), A(c.hc_eps), c.sinkhorn_iters, A(norm_eps), x.dtype() == DType::bf16);
     });
   });
   check_launch("mhc_collapse_norm");
