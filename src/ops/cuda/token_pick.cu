@@ -1,12 +1,17 @@
-// The token picks and scores on CUDA (ops/cuda/token_pick.cuh), the rule of ops/token_pick.h: one
-// 512-thread block per row (score_tokens: the given token's log-probability, nothing picked).
+// The token picks and scores on CUDA (ops/cuda/token_pick.cuh), the rule of ops/token_pick.h, in
+// two kernels (score_tokens: the given token's log-probability, nothing picked).
 //
-// Every row (greedy or not): pass 1, thread j walks v = j, j + 512, ... keeping its largest finite
-// logit (ties: the lower id, which it meets first) and its first non-finite id; the block merges
-// the (value, id) pairs (larger value, then lower id: a total order, so any merge order gives the
-// same pair) and the first bad ids (the minimum). Pass 2: thread j sums exp(x_v - m) in FP64 over
-// its ids; the 512 sums are added by xor butterflies over each warp and over the 16 warp sums: a
-// fixed order, so the same bits every run.
+// Every row (greedy or not) is first cut into slices of 4096 ids, a 512-thread block per (slice,
+// row) (row_part_kernel; one block walking a 154880-id row took 168 us on an H100): thread j
+// walks the slice's ids j, j + 512, ... keeping its largest finite logit (ties: the lower id,
+// which it meets first) and its first non-finite id; the block merges the (value, id) pairs
+// (larger value, then lower id: a total order, so any merge order gives the same pair) and the
+// first bad ids (the minimum); then it sums exp(x_v - m_s) in FP64 over the slice, m_s its
+// largest finite logit, each warp by an xor butterfly and the 16 warp sums in warp order. Then a
+// 512-thread block per row (pick_kernel) merges its slices the same way: the pick's (value, id),
+// the first bad id, m = the largest m_s, and lse = m + log(sum_s S_s exp(m_s - m)), the slices
+// added in slice order by each lane and a butterfly over the lanes: a fixed order, so the same
+// bits every run.
 //
 // A sampled row then selects by radix over the candidates' order. Each id v has the key
 // (ord(x_v), 2^32 - 1 - v), ord mapping the logit's bits to an unsigned integer that grows with
@@ -97,8 +102,6 @@ enum class Find { count_reaches, weight_reaches, weight_exceeds };
 // The row's block-wide state, in shared memory.
 struct RowState {
   unsigned long long hist[kBins];
-  double sv[kWarps], ss[kWarps];
-  int64_t si[kWarps], sb[kWarps];
   double m, lse;
   int64_t best, bad;
   unsigned long long found_above;
@@ -195,19 +198,24 @@ __device__ typename KeyOf<T>::Key find_key(RowState& st, const T* row, int64_t V
   return prefix;
 }
 
+constexpr int64_t kSliceIds = 8 * kThreads;  // ids of a row per row_part_kernel block
+
+// A slice's (m_s, S_s) and its pick, as doubles [R, slices, 2] and ids [R, slices, 2] (the best
+// finite id or kNone, the first non-finite id or kNone).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    pick_kernel(const T* __restrict__ x, int64_t V, const double* __restrict__ params,
-                const int64_t* __restrict__ given, int scale, int64_t* __restrict__ token,
-                double* __restrict__ logprob, int64_t* __restrict__ bad) {
-  using Key = typename KeyOf<T>::Key;
-  __shared__ RowState st;
-  const int64_t r = blockIdx.x;
+    row_part_kernel(const T* __restrict__ x, int64_t V, double* __restrict__ pv,
+                    int64_t* __restrict__ pi) {
+  __shared__ double sv[kWarps], ss[kWarps];
+  __shared__ int64_t si[kWarps], sb[kWarps];
+  __shared__ double sm;
+  const int64_t r = blockIdx.y, s = blockIdx.x, slices = gridDim.x;
+  const int64_t v0 = s * kSliceIds, v1 = v0 + kSliceIds < V ? v0 + kSliceIds : V;
   const T* row = x + r * V;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   double best = -INFINITY;
   int64_t idx = kNone, first_bad = kNone;
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) {
+  for (int64_t v = v0 + threadIdx.x; v < v1; v += kThreads) {
     const double e = ld<double>(row, v);
     if (!(fabs(e) < INFINITY)) {  // NaN or infinite
       if (first_bad == kNone) first_bad = v;
@@ -220,18 +228,65 @@ __global__ void __launch_bounds__(kThreads)
   }
   warp_merge(best, idx, first_bad);
   if (lane == 0) {
-    st.sv[warp] = best;
-    st.si[warp] = idx;
-    st.sb[warp] = first_bad;
+    sv[warp] = best;
+    si[warp] = idx;
+    sb[warp] = first_bad;
   }
   __syncthreads();
   if (warp == 0) {
-    best = lane < kWarps ? st.sv[lane] : -INFINITY;
-    idx = lane < kWarps ? st.si[lane] : kNone;
-    first_bad = lane < kWarps ? st.sb[lane] : kNone;
+    best = lane < kWarps ? sv[lane] : -INFINITY;
+    idx = lane < kWarps ? si[lane] : kNone;
+    first_bad = lane < kWarps ? sb[lane] : kNone;
     warp_merge(best, idx, first_bad);
     if (lane == 0) {
-      st.m = best;
+      sm = best;
+      pi[(r * slices + s) * 2] = idx;
+      pi[(r * slices + s) * 2 + 1] = first_bad;
+    }
+  }
+  __syncthreads();
+  const double m = sm;
+  double sum = 0;
+  for (int64_t v = v0 + threadIdx.x; v < v1; v += kThreads) sum += exp(ld<double>(row, v) - m);
+  sum = warp_sum(sum);
+  if (lane == 0) ss[warp] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) sum += ss[w];
+    pv[(r * slices + s) * 2] = m;
+    pv[(r * slices + s) * 2 + 1] = sum;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    pick_kernel(const T* __restrict__ x, int64_t V, const double* __restrict__ pv,
+                const int64_t* __restrict__ pi, int64_t slices, const double* __restrict__ params,
+                const int64_t* __restrict__ given, int scale, int64_t* __restrict__ token,
+                double* __restrict__ logprob, int64_t* __restrict__ bad) {
+  using Key = typename KeyOf<T>::Key;
+  __shared__ RowState st;
+  const int64_t r = blockIdx.x;
+  const T* row = x + r * V;
+  const double* prv = pv + r * slices * 2;
+  const int64_t* pri = pi + r * slices * 2;
+  const int lane = int(threadIdx.x) % 32;
+  if (threadIdx.x < 32) {  // warp 0 merges the slices
+    double best = -INFINITY;
+    int64_t idx = kNone, first_bad = kNone;
+    for (int64_t s = lane; s < slices; s += 32) {
+      if (pri[2 * s] != kNone) better(best, idx, prv[2 * s], pri[2 * s]);
+      first_bad = pri[2 * s + 1] < first_bad ? pri[2 * s + 1] : first_bad;
+    }
+    warp_merge(best, idx, first_bad);
+    const double m = best;
+    double sum = 0;
+    for (int64_t s = lane; s < slices; s += 32)
+      if (pri[2 * s] != kNone) sum += prv[2 * s + 1] * exp(prv[2 * s] - m);
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      st.m = m;
+      st.lse = m + log(sum);
       st.best = idx == kNone ? 0 : idx;
       st.bad = first_bad == kNone ? -1 : first_bad;
       bad[r] = st.bad;
@@ -239,16 +294,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const double m = st.m;
-  double s = 0;
-  for (int64_t v = threadIdx.x; v < V; v += kThreads) s += exp(ld<double>(row, v) - m);
-  s = warp_sum(s);
-  if (lane == 0) st.ss[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    s = warp_sum(lane < kWarps ? st.ss[lane] : 0.0);
-    if (lane == 0) st.lse = m + log(s);
-  }
-  __syncthreads();
   int64_t pick = given ? given[r] : st.best;
   const double temp = params ? params[4 * r] : 0.0;
   if (st.bad < 0 && temp > 0) {  // block-uniform
@@ -285,12 +330,20 @@ int weight_scale(int64_t V) {
 }
 
 void launch(const Tensor& logits, const double* params, const int64_t* given, TokenPick& out) {
-  const int64_t R = logits.size(0), V = logits.size(1);
+  const int64_t R = logits.size(0), V = logits.size(1), slices = (V + kSliceIds - 1) / kSliceIds;
+  HLM_CHECK(R <= 65535 && slices <= 65535,
+            "token pick on CUDA: {} rows of {} ids, at most 65535 "
+            "rows and {} ids",
+            R, V, 65535 * kSliceIds);
+  const Tensor pv = alloc({R, slices, 2}, DType::f64), pi = alloc({R, slices, 2}, DType::i64);
   dispatch_storage(logits.dtype(), [&](auto tx) {
     using T = decltype(tx);
-    pick_kernel<T><<<unsigned(R), kThreads>>>(cptr<T>(logits), V, params, given, weight_scale(V),
-                                              mptr<int64_t>(out.token), mptr<double>(out.logprob),
-                                              mptr<int64_t>(out.bad));
+    row_part_kernel<T><<<dim3(unsigned(slices), unsigned(R)), kThreads>>>(
+        cptr<T>(logits), V, mptr<double>(pv), mptr<int64_t>(pi));
+    pick_kernel<T><<<unsigned(R), kThreads>>>(cptr<T>(logits), V, cptr<double>(pv),
+                                              cptr<int64_t>(pi), slices, params, given,
+                                              weight_scale(V), mptr<int64_t>(out.token),
+                                              mptr<double>(out.logprob), mptr<int64_t>(out.bad));
   });
 }
 
