@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       }
     }
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r)
+    for (int r = 0; r < kGemvRows; ++r) {
+      if (r >= nr) break;  // uniform: no butterflies for the chunk's absent rows
 #pragma unroll
       for (int c = 0; c < kGemvCh; ++c) {
         const A v = warp_sum(acc[c][r]);
@@ -241,6 +242,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
         if (lane == 0 && p < p1 && n0 + c < Nout)
           Y[(out_perm ? out_perm[p] : p) * Nout + n0 + c] = v;
       }
+    }
   }
 }
 
