@@ -61,10 +61,11 @@ void gemm_grouped(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, 
 // call for all (counted by gemm_grouped_counts), A converted once under round_bf16.
 void gemm_multi(const Tensor& a, bool trans_a, const std::vector<Tensor>& b, bool trans_b,
                 std::vector<Tensor>& c, GemmOptions opt = {});
-// CUDA grouped GEMM calls since the start: all of them, and those that cuBLAS did not take as one
-// grouped call for their dtypes (run as one cublasGemmEx per group instead).
+// CUDA grouped GEMM calls since the start: all of them, those that cuBLAS did not take as one
+// grouped call for their dtypes (run as one cublasGemmEx per group instead), and those whose
+// products had one shape at constant operand strides (run as one strided batched call).
 struct GemmGroupedCounts {
-  int64_t calls = 0, per_group_loops = 0;
+  int64_t calls = 0, per_group_loops = 0, strided = 0;
 };
 GemmGroupedCounts gemm_grouped_counts();
 

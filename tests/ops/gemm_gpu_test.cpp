@@ -260,10 +260,21 @@ TEST(GemmGroupedGpu, StridedRows) {
     }
     Tensor on_cpu = c0.clone(), on_gpu = gpu(c0);
     ops::gemm_grouped(a, false, w, true, on_cpu, groups, 1.0, 0.0, ops::GemmOptions{round});
+    // One shape at constant strides (the per-head pattern): one strided batched call.
+    const ops::GemmGroupedCounts before = ops::gemm_grouped_counts();
     ops::gemm_grouped(gpu(a), false, gpu(w), true, on_gpu, groups, 1.0, 0.0,
                       ops::GemmOptions{round});
+    EXPECT_EQ(ops::gemm_grouped_counts().strided, before.strided + 1);
     EXPECT_TRUE(testing::bit_equal(on_cpu, want)) << "round " << round;
     check("strided groups", on_gpu, want, 1e-6, 1e-6);
+    // The heads in another order: not constant strides, a grouped call; the same products.
+    std::vector<ops::GemmGroup> shuffled = {groups[1], groups[0], groups[2]};
+    Tensor on_gpu2 = gpu(c0);
+    const ops::GemmGroupedCounts before2 = ops::gemm_grouped_counts();
+    ops::gemm_grouped(gpu(a), false, gpu(w), true, on_gpu2, shuffled, 1.0, 0.0,
+                      ops::GemmOptions{round});
+    EXPECT_EQ(ops::gemm_grouped_counts().strided, before2.strided);
+    check("strided groups, shuffled", on_gpu2, want, 1e-6, 1e-6);
     // Outside the blocks: c0's values, on both.
     const std::vector<double> g = cpu(on_gpu).to_f64_vector(), c = c0.to_f64_vector();
     for (int64_t i = 0; i < T * H * nb; ++i) {

@@ -1,6 +1,7 @@
 // The subset of cuBLAS that hybridlm calls (ops/cuda/gemm_cublas.cu), for the CPU emulation
-// build: handle management, cublasGemmEx with f32 / f64 / bf16 / f16 matrices and
-// cublasGemmGroupedBatchedEx (each of its problems one cublasGemmEx). The same C declarations as
+// build: handle management, cublasGemmEx with f32 / f64 / bf16 / f16 matrices,
+// cublasGemmStridedBatchedEx and cublasGemmGroupedBatchedEx (each of their problems one
+// cublasGemmEx). The same C declarations as
 // cublas_api.h, so this file replaces libcublas.
 //
 // cublasGemmEx: column-major C = alpha op(A) op(B) + beta C. The sum over k is formed in FP64 and
@@ -53,6 +54,17 @@ void store(void* p, cudaDataType t, int64_t i, double v) {
       return;
     default:
       return;
+  }
+}
+
+size_t load_size(cudaDataType t) {
+  switch (t) {
+    case CUDA_R_64F:
+      return 8;
+    case CUDA_R_32F:
+      return 4;
+    default:
+      return 2;  // bf16, f16
   }
 }
 
@@ -155,6 +167,37 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
         store(C, Ctype, ci, be == 0 ? fa * acc : fa * acc + fb * float(load(C, Ctype, ci)));
       }
     }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// Problem i of the batch at A + i strideA, B + i strideB, C + i strideC (elements), in order.
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa,
+                                          cublasOperation_t transb, int m, int n, int k,
+                                          const void* alpha, const void* A, cudaDataType Atype,
+                                          int lda, long long int strideA, const void* B,
+                                          cudaDataType Btype, int ldb, long long int strideB,
+                                          const void* beta, void* C, cudaDataType Ctype, int ldc,
+                                          long long int strideC, int batchCount,
+                                          cublasComputeType_t computeType, cublasGemmAlgo_t algo) {
+  if (!handle) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (batchCount < 0) return CUBLAS_STATUS_INVALID_VALUE;
+  if (!supported(Atype) || !supported(Btype) || !supported(Ctype))
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  ++g_blas_calls;
+  struct InGrouped {  // the problems below are this call's, not calls of their own
+    InGrouped() { t_in_grouped = true; }
+    ~InGrouped() { t_in_grouped = false; }
+  } in_grouped;
+  const auto at = [](const void* p, cudaDataType t, long long off) {
+    return static_cast<const char*>(p) + off * load_size(t);
+  };
+  for (int i = 0; i < batchCount; ++i) {
+    const cublasStatus_t st =
+        cublasGemmEx(handle, transa, transb, m, n, k, alpha, at(A, Atype, i * strideA), Atype, lda,
+                     at(B, Btype, i * strideB), Btype, ldb, beta,
+                     const_cast<char*>(at(C, Ctype, i * strideC)), Ctype, ldc, computeType, algo);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+  }
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -22,6 +22,8 @@
 // problem per product, each mapped to column-major as above; the pointer arrays are copied to the
 // device, the sizes, leading dimensions and scalars stay on the host. Where cuBLAS answers
 // CUBLAS_STATUS_NOT_SUPPORTED for the dtype, the products run as a loop of cublasGemmEx calls.
+// Products of one shape whose operands step by constant strides (the MLA's per-head products)
+// go to one cublasGemmStridedBatchedEx call instead: one kernel, nothing copied.
 // Determinism: one handle per device, created lazily on first use, bound to the default stream,
 // atomics not allowed and reduced-precision reductions disallowed; cuBLAS then returns the same
 // bits for the same call run after run on the same GPU.
@@ -123,11 +125,11 @@ void run_into(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, DTy
 }  // namespace
 
 namespace {
-std::atomic<int64_t> g_grouped_calls{0}, g_grouped_loops{0};
+std::atomic<int64_t> g_grouped_calls{0}, g_grouped_loops{0}, g_grouped_strided{0};
 }  // namespace
 
 ops::GemmGroupedCounts gemm_grouped_counts() {
-  return {g_grouped_calls.load(), g_grouped_loops.load()};
+  return {g_grouped_calls.load(), g_grouped_loops.load(), g_grouped_strided.load()};
 }
 
 namespace {
@@ -142,6 +144,19 @@ struct GroupProduct {
 
 // One cublasGemmGroupedBatchedEx call over the products (a loop of cublasGemmEx where cuBLAS does
 // not take the dtypes): A and B of dtype ab, C of dtype cd.
+// The element stride of the pointers p(0), p(1), ... when they step by a constant number of
+// elements of es bytes (0 for one product), else -1.
+template <class F>
+int64_t pointer_stride(size_t G, size_t es, F&& p) {
+  if (G < 2) return 0;
+  const auto at = [&](size_t g) { return reinterpret_cast<intptr_t>(p(g)); };
+  const intptr_t d = at(1) - at(0);
+  if (d < 0 || d % intptr_t(es) != 0) return -1;
+  for (size_t g = 2; g < G; ++g)
+    if (at(g) - at(g - 1) != d) return -1;
+  return int64_t(d / intptr_t(es));
+}
+
 void grouped_call(const std::vector<GroupProduct>& ps, bool ta, bool tb, DType ab, DType cd,
                   double alpha, double beta) {
   ++g_grouped_calls;
@@ -151,6 +166,31 @@ void grouped_call(const std::vector<GroupProduct>& ps, bool ta, bool tb, DType a
   const size_t G = ps.size();
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (see the top of this file):
   // cuBLAS's A is our B, its m our n.
+  // Products of one shape at constant pointer strides (the MLA's per-head products): one strided
+  // batched call, one kernel and no pointer arrays (cuBLAS ran a grouped call of equal groups as
+  // a kernel per group).
+  const GroupProduct& q0 = ps.front();
+  const bool uniform = std::all_of(ps.begin(), ps.end(), [&](const GroupProduct& q) {
+    return q.m == q0.m && q.n == q0.n && q.k == q0.k && q.lda == q0.lda && q.ldb == q0.ldb &&
+           q.ldc == q0.ldc;
+  });
+  const size_t es_ab = dtype_size(ab), es_c = dtype_size(cd);
+  const int64_t sa = pointer_stride(G, es_ab, [&](size_t g) { return ps[g].a; }),
+                sb = pointer_stride(G, es_ab, [&](size_t g) { return ps[g].b; }),
+                sc = pointer_stride(G, es_c, [&](size_t g) { return ps[g].c; });
+  if (uniform && sa >= 0 && sb >= 0 && sc >= 0) {
+    ++g_grouped_strided;
+    const float fa = float(alpha), fb = float(beta);
+    check_cublas(cublasGemmStridedBatchedEx(
+                     handle(), tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                     as_int(q0.n, "n"), as_int(q0.m, "m"), as_int(q0.k, "k"),
+                     f64 ? static_cast<const void*>(&alpha) : &fa, q0.b, ty_ab,
+                     as_int(q0.ldb, "ldb"), sb, q0.a, ty_ab, as_int(q0.lda, "lda"), sa,
+                     f64 ? static_cast<const void*>(&beta) : &fb, q0.c, ty, as_int(q0.ldc, "ldc"),
+                     sc, as_int(int64_t(G), "groups"), compute, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmStridedBatchedEx");
+    return;
+  }
   const std::vector<cublasOperation_t> op_a(G, ta ? CUBLAS_OP_T : CUBLAS_OP_N),
       op_b(G, tb ? CUBLAS_OP_T : CUBLAS_OP_N);
   std::vector<int> m(G), n(G), k(G), lda(G), ldb(G), ldc(G), size(G, 1);
