@@ -540,13 +540,13 @@ class DecoderLayer : public Module {
     }
     ps_att.end();
     profile::Scope ps_hc2("mhc + norm");
-    Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
-    // FFN site.
-    Tensor b;
+    // FFN site (in a decode step, after the attention site's write-back in the same pass).
+    Tensor x1, b;
     if (fused) {
-      b = ffn_hc_->collapse_norm(x1, post_norm_->weight_value(), post_norm_->config().eps,
-                                 s->ffn_site);
+      b = ffn_hc_->collapse_norm_after(*attn_hc_, s->attn_site, y, post_norm_->weight_value(),
+                                       post_norm_->config().eps, s->ffn_site, &x1);
     } else {
+      x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
       Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
       b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
     }
