@@ -194,7 +194,7 @@ TEST(DecodeGpu, TheGeneratorOnCudaYieldsTheCpuTokens) {
 // (KDA decode, DSA over the cache with KPool, FP8 pooled scoring, MoE, mHC) copies nothing to the
 // host and never synchronizes; the Generator's step copies one [3, B] block of picks (and one
 // more in a step that scores a prompt). On the emulation the step's launches are held to a
-// budget (the counts docs/inference.md gives, "Launches per decode step").
+// budget (the counts docs/inference.md gives, "What a decode step spends").
 TEST(DecodeGpu, AStepWaitsForTheDeviceOnlyForItsPicks) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   for (const bool bf16 : {false, true}) {
