@@ -331,25 +331,12 @@ class FeedForward : public Module {
 
 // ---- the decoder layer --------------------------------------------------------------------------
 
-// A decoder layer's last mHC write-back in a decode step, left to the next layer's first collapse
-// (MhcSite::collapse_norm_after: one pass for both): the site, its Saved and the FFN's output.
-// site null: none pending.
-struct MhcPending {
-  const MhcSite* site = nullptr;
-  MhcSite::Saved saved;
-  Tensor y;
-};
-
 // A decoder layer's part of a forward over a cache: the cache, the batch's slots, the layer.
 struct CacheCall {
   ModelCache* cache = nullptr;
   const std::vector<int64_t>* slots = nullptr;
   int64_t layer = 0;
   bool draft_last = false;  // every sequence is [token, draft]: keep the KDA states between them
-  // The write-back passed between layers (null: each layer writes its own back). A layer that
-  // leaves its write-back pending returns no tensor; the last layer never does.
-  MhcPending* pending = nullptr;
-  bool last_layer = false;
 };
 
 // A context-parallel forward (ModelInputs::cp): this rank's slice and the KDA layers' mode.
@@ -491,32 +478,20 @@ class DecoderLayer : public Module {
              const Tensor& replay, const Tensor& given, const CacheCall* cc = nullptr) const {
     const Context c = sub_ctx(ctx);
     const bool train = ctx.training;
-    MhcPending* pend = cc ? cc->pending : nullptr;
-    const bool pending_in = pend && pend->site;
-    HLM_CHECK(x.defined() != pending_in,
-              "DecoderLayer: takes either the streams or the previous layer's pending write-back");
-    const int64_t T = pending_in ? pend->y.size(0) : x.size(0), D = in_norm_->config().dim;
+    s->x = x;
+    const int64_t T = x.size(0), D = x.size(2);
     // Attention site.
     profile::Scope ps_hc("mhc + norm");
-    // A decode step over the cache: each site's collapse and its norm in one pass, after the
-    // previous site's write-back.
+    // A decode step over the cache: each site's collapse and its norm in one pass.
     const bool fused = mhc_ && cc && !train && T <= kFusedCollapseTokens;
-    Tensor xin = x, a;
-    if (pending_in && fused) {
-      a = attn_hc_->collapse_norm_after(*pend->site, pend->saved, pend->y, in_norm_->weight_value(),
-                                        in_norm_->config().eps, s->attn_site, &xin);
+    Tensor a;
+    if (fused) {
+      a = attn_hc_->collapse_norm(x, in_norm_->weight_value(), in_norm_->config().eps,
+                                  s->attn_site);
     } else {
-      if (pending_in) xin = pend->site->write_back(c, pend->y, pend->saved);
-      if (fused) {
-        a = attn_hc_->collapse_norm(xin, in_norm_->weight_value(), in_norm_->config().eps,
-                                    s->attn_site);
-      } else {
-        Tensor u = mhc_ ? attn_hc_->collapse(c, xin, s->attn_site) : xin.reshape({T, D});
-        a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
-      }
+      Tensor u = mhc_ ? attn_hc_->collapse(c, x, s->attn_site) : x.reshape({T, D});
+      a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
     }
-    if (pending_in) *pend = MhcPending{};
-    s->x = xin;
     ps_hc.end();
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor y;
@@ -565,13 +540,13 @@ class DecoderLayer : public Module {
     }
     ps_att.end();
     profile::Scope ps_hc2("mhc + norm");
-    // FFN site (in a decode step, after the attention site's write-back in the same pass).
-    Tensor x1, b;
+    Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
+    // FFN site.
+    Tensor b;
     if (fused) {
-      b = ffn_hc_->collapse_norm_after(*attn_hc_, s->attn_site, y, post_norm_->weight_value(),
-                                       post_norm_->config().eps, s->ffn_site, &x1);
+      b = ffn_hc_->collapse_norm(x1, post_norm_->weight_value(), post_norm_->config().eps,
+                                 s->ffn_site);
     } else {
-      x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(xin, y.reshape({T, 1, D}));
       Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
       b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
     }
@@ -581,12 +556,6 @@ class DecoderLayer : public Module {
         ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr, s->cp.slice);
     ps_ffn.end();
     HLM_PROFILE("mhc + norm");
-    if (fused && pend && !cc->last_layer) {  // the next layer's first collapse writes it back
-      pend->site = ffn_hc_.get();
-      pend->saved = s->ffn_site;
-      pend->y = f;
-      return Tensor();
-    }
     return mhc_ ? ffn_hc_->write_back(c, f, s->ffn_site) : add(x1, f.reshape({T, 1, D}));
   }
 
@@ -1049,8 +1018,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     in.cache->reserve(in.cache_slots, lengths);
   }
   int64_t moe_i = 0, dsa_i = 0;
-  Tensor prev_sel;     // the last DSA layer's attended sets ("shared" indexer layers reuse them)
-  MhcPending pending;  // over a cache: a layer's last write-back, done by the next layer
+  Tensor prev_sel;  // the last DSA layer's attended sets ("shared" indexer layers reuse them)
   for (size_t l = 0; l < layers_.size(); ++l) {
     DecoderLayer::Out lo;
     const Tensor rp = layers_[l]->is_moe() ? replay_of(moe_i) : Tensor();
@@ -1067,8 +1035,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
         given = prev_sel;
       }
     }
-    const CacheCall cc{in.cache,      &in.cache_slots, int64_t(l),
-                       in.draft_last, &pending,        l + 1 == layers_.size()};
+    const CacheCall cc{in.cache, &in.cache_slots, int64_t(l), in.draft_last};
     x = layers_[l]->forward(ctx, x, seqs, train ? &s->layers[l] : nullptr, &lo, rp, given,
                             cached ? &cc : nullptr, CpCall{in.cp, in.cp_mode});
     if (layers_[l]->is_dsa()) {

@@ -253,11 +253,9 @@ Tensor mhc_collapse(const Tensor& x, const Tensor& pre) {
   return u;
 }
 
-namespace {
-
-// The checks of mhc_collapse_norm's arguments (x: the streams it collapses).
-Dims check_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
-                         const Tensor& norm_w, double norm_eps, const char* op) {
+MhcCollapseNormed mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
+                                    const Tensor& norm_w, double norm_eps) {
+  const char* op = "mhc_collapse_norm";
   check_cfg(c, op);
   const Dims d = check_streams(x, op, c.n);
   check_params(p, x, d, c, op);
@@ -271,52 +269,18 @@ Dims check_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c
               {p.scale, "params.scale"},
               {norm_w, "norm_w"}},
              d.n);
-  return d;
-}
-
-MhcCollapseNormed collapse_norm_cpu(const Tensor& x, const MhcParams& p, const MhcConfig& c,
-                                    const Tensor& norm_w, double norm_eps) {
   const DType dt = cdt(x);
-  const MhcMappings m = mhc_mappings_forward(x, p, c);
-  const Tensor u = mhc_collapse(x, m.pre);
-  const RmsNormResult nr = rmsnorm_forward(as_dtype(u, dt), as_dtype(norm_w, dt), norm_eps);
-  return {as_dtype(nr.y, x.dtype()), m.pre, m.post, m.comb};
-}
-
-MhcCollapseNormed collapse_norm_outputs(const Dims& d, DType x_dtype, Device dev) {
-  const DType dt = detail::compute_dtype(x_dtype);
-  return {detail::new_output({d.T, d.D}, x_dtype, dev), detail::new_output({d.T, d.n}, dt, dev),
-          detail::new_output({d.T, d.n}, dt, dev), detail::new_output({d.T, d.n, d.n}, dt, dev)};
-}
-
-}  // namespace
-
-MhcCollapseNormed mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
-                                    const Tensor& norm_w, double norm_eps) {
-  const char* op = "mhc_collapse_norm";
-  const Dims d = check_collapse_norm(x, p, c, norm_w, norm_eps, op);
-  if (x.device() == Device::cpu) return collapse_norm_cpu(x, p, c, norm_w, norm_eps);
-  MhcCollapseNormed r = collapse_norm_outputs(d, x.dtype(), x.device());
-  HLM_CUDA_PATH(op, cuda::mhc_collapse_norm(x, p, c, norm_w, norm_eps, r));
-  return r;
-}
-
-MhcWriteBackCollapseNormed mhc_write_back_collapse_norm(const Tensor& x, const Tensor& y,
-                                                        const Tensor& post, const Tensor& comb,
-                                                        const MhcParams& p, const MhcConfig& c,
-                                                        const Tensor& norm_w, double norm_eps) {
-  const char* op = "mhc_write_back_collapse_norm";
-  const Dims d = check_collapse_norm(x, p, c, norm_w, norm_eps, op);
-  check_wb(x, y, post, comb, d, op);
-  check_cuda(op, x, {{y, "y"}, {post, "post"}, {comb, "comb"}});
-  if (x.device() == Device::cpu) {
-    Tensor xo = mhc_write_back(x, y, post, comb);
-    return {xo, collapse_norm_cpu(xo, p, c, norm_w, norm_eps)};
+  const Device dev = x.device();
+  if (dev == Device::cpu) {
+    const MhcMappings m = mhc_mappings_forward(x, p, c);
+    const Tensor u = mhc_collapse(x, m.pre);
+    const RmsNormResult nr = rmsnorm_forward(as_dtype(u, dt), as_dtype(norm_w, dt), norm_eps);
+    return {as_dtype(nr.y, x.dtype()), m.pre, m.post, m.comb};
   }
-  MhcWriteBackCollapseNormed r{detail::new_output(x.shape(), x.dtype(), x.device()),
-                               collapse_norm_outputs(d, x.dtype(), x.device())};
-  HLM_CUDA_PATH(op, cuda::mhc_write_back_collapse_norm(x, y, post, comb, p, c, norm_w, norm_eps,
-                                                       r.x, r.next));
+  MhcCollapseNormed r{
+      detail::new_output({d.T, d.D}, x.dtype(), dev), detail::new_output({d.T, d.n}, dt, dev),
+      detail::new_output({d.T, d.n}, dt, dev), detail::new_output({d.T, d.n, d.n}, dt, dev)};
+  HLM_CUDA_PATH(op, cuda::mhc_collapse_norm(x, p, c, norm_w, norm_eps, r));
   return r;
 }
 

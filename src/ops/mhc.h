@@ -120,18 +120,6 @@ struct MhcCollapseNormed {
 };
 MhcCollapseNormed mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
                                     const Tensor& norm_w, double norm_eps);
-// Inference: a site's write-back X' = mhc_write_back(x, y, post, comb) and the next site's
-// mhc_collapse_norm(X', p, c, norm_w, norm_eps) in one pass. CPU: the two ops (their bits). CUDA:
-// mhc_collapse_norm's two kernels, the first computing its slice of X' as mhc_write_back's
-// kernel does (the same bits), storing it and summing the stored values (one launch less).
-struct MhcWriteBackCollapseNormed {
-  Tensor x;  // X' [T, n, D], x's dtype
-  MhcCollapseNormed next;
-};
-MhcWriteBackCollapseNormed mhc_write_back_collapse_norm(const Tensor& x, const Tensor& y,
-                                                        const Tensor& post, const Tensor& comb,
-                                                        const MhcParams& p, const MhcConfig& c,
-                                                        const Tensor& norm_w, double norm_eps);
 
 // Write-back X'_i = post_i y + sum_j comb[j][i] X_j: x [T, n, D], y [T, D], post [T, n],
 // comb [T, n, n]; result in X's dtype.

@@ -267,42 +267,6 @@ TEST(MhcGpu, CollapseNormMatchesCpu) {
       }
 }
 
-// The write-back and the next collapse + norm in one op: X' the bits of CUDA's mhc_write_back,
-// everything within the GPU tolerance of the CPU's.
-TEST(MhcGpu, WriteBackCollapseNormMatchesCpu) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
-  testing::PoisonOutputs poison;
-  Rng rng(testing::test_seed());
-  std::vector<Geo> geos = kGeos;
-  geos.push_back({3, 300});  // four slices of flat, the last one part-full
-  for (DType dt : kDtypes)
-    for (int64_t T : kTokens)
-      for (const Geo& g : geos) {
-        const int64_t n = g.n, D = g.D;
-        const DType cd = comp(dt);
-        ops::MhcConfig c;
-        c.n = n;
-        const In2 x = normal({T, n, D}, dt, rng), y = normal({T, D}, dt, rng);
-        const In2 post = uniform({T, n}, cd, rng, 0.0, 2.0),
-                  comb = uniform({T, n, n}, cd, rng, 0.0, 1.0);
-        const Params2 p = make_params(n, D, cd, rng);
-        const In2 w = uniform({D}, cd, rng, 0.5, 1.5);
-        compare_runs(label("write-back + collapse + norm", dt, T, n, D), cd, [&](bool d) {
-          const ops::MhcWriteBackCollapseNormed r = ops::mhc_write_back_collapse_norm(
-              x.on(d), y.on(d), post.on(d), comb.on(d), p.on(d), c, w.on(d), 1e-5);
-          return Outs{{"x'", r.x},
-                      {"a", r.next.a},
-                      {"pre", r.next.pre},
-                      {"post", r.next.post},
-                      {"comb", r.next.comb}};
-        });
-        const Tensor wb = ops::mhc_write_back(x.on(true), y.on(true), post.on(true), comb.on(true));
-        const ops::MhcWriteBackCollapseNormed r = ops::mhc_write_back_collapse_norm(
-            x.on(true), y.on(true), post.on(true), comb.on(true), p.on(true), c, w.on(true), 1e-5);
-        EXPECT_TRUE(testing::bit_equal(cpu(r.x), cpu(wb))) << label("write-back bits", dt, T, n, D);
-      }
-}
-
 TEST(MhcGpu, SiteMatchesCpu) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   testing::PoisonOutputs poison;

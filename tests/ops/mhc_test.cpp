@@ -228,38 +228,6 @@ TEST(MhcSite, CollapseNormMatchesReference) {
   EXPECT_THROW(mhc_collapse_norm(s.x, s.p, c, w, std::nan("")), Error);
 }
 
-// A site's write-back and the next site's collapse and norm in one op: on the CPU the bits of
-// mhc_write_back then mhc_collapse_norm (f64 and bf16 streams); bad input refused.
-TEST(MhcSite, WriteBackCollapseNormIsTheTwoOps) {
-  Rng rng(test_seed());
-  MhcConfig c;
-  for (DType dt : {DType::f64, DType::bf16}) {
-    SiteInputs s = make_site(5, 4, 6, DType::f64, rng);
-    const Tensor x = s.x.to(dt), y = s.y.to(dt);
-    const MhcParams next{randn({24, 24}, DType::f64, rng), randn({24}, DType::f64, rng),
-                         rand_uniform({3}, DType::f64, rng, 0.5, 1.5)};
-    const Tensor w = rand_uniform({6}, DType::f64, rng, 0.5, 1.5);
-    const MhcMappings m = mhc_mappings_forward(x, s.p, c);
-    const Tensor xo = mhc_write_back(x, y, m.post, m.comb);
-    const MhcCollapseNormed want = mhc_collapse_norm(xo, next, c, w, 1e-5);
-    const MhcWriteBackCollapseNormed got =
-        mhc_write_back_collapse_norm(x, y, m.post, m.comb, next, c, w, 1e-5);
-    EXPECT_TRUE(testing::bit_equal(got.x, xo)) << dtype_name(dt);
-    EXPECT_TRUE(testing::bit_equal(got.next.a, want.a)) << dtype_name(dt);
-    EXPECT_TRUE(testing::bit_equal(got.next.pre, want.pre)) << dtype_name(dt);
-    EXPECT_TRUE(testing::bit_equal(got.next.post, want.post)) << dtype_name(dt);
-    EXPECT_TRUE(testing::bit_equal(got.next.comb, want.comb)) << dtype_name(dt);
-    // Bad input: y of another width, comb of another shape, a NaN eps.
-    EXPECT_THROW(
-        mhc_write_back_collapse_norm(x, randn({5, 5}, dt, rng), m.post, m.comb, next, c, w, 1e-5),
-        Error);
-    EXPECT_THROW(
-        mhc_write_back_collapse_norm(x, y, m.post, m.comb.slice(0, 0, 4), next, c, w, 1e-5), Error);
-    EXPECT_THROW(mhc_write_back_collapse_norm(x, y, m.post, m.comb, next, c, w, std::nan("")),
-                 Error);
-  }
-}
-
 TEST(MhcSite, EpsInsideSqrtAtSmallStreamRms) {
   // GLM's layer-0 stream RMS ~ 0.0079: inv_rms must be rsqrt(mean(x^2) + 1e-5), not
   // 1 / (rms + 1e-6).

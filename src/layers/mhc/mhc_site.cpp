@@ -94,24 +94,6 @@ Tensor MhcSite::collapse_norm(const Tensor& x, const Tensor& norm_w, double eps,
   return r.a;
 }
 
-Tensor MhcSite::collapse_norm_after(const MhcSite& prev, Saved& ps, const Tensor& y,
-                                    const Tensor& norm_w, double eps, Saved& s,
-                                    Tensor* x_out) const {
-  prev.check_write_back(y, ps);
-  ops::MhcWriteBackCollapseNormed r = ops::mhc_write_back_collapse_norm(
-      ps.x, y, ps.maps.post, ps.maps.comb, params(), cfg_.op_config(), norm_w, eps);
-  ps = Saved{};  // inference: nothing to keep
-  s = Saved{};
-  s.x = r.x;
-  s.training = false;
-  s.maps.pre = r.next.pre;
-  s.maps.post = r.next.post;
-  s.maps.comb = r.next.comb;
-  s.collapsed = true;
-  *x_out = r.x;
-  return r.next.a;
-}
-
 void MhcSite::check_streams(const Tensor& x, const char* what) const {
   HLM_CHECK(
       x.defined() && x.device() == fn_->value.device(),
@@ -136,7 +118,7 @@ Tensor MhcSite::collapse(const Context& ctx, const Tensor& x, Saved& s) const {
   return ops::mhc_collapse(x, s.maps.pre);
 }
 
-void MhcSite::check_write_back(const Tensor& y, const Saved& s) const {
+Tensor MhcSite::write_back(const Context& ctx, const Tensor& y, Saved& s) const {
   HLM_CHECK(s.collapsed && s.x.defined() && s.maps.comb.defined(),
             "MhcSite({}, {})::write_back: call collapse first (Saved holds no mappings)", path_,
             mhc_site_kind_name(kind_));
@@ -147,10 +129,6 @@ void MhcSite::check_write_back(const Tensor& y, const Saved& s) const {
             "got {}",
             path_, mhc_site_kind_name(kind_), T, cfg_.hidden_size, device_name(s.x.device()),
             y.defined() ? y.describe() : "undefined");
-}
-
-Tensor MhcSite::write_back(const Context& ctx, const Tensor& y, Saved& s) const {
-  check_write_back(y, s);
   Tensor xo = ops::mhc_write_back(s.x, y, s.maps.post, s.maps.comb);
   s.collapsed = false;
   if (!s.training || !ctx.training) {

@@ -123,11 +123,6 @@ class MhcSite : public Module {
   // (ops::mhc_collapse_norm: on CUDA two kernels instead of five and a GEMM): returns the normed
   // sublayer input; write_back follows as after collapse.
   Tensor collapse_norm(const Tensor& x, const Tensor& norm_w, double eps, Saved& s) const;
-  // Inference: the previous site's write_back (prev, its Saved ps, the sublayer output y) and this
-  // site's collapse_norm in one pass (ops::mhc_write_back_collapse_norm): returns the normed
-  // input of this site's sublayer, *x_out the written-back streams X'.
-  Tensor collapse_norm_after(const MhcSite& prev, Saved& ps, const Tensor& y, const Tensor& norm_w,
-                             double eps, Saved& s, Tensor* x_out) const;
   // y [T, D] (any floating dtype) -> X' [T, n, D] in X's dtype. Needs the Saved of collapse.
   Tensor write_back(const Context& ctx, const Tensor& y, Saved& s) const;
 
@@ -148,8 +143,6 @@ class MhcSite : public Module {
  private:
   // hlm::Error unless x is a floating [T, hc_mult, hidden_size] tensor on the parameters' device.
   void check_streams(const Tensor& x, const char* what) const;
-  // y fits the collapse that s holds (write_back's checks).
-  void check_write_back(const Tensor& y, const Saved& s) const;
   MhcSiteConfig cfg_;
   MhcSiteKind kind_;
   std::string path_;

@@ -90,12 +90,6 @@ struct Out {
       static_cast<nv_bf16*>(p)[i] = __float2bfloat16_rn(float(v));
     }
   }
-  // v as set stores it, read back.
-  __device__ __forceinline__ A rounded(A v) const {
-    if (dt == kF32) return A(float(v));
-    if (dt == kF64) return v;
-    return A(__bfloat162float(__float2bfloat16_rn(float(v))));
-  }
 };
 
 template <class A>
@@ -481,32 +475,16 @@ __global__ void __launch_bounds__(kTokThreads)
 constexpr int64_t kSlice = 256;  // elements of flat per block: 8 per lane
 constexpr int kPerLane = int(kSlice / 32);
 
-// With kWB the streams are first written back from the previous site (X' = post_i y + sum_j
-// comb[j][i] xp_j, as write_back_kernel computes it, the same bits): the block computes its slice
-// of X', stores it to xo (rounded to its dtype) and sums the stored values.
-template <bool kWB, class A>
+template <class A>
 __global__ void __launch_bounds__(kThreads)
-    collapse_norm_part_kernel(In<A> x, In<A> y, In<A> post, In<A> comb, Out<A> xo, In<A> fn,
-                              A* __restrict__ part, int m, int n, int64_t D) {
-  const int64_t K = int64_t(n) * D;
+    collapse_norm_part_kernel(In<A> x, In<A> fn, A* __restrict__ part, int m, int64_t K) {
   const int64_t t = blockIdx.y, s = blockIdx.x, k0 = s * kSlice;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   A xv[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int64_t k = k0 + lane + 32 * i;
-    if constexpr (kWB) {
-      xv[i] = A(0);
-      if (k < K) {
-        const int64_t si = k / D, e = k % D;
-        A v = post[t * n + si] * y[t * D + e];
-        for (int64_t j = 0; j < n; ++j) v += comb[(t * n + j) * n + si] * x[(t * n + j) * D + e];
-        xo.set(t * K + k, v);
-        xv[i] = xo.rounded(v);
-      }
-    } else {
-      xv[i] = k < K ? x[t * K + k] : A(0);
-    }
+    xv[i] = k < K ? x[t * K + k] : A(0);
   }
   A* out = part + (t * gridDim.x + s) * (m + 1);
   for (int r = warp; r <= m; r += kWarps) {
@@ -980,37 +958,20 @@ void mhc_mappings_backward(const Tensor& x_, const MhcParams& p, const MhcConfig
   check_launch("mhc_mappings_backward (d fn)");
 }
 
-namespace {
-
-// mhc_collapse_norm of x, or with wb (xp, y, post, comb) of the streams written back from them
-// into x first.
-struct WriteBackIn {
-  const Tensor *xp, *y, *post, *comb;
-};
-void collapse_norm(const Tensor& x_, const WriteBackIn* wb, const MhcParams& p, const MhcConfig& c,
-                   const Tensor& norm_w, double norm_eps, MhcCollapseNormed& r) {
+void mhc_collapse_norm(const Tensor& x_, const MhcParams& p, const MhcConfig& c,
+                       const Tensor& norm_w, double norm_eps, MhcCollapseNormed& r) {
   const int64_t T = x_.size(0), n = x_.size(1), D = x_.size(2), K = n * D, m = c.n_mix();
   if (T == 0) return;
   HLM_CHECK(T <= kMaxBlocks, "mhc_collapse_norm on CUDA: {} tokens, at most {}", T, kMaxBlocks);
-  const Tensor fn = cont(p.fn), base = cont(p.base), scale = cont(p.scale), w = cont(norm_w);
-  const Tensor x = wb ? x_ : cont(x_);  // with wb: the new output, written here
-  const Tensor xp = wb ? cont(*wb->xp) : Tensor(), y = wb ? cont(*wb->y) : Tensor(),
-               post = wb ? cont(*wb->post) : Tensor(), comb = wb ? cont(*wb->comb) : Tensor();
+  const Tensor x = cont(x_), fn = cont(p.fn), base = cont(p.base), scale = cont(p.scale),
+               w = cont(norm_w);
   const int64_t slices = (K + kSlice - 1) / kSlice;
   const DType cd = compute_dtype(x.dtype());
   const Tensor part = alloc({T, slices, m + 1}, cd);
   dispatch_acc(cd, [&](auto tag) {
     using A = decltype(tag);
-    const dim3 grid{unsigned(slices), unsigned(T)};
-    if (wb) {
-      collapse_norm_part_kernel<true, A>
-          <<<grid, kThreads>>>(in_of<A>(xp), in_of<A>(y), in_of<A>(post), in_of<A>(comb),
-                               out_of<A>(x), in_of<A>(fn), mptr<A>(part), int(m), int(n), D);
-    } else {
-      collapse_norm_part_kernel<false, A><<<grid, kThreads>>>(
-          in_of<A>(x), In<A>{nullptr, kF32}, In<A>{nullptr, kF32}, In<A>{nullptr, kF32},
-          Out<A>{nullptr, kF32}, in_of<A>(fn), mptr<A>(part), int(m), int(n), D);
-    }
+    collapse_norm_part_kernel<A><<<dim3(unsigned(slices), unsigned(T)), kThreads>>>(
+        in_of<A>(x), in_of<A>(fn), mptr<A>(part), int(m), K);
     check_launch("mhc_collapse_norm (projection slices)");
     dispatch_nm(n, [&](auto nm) {
       constexpr int NM = decltype(nm)::value;
@@ -1021,21 +982,6 @@ void collapse_norm(const Tensor& x_, const WriteBackIn* wb, const MhcParams& p, 
     });
   });
   check_launch("mhc_collapse_norm");
-}
-
-}  // namespace
-
-void mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
-                       const Tensor& norm_w, double norm_eps, MhcCollapseNormed& r) {
-  collapse_norm(x, nullptr, p, c, norm_w, norm_eps, r);
-}
-
-void mhc_write_back_collapse_norm(const Tensor& x, const Tensor& y, const Tensor& post,
-                                  const Tensor& comb, const MhcParams& p, const MhcConfig& c,
-                                  const Tensor& norm_w, double norm_eps, Tensor& xo,
-                                  MhcCollapseNormed& r) {
-  const WriteBackIn wb{&x, &y, &post, &comb};
-  collapse_norm(xo, &wb, p, c, norm_w, norm_eps, r);
 }
 
 void mhc_collapse(const Tensor& x_, const Tensor& pre_, Tensor& u) {

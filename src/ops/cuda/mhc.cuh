@@ -31,10 +31,6 @@ void mhc_sinkhorn_backward(const Tensor& logits, const Tensor& dcomb, double hc_
 void mhc_collapse(const Tensor& x, const Tensor& pre, Tensor& u);
 void mhc_collapse_norm(const Tensor& x, const MhcParams& p, const MhcConfig& c,
                        const Tensor& norm_w, double norm_eps, MhcCollapseNormed& r);
-void mhc_write_back_collapse_norm(const Tensor& x, const Tensor& y, const Tensor& post,
-                                  const Tensor& comb, const MhcParams& p, const MhcConfig& c,
-                                  const Tensor& norm_w, double norm_eps, Tensor& xo,
-                                  MhcCollapseNormed& r);
 void mhc_collapse_backward(const Tensor& x, const Tensor& pre, const Tensor& du,
                            MhcCollapseGrads& r);
 void mhc_write_back(const Tensor& x, const Tensor& y, const Tensor& post, const Tensor& comb,

@@ -22,8 +22,8 @@
 // (no atomics, cuBLAS with atomics disallowed), so two runs give the same bits.
 // Inference at decode sizes (moe_routed_experts): the same sort, then for each projection one
 // weight-streaming kernel over every expert's rows (expert_gemv_kernel, 8 consecutive k per lane
-// and step, vector loads of W, X staged in shared memory), so no group size is read on the host;
-// the down projection writes each row at its assignment.
+// and step, vector loads), so no group size is read on the host; the down projection writes each
+// row at its assignment.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -152,17 +152,14 @@ Perm sort_by_expert(const Tensor& idx, int64_t E) {
 // in_perm[p] / in_div (or p), out(p) = out_perm[p] (or p); r rounds to bf16 when kRound.
 // Each warp owns kGemvCh output channels, so a block reads its kGemvWarps kGemvCh rows of W once
 // per kGemvRows of the expert's rows: at decode sizes (a few rows per expert) the weights are
-// streamed once. The chunk's rows of X are staged in shared memory a tile of kGemvTile k at a
-// time, rounded once, and read there by the block's warps (each warp reading X from global
-// memory itself made X's traffic through L2 about six times the weights' at batch 64). Lane l
-// takes the spans of kGemvSpan consecutive k starting at kGemvSpan l + 32 kGemvSpan i, i = 0, 1,
-// ..., summing them in ascending k with fused multiply-adds, then warp_sum's butterfly: one fixed
-// order per output element, whatever the other rows (the CPU op follows it, ops/cpu/moe.cpp).
-// When Kin is a multiple of the span and W is aligned (kVec), a lane reads each span of W with
-// one vector load (16 bytes of bf16 W): a warp covers 256 k per step, so the loop has 8 steps at
-// Kin = 2048 instead of 64 scalar ones, each with its loads in flight together.
+// streamed once. Lane l takes the spans of kGemvSpan consecutive k starting at kGemvSpan l +
+// 32 kGemvSpan i, i = 0, 1, ..., summing them in ascending k with fused multiply-adds, then
+// warp_sum's butterfly: one fixed order per output element, whatever the other rows (the CPU op
+// follows it, ops/cpu/moe.cpp). When Kin is a multiple of the span and the operands are aligned
+// (kVec), a lane reads each span of W and of x with vector loads (16 bytes of bf16 W): a warp
+// covers 256 k per step, so the loop has 8 steps at Kin = 2048 instead of 64 scalar ones, each
+// with its loads in flight together.
 constexpr int kGemvWarps = 8, kGemvCh = 4, kGemvRows = 8, kGemvSpan = 8;
-constexpr int64_t kGemvTile = 512;  // a multiple of a warp's step (32 kGemvSpan): no span straddles
 
 // v as the product takes an element of a T operand: rounded to bf16 under kRound when T is float
 // (bf16 values are exact already).
@@ -194,12 +191,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                        int64_t in_div, const TW* __restrict__ W, const int64_t* __restrict__ off,
                        const int64_t* __restrict__ out_perm, A* __restrict__ Y, int64_t Nout,
                        int64_t Kin) {
-  alignas(32) __shared__ A xs[kGemvRows][kGemvTile];  // 16 KB (f32) or 32 KB (f64)
   const int64_t e = blockIdx.y, p0 = off[e], p1 = off[e + 1];
-  if (p0 == p1) return;  // uniform over the block
   const int lane = int(threadIdx.x) % 32;
   const int64_t n0 = (int64_t(blockIdx.x) * kGemvWarps + int(threadIdx.x) / 32) * kGemvCh;
-  const bool active = n0 < Nout;  // a warp past the channels still stages X with the block
+  if (p0 == p1 || n0 >= Nout) return;
   const TW* We = W + e * Nout * Kin;
   int64_t wrow[kGemvCh];
 #pragma unroll
@@ -219,40 +214,24 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     // The chunk's rows (uniform over the block): at batch 1 an expert has one, and the others'
     // loads and products are skipped.
     const int nr = int(std::min<int64_t>(kGemvRows, p1 - q0));
-    for (int64_t kt = 0; kt < Kin; kt += kGemvTile) {
-      const int64_t kn = Kin - kt < kGemvTile ? Kin - kt : kGemvTile;
-      __syncthreads();  // the previous tile is read
-      for (int64_t i = threadIdx.x; i < int64_t(nr) * kGemvTile; i += kGemvWarps * 32) {
-        const int r = int(i / kGemvTile);
-        const int64_t kk = i % kGemvTile;
-        int64_t xr = 0;
+    for (int64_t k0 = int64_t(lane) * kGemvSpan; k0 < Kin; k0 += 32 * kGemvSpan) {
+      const int nk = kVec ? kGemvSpan : int(std::min<int64_t>(kGemvSpan, Kin - k0));
+      A w[kGemvCh][kGemvSpan];
 #pragma unroll
-        for (int q = 0; q < kGemvRows; ++q)
-          if (q == r) xr = xrow[q];
-        xs[r][kk] = kk < kn ? gemv_round<kRound, TX>(ld<A>(X, xr + kt + kk)) : A(0);
-      }
-      __syncthreads();
-      if (!active) continue;
-      for (int64_t k0 = int64_t(lane) * kGemvSpan; k0 < kn; k0 += 32 * kGemvSpan) {
-        const int nk = kVec ? kGemvSpan : int(std::min<int64_t>(kGemvSpan, kn - k0));
-        A w[kGemvCh][kGemvSpan];
+      for (int c = 0; c < kGemvCh; ++c) gemv_span<kVec, kRound>(We, wrow[c] + k0, nk, w[c]);
 #pragma unroll
-        for (int c = 0; c < kGemvCh; ++c) gemv_span<kVec, kRound>(We, wrow[c] + kt + k0, nk, w[c]);
+      for (int r = 0; r < kGemvRows; ++r) {
+        if (r >= nr) break;
+        A xv[kGemvSpan];
+        gemv_span<kVec, kRound>(X, xrow[r] + k0, nk, xv);
 #pragma unroll
-        for (int r = 0; r < kGemvRows; ++r) {
-          if (r >= nr) break;
-          A xv[kGemvSpan];
-          ldv<kGemvSpan>(&xs[r][0], k0, xv);  // in bounds: a tile's row is whole spans
+        for (int j = 0; j < kGemvSpan; ++j) {
+          if (!kVec && j >= nk) break;
 #pragma unroll
-          for (int j = 0; j < kGemvSpan; ++j) {
-            if (!kVec && j >= nk) break;
-#pragma unroll
-            for (int c = 0; c < kGemvCh; ++c) acc[c][r] = dfma(w[c][j], xv[j], acc[c][r]);
-          }
+          for (int c = 0; c < kGemvCh; ++c) acc[c][r] = dfma(w[c][j], xv[j], acc[c][r]);
         }
       }
     }
-    if (!active) continue;
 #pragma unroll
     for (int r = 0; r < kGemvRows; ++r) {
       if (r >= nr) break;  // uniform: no butterflies for the chunk's absent rows
@@ -275,9 +254,10 @@ void expert_gemv(const Tensor& X, const int64_t* in_perm, int64_t in_div, const 
   const dim3 grid(unsigned((Nout + per_block - 1) / per_block), unsigned(E));
   const TX* x = cptr<TX>(X);
   const TW* w = cptr<TW>(W);
-  // Vector loads of W: every span starts on a multiple of kGemvSpan elements of an aligned base.
-  const bool vec =
-      Kin % kGemvSpan == 0 && reinterpret_cast<uintptr_t>(w) % (sizeof(TW) * kGemvSpan) == 0;
+  // Vector loads: every span starts on a multiple of kGemvSpan elements of an aligned base.
+  const bool vec = Kin % kGemvSpan == 0 &&
+                   reinterpret_cast<uintptr_t>(x) % (sizeof(TX) * kGemvSpan) == 0 &&
+                   reinterpret_cast<uintptr_t>(w) % (sizeof(TW) * kGemvSpan) == 0;
   auto go = [&](auto kvec) {
     expert_gemv_kernel<decltype(kvec)::value, kRound, TX, TW, A><<<grid, kGemvWarps * 32>>>(
         x, in_perm, in_div, w, cptr<int64_t>(off), out_perm, mptr<A>(Y), Nout, Kin);
