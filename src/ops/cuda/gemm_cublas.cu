@@ -142,8 +142,6 @@ struct GroupProduct {
   int64_t m, n, k, lda, ldb, ldc;
 };
 
-// One cublasGemmGroupedBatchedEx call over the products (a loop of cublasGemmEx where cuBLAS does
-// not take the dtypes): A and B of dtype ab, C of dtype cd.
 // The element stride of the pointers p(0), p(1), ... when they step by a constant number of
 // elements of es bytes (0 for one product), else -1.
 template <class F>
@@ -157,6 +155,9 @@ int64_t pointer_stride(size_t G, size_t es, F&& p) {
   return int64_t(d / intptr_t(es));
 }
 
+// One cublasGemmGroupedBatchedEx call over the products (a loop of cublasGemmEx where cuBLAS does
+// not take the dtypes; one cublasGemmStridedBatchedEx call where they have one shape at constant
+// strides): A and B of dtype ab, C of dtype cd.
 void grouped_call(const std::vector<GroupProduct>& ps, bool ta, bool tb, DType ab, DType cd,
                   double alpha, double beta) {
   ++g_grouped_calls;
