@@ -16,6 +16,11 @@ import csv
 import sys
 
 
+def die(msg):
+    print(f"ncu_kernels: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu --csv --page raw output (--log-file)")
@@ -23,22 +28,23 @@ def main():
     ap.add_argument("--top", type=int, default=40, help="kernels to list")
     ap.add_argument("--width", type=int, default=70, help="characters of each name")
     args = ap.parse_args()
-    if args.steps < 1:
-        sys.exit("ncu_kernels: --steps must be at least 1")
+    for flag, v in (("--steps", args.steps), ("--top", args.top), ("--width", args.width)):
+        if v < 1:
+            die(f"{flag} must be at least 1, got {v}")
     try:
         with open(args.csv, newline="") as f:
             lines = [l for l in f if l.startswith('"')]  # ncu's own ==PROF== lines dropped
     except OSError as e:
-        sys.exit(f"ncu_kernels: {e}")
+        die(str(e))
     rows = list(csv.reader(lines))
     if not rows or "Kernel Name" not in rows[0] or "gpu__time_duration.sum" not in rows[0]:
-        sys.exit(f"ncu_kernels: {args.csv} has no 'Kernel Name' and gpu__time_duration.sum columns")
+        die(f"{args.csv} has no 'Kernel Name' and gpu__time_duration.sum columns")
     name_col = rows[0].index("Kernel Name")
     time_col = rows[0].index("gpu__time_duration.sum")
     unit = rows[1][time_col] if len(rows) > 1 else ""
     scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "nsecond": 1e-3, "msecond": 1e3}.get(unit)
     if scale is None:
-        sys.exit(f"ncu_kernels: unknown time unit '{unit}' (run ncu with --print-units base)")
+        die(f"unknown time unit '{unit}' (run ncu with --print-units base)")
     total = collections.Counter()
     calls = collections.Counter()
     for r in rows[2:]:
@@ -49,7 +55,7 @@ def main():
         total[r[name_col]] += t * scale
         calls[r[name_col]] += 1
     if not calls:
-        sys.exit(f"ncu_kernels: {args.csv} holds no timed kernel")
+        die(f"{args.csv} holds no timed kernel")
     s = args.steps
     whole = sum(total.values())
     print(f"{sum(calls.values()) / s:.1f} kernels, {whole / s:.1f} us of kernel time per step")
