@@ -185,8 +185,8 @@ int main(int argc, char** argv) {
                                 .c_str());
         profile::reset();
       }
-      // Copies to the host per decode step: each waits for the device (core/device.h).
-      // Copies to the device per decode step (staged: the host goes on; core/device.h).
+      // Copies per decode step (core/device.h): to the host, each a wait for the device; to the
+      // device, staged (the host goes on).
       const TransferStats ts = transfer_stats();
       const double per = steps.empty() ? 0 : 1.0 / double(steps.size());
       const double waits = double(ts.to_host) * per;

@@ -468,6 +468,16 @@ class DecoderLayer : public Module {
   }
 
  private:
+  // A site's sublayer input from the streams x [T, n, D]: the mHC collapse (hc null: no mHC, x
+  // is [T, 1, D]) and the norm, or both in one pass (fused: a decode step over the cache).
+  static Tensor site_input(const Context& c, const Tensor& x, const MhcSite* hc,
+                           const RmsNorm& norm, MhcSite::Saved& hs, RmsNorm::Saved* ns,
+                           bool fused) {
+    if (fused) return hc->collapse_norm(x, norm.weight_value(), norm.config().eps, hs);
+    const Tensor u = hc ? hc->collapse(c, x, hs) : x.reshape({x.size(0), x.size(2)});
+    return norm.forward(c, u, ns);
+  }
+
   Context sub_ctx(const Context& ctx) const {
     Context c = ctx;
     c.recompute = ctx.training && recompute_ == Recompute::selective;
@@ -484,14 +494,8 @@ class DecoderLayer : public Module {
     profile::Scope ps_hc("mhc + norm");
     // A decode step over the cache: each site's collapse and its norm in one pass.
     const bool fused = mhc_ && cc && !train && T <= kFusedCollapseTokens;
-    Tensor a;
-    if (fused) {
-      a = attn_hc_->collapse_norm(x, in_norm_->weight_value(), in_norm_->config().eps,
-                                  s->attn_site);
-    } else {
-      Tensor u = mhc_ ? attn_hc_->collapse(c, x, s->attn_site) : x.reshape({T, D});
-      a = in_norm_->forward(c, u, train ? &s->in_norm : nullptr);
-    }
+    Tensor a = site_input(c, x, attn_hc_.get(), *in_norm_, s->attn_site,
+                          train ? &s->in_norm : nullptr, fused);
     ps_hc.end();
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor y;
@@ -542,14 +546,8 @@ class DecoderLayer : public Module {
     profile::Scope ps_hc2("mhc + norm");
     Tensor x1 = mhc_ ? attn_hc_->write_back(c, y, s->attn_site) : add(x, y.reshape({T, 1, D}));
     // FFN site.
-    Tensor b;
-    if (fused) {
-      b = ffn_hc_->collapse_norm(x1, post_norm_->weight_value(), post_norm_->config().eps,
-                                 s->ffn_site);
-    } else {
-      Tensor u2 = mhc_ ? ffn_hc_->collapse(c, x1, s->ffn_site) : x1.reshape({T, D});
-      b = post_norm_->forward(c, u2, train ? &s->post_norm : nullptr);
-    }
+    Tensor b = site_input(c, x1, ffn_hc_.get(), *post_norm_, s->ffn_site,
+                          train ? &s->post_norm : nullptr, fused);
     ps_hc2.end();
     profile::Scope ps_ffn(ffn_->moe() ? "moe" : "mlp");
     Tensor f =

@@ -106,10 +106,11 @@ MhcCollapseGrads mhc_collapse_backward(const Tensor& x, const Tensor& pre, const
 // the mappings, u = sum_j pre_j X_j in X's dtype and a = RMSNorm_w(u) = u rstd w, rstd =
 // 1 / sqrt(mean(u^2) + norm_eps) (the RmsNorm module's math, in the computation dtype, rounded
 // once to X's dtype). norm_w [D] floating. CPU: mhc_mappings_forward, mhc_collapse and
-// rmsnorm_forward in turn (their bits). CUDA: two kernels (the composition takes five and a
+// rmsnorm_forward in turn (their bits). CUDA: two kernels (the composition takes four and a
 // cuBLAS call): the projection fn @ flat and the sum of squares over slices of 256 elements of
 // flat, a block per (slice, token), then a block per token for the slices' sums in order, the
-// mappings (the composition's epilogue), the collapse and the norm. The projection's sums run
+// mappings (the composition's epilogue's operations, over one warp's lanes), the collapse and
+// the norm. The projection's sums run
 // in another order than cuBLAS's: agrees with the CPU within rounding. For a decode step's few
 // tokens: every token reads the whole projection fn.
 struct MhcCollapseNormed {

@@ -1,8 +1,7 @@
 // The subset of cuBLAS that hybridlm calls (ops/cuda/gemm_cublas.cu), for the CPU emulation
 // build: handle management, cublasGemmEx with f32 / f64 / bf16 / f16 matrices,
 // cublasGemmStridedBatchedEx and cublasGemmGroupedBatchedEx (each of their problems one
-// cublasGemmEx). The same C declarations as
-// cublas_api.h, so this file replaces libcublas.
+// cublasGemmEx). The same C declarations as cublas_api.h, so this file replaces libcublas.
 //
 // cublasGemmEx: column-major C = alpha op(A) op(B) + beta C. The sum over k is formed in FP64 and
 // rounded once to the compute type (FP32 for CUBLAS_COMPUTE_32F*, FP64 for CUBLAS_COMPUTE_64F*),
@@ -74,6 +73,14 @@ bool supported(cudaDataType t) {
 
 std::atomic<uint64_t> g_blas_calls{0};
 thread_local bool t_in_grouped = false;
+
+// While alive, the cublasGemmEx calls of this thread belong to one batched or grouped call.
+struct InBatch {
+  InBatch() { t_in_grouped = true; }
+  ~InBatch() { t_in_grouped = false; }
+  InBatch(const InBatch&) = delete;
+  InBatch& operator=(const InBatch&) = delete;
+};
 
 }  // namespace
 
@@ -184,10 +191,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
   if (!supported(Atype) || !supported(Btype) || !supported(Ctype))
     return CUBLAS_STATUS_NOT_SUPPORTED;
   ++g_blas_calls;
-  struct InGrouped {  // the problems below are this call's, not calls of their own
-    InGrouped() { t_in_grouped = true; }
-    ~InGrouped() { t_in_grouped = false; }
-  } in_grouped;
+  const InBatch in_batch;  // the problems below are this call's, not calls of their own
   const auto at = [](const void* p, cudaDataType t, long long off) {
     return static_cast<const char*>(p) + off * load_size(t);
   };
@@ -213,10 +217,7 @@ cublasStatus_t cublasGemmGroupedBatchedEx(
   if (!handle) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (group_count < 0) return CUBLAS_STATUS_INVALID_VALUE;
   ++g_blas_calls;
-  struct InGrouped {  // the problems below are this call's, not calls of their own
-    InGrouped() { t_in_grouped = true; }
-    ~InGrouped() { t_in_grouped = false; }
-  } in_grouped;
+  const InBatch in_batch;  // the problems below are this call's, not calls of their own
   const bool f64 = computeType == CUBLAS_COMPUTE_64F || computeType == CUBLAS_COMPUTE_64F_PEDANTIC;
   const size_t scalar = f64 ? sizeof(double) : sizeof(float);
   int64_t p = 0;

@@ -120,7 +120,7 @@ class MhcSite : public Module {
   // X [T, n, D] (f64/f32/bf16) -> u [T, D] in X's dtype. Fills s (always: write_back needs it).
   Tensor collapse(const Context& ctx, const Tensor& x, Saved& s) const;
   // Inference: collapse followed by the sublayer's RMSNorm (weight norm_w [D], eps), in one pass
-  // (ops::mhc_collapse_norm: on CUDA two kernels instead of five and a GEMM): returns the normed
+  // (ops::mhc_collapse_norm: on CUDA two kernels instead of four and a GEMM): returns the normed
   // sublayer input; write_back follows as after collapse.
   Tensor collapse_norm(const Tensor& x, const Tensor& norm_w, double eps, Saved& s) const;
   // y [T, D] (any floating dtype) -> X' [T, n, D] in X's dtype. Needs the Saved of collapse.

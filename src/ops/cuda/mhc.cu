@@ -376,7 +376,8 @@ __device__ __forceinline__ void maps_token(A* mt, A inv, In<A> base, In<A> scale
 }
 
 // One token's mappings by one warp (every lane calls it), for a decode step's few tokens: the
-// same operations in the same order as maps_token (the same bits), with the entries spread over
+// same operations in the same order as maps_token (no test compares their bits: the inputs of
+// the two paths differ already, by the projection's order), with the entries spread over
 // the lanes instead of one thread's serial loop (which took 29-38 us a token on an H100, ncu).
 // Lane l holds the comb entries q = l + 32 e (e < kE,
 // row q / n, column q % n); a row's or a column's sum gathers its n entries by shuffles, in
