@@ -236,6 +236,13 @@ Tensor allgather_from(Comm& c, const Tensor& t) {
   return unstaged(c.allgather(staged(t, c.memory())), t.device());
 }
 
+Tensor allreduce_from(Comm& c, const Tensor& t) {
+  Tensor s = staged(t, c.memory());
+  if (s.raw() == t.raw()) s = s.clone();  // staged may hand back t itself
+  c.allreduce_sum(s);
+  return unstaged(s, t.device());
+}
+
 Tensor alltoall_from(Comm& c, const Tensor& t) {
   return unstaged(c.alltoall(staged(t, c.memory())), t.device());
 }

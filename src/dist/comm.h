@@ -93,6 +93,8 @@ class Comm {
 // communicator, as the layers' parallel paths take them where no NCCL group is given).
 Tensor allgather_from(Comm& c, const Tensor& t);
 Tensor alltoall_from(Comm& c, const Tensor& t);
+// The sum over the ranks (allreduce_sum) of t, as a new tensor on t's device (t is not changed).
+Tensor allreduce_from(Comm& c, const Tensor& t);
 Tensor alltoallv_from(Comm& c, const Tensor& t, const std::vector<int64_t>& send_rows,
                       const std::vector<int64_t>& recv_rows);
 

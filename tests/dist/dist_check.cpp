@@ -5,16 +5,16 @@
 // (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
-// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP]]` runs the trainer instead,
-// and
-// `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism, `--moe-ep DTYPE DEVICE`
-// the MoE layer's expert parallelism and `--model-cp DTYPE DEVICE [short]` the whole model's
-// context parallelism (below).
+// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP]]` runs the trainer
+// instead, `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism, `--moe-ep DTYPE
+// DEVICE` the MoE layer's expert parallelism, `--model-cp DTYPE DEVICE [short]` the whole model's
+// context parallelism and `--tp DTYPE DEVICE` the layers' tensor parallelism (below).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,6 +24,7 @@
 #include "dist/comm.h"
 #include "dist/context_parallel.h"
 #include "dist/nccl_comm.h"
+#include "dist/tensor_parallel.h"
 #include "layers/kda/kda_layer.h"
 #include "layers/moe/moe_layer.h"
 #include "model/hybrid_model.h"
@@ -607,6 +608,186 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
   return failures == 0 ? 0 : 1;
 }
 
+// One layer's run for --tp: the output, the input gradient and the indexer loss (DSA).
+struct TpRun {
+  Tensor y, dx;
+  double loss = 0;
+};
+using TpRunFn = std::function<TpRun(hlm::Module&, const hlm::Context&)>;
+
+// This rank's part of `whole` (loaded from it) against the whole layer, both run here on the same
+// x and dy (fn): the parts' outputs and input gradients summed over the job's ranks, each
+// parameter's gradient (sliced: this rank's slice of the whole's; replicated: summed over the
+// ranks; identical: this rank's own) and the loss, within tol of the whole layer's (max error
+// over max value); the same bits run again and under selective recompute. Returns the worst.
+double check_tp_layer(const std::string& what, hlm::Module& whole, hlm::Module& part,
+                      const std::vector<hlm::dist::TpParam>& layouts, const TpRunFn& fn,
+                      double tol) {
+  Comm& w = hlm::dist::world();
+  const int R = w.rank(), N = w.size();
+  hlm::dist::tp_load_shard(whole, part, layouts, R, N);
+  const hlm::Context plain{true, false};
+  whole.zero_grad();
+  const TpRun ref = fn(whole, plain);
+  auto run = [&](bool recompute, TpRun& out, std::vector<Tensor>& g) {
+    part.zero_grad();
+    const TpRun r = fn(part, hlm::Context{true, recompute});
+    out.y = hlm::dist::tp_allreduce(w, r.y).to(hlm::Device::cpu);
+    out.dx = hlm::dist::tp_allreduce(w, r.dx).to(hlm::Device::cpu);
+    out.loss = r.loss;
+    hlm::dist::tp_reduce_grads(w, part, layouts);
+    g.clear();
+    for (const hlm::dist::TpParam& p : layouts)
+      g.push_back(part.find_parameter(p.name)->grad.to(hlm::Device::cpu));
+  };
+  TpRun a, b, c;
+  std::vector<Tensor> ga, gb, gc;
+  run(false, a, ga);
+  run(false, b, gb);
+  run(true, c, gc);
+  const double ey = rel_err(a.y, ref.y), ex = rel_err(a.dx, ref.dx);
+  const double el = std::abs(a.loss - ref.loss) / std::max(std::abs(ref.loss), 1e-30);
+  bool same = same_bits(a.y, b.y) && same_bits(a.dx, b.dx) && same_bits(a.y, c.y) &&
+              same_bits(a.dx, c.dx) && a.loss == b.loss && a.loss == c.loss;
+  double eg = 0;
+  std::string worst_param;
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const hlm::dist::TpParam& p = layouts[i];
+    const Tensor g_ref = hlm::dist::tp_shard(whole.find_parameter(p.name)->grad, p, R, N);
+    const double e = rel_err(ga[i], g_ref);
+    if (!(e <= tol)) expect(false, what + ": the gradient of " + p.name, R);
+    if (e > eg) eg = e, worst_param = p.name;
+    same = same && same_bits(ga[i], gb[i]) && same_bits(ga[i], gc[i]);
+  }
+  expect(ey <= tol, what + ": the output", R);
+  expect(ex <= tol, what + ": the input gradient", R);
+  expect(el <= tol, what + ": the indexer loss", R);
+  expect(same, what + ": the same bits run again and with recompute", R);
+  std::printf("tp: rank %d of %d: %s: y %.2e, dx %.2e, loss %.2e, grads %.2e (%s)\n", R, N,
+              what.c_str(), ey, ex, el, eg, worst_param.c_str());
+  return std::max({ey, ex, el, eg});
+}
+
+// `--tp DTYPE DEVICE` (f64 or f32; cpu or cuda): tensor parallelism (dist/tensor_parallel.h) over
+// this job's ranks, each rank's part of a layer against the whole layer run in this process
+// (check_tp_layer; within 1e-10 for f64, 5e-5 for f32): a KDA layer (4 heads, 8 value heads,
+// low-rank gates), the SwiGLU MLP, and DSA layers (4 MLA heads; the indexer with KPool and its
+// loss, sparse and dense warm-up), on a packed batch of three sequences
+// (tests/dist/tensor_parallel_test.cpp).
+int tp(const std::string& dtype, const std::string& device) {
+  const auto [dt, dev] = layer_check_args("--tp", dtype, device);
+  const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
+  Comm& w = hlm::dist::world();
+  const int R = w.rank(), N = w.size();
+  hlm::PrecisionPolicy policy;  // GEMMs in the dtype (not rounded to bf16)
+  policy.default_kind = hlm::GemmKind::native;
+  const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths({40, 3, 57});
+  const int64_t T = seqs.total_tokens();
+  hlm::Rng rng(2026, 12);
+  double worst = 0;
+  {
+    hlm::KdaConfig c;
+    c.hidden_size = 48;
+    c.num_heads = 4;
+    c.num_v_heads = 8;
+    c.head_k_dim = c.head_v_dim = 32;
+    c.decay_rank = c.output_gate_rank = 8;
+    hlm::KdaLayer whole(c, policy, "kda", dt);
+    whole.init_weights(rng.next_u64());
+    rng.fill_uniform(whole.A_log().value, -0.5, 1.0);
+    rng.fill_uniform(whole.dt_bias().value, -1.0, 1.0);
+    rng.fill_uniform(whole.o_norm_weight().value, 0.5, 1.5);
+    hlm::KdaLayer part(hlm::dist::kda_tp_config(c, N), policy, "kda", dt);
+    whole.to(dev);
+    part.to(dev);
+    const Tensor x = random_rows(T, c.hidden_size, dt, dev, rng);
+    const Tensor dy = random_rows(T, c.hidden_size, dt, dev, rng);
+    const TpRunFn fn = [&](hlm::Module& m, const hlm::Context& ctx) {
+      auto& l = dynamic_cast<hlm::KdaLayer&>(m);
+      hlm::KdaLayer::Saved s;
+      TpRun r;
+      r.y = l.forward(ctx, x, seqs, nullptr, &s);
+      r.dx = l.backward(ctx, dy, s).dx;
+      return r;
+    };
+    worst =
+        std::max(worst, check_tp_layer("KDA", whole, part, hlm::dist::kda_tp_params(c), fn, tol));
+  }
+  {
+    hlm::DenseMlpConfig c;
+    c.hidden_size = 48;
+    c.intermediate_size = 64;
+    c.dtype = dt;
+    c.seed = 9;
+    c.init_std = 0.2;
+    hlm::DenseMlp whole(c, policy, "mlp");
+    hlm::DenseMlp part(hlm::dist::mlp_tp_config(c, N), policy, "mlp");
+    whole.to(dev);
+    part.to(dev);
+    const Tensor x = random_rows(T, c.hidden_size, dt, dev, rng);
+    const Tensor dy = random_rows(T, c.hidden_size, dt, dev, rng);
+    const TpRunFn fn = [&](hlm::Module& m, const hlm::Context& ctx) {
+      auto& l = dynamic_cast<hlm::DenseMlp&>(m);
+      hlm::DenseMlp::Saved s;
+      TpRun r;
+      r.y = l.forward(ctx, x, &s);
+      r.dx = l.backward(ctx, dy, s);
+      return r;
+    };
+    worst =
+        std::max(worst, check_tp_layer("MLP", whole, part, hlm::dist::mlp_tp_params(c), fn, tol));
+  }
+  for (const hlm::DsaStage stage : {hlm::DsaStage::sparse, hlm::DsaStage::dense_warmup}) {
+    hlm::DsaLayerConfig c;
+    c.mla.hidden_size = 32;
+    c.mla.num_heads = 4;
+    c.mla.q_lora_rank = 16;
+    c.mla.kv_lora_rank = 16;
+    c.mla.qk_nope_head_dim = 8;
+    c.mla.v_head_dim = 8;
+    c.mla.param_dtype = dt;
+    c.mla.init_std = 0.2;
+    hlm::IndexerConfig ic;
+    ic.hidden_size = 32;
+    ic.q_lora_rank = 16;
+    ic.n_heads = 2;
+    ic.head_dim = 8;
+    ic.topk = 12;
+    ic.kpool = 4;
+    ic.dtype = dt;
+    ic.seed = 5;
+    c.indexer = ic;
+    c.stage = stage;
+    c.indexer_loss_coeff = 0.5;
+    hlm::DsaLayer whole(c, policy, "attn");
+    whole.init_weights(rng.next_u64());
+    hlm::DsaLayer part(hlm::dist::dsa_tp_config(c, N), policy, "attn");
+    part.set_tensor_parallel(&w);
+    whole.to(dev);
+    part.to(dev);
+    const Tensor x = random_rows(T, c.mla.hidden_size, dt, dev, rng);
+    const Tensor dy = random_rows(T, c.mla.hidden_size, dt, dev, rng);
+    const TpRunFn fn = [&](hlm::Module& m, const hlm::Context& ctx) {
+      auto& l = dynamic_cast<hlm::DsaLayer&>(m);
+      hlm::DsaLayer::Saved s;
+      TpRun r;
+      const hlm::DsaLayer::Output o = l.forward(ctx, x, seqs, &s);
+      r.y = o.y;
+      r.loss = o.indexer_loss;
+      r.dx = l.backward(ctx, dy, s);
+      return r;
+    };
+    const char* name =
+        stage == hlm::DsaStage::sparse ? "DSA, KPool, sparse" : "DSA, KPool, dense warm-up";
+    worst = std::max(worst,
+                     check_tp_layer(name, whole, part, hlm::dist::dsa_tp_params(whole), fn, tol));
+  }
+  w.barrier();
+  std::printf("tp: rank %d of %d (%s %s): worst %.2e (tolerance %.0e): %d of %d checks passed\n", R,
+              N, dtype.c_str(), device.c_str(), worst, tol, checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
+
 // The expert- or context-parallel degree of --train: a whole number >= 1.
 int degree(const char* s) {
   char* end = nullptr;
@@ -625,6 +806,7 @@ int main(int argc, char** argv) {
         std::string(argv[1]) == "--kda-cp")
       return kda_cp(argv[2], argv[3], argc == 4);
     if (argc == 4 && std::string(argv[1]) == "--moe-ep") return moe_ep(argv[2], argv[3]);
+    if (argc == 4 && std::string(argv[1]) == "--tp") return tp(argv[2], argv[3]);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--model-cp")
       return model_cp(argv[2], argv[3], argc == 4);

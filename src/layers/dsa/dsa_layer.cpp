@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "core/profile.h"
+#include "dist/comm.h"
 #include "ops/dsa_indexer_loss.h"
 #include "ops/dsa_sparse_attention.h"
 #include "ops/tensor_ops.h"
@@ -202,9 +203,13 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
     const bool dense = stage == DsaStage::dense_warmup;
     // The attention ran over the indexer's own selection: its lse is the target's.
     const bool same_set = !use_given && !causal_set;
-    const Tensor target = dense ? ops::attention_target(q_abs, kv, seqs, scale)
-                                : ops::attention_target_at(q_abs, kv, seqs, sel.indices, scale,
-                                                           same_set ? att.lse : Tensor());
+    Tensor target = dense ? ops::attention_target(q_abs, kv, seqs, scale)
+                          : ops::attention_target_at(q_abs, kv, seqs, sel.indices, scale,
+                                                     same_set ? att.lse : Tensor());
+    if (tp_ && tp_->size() > 1) {  // the mean of the ranks' targets (set_tensor_parallel)
+      target = dist::allreduce_from(*tp_, target);
+      ops::scale_(target, 1.0 / double(tp_->size()));
+    }
     IndexerLossOptions lo;
     lo.stage = dense ? IndexerLossStage::dense : IndexerLossStage::sparse;
     lo.coeff = lcfg_.indexer_loss_coeff;

@@ -48,6 +48,10 @@
 
 namespace hlm {
 
+namespace dist {
+class Comm;
+}
+
 enum class DsaStage : uint8_t {
   dense_warmup,  // main attention over all causal tokens; indexer KL over all causal tokens
   sparse,        // main attention over the selection; indexer KL over the selection
@@ -133,6 +137,15 @@ class DsaLayer : public Mla {
   Output forward_cached(const Tensor& x, const SeqLayout& seqs, DsaCacheView& cache,
                         const Tensor& given = {}) const;
 
+  // Tensor parallelism (dist/tensor_parallel.h): this layer holds its group's rank's share of the
+  // heads, and the indexer loss's target, the head-summed attention distribution, is summed over
+  // the group: every head's row sums to 1 over its set, so the whole layer's target is the mean
+  // of the ranks' (one all-reduce of [T, W] per training forward with the loss). Every rank then
+  // computes the same indexer loss and indexer gradients; y and dx are this rank's parts (the
+  // caller sums them over the group). nullptr (the default) or a group of one: no sum. The group
+  // must outlive the layer's use of it.
+  void set_tensor_parallel(dist::Comm* group) { tp_ = group; }
+
   // dy [T, D] -> dx (dtype of the saved x). indexer_grad_scale multiplies the indexer loss's
   // gradient (the LM loss scale; 0 skips the indexer backward).
   Tensor backward(const Context& ctx, const Tensor& dy, const Saved& saved,
@@ -145,6 +158,7 @@ class DsaLayer : public Mla {
 
   DsaLayerConfig lcfg_;
   std::unique_ptr<DsaIndexer> indexer_;
+  dist::Comm* tp_ = nullptr;
 };
 
 }  // namespace hlm

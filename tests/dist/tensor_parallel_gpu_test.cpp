@@ -1,0 +1,23 @@
+// Tensor parallelism on GPUs: `mpirun -np 2 hlm_dist_check --tp f32 cuda` runs each rank's part
+// of a KDA layer, the MLP and DSA layers (KPool, the indexer loss) on CUDA (each rank on GPU
+// local_rank % count, so ranks may share one; the emulation: one emulated GPU per process) and
+// checks the parts summed over the ranks against the whole layer on the same GPU
+// (tests/dist/dist_check.cpp). The sums cross ranks through the host (MPI).
+#include <gtest/gtest.h>
+
+#include "core/device.h"
+#include "dist/comm.h"
+#include "testing.h"
+
+namespace hlm {
+namespace {
+
+TEST(TensorParallelGpu, MatchesTheWholeLayer) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
+  testing::expect_dist_check(2, "--tp f32 cuda");
+}
+
+}  // namespace
+}  // namespace hlm
