@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "core/rng.h"
 #include "core/seq_layout.h"
 #include "core/tensor.h"
+#include "dist/comm.h"
 #include "ops/moe.h"
 
 namespace hlm::testing {
@@ -117,6 +119,30 @@ struct PoisonOutputs {
 
 // t rounded to bf16 and back to f32 (CPU): what a CPU reference sees of a GPU op's bf16 input.
 Tensor round_bf16(const Tensor& t);
+
+// A group of n ranks seen from rank r, for what reads only rank() and size() (CpSlice's
+// constructor, a model's construction under tensor parallelism, the refusals before any
+// exchange): every transport call does nothing.
+class FakeGroup : public dist::Comm {
+ public:
+  FakeGroup(int r, int n) : r_(r), n_(n) {}
+  int rank() const override { return r_; }
+  int size() const override { return n_; }
+  const char* backend() const override { return "fake"; }
+  void barrier() override {}
+  void broadcast_bytes(void*, size_t, int) override {}
+  void allgather_bytes(const void*, size_t, void*) override {}
+  void alltoall_bytes(const void*, size_t, void*) override {}
+  void alltoallv_bytes(const void*, const std::vector<size_t>&, void*,
+                       const std::vector<size_t>&) override {}
+  void send_bytes(const void*, size_t, int, int) override {}
+  void recv_bytes(void*, size_t, int, int) override {}
+  std::unique_ptr<dist::Comm> split(int, int) override { return nullptr; }
+  void abort_job(int) override {}
+
+ private:
+  int r_, n_;
+};
 
 // Copies of t on the GPU / the host (an undefined t stays undefined): for the GPU tests.
 Tensor gpu(const Tensor& t);

@@ -74,6 +74,11 @@ void tp_reduce_grads(Comm& group, Module& shard, const std::vector<TpParam>& lay
 // on t's device and dtype. t's shape must be the same on every rank.
 Tensor tp_allreduce(Comm& group, const Tensor& t);
 
+// Rows [bounds[r], bounds[r + 1]) of a [T, ...] tensor held by rank r (part: its rows), gathered
+// into the whole [T, ...] on every rank, on part's device (one all-gather of blocks padded to the
+// longest part). bounds: [n + 1] ascending offsets from 0 to T, the same on every rank.
+Tensor tp_allgather_rows(Comm& group, const Tensor& part, const std::vector<int64_t>& bounds);
+
 // The KDA layer of rank r's heads: num_heads / n qk heads and num_v_heads / n value heads, the
 // rest as `whole` (the ranks of the low-rank gates are not split). n must divide num_heads (so
 // also num_v_heads, a multiple of it); n >= 1.

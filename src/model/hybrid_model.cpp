@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <span>
 
 #include "core/enum_names.h"
@@ -268,6 +269,22 @@ MhcSiteConfig mhc_site_config(const ModelConfig& c, DType dt, uint64_t seed) {
   return m;
 }
 
+// The tensor-parallel group of the options (null without one, or for a group of one).
+dist::Comm* tp_group(const HybridModelOptions& o) {
+  return o.tensor_comm && o.tensor_comm->size() > 1 ? o.tensor_comm : nullptr;
+}
+
+// Under tensor parallelism: this rank's part of a layer built whole (so that its initial values
+// are the whole layer's, drawn as one process draws them) and then sliced.
+template <class L, class Cfg, class Init, class Layout>
+std::unique_ptr<L> tp_part(dist::Comm& tp, const Cfg& whole_cfg, const Cfg& part_cfg,
+                           const Init& make, const Layout& layouts_of) {
+  const std::unique_ptr<L> whole = make(whole_cfg);
+  std::unique_ptr<L> part = make(part_cfg);
+  dist::tp_load_shard(*whole, *part, layouts_of(*whole), tp.rank(), tp.size());
+  return part;
+}
+
 // ---- the feed-forward block
 // ----------------------------------------------------------------------
 
@@ -278,6 +295,8 @@ class FeedForward : public Module {
   struct Saved {
     DenseMlp::Saved mlp;
     MoeLayer::Saved moe;
+    std::vector<int64_t> tp_rows;  // tensor parallel MoE: the ranks' row bounds
+    double tp_aux_scale = 1;       // and the factor on its aux loss (tp_moe_forward)
   };
   struct Out {  // MoE only
     double aux_loss = 0;
@@ -285,7 +304,8 @@ class FeedForward : public Module {
   };
 
   FeedForward(const ModelConfig& c, MlpKind kind, int64_t index, const HybridModelOptions& o,
-              const std::string& path) {
+              const std::string& path)
+      : tp_(tp_group(o)) {
     if (kind == MlpKind::moe) {
       MoeConfig m = moe_layer_config(c, o.dtype, sub_seed(o.seed, index, 6));
       if (o.expert_comm && o.expert_comm->size() > 1) {
@@ -296,8 +316,13 @@ class FeedForward : public Module {
       moe_ = std::make_unique<MoeLayer>(m, c.precision, path);
       add_child("", moe_.get());
     } else {
-      mlp_ = std::make_unique<DenseMlp>(dense_mlp_config(c, o.dtype, sub_seed(o.seed, index, 7)),
-                                        c.precision, path);
+      const DenseMlpConfig mc = dense_mlp_config(c, o.dtype, sub_seed(o.seed, index, 7));
+      auto make = [&](const DenseMlpConfig& k) {
+        return std::make_unique<DenseMlp>(k, c.precision, path);
+      };
+      mlp_ = tp_ ? tp_part<DenseMlp>(*tp_, mc, dist::mlp_tp_config(mc, tp_->size()), make,
+                                     [&](DenseMlp&) { return dist::mlp_tp_params(mc); })
+                 : make(mc);
       add_child("", mlp_.get());
     }
   }
@@ -308,7 +333,11 @@ class FeedForward : public Module {
   // expert load (each a host read of the selection).
   Tensor forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
                  const Tensor& replay, bool cached, const dist::CpSlice* cp = nullptr) const {
-    if (!moe_) return mlp_->forward(c, x, s ? &s->mlp : nullptr);
+    if (!moe_) {
+      const Tensor y = mlp_->forward(c, x, s ? &s->mlp : nullptr);
+      return tp_ ? dist::tp_allreduce(*tp_, y) : y;
+    }
+    if (tp_) return tp_moe_forward(c, x, cu, s, out, replay);
     MoeLayer::Output o =
         moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_, /*stats=*/!cached, cp);
     if (out) {
@@ -320,13 +349,60 @@ class FeedForward : public Module {
   }
 
   Tensor backward(const Context& c, const Tensor& dy, Saved& s, double d_aux) {
-    return moe_ ? moe_->backward(c, dy, s.moe, d_aux) : mlp_->backward(c, dy, s.mlp);
+    if (moe_ && tp_) {  // this rank's rows of dy, the input gradients gathered back
+      const int64_t b0 = s.tp_rows[size_t(tp_->rank())], b1 = s.tp_rows[size_t(tp_->rank()) + 1];
+      const Tensor dx =
+          moe_->backward(c, ops::contiguous(dy.slice(0, b0, b1)), s.moe, d_aux * s.tp_aux_scale);
+      return dist::tp_allgather_rows(*tp_, dx, s.tp_rows);
+    }
+    if (moe_) return moe_->backward(c, dy, s.moe, d_aux);
+    const Tensor dx = mlp_->backward(c, dy, s.mlp);
+    return tp_ ? dist::tp_allreduce(*tp_, dx) : dx;
   }
 
  private:
+  // Tensor parallel MoE: the layer on this rank's even share of the rows (a context-parallel
+  // slice of the batch over the group, so the aux loss of a sequence split between ranks takes
+  // the whole sequence's counts), the outputs and selections gathered back. The aux loss and the
+  // counts are this rank's share (the model sums them over the group): the layer averages its
+  // sequences' shares over its own pieces, so the share is rescaled to the whole batch's
+  // sequence count (as data parallelism's aux_sequences does).
+  Tensor tp_moe_forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
+                        const Tensor& replay) const {
+    const int64_t T = x.size(0), n = tp_->size();
+    HLM_CHECK(T >= n,
+              "HybridModel: a tensor-parallel MoE layer splits the batch's rows over the group's "
+              "{} ranks, but the batch has {} tokens",
+              n, T);
+    const dist::CpSlice slice(*tp_, cu, dist::CpSlice::even_bounds(T, int(n)));
+    const int64_t b0 = slice.begin(tp_->rank()), b1 = slice.end(tp_->rank());
+    std::vector<int64_t> bounds;
+    for (int r = 0; r <= n; ++r) bounds.push_back(r < n ? slice.begin(r) : T);
+    const Tensor rp = replay.defined() ? ops::contiguous(replay.slice(0, b0, b1)) : Tensor();
+    MoeLayer::Output o = moe_->forward(c, ops::contiguous(x.slice(0, b0, b1)), slice.local(),
+                                       s ? &s->moe : nullptr, rp, nullptr, /*stats=*/true, &slice);
+    auto nonempty = [](const SeqLayout& q) {
+      int64_t k = 0;
+      for (int64_t i = 0; i < q.num_seqs(); ++i) k += q.length(i) > 0;
+      return k;
+    };
+    const double aux_scale = double(nonempty(slice.local())) / double(nonempty(cu));
+    if (s) {
+      s->tp_rows = bounds;
+      s->tp_aux_scale = aux_scale;
+    }
+    if (out) {
+      out->aux_loss = o.aux_loss * aux_scale;
+      out->counts = o.counts;
+      out->topk = dist::tp_allgather_rows(*tp_, o.topk_idx, bounds);
+    }
+    return dist::tp_allgather_rows(*tp_, o.y, bounds);
+  }
+
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<DenseMlp> mlp_;
   dist::Comm* ep_ = nullptr;  // the expert-parallel group (HybridModelOptions::expert_comm)
+  dist::Comm* tp_ = nullptr;  // the tensor-parallel group (HybridModelOptions::tensor_comm)
 };
 
 // ---- the decoder layer --------------------------------------------------------------------------
@@ -355,6 +431,22 @@ Tensor rows_of(const Tensor& x, const std::vector<int64_t>& rows) {
 // steps; a prefill takes the cuBLAS projection).
 constexpr int64_t kFusedCollapseTokens = 64;
 
+// A DSA layer initialised from `seed` (its indexer from its config's seed); under tensor
+// parallelism this rank's part of it, whose indexer loss target is summed over the group.
+std::unique_ptr<DsaLayer> make_dsa(const DsaLayerConfig& d, const PrecisionPolicy& pol,
+                                   const std::string& path, uint64_t seed, dist::Comm* tp) {
+  auto make = [&](const DsaLayerConfig& k) {
+    auto l = std::make_unique<DsaLayer>(k, pol, path);
+    l->init_weights(seed);
+    return l;
+  };
+  if (!tp) return make(d);
+  auto part = tp_part<DsaLayer>(*tp, d, dist::dsa_tp_config(d, tp->size()), make,
+                                [](DsaLayer& whole) { return dist::dsa_tp_params(whole); });
+  part->set_tensor_parallel(tp);
+  return part;
+}
+
 // One decoder layer: attention site (attn_hc, input_layernorm, self_attn) and FFN site (ffn_hc,
 // post_attention_layernorm, mlp). Also used without mHC (plain residual) when mhc is off.
 class DecoderLayer : public Module {
@@ -377,7 +469,7 @@ class DecoderLayer : public Module {
   };
 
   DecoderLayer(const ModelConfig& c, int64_t index, const HybridModelOptions& o)
-      : recompute_(o.recompute), mhc_(c.mhc.enabled) {
+      : recompute_(o.recompute), mhc_(c.mhc.enabled), tp_(tp_group(o)) {
     const std::string path = "model.layers." + std::to_string(index);
     const DType dt = o.dtype;
     const PrecisionPolicy& pol = c.precision;
@@ -397,11 +489,19 @@ class DecoderLayer : public Module {
     add_child("post_attention_layernorm", post_norm_.get());
     const std::string attn_path = path + ".self_attn";
     switch (c.layer_kind(index)) {
-      case LayerKind::kda:
-        kda_ = std::make_unique<KdaLayer>(kda_layer_config(c), pol, attn_path, dt);
-        kda_->init_weights(sub_seed(o.seed, index, 3), c.initializer_range);
+      case LayerKind::kda: {
+        const KdaConfig kc = kda_layer_config(c);
+        auto make = [&](const KdaConfig& k) {
+          auto l = std::make_unique<KdaLayer>(k, pol, attn_path, dt);
+          l->init_weights(sub_seed(o.seed, index, 3), c.initializer_range);
+          return l;
+        };
+        kda_ = tp_ ? tp_part<KdaLayer>(*tp_, kc, dist::kda_tp_config(kc, tp_->size()), make,
+                                       [&](KdaLayer&) { return dist::kda_tp_params(kc); })
+                   : make(kc);
         add_child("self_attn", kda_.get());
         break;
+      }
       case LayerKind::dsa:
       case LayerKind::mla: {
         DsaLayerConfig d = dsa_layer_config(c, dt, sub_seed(o.seed, index, 4));
@@ -411,8 +511,7 @@ class DecoderLayer : public Module {
                   c.indexer_kinds[size_t(index)] == IndexerKind::shared;
         if (c.layer_kind(index) == LayerKind::mla || shared_) d.indexer.reset();
         if (!d.indexer) d.indexer_loss = false;
-        dsa_ = std::make_unique<DsaLayer>(d, pol, attn_path);
-        dsa_->init_weights(sub_seed(o.seed, index, 5));
+        dsa_ = make_dsa(d, pol, attn_path, sub_seed(o.seed, index, 5), tp_);
         add_child("self_attn", dsa_.get());
         break;
       }
@@ -424,6 +523,7 @@ class DecoderLayer : public Module {
   bool is_moe() const { return ffn_->moe() != nullptr; }
   MoeLayer* moe() { return ffn_->moe(); }
   DsaLayer* dsa() { return dsa_.get(); }
+  KdaLayer* kda() { return kda_.get(); }
   bool is_dsa() const { return dsa_ != nullptr; }
   bool shares_selection() const { return shared_; }
 
@@ -528,12 +628,13 @@ class DecoderLayer : public Module {
       y = kda_->forward(c, a, *s->cp.slice, train ? &s->kda : nullptr, s->cp.mode);
     } else if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
+      if (tp_) y = dist::tp_allreduce(*tp_, y);
     } else {
       DsaCacheView view;
       if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
       DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view, given)
                               : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
-      y = o.y;
+      y = tp_ ? dist::tp_allreduce(*tp_, o.y) : o.y;
       if (out) {
         if (o.has_indexer_loss) {
           out->indexer_loss = o.indexer_loss;
@@ -592,6 +693,7 @@ class DecoderLayer : public Module {
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor da =
         kda_ ? kda_->backward(c, dy1, s.kda).dx : dsa_->backward(c, dy1, s.dsa, indexer_scale);
+    if (tp_) da = dist::tp_allreduce(*tp_, da);
     ps_att.end();
     HLM_PROFILE("mhc + norm");
     Tensor du = in_norm_->backward(c, da, s.in_norm);
@@ -601,6 +703,7 @@ class DecoderLayer : public Module {
 
   Recompute recompute_;
   bool mhc_;
+  dist::Comm* tp_;  // the tensor-parallel group (HybridModelOptions::tensor_comm) or null
   bool shared_ = false;
   std::unique_ptr<MhcSite> attn_hc_, ffn_hc_;
   std::unique_ptr<RmsNorm> in_norm_, post_norm_;
@@ -625,7 +728,8 @@ class MtpBlock : public Module {
     int64_t indexer_rows = 0;
   };
 
-  MtpBlock(const ModelConfig& c, const HybridModelOptions& o) : recompute_(o.recompute) {
+  MtpBlock(const ModelConfig& c, const HybridModelOptions& o)
+      : recompute_(o.recompute), tp_(tp_group(o)) {
     const int64_t L = c.num_hidden_layers, D = c.hidden_size;
     const std::string path = "model.layers." + std::to_string(L);
     const DType dt = o.dtype;
@@ -643,8 +747,7 @@ class MtpBlock : public Module {
     head_norm_ =
         std::make_unique<RmsNorm>(RmsNormConfig{D, c.rms_norm_eps, dt}, path + ".shared_head.norm");
     DsaLayerConfig d = dsa_layer_config(c, dt, sub_seed(o.seed, L, 4));
-    dsa_ = std::make_unique<DsaLayer>(d, pol, path + ".self_attn");
-    dsa_->init_weights(sub_seed(o.seed, L, 5));
+    dsa_ = make_dsa(d, pol, path + ".self_attn", sub_seed(o.seed, L, 5), tp_);
     ffn_ = std::make_unique<FeedForward>(c, c.mtp_mlp_kind(), L, o, path + ".mlp");
     add_child("enorm", enorm_.get());
     add_child("hnorm", hnorm_.get());
@@ -684,7 +787,7 @@ class MtpBlock : public Module {
       out->indexer_loss = o.indexer_loss;
       out->indexer_rows = o.indexer_loss_rows;
     }
-    Tensor m2 = add(m, o.y);
+    Tensor m2 = add(m, tp_ ? dist::tp_allreduce(*tp_, o.y) : o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
     Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
     Tensor m3 = add(m2, f);
@@ -701,6 +804,7 @@ class MtpBlock : public Module {
     Tensor db = ffn_->backward(c, dm3, s.ffn, d_aux);
     Tensor dm2 = add(dm3, post_norm_->backward(c, db, s.post_norm));
     Tensor da = dsa_->backward(c, dm2, s.dsa, indexer_scale);
+    if (tp_) da = dist::tp_allreduce(*tp_, da);
     Tensor dm = add(dm2, in_norm_->backward(c, da, s.in_norm));
     Tensor dcat = eh_.backward(c, dm, s.eh);
     Tensor de = enorm_->backward(c, ops::contiguous(dcat.slice(1, 0, D)), s.enorm);
@@ -710,6 +814,7 @@ class MtpBlock : public Module {
 
  private:
   Recompute recompute_;
+  dist::Comm* tp_;  // the tensor-parallel group (HybridModelOptions::tensor_comm) or null
   std::unique_ptr<RmsNorm> enorm_, hnorm_, in_norm_, post_norm_, head_norm_;
   Linear eh_;
   std::unique_ptr<DsaLayer> dsa_;
@@ -767,6 +872,8 @@ HybridModel::HybridModel(const ModelConfig& config, const HybridModelOptions& op
   cfg_.validate();
   HLM_CHECK(opt_.dtype == DType::f64 || opt_.dtype == DType::f32 || opt_.dtype == DType::bf16,
             "HybridModel: dtype must be f64, f32 or bf16, got {}", dtype_name(opt_.dtype));
+  HLM_CHECK(!tp_group(opt_) || !opt_.expert_comm || opt_.expert_comm->size() == 1,
+            "HybridModel: tensor parallelism does not combine with expert parallelism yet");
   const int64_t V = cfg_.vocab_size, D = cfg_.hidden_size;
   embed_ = &add_param("model.embed_tokens.weight",
                       normal_tensor({V, D}, opt_.dtype, opt_.seed, 1, cfg_.initializer_range));
@@ -908,6 +1015,11 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   }();
   const std::vector<int64_t>& cu_vec = seqs.offsets();
   const bool has_targets = in.targets.defined();
+  dist::Comm* tp = tp_group(opt_);
+  if (tp)
+    HLM_CHECK(in.cache == nullptr && in.cp == nullptr,
+              "HybridModel::forward: a tensor-parallel model runs neither over a cache nor "
+              "context parallel yet");
   if (in.cp) {
     HLM_CHECK(in.cache == nullptr,
               "HybridModel::forward: a forward over a cache does not run context parallel");
@@ -1163,6 +1275,14 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     s->has_mtp = true;
     objective += s->mtp_scale * out.mtp_loss;
   }
+  if (tp) {
+    // The MoE layers ran on each rank's share of the rows: their aux losses and counts summed
+    // over the group are the whole batch's (the same on every rank, as every other term is).
+    Tensor aux = Tensor::from_vector<double>({1}, {out.aux_loss});
+    tp->allreduce_sum(aux);
+    out.aux_loss = aux.data<double>()[0];
+    for (Tensor& c : out.expert_counts) c = dist::allreduce_from(*tp, c);
+  }
   if (in.aux_losses) objective += out.aux_loss + out.indexer_loss;
   out.loss = objective;
   if (train) *saved = SavedPtr(s.release());
@@ -1243,6 +1363,60 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   HLM_PROFILE("embedding");
   Tensor de = cfg_.mhc.enabled ? ops::mhc_expand_backward(dx) : dx.reshape({T, D});
   ops::embedding_backward(de, s.tokens_dev, embed_->grad);
+}
+
+std::vector<dist::TpParam> HybridModel::tensor_parallel_params() {
+  std::map<std::string, dist::TpParam> split;  // the layouts of the tensor-parallel layers
+  std::vector<std::string> moe_prefixes;
+  auto add = [&](const std::string& prefix, const std::vector<dist::TpParam>& v) {
+    for (dist::TpParam p : v) {
+      p.name = prefix + p.name;
+      split[p.name] = p;
+    }
+  };
+  const int tp = tp_group(opt_) ? tp_group(opt_)->size() : 1;
+  auto add_layer = [&](const std::string& path, KdaLayer* kda, DsaLayer* dsa, MoeLayer* moe) {
+    if (tp == 1) return;
+    if (kda) {  // the layer holds 1/tp of the heads: the whole layer's layout
+      KdaConfig whole = kda->config();
+      whole.num_heads *= tp;
+      whole.num_v_heads *= tp;
+      add(path + ".self_attn.", dist::kda_tp_params(whole));
+    }
+    if (dsa) {
+      MlaConfig whole = dsa->config();
+      whole.num_heads *= tp;
+      add(path + ".self_attn.", dist::mla_tp_params(whole));
+      for (const dist::TpParam& p : dist::dsa_tp_params(*dsa))
+        if (p.split == dist::TpSplit::identical) add(path + ".self_attn.", {p});
+    }
+    if (moe) {
+      moe_prefixes.push_back(path + ".mlp.");
+    } else {
+      DenseMlpConfig whole;
+      whole.intermediate_size = cfg_.intermediate_size;
+      add(path + ".mlp.", dist::mlp_tp_params(whole));
+    }
+  };
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    DecoderLayer& d = *layers_[l];
+    add_layer("model.layers." + std::to_string(l), d.kda(), d.dsa(), d.moe());
+  }
+  if (mtp_)
+    add_layer("model.layers." + std::to_string(cfg_.num_hidden_layers), nullptr, mtp_->dsa(),
+              mtp_->moe());
+  std::vector<dist::TpParam> out;
+  for (const auto& [name, p] : named_parameters()) {
+    const auto it = split.find(name);
+    if (it != split.end()) {
+      out.push_back(it->second);
+      continue;
+    }
+    bool in_moe = false;
+    for (const std::string& m : moe_prefixes) in_moe = in_moe || name.rfind(m, 0) == 0;
+    out.push_back({name, in_moe ? dist::TpSplit::replicated : dist::TpSplit::identical, {}});
+  }
+  return out;
 }
 
 void HybridModel::update_moe_bias(const std::vector<Tensor>& counts) {

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/tensor_parallel.h"
 #include "layers/dsa/dsa_layer.h"
 #include "layers/kda/kda_layer.h"
 #include "layers/linear.h"
@@ -72,6 +73,15 @@ struct HybridModelOptions {
   // of n (MoeConfig::ep_size / ep_rank); every process of the group runs each forward and
   // backward together, each on its own tokens. nullptr or a group of one: every expert here.
   dist::Comm* expert_comm = nullptr;
+  // Tensor parallelism (docs/parallel.md, "Tensor parallelism"): the processes that split every
+  // attention layer's heads and every dense MLP's channels (dist/tensor_parallel.h), each rank
+  // holding its part of them; each rank runs the same batch, and the parts' outputs and input
+  // gradients are summed over the group after each such layer. A MoE layer runs on the rank's
+  // share of the batch's tokens (an even split of the rows), its outputs gathered back. Every
+  // other parameter (embedding, mHC, norms, head) is whole on every rank and computed the same
+  // there. Every rank of the group calls each forward and backward together. Not with expert
+  // parallelism, context parallelism or a cache yet (refused). nullptr or a group of one: none.
+  dist::Comm* tensor_comm = nullptr;
 };
 
 // The caller's own output projection and loss (Megatron's output_processor): given the final
@@ -194,6 +204,13 @@ class HybridModel : public Module {
   // layers in order, then MTP's): under expert parallelism they hold this process's experts only.
   std::vector<Param*> expert_params();
   bool has_mtp() const { return mtp_ != nullptr; }
+  // Under tensor parallelism: every parameter's layout over the group (full names, in
+  // named_parameters order). The attention layers' and dense MLPs' as dist::kda_tp_params /
+  // dsa_tp_params / mlp_tp_params give them; a MoE layer's parameters replicated (each rank's
+  // gradient is its tokens' share); every other parameter identical. Without it: every parameter
+  // identical. dist::tp_reduce_grads(group, model, layouts) then sums the shares, and
+  // dist::tp_gather the whole parameters (for a checkpoint).
+  std::vector<dist::TpParam> tensor_parallel_params();
 
   // The MTP block over a speculative cache (CPU; docs/inference.md, "Speculative decoding"):
   // sequence n's rows are MTP positions mtp_length(slot) + r, row r reading next_tokens[r] (the

@@ -18,28 +18,7 @@
 namespace hlm {
 namespace {
 
-// A group of n ranks seen from rank r, for building slices without processes: only rank() and
-// size() are read by CpSlice's constructor.
-class FakeGroup : public dist::Comm {
- public:
-  FakeGroup(int r, int n) : r_(r), n_(n) {}
-  int rank() const override { return r_; }
-  int size() const override { return n_; }
-  const char* backend() const override { return "fake"; }
-  void barrier() override {}
-  void broadcast_bytes(void*, size_t, int) override {}
-  void allgather_bytes(const void*, size_t, void*) override {}
-  void alltoall_bytes(const void*, size_t, void*) override {}
-  void alltoallv_bytes(const void*, const std::vector<size_t>&, void*,
-                       const std::vector<size_t>&) override {}
-  void send_bytes(const void*, size_t, int, int) override {}
-  void recv_bytes(void*, size_t, int, int) override {}
-  std::unique_ptr<dist::Comm> split(int, int) override { return nullptr; }
-  void abort_job(int) override {}
-
- private:
-  int r_, n_;
-};
+using testing::FakeGroup;
 
 TEST(CpSlice, DescribesEveryRanksSlice) {
   // Sequences [0, 70) [70, 73) [73, 173); ranks [0, 71) [71, 72) [72, 130) [130, 173).

@@ -8,7 +8,8 @@
 // every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP]]` runs the trainer
 // instead, `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism, `--moe-ep DTYPE
 // DEVICE` the MoE layer's expert parallelism, `--model-cp DTYPE DEVICE [short]` the whole model's
-// context parallelism and `--tp DTYPE DEVICE` the layers' tensor parallelism (below).
+// context parallelism, `--tp DTYPE DEVICE` the layers' tensor parallelism and `--model-tp DTYPE
+// DEVICE` the whole model's (below).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -788,6 +789,124 @@ int tp(const std::string& dtype, const std::string& device) {
   return failures == 0 ? 0 : 1;
 }
 
+// `--model-tp DTYPE DEVICE` (f64 or f32; cpu or cuda): the whole model's tensor parallelism
+// (HybridModelOptions::tensor_comm) over this job's ranks against the whole model run in this
+// process (the same seed): KDA and DSA layers (4 heads each; KPool and the indexer loss), a
+// dense MLP and MoE layers with the aux loss, mHC and the MTP block. Each rank's parameters must
+// be its parts of the whole model's, bit for bit; the loss terms (the same bits on every rank)
+// and every parameter gradient (tp_reduce_grads, then this rank's part of the whole's) within
+// 1e-10 (f64) or 5e-5 (f32) relative, without recompute and with full recompute (the same bits
+// as without), and the same bits run again.
+int model_tp(const std::string& dtype, const std::string& device) {
+  const auto [dt, dev] = layer_check_args("--model-tp", dtype, device);
+  const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
+  Comm& w = hlm::dist::world();
+  const int R = w.rank(), N = w.size();
+  const hlm::ModelConfig mc = hlm::ModelConfig::from_json(nlohmann::json::parse(R"({
+    "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
+    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
+    "intermediate_size": 24, "initializer_range": 0.2,
+    "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 8, "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
+    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
+    "dsa_indexer_loss_coeff": 0.3,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
+    "num_nextn_predict_layers": 1, "gemm_precision": "native"
+  })"));
+  const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths({37, 20});
+  const int64_t T = seqs.total_tokens();
+  hlm::Rng rng(8, 3);
+  std::vector<int64_t> tok(static_cast<size_t>(T)), tgt(static_cast<size_t>(T));
+  for (auto& t : tok) t = int64_t(rng.next_u64() % 24);
+  for (int64_t t = 0; t < T; ++t) tgt[size_t(t)] = t % 7 == 3 ? -100 : int64_t(rng.next_u64() % 24);
+  hlm::ModelInputs in;
+  in.tokens = Tensor::from_vector<int64_t>({T}, tok);
+  in.cu_seqlens = Tensor::from_vector<int64_t>({int64_t(seqs.offsets().size())}, seqs.offsets());
+  in.targets = Tensor::from_vector<int64_t>({T}, tgt);
+  const hlm::Context ctx{true, false};
+  auto loss_terms = [](const hlm::ModelOutput& o) {
+    return std::vector<double>{o.loss, o.lm_loss, o.mtp_loss, o.aux_loss, o.indexer_loss};
+  };
+  hlm::HybridModelOptions mo;
+  mo.dtype = dt;
+  mo.seed = 2026;
+  // The whole model here.
+  hlm::HybridModel whole(mc, mo);
+  whole.to(dev);
+  whole.zero_grad();
+  hlm::HybridModel::SavedPtr sw;
+  const std::vector<double> l_ref = loss_terms(whole.forward(ctx, in, &sw));
+  whole.backward(ctx, *sw);
+  sw.reset();
+  double worst = 0;
+  std::vector<Tensor> g_first;
+  for (const hlm::Recompute rc : {hlm::Recompute::none, hlm::Recompute::full}) {
+    const std::string what = std::string("recompute ") + hlm::recompute_name(rc);
+    hlm::HybridModelOptions po = mo;
+    po.recompute = rc;
+    po.tensor_comm = &w;
+    hlm::HybridModel part(mc, po);
+    const std::vector<hlm::dist::TpParam> layouts = part.tensor_parallel_params();
+    bool init = layouts.size() == part.named_parameters().size();
+    for (const hlm::dist::TpParam& p : layouts)
+      init = init && same_bits(part.find_parameter(p.name)->value,
+                               hlm::dist::tp_shard(whole.find_parameter(p.name)->value, p, R, N));
+    expect(init, what + ": this rank's parameters are its parts of the whole model's", R);
+    part.to(dev);
+    auto run = [&](std::vector<double>& l, std::vector<Tensor>& g) {
+      part.zero_grad();
+      hlm::HybridModel::SavedPtr s;
+      l = loss_terms(part.forward(ctx, in, &s));
+      part.backward(ctx, *s);
+      hlm::dist::tp_reduce_grads(w, part, layouts);
+      g.clear();
+      for (const hlm::dist::TpParam& p : layouts)
+        g.push_back(part.find_parameter(p.name)->grad.to(hlm::Device::cpu));
+    };
+    std::vector<double> l, l2;
+    std::vector<Tensor> g, g2;
+    run(l, g);
+    run(l2, g2);
+    double el = 0, eg = 0;
+    std::string worst_param;
+    bool same = l == l2;
+    for (size_t i = 0; i < l.size(); ++i)
+      el = std::max(el, std::abs(l[i] - l_ref[i]) / std::max(std::abs(l_ref[i]), 1e-30));
+    // The loss terms are the same bits on every rank.
+    const Tensor all = w.allgather(Tensor::from_vector<double>({1, int64_t(l.size())}, l));
+    bool everywhere = true;
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < l.size(); ++i)
+        everywhere = everywhere && all.data<double>()[r * int64_t(l.size()) + int64_t(i)] == l[i];
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      const hlm::dist::TpParam& p = layouts[i];
+      const Tensor ref = hlm::dist::tp_shard(whole.find_parameter(p.name)->grad, p, R, N);
+      const double e = rel_err(g[i], ref);
+      if (!(e <= tol)) expect(false, what + ": the gradient of " + p.name, R);
+      if (e > eg) eg = e, worst_param = p.name;
+      same = same && same_bits(g[i], g2[i]);
+      if (!g_first.empty()) same = same && same_bits(g[i], g_first[i]);
+    }
+    if (g_first.empty()) g_first = g;
+    expect(l_ref[4] > 0 && l_ref[3] > 0, what + ": the indexer and aux losses are on", R);
+    expect(el <= tol, what + ": the loss terms", R);
+    expect(everywhere, what + ": the loss terms are the same on every rank", R);
+    expect(same, what + ": the same bits run again (and as without recompute)", R);
+    if (R == 0)
+      std::printf(
+          "model_tp: %d ranks (%s %s): %s: losses %.2e (indexer %.6g, aux %.6g), grads "
+          "%.2e (%s)\n",
+          N, dtype.c_str(), device.c_str(), what.c_str(), el, l[4], l[3], eg, worst_param.c_str());
+    worst = std::max({worst, el, eg});
+  }
+  w.barrier();
+  std::printf("model_tp: rank %d of %d: worst %.2e (tolerance %.0e): %d of %d checks passed\n", R,
+              N, worst, tol, checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
+
 // The expert- or context-parallel degree of --train: a whole number >= 1.
 int degree(const char* s) {
   char* end = nullptr;
@@ -807,6 +926,7 @@ int main(int argc, char** argv) {
       return kda_cp(argv[2], argv[3], argc == 4);
     if (argc == 4 && std::string(argv[1]) == "--moe-ep") return moe_ep(argv[2], argv[3]);
     if (argc == 4 && std::string(argv[1]) == "--tp") return tp(argv[2], argv[3]);
+    if (argc == 4 && std::string(argv[1]) == "--model-tp") return model_tp(argv[2], argv[3]);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--model-cp")
       return model_cp(argv[2], argv[3], argc == 4);

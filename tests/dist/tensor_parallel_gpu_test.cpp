@@ -19,5 +19,15 @@ TEST(TensorParallelGpu, MatchesTheWholeLayer) {
   testing::expect_dist_check(2, "--tp f32 cuda");
 }
 
+// The whole model's tensor parallelism on GPUs (`--model-tp f32 cuda`, 2 ranks): KDA and DSA
+// layers, a dense MLP, MoE with the aux loss, mHC and MTP; the loss terms and every gradient
+// against the one-process model on the same GPU.
+TEST(ModelTensorParallelGpu, MatchesTheWholeModel) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
+  testing::expect_dist_check(2, "--model-tp f32 cuda");
+}
+
 }  // namespace
 }  // namespace hlm

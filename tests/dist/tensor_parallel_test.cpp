@@ -8,16 +8,19 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/rng.h"
 #include "dist/comm.h"
+#include "dist/context_parallel.h"
 #include "dist/tensor_parallel.h"
 #include "layers/dsa/dsa_layer.h"
 #include "layers/kda/kda_layer.h"
 #include "layers/mlp.h"
+#include "model/hybrid_model.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
 
@@ -390,6 +393,77 @@ TEST(TensorParallelSlices, LoadRefusesWhatDoesNotFit) {
                         "parameter 'down_proj.weight' of the rank's layer has no tensor-parallel "
                         "layout");
   EXPECT_TRUE(testing::bit_equal(part.down_proj().weight().value, before));
+}
+
+// A model built for rank 1 of a tensor-parallel group of 2 (construction exchanges nothing):
+// its parameters are its parts of the one-process model's, bit for bit, under the layouts
+// tensor_parallel_params gives (sliced attention and dense-MLP weights, the KDA low-rank gates
+// and the MoE layers replicated, the DSA indexer and everything outside those layers identical);
+// and the combinations not supported yet are refused.
+TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
+  nlohmann::json j = nlohmann::json::parse(testing::kSmallModelJson);
+  const ModelConfig mc = ModelConfig::from_json(j);
+  HybridModelOptions o;
+  o.seed = 11;
+  HybridModel whole(mc, o);
+  testing::FakeGroup g(1, 2);
+  HybridModelOptions po = o;
+  po.tensor_comm = &g;
+  HybridModel part(mc, po);
+  const std::vector<TpParam> layouts = part.tensor_parallel_params();
+  ASSERT_EQ(layouts.size(), part.named_parameters().size());
+  std::map<std::string, TpSplit> kind;
+  for (const TpParam& p : layouts) {
+    SCOPED_TRACE(p.name);
+    kind[p.name] = p.split;
+    EXPECT_TRUE(testing::bit_equal(part.find_parameter(p.name)->value,
+                                   dist::tp_shard(whole.find_parameter(p.name)->value, p, 1, 2)));
+  }
+  EXPECT_EQ(kind["model.layers.0.self_attn.q_proj.weight"], TpSplit::rows);
+  EXPECT_EQ(kind["model.layers.0.self_attn.o_proj.weight"], TpSplit::cols);
+  EXPECT_EQ(kind["model.layers.0.self_attn.forget_gate.f_a_proj.weight"], TpSplit::replicated);
+  EXPECT_EQ(kind["model.layers.0.mlp.down_proj.weight"], TpSplit::cols);
+  EXPECT_EQ(kind["model.layers.1.self_attn.kv_b_proj.weight"], TpSplit::rows);
+  EXPECT_EQ(kind["model.layers.1.self_attn.indexer.wk.weight"], TpSplit::identical);
+  EXPECT_EQ(kind["model.layers.1.mlp.gate.weight"], TpSplit::replicated);
+  EXPECT_EQ(kind["model.layers.1.mlp.experts.gate_up_proj"], TpSplit::replicated);
+  EXPECT_EQ(kind["model.layers.2.self_attn.o_proj.weight"], TpSplit::cols);  // the MTP block's
+  EXPECT_EQ(kind["model.embed_tokens.weight"], TpSplit::identical);
+  EXPECT_EQ(kind["model.layers.0.attn_hc.fn"], TpSplit::identical);
+  // Without a group every parameter is identical.
+  for (const TpParam& p : whole.tensor_parallel_params())
+    EXPECT_EQ(p.split, TpSplit::identical) << p.name;
+
+  // Refused: with expert parallelism; context parallel.
+  HybridModelOptions ep = po;
+  testing::FakeGroup eg(0, 2);
+  ep.expert_comm = &eg;
+  testing::expect_error([&] { HybridModel m(mc, ep); },
+                        "tensor parallelism does not combine with expert parallelism yet");
+  const SeqLayout seqs = testing::seqs_of({6});
+  const dist::CpSlice slice(g, seqs, {0, 3, 6});
+  ModelInputs in;
+  in.tokens = Tensor::from_vector<int64_t>({3}, {1, 2, 3});
+  in.cp = &slice;
+  testing::expect_error(
+      [&] {
+        part.forward(Context{false, false}, in);
+      },
+      "a tensor-parallel model runs neither over a cache nor context parallel");
+  testing::expect_error([&] { dist::kda_tp_config(kda_layer_config(mc), 3); },
+                        "a KDA layer's 2 heads do not split over 3 ranks");
+}
+
+// The whole model over 2 and 4 processes (tests/dist/dist_check.cpp, --model-tp): KDA and DSA
+// layers (KPool, the indexer loss), a dense MLP and MoE layers with the aux loss, mHC and MTP;
+// the loss terms and every gradient against the one-process model, without and with full
+// recompute; f64 on 2 and 4 ranks, f32 on 4.
+TEST(ModelTensorParallel, MatchesTheWholeModelOnTwoAndFourRanks) {
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  for (const auto& [dt, n] : {std::pair{"f64", 2}, {"f64", 4}, {"f32", 4}}) {
+    SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
+    testing::expect_dist_check(n, std::string("--model-tp ") + dt + " cpu");
+  }
 }
 
 // The layers over 2 and 4 processes with the group's all-reduce (tests/dist/dist_check.cpp,
