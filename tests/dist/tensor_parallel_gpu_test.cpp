@@ -21,7 +21,8 @@ TEST(TensorParallelGpu, MatchesTheWholeLayer) {
 
 // The whole model's tensor parallelism on GPUs (`--model-tp f32 cuda`, 2 ranks): KDA and DSA
 // layers, a dense MLP, MoE with the aux loss, mHC and MTP; the loss terms and every gradient
-// against the one-process model on the same GPU.
+// against the one-process model on the same GPU. The group's sums run over NCCL (in the
+// emulation build its stand-in).
 TEST(ModelTensorParallelGpu, MatchesTheWholeModel) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
   if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
