@@ -281,7 +281,7 @@ std::unique_ptr<L> tp_part(dist::Comm& tp, const Cfg& whole_cfg, const Cfg& part
                            const Init& make, const Layout& layouts_of) {
   const std::unique_ptr<L> whole = make(whole_cfg);
   std::unique_ptr<L> part = make(part_cfg);
-  dist::tp_load_shard(*whole, *part, layouts_of(*whole), tp.rank(), tp.size());
+  tp_load_shard(*whole, *part, layouts_of(*whole), tp.rank(), tp.size());
   return part;
 }
 
@@ -320,8 +320,8 @@ class FeedForward : public Module {
       auto make = [&](const DenseMlpConfig& k) {
         return std::make_unique<DenseMlp>(k, c.precision, path);
       };
-      mlp_ = tp_ ? tp_part<DenseMlp>(*tp_, mc, dist::mlp_tp_config(mc, tp_->size()), make,
-                                     [&](DenseMlp&) { return dist::mlp_tp_params(mc); })
+      mlp_ = tp_ ? tp_part<DenseMlp>(*tp_, mc, mlp_tp_config(mc, tp_->size()), make,
+                                     [&](DenseMlp&) { return mlp_tp_params(mc); })
                  : make(mc);
       add_child("", mlp_.get());
     }
@@ -335,7 +335,7 @@ class FeedForward : public Module {
                  const Tensor& replay, bool cached, const dist::CpSlice* cp = nullptr) const {
     if (!moe_) {
       const Tensor y = mlp_->forward(c, x, s ? &s->mlp : nullptr);
-      return tp_ ? dist::tp_allreduce(*tp_, y) : y;
+      return tp_ ? tp_allreduce(*tp_, y) : y;
     }
     if (tp_) return tp_moe_forward(c, x, cu, s, out, replay);
     MoeLayer::Output o =
@@ -353,11 +353,11 @@ class FeedForward : public Module {
       const int64_t b0 = s.tp_rows[size_t(tp_->rank())], b1 = s.tp_rows[size_t(tp_->rank()) + 1];
       const Tensor dx =
           moe_->backward(c, ops::contiguous(dy.slice(0, b0, b1)), s.moe, d_aux * s.tp_aux_scale);
-      return dist::tp_allgather_rows(*tp_, dx, s.tp_rows);
+      return tp_allgather_rows(*tp_, dx, s.tp_rows);
     }
     if (moe_) return moe_->backward(c, dy, s.moe, d_aux);
     const Tensor dx = mlp_->backward(c, dy, s.mlp);
-    return tp_ ? dist::tp_allreduce(*tp_, dx) : dx;
+    return tp_ ? tp_allreduce(*tp_, dx) : dx;
   }
 
  private:
@@ -394,9 +394,9 @@ class FeedForward : public Module {
     if (out) {
       out->aux_loss = o.aux_loss * aux_scale;
       out->counts = o.counts;
-      out->topk = dist::tp_allgather_rows(*tp_, o.topk_idx, bounds);
+      out->topk = tp_allgather_rows(*tp_, o.topk_idx, bounds);
     }
-    return dist::tp_allgather_rows(*tp_, o.y, bounds);
+    return tp_allgather_rows(*tp_, o.y, bounds);
   }
 
   std::unique_ptr<MoeLayer> moe_;
@@ -441,8 +441,8 @@ std::unique_ptr<DsaLayer> make_dsa(const DsaLayerConfig& d, const PrecisionPolic
     return l;
   };
   if (!tp) return make(d);
-  auto part = tp_part<DsaLayer>(*tp, d, dist::dsa_tp_config(d, tp->size()), make,
-                                [](DsaLayer& whole) { return dist::dsa_tp_params(whole); });
+  auto part = tp_part<DsaLayer>(*tp, d, dsa_tp_config(d, tp->size()), make,
+                                [](DsaLayer& whole) { return dsa_tp_params(whole); });
   part->set_tensor_parallel(tp);
   return part;
 }
@@ -496,8 +496,8 @@ class DecoderLayer : public Module {
           l->init_weights(sub_seed(o.seed, index, 3), c.initializer_range);
           return l;
         };
-        kda_ = tp_ ? tp_part<KdaLayer>(*tp_, kc, dist::kda_tp_config(kc, tp_->size()), make,
-                                       [&](KdaLayer&) { return dist::kda_tp_params(kc); })
+        kda_ = tp_ ? tp_part<KdaLayer>(*tp_, kc, kda_tp_config(kc, tp_->size()), make,
+                                       [&](KdaLayer&) { return kda_tp_params(kc); })
                    : make(kc);
         add_child("self_attn", kda_.get());
         break;
@@ -628,13 +628,13 @@ class DecoderLayer : public Module {
       y = kda_->forward(c, a, *s->cp.slice, train ? &s->kda : nullptr, s->cp.mode);
     } else if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
-      if (tp_) y = dist::tp_allreduce(*tp_, y);
+      if (tp_) y = tp_allreduce(*tp_, y);
     } else {
       DsaCacheView view;
       if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
       DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view, given)
                               : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
-      y = tp_ ? dist::tp_allreduce(*tp_, o.y) : o.y;
+      y = tp_ ? tp_allreduce(*tp_, o.y) : o.y;
       if (out) {
         if (o.has_indexer_loss) {
           out->indexer_loss = o.indexer_loss;
@@ -693,7 +693,7 @@ class DecoderLayer : public Module {
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor da =
         kda_ ? kda_->backward(c, dy1, s.kda).dx : dsa_->backward(c, dy1, s.dsa, indexer_scale);
-    if (tp_) da = dist::tp_allreduce(*tp_, da);
+    if (tp_) da = tp_allreduce(*tp_, da);
     ps_att.end();
     HLM_PROFILE("mhc + norm");
     Tensor du = in_norm_->backward(c, da, s.in_norm);
@@ -787,7 +787,7 @@ class MtpBlock : public Module {
       out->indexer_loss = o.indexer_loss;
       out->indexer_rows = o.indexer_loss_rows;
     }
-    Tensor m2 = add(m, tp_ ? dist::tp_allreduce(*tp_, o.y) : o.y);
+    Tensor m2 = add(m, tp_ ? tp_allreduce(*tp_, o.y) : o.y);
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
     Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
     Tensor m3 = add(m2, f);
@@ -804,7 +804,7 @@ class MtpBlock : public Module {
     Tensor db = ffn_->backward(c, dm3, s.ffn, d_aux);
     Tensor dm2 = add(dm3, post_norm_->backward(c, db, s.post_norm));
     Tensor da = dsa_->backward(c, dm2, s.dsa, indexer_scale);
-    if (tp_) da = dist::tp_allreduce(*tp_, da);
+    if (tp_) da = tp_allreduce(*tp_, da);
     Tensor dm = add(dm2, in_norm_->backward(c, da, s.in_norm));
     Tensor dcat = eh_.backward(c, dm, s.eh);
     Tensor de = enorm_->backward(c, ops::contiguous(dcat.slice(1, 0, D)), s.enorm);
@@ -1369,11 +1369,11 @@ void HybridModel::backward(const Context& ctx, const Saved& saved_in, const Tens
   ops::embedding_backward(de, s.tokens_dev, embed_->grad);
 }
 
-std::vector<dist::TpParam> HybridModel::tensor_parallel_params() {
-  std::map<std::string, dist::TpParam> split;  // the layouts of the tensor-parallel layers
+std::vector<TpParam> HybridModel::tensor_parallel_params() {
+  std::map<std::string, TpParam> split;  // the layouts of the tensor-parallel layers
   std::vector<std::string> moe_prefixes;
-  auto add = [&](const std::string& prefix, const std::vector<dist::TpParam>& v) {
-    for (dist::TpParam p : v) {
+  auto add = [&](const std::string& prefix, const std::vector<TpParam>& v) {
+    for (TpParam p : v) {
       p.name = prefix + p.name;
       split[p.name] = p;
     }
@@ -1385,21 +1385,21 @@ std::vector<dist::TpParam> HybridModel::tensor_parallel_params() {
       KdaConfig whole = kda->config();
       whole.num_heads *= tp;
       whole.num_v_heads *= tp;
-      add(path + ".self_attn.", dist::kda_tp_params(whole));
+      add(path + ".self_attn.", kda_tp_params(whole));
     }
     if (dsa) {
       MlaConfig whole = dsa->config();
       whole.num_heads *= tp;
-      add(path + ".self_attn.", dist::mla_tp_params(whole));
-      for (const dist::TpParam& p : dist::dsa_tp_params(*dsa))
-        if (p.split == dist::TpSplit::identical) add(path + ".self_attn.", {p});
+      add(path + ".self_attn.", mla_tp_params(whole));
+      for (const TpParam& p : dsa_tp_params(*dsa))
+        if (p.split == TpSplit::identical) add(path + ".self_attn.", {p});
     }
     if (moe) {
       moe_prefixes.push_back(path + ".mlp.");
     } else {
       DenseMlpConfig whole;
       whole.intermediate_size = cfg_.intermediate_size;
-      add(path + ".mlp.", dist::mlp_tp_params(whole));
+      add(path + ".mlp.", mlp_tp_params(whole));
     }
   };
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1409,7 +1409,7 @@ std::vector<dist::TpParam> HybridModel::tensor_parallel_params() {
   if (mtp_)
     add_layer("model.layers." + std::to_string(cfg_.num_hidden_layers), nullptr, mtp_->dsa(),
               mtp_->moe());
-  std::vector<dist::TpParam> out;
+  std::vector<TpParam> out;
   for (const auto& [name, p] : named_parameters()) {
     const auto it = split.find(name);
     if (it != split.end()) {
@@ -1418,7 +1418,7 @@ std::vector<dist::TpParam> HybridModel::tensor_parallel_params() {
     }
     bool in_moe = false;
     for (const std::string& m : moe_prefixes) in_moe = in_moe || name.rfind(m, 0) == 0;
-    out.push_back({name, in_moe ? dist::TpSplit::replicated : dist::TpSplit::identical, {}});
+    out.push_back({name, in_moe ? TpSplit::replicated : TpSplit::identical, {}});
   }
   return out;
 }

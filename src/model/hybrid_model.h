@@ -43,7 +43,6 @@
 #include <string>
 #include <vector>
 
-#include "dist/tensor_parallel.h"
 #include "layers/dsa/dsa_layer.h"
 #include "layers/kda/kda_layer.h"
 #include "layers/linear.h"
@@ -52,6 +51,7 @@
 #include "layers/module.h"
 #include "layers/moe/moe_layer.h"
 #include "layers/norm.h"
+#include "layers/tensor_parallel.h"
 #include "model/config.h"
 
 namespace hlm {
@@ -74,7 +74,7 @@ struct HybridModelOptions {
   // backward together, each on its own tokens. nullptr or a group of one: every expert here.
   dist::Comm* expert_comm = nullptr;
   // Tensor parallelism (docs/parallel.md, "Tensor parallelism"): the processes that split every
-  // attention layer's heads and every dense MLP's channels (dist/tensor_parallel.h), each rank
+  // attention layer's heads and every dense MLP's channels (layers/tensor_parallel.h), each rank
   // holding its part of them; each rank runs the same batch, and the parts' outputs and input
   // gradients are summed over the group after each such layer. A MoE layer runs on the rank's
   // share of the batch's tokens (an even split of the rows), its outputs gathered back. Every
@@ -205,12 +205,12 @@ class HybridModel : public Module {
   std::vector<Param*> expert_params();
   bool has_mtp() const { return mtp_ != nullptr; }
   // Under tensor parallelism: every parameter's layout over the group (full names, in
-  // named_parameters order). The attention layers' and dense MLPs' as dist::kda_tp_params /
+  // named_parameters order). The attention layers' and dense MLPs' as kda_tp_params /
   // dsa_tp_params / mlp_tp_params give them; a MoE layer's parameters replicated (each rank's
   // gradient is its tokens' share); every other parameter identical. Without it: every parameter
-  // identical. dist::tp_reduce_grads(group, model, layouts) then sums the shares, and
-  // dist::tp_gather the whole parameters (for a checkpoint).
-  std::vector<dist::TpParam> tensor_parallel_params();
+  // identical. tp_reduce_grads(group, model, layouts) then sums the shares, and
+  // tp_gather the whole parameters (for a checkpoint).
+  std::vector<TpParam> tensor_parallel_params();
 
   // The MTP block over a speculative cache (CPU; docs/inference.md, "Speculative decoding"):
   // sequence n's rows are MTP positions mtp_length(slot) + r, row r reading next_tokens[r] (the

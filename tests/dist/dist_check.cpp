@@ -25,9 +25,9 @@
 #include "dist/comm.h"
 #include "dist/context_parallel.h"
 #include "dist/nccl_comm.h"
-#include "dist/tensor_parallel.h"
 #include "layers/kda/kda_layer.h"
 #include "layers/moe/moe_layer.h"
+#include "layers/tensor_parallel.h"
 #include "model/hybrid_model.h"
 #include "train/trainer.h"
 
@@ -622,23 +622,22 @@ using TpRunFn = std::function<TpRun(hlm::Module&, const hlm::Context&)>;
 // ranks; identical: this rank's own) and the loss, within tol of the whole layer's (max error
 // over max value); the same bits run again and under selective recompute. Returns the worst.
 double check_tp_layer(const std::string& what, hlm::Module& whole, hlm::Module& part,
-                      const std::vector<hlm::dist::TpParam>& layouts, const TpRunFn& fn,
-                      double tol) {
+                      const std::vector<hlm::TpParam>& layouts, const TpRunFn& fn, double tol) {
   Comm& w = hlm::dist::world();
   const int R = w.rank(), N = w.size();
-  hlm::dist::tp_load_shard(whole, part, layouts, R, N);
+  hlm::tp_load_shard(whole, part, layouts, R, N);
   const hlm::Context plain{true, false};
   whole.zero_grad();
   const TpRun ref = fn(whole, plain);
   auto run = [&](bool recompute, TpRun& out, std::vector<Tensor>& g) {
     part.zero_grad();
     const TpRun r = fn(part, hlm::Context{true, recompute});
-    out.y = hlm::dist::tp_allreduce(w, r.y).to(hlm::Device::cpu);
-    out.dx = hlm::dist::tp_allreduce(w, r.dx).to(hlm::Device::cpu);
+    out.y = hlm::tp_allreduce(w, r.y).to(hlm::Device::cpu);
+    out.dx = hlm::tp_allreduce(w, r.dx).to(hlm::Device::cpu);
     out.loss = r.loss;
-    hlm::dist::tp_reduce_grads(w, part, layouts);
+    hlm::tp_reduce_grads(w, part, layouts);
     g.clear();
-    for (const hlm::dist::TpParam& p : layouts)
+    for (const hlm::TpParam& p : layouts)
       g.push_back(part.find_parameter(p.name)->grad.to(hlm::Device::cpu));
   };
   TpRun a, b, c;
@@ -653,8 +652,8 @@ double check_tp_layer(const std::string& what, hlm::Module& whole, hlm::Module& 
   double eg = 0;
   std::string worst_param;
   for (size_t i = 0; i < layouts.size(); ++i) {
-    const hlm::dist::TpParam& p = layouts[i];
-    const Tensor g_ref = hlm::dist::tp_shard(whole.find_parameter(p.name)->grad, p, R, N);
+    const hlm::TpParam& p = layouts[i];
+    const Tensor g_ref = hlm::tp_shard(whole.find_parameter(p.name)->grad, p, R, N);
     const double e = rel_err(ga[i], g_ref);
     if (!(e <= tol)) expect(false, what + ": the gradient of " + p.name, R);
     if (e > eg) eg = e, worst_param = p.name;
@@ -669,8 +668,8 @@ double check_tp_layer(const std::string& what, hlm::Module& whole, hlm::Module& 
   return std::max({ey, ex, el, eg});
 }
 
-// `--tp DTYPE DEVICE` (f64 or f32; cpu or cuda): tensor parallelism (dist/tensor_parallel.h) over
-// this job's ranks, each rank's part of a layer against the whole layer run in this process
+// `--tp DTYPE DEVICE` (f64 or f32; cpu or cuda): tensor parallelism (layers/tensor_parallel.h)
+// over this job's ranks, each rank's part of a layer against the whole layer run in this process
 // (check_tp_layer; within 1e-10 for f64, 5e-5 for f32): a KDA layer (4 heads, 8 value heads,
 // low-rank gates), the SwiGLU MLP, and DSA layers (4 MLA heads; the indexer with KPool and its
 // loss, sparse and dense warm-up), on a packed batch of three sequences
@@ -698,7 +697,7 @@ int tp(const std::string& dtype, const std::string& device) {
     rng.fill_uniform(whole.A_log().value, -0.5, 1.0);
     rng.fill_uniform(whole.dt_bias().value, -1.0, 1.0);
     rng.fill_uniform(whole.o_norm_weight().value, 0.5, 1.5);
-    hlm::KdaLayer part(hlm::dist::kda_tp_config(c, N), policy, "kda", dt);
+    hlm::KdaLayer part(hlm::kda_tp_config(c, N), policy, "kda", dt);
     whole.to(dev);
     part.to(dev);
     const Tensor x = random_rows(T, c.hidden_size, dt, dev, rng);
@@ -711,8 +710,7 @@ int tp(const std::string& dtype, const std::string& device) {
       r.dx = l.backward(ctx, dy, s).dx;
       return r;
     };
-    worst =
-        std::max(worst, check_tp_layer("KDA", whole, part, hlm::dist::kda_tp_params(c), fn, tol));
+    worst = std::max(worst, check_tp_layer("KDA", whole, part, hlm::kda_tp_params(c), fn, tol));
   }
   {
     hlm::DenseMlpConfig c;
@@ -722,7 +720,7 @@ int tp(const std::string& dtype, const std::string& device) {
     c.seed = 9;
     c.init_std = 0.2;
     hlm::DenseMlp whole(c, policy, "mlp");
-    hlm::DenseMlp part(hlm::dist::mlp_tp_config(c, N), policy, "mlp");
+    hlm::DenseMlp part(hlm::mlp_tp_config(c, N), policy, "mlp");
     whole.to(dev);
     part.to(dev);
     const Tensor x = random_rows(T, c.hidden_size, dt, dev, rng);
@@ -735,8 +733,7 @@ int tp(const std::string& dtype, const std::string& device) {
       r.dx = l.backward(ctx, dy, s);
       return r;
     };
-    worst =
-        std::max(worst, check_tp_layer("MLP", whole, part, hlm::dist::mlp_tp_params(c), fn, tol));
+    worst = std::max(worst, check_tp_layer("MLP", whole, part, hlm::mlp_tp_params(c), fn, tol));
   }
   for (const hlm::DsaStage stage : {hlm::DsaStage::sparse, hlm::DsaStage::dense_warmup}) {
     hlm::DsaLayerConfig c;
@@ -762,7 +759,7 @@ int tp(const std::string& dtype, const std::string& device) {
     c.indexer_loss_coeff = 0.5;
     hlm::DsaLayer whole(c, policy, "attn");
     whole.init_weights(rng.next_u64());
-    hlm::DsaLayer part(hlm::dist::dsa_tp_config(c, N), policy, "attn");
+    hlm::DsaLayer part(hlm::dsa_tp_config(c, N), policy, "attn");
     part.set_tensor_parallel(&w);
     whole.to(dev);
     part.to(dev);
@@ -780,8 +777,7 @@ int tp(const std::string& dtype, const std::string& device) {
     };
     const char* name =
         stage == hlm::DsaStage::sparse ? "DSA, KPool, sparse" : "DSA, KPool, dense warm-up";
-    worst = std::max(worst,
-                     check_tp_layer(name, whole, part, hlm::dist::dsa_tp_params(whole), fn, tol));
+    worst = std::max(worst, check_tp_layer(name, whole, part, hlm::dsa_tp_params(whole), fn, tol));
   }
   w.barrier();
   std::printf("tp: rank %d of %d (%s %s): worst %.2e (tolerance %.0e): %d of %d checks passed\n", R,
@@ -853,11 +849,11 @@ int model_tp(const std::string& dtype, const std::string& device) {
     po.recompute = rc;
     po.tensor_comm = tp_comm;
     hlm::HybridModel part(mc, po);
-    const std::vector<hlm::dist::TpParam> layouts = part.tensor_parallel_params();
+    const std::vector<hlm::TpParam> layouts = part.tensor_parallel_params();
     bool init = layouts.size() == part.named_parameters().size();
-    for (const hlm::dist::TpParam& p : layouts)
+    for (const hlm::TpParam& p : layouts)
       init = init && same_bits(part.find_parameter(p.name)->value,
-                               hlm::dist::tp_shard(whole.find_parameter(p.name)->value, p, R, N));
+                               hlm::tp_shard(whole.find_parameter(p.name)->value, p, R, N));
     expect(init, what + ": this rank's parameters are its parts of the whole model's", R);
     part.to(dev);
     auto run = [&](std::vector<double>& l, std::vector<Tensor>& g) {
@@ -865,9 +861,9 @@ int model_tp(const std::string& dtype, const std::string& device) {
       hlm::HybridModel::SavedPtr s;
       l = loss_terms(part.forward(ctx, in, &s));
       part.backward(ctx, *s);
-      hlm::dist::tp_reduce_grads(*tp_comm, part, layouts);
+      hlm::tp_reduce_grads(*tp_comm, part, layouts);
       g.clear();
-      for (const hlm::dist::TpParam& p : layouts)
+      for (const hlm::TpParam& p : layouts)
         g.push_back(part.find_parameter(p.name)->grad.to(hlm::Device::cpu));
     };
     std::vector<double> l, l2;
@@ -886,8 +882,8 @@ int model_tp(const std::string& dtype, const std::string& device) {
       for (size_t i = 0; i < l.size(); ++i)
         everywhere = everywhere && all.data<double>()[r * int64_t(l.size()) + int64_t(i)] == l[i];
     for (size_t i = 0; i < layouts.size(); ++i) {
-      const hlm::dist::TpParam& p = layouts[i];
-      const Tensor ref = hlm::dist::tp_shard(whole.find_parameter(p.name)->grad, p, R, N);
+      const hlm::TpParam& p = layouts[i];
+      const Tensor ref = hlm::tp_shard(whole.find_parameter(p.name)->grad, p, R, N);
       const double e = rel_err(g[i], ref);
       if (!(e <= tol)) expect(false, what + ": the gradient of " + p.name, R);
       if (e > eg) eg = e, worst_param = p.name;

@@ -1,4 +1,4 @@
-// Tensor parallelism (dist/tensor_parallel.h): the parameter slicing and its inverse, and, in one
+// Tensor parallelism (layers/tensor_parallel.h): the parameter slicing and its inverse, and, in one
 // process, the n ranks' layers of a KDA layer and of an MLP built from the whole layer's slices:
 // their outputs and input gradients summed in rank order are the whole layer's, each sliced
 // parameter's gradient is the slice of the whole layer's, and each replicated parameter's
@@ -16,10 +16,10 @@
 #include "core/rng.h"
 #include "dist/comm.h"
 #include "dist/context_parallel.h"
-#include "dist/tensor_parallel.h"
 #include "layers/dsa/dsa_layer.h"
 #include "layers/kda/kda_layer.h"
 #include "layers/mlp.h"
+#include "layers/tensor_parallel.h"
 #include "model/hybrid_model.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
@@ -27,8 +27,6 @@
 namespace hlm {
 namespace {
 
-using dist::TpParam;
-using dist::TpSplit;
 
 Tensor iota(const Shape& shape) {
   Tensor t = Tensor::empty(shape, DType::f64);
@@ -42,42 +40,42 @@ TEST(TensorParallelSlices, SegmentsRowsAndColumnsRoundTrip) {
   const TpParam conv{"conv1d.weight", TpSplit::rows, {4, 4, 8}};
   const Tensor w = iota({16, 1, 3});
   std::vector<Tensor> parts;
-  for (int r = 0; r < 2; ++r) parts.push_back(dist::tp_shard(w, conv, r, 2));
+  for (int r = 0; r < 2; ++r) parts.push_back(tp_shard(w, conv, r, 2));
   ASSERT_EQ(parts[1].shape(), (Shape{8, 1, 3}));
   // Rank 1: q rows 2, 3; k rows 6, 7; v rows 12..15.
   const int64_t want_rows[8] = {2, 3, 6, 7, 12, 13, 14, 15};
   for (int64_t i = 0; i < 8; ++i)
     for (int64_t j = 0; j < 3; ++j)
       EXPECT_EQ(parts[1].data<double>()[i * 3 + j], double(want_rows[i] * 3 + j));
-  EXPECT_TRUE(testing::bit_equal(dist::tp_unshard(parts, conv), w));
+  EXPECT_TRUE(testing::bit_equal(tp_unshard(parts, conv), w));
 
   // Columns of [3, 8] over 4 ranks: rank r holds columns [2r, 2r + 2).
   const TpParam o{"o_proj.weight", TpSplit::cols, {8}};
   const Tensor m = iota({3, 8});
   std::vector<Tensor> cols;
-  for (int r = 0; r < 4; ++r) cols.push_back(dist::tp_shard(m, o, r, 4));
+  for (int r = 0; r < 4; ++r) cols.push_back(tp_shard(m, o, r, 4));
   EXPECT_EQ(cols[2].shape(), (Shape{3, 2}));
   EXPECT_EQ(cols[2].data<double>()[2], 12.0);  // row 1, column 4
-  EXPECT_TRUE(testing::bit_equal(dist::tp_unshard(cols, o), m));
+  EXPECT_TRUE(testing::bit_equal(tp_unshard(cols, o), m));
   // A replicated parameter is whole on every rank, a copy.
   const TpParam rep{"o_norm.weight", TpSplit::replicated, {}};
-  const Tensor part = dist::tp_shard(m, rep, 3, 4);
+  const Tensor part = tp_shard(m, rep, 3, 4);
   EXPECT_TRUE(testing::bit_equal(part, m));
   EXPECT_NE(part.raw(), m.raw());
 
-  testing::expect_error([&] { dist::tp_shard(w, conv, 0, 3); },
+  testing::expect_error([&] { tp_shard(w, conv, 0, 3); },
                         "'conv1d.weight': a segment of 4 does not split over 3 ranks");
   testing::expect_error(
       [&] {
-        dist::tp_shard(iota({15, 1, 3}), conv, 0, 2);
+        tp_shard(iota({15, 1, 3}), conv, 0, 2);
       },
       "'conv1d.weight' has 15 along dimension 0, its segments sum to 16");
-  testing::expect_error([&] { dist::tp_shard(w, conv, 2, 2); }, "rank 2 is not in a group of 2");
-  testing::expect_error([&] { dist::tp_shard(iota({8}), o, 0, 2); },
+  testing::expect_error([&] { tp_shard(w, conv, 2, 2); }, "rank 2 is not in a group of 2");
+  testing::expect_error([&] { tp_shard(iota({8}), o, 0, 2); },
                         "'o_proj.weight' has 1 dimensions, too few to split dimension 1");
   testing::expect_error(
       [&] {
-        dist::tp_unshard({parts[0], cols[0]}, conv);
+        tp_unshard({parts[0], cols[0]}, conv);
       },
       "the parts of parameter 'conv1d.weight' differ");
 }
@@ -103,7 +101,7 @@ void expect_grads_match(Module& whole, std::vector<Module*>& parts,
       got = g[0].clone();
       for (size_t r = 1; r < g.size(); ++r) ops::add_(got, g[r]);
     } else {
-      got = dist::tp_unshard(g, p);
+      got = tp_unshard(g, p);
     }
     EXPECT_LE(testing::compare(got, w->grad).rel_l2, tol);
     EXPECT_LE(testing::compare(got, w->grad).max_abs, tol);
@@ -151,7 +149,7 @@ TEST(KdaTensorParallel, PartsSumToTheWholeLayer) {
     for (auto& [name, p] : whole.named_parameters())
       if (name.find("bias") != std::string::npos && name.find("dt_bias") == std::string::npos)
         rng.fill_uniform(p->value, -0.5, 0.5);
-    const std::vector<TpParam> layouts = dist::kda_tp_params(kc.c);
+    const std::vector<TpParam> layouts = kda_tp_params(kc.c);
     ASSERT_EQ(layouts.size(), whole.named_parameters().size());
     const SeqLayout seqs = testing::seqs_of({37, 5, 70});
     const Tensor x = random_rows(seqs.total_tokens(), kc.c.hidden_size, rng);
@@ -163,14 +161,14 @@ TEST(KdaTensorParallel, PartsSumToTheWholeLayer) {
     const Tensor dx = whole.backward(ctx, dy, sw).dx;
     for (int n : {1, 2, 4}) {
       SCOPED_TRACE("n = " + std::to_string(n));
-      const KdaConfig pc = dist::kda_tp_config(kc.c, n);
+      const KdaConfig pc = kda_tp_config(kc.c, n);
       std::vector<std::unique_ptr<KdaLayer>> parts;
       std::vector<Module*> mods;
       Tensor ys, dxs;
       for (int r = 0; r < n; ++r) {
         parts.push_back(std::make_unique<KdaLayer>(pc, policy, "kda", DType::f64));
         KdaLayer& l = *parts.back();
-        dist::tp_load_shard(whole, l, layouts, r, n);
+        tp_load_shard(whole, l, layouts, r, n);
         l.zero_grad();
         KdaLayer::Saved s;
         const Tensor yr = l.forward(ctx, x, seqs, nullptr, &s);
@@ -193,7 +191,7 @@ TEST(KdaTensorParallel, PartsSumToTheWholeLayer) {
       EXPECT_LE(testing::compare(dxs, dx).rel_l2, 1e-13);
       expect_grads_match(whole, mods, layouts, 1e-12);
     }
-    testing::expect_error([&] { dist::kda_tp_config(kc.c, 3); },
+    testing::expect_error([&] { kda_tp_config(kc.c, 3); },
                           "a KDA layer's 4 heads do not split over 3 ranks");
   }
 }
@@ -218,16 +216,16 @@ TEST(MlpTensorParallel, PartsSumToTheWholeLayer) {
   DenseMlp::Saved sw;
   const Tensor y = whole.forward(ctx, x, &sw);
   const Tensor dx = whole.backward(ctx, dy, sw);
-  const std::vector<TpParam> layouts = dist::mlp_tp_params(c);
+  const std::vector<TpParam> layouts = mlp_tp_params(c);
   for (int n : {1, 2, 3, 4}) {
     SCOPED_TRACE("n = " + std::to_string(n));
     std::vector<std::unique_ptr<DenseMlp>> parts;
     std::vector<Module*> mods;
     Tensor ys, dxs;
     for (int r = 0; r < n; ++r) {
-      parts.push_back(std::make_unique<DenseMlp>(dist::mlp_tp_config(c, n), policy, "mlp"));
+      parts.push_back(std::make_unique<DenseMlp>(mlp_tp_config(c, n), policy, "mlp"));
       DenseMlp& l = *parts.back();
-      dist::tp_load_shard(whole, l, layouts, r, n);
+      tp_load_shard(whole, l, layouts, r, n);
       l.zero_grad();
       DenseMlp::Saved s;
       const Tensor yr = l.forward(ctx, x, &s);
@@ -250,7 +248,7 @@ TEST(MlpTensorParallel, PartsSumToTheWholeLayer) {
     EXPECT_LE(testing::compare(dxs, dx).rel_l2, 1e-13);
     expect_grads_match(whole, mods, layouts, 1e-12);
   }
-  testing::expect_error([&] { dist::mlp_tp_config(c, 5); },
+  testing::expect_error([&] { mlp_tp_config(c, 5); },
                         "an MLP's 24 intermediate channels do not split over 5 ranks");
 }
 
@@ -323,7 +321,7 @@ TEST(DsaTensorParallel, PartsSumToTheWholeLayer) {
     DsaLayer whole(k.c, policy, "attn");
     Rng rng(testing::test_seed(), 43);
     randomize(whole, rng);
-    const std::vector<TpParam> layouts = dist::dsa_tp_params(whole);
+    const std::vector<TpParam> layouts = dsa_tp_params(whole);
     ASSERT_EQ(layouts.size(), whole.named_parameters().size());
     const SeqLayout seqs = testing::seqs_of({23, 4, 30});
     const Tensor x = random_rows(seqs.total_tokens(), 16, rng);
@@ -339,9 +337,9 @@ TEST(DsaTensorParallel, PartsSumToTheWholeLayer) {
       std::vector<Module*> mods;
       Tensor ys, dxs;
       for (int r = 0; r < n; ++r) {
-        parts.push_back(std::make_unique<DsaLayer>(dist::dsa_tp_config(k.c, n), policy, "attn"));
+        parts.push_back(std::make_unique<DsaLayer>(dsa_tp_config(k.c, n), policy, "attn"));
         DsaLayer& l = *parts.back();
-        dist::tp_load_shard(whole, l, layouts, r, n);
+        tp_load_shard(whole, l, layouts, r, n);
         l.zero_grad();
         DsaLayer::Saved s;
         const DsaLayer::Output o = l.forward(ctx, x, seqs, &s);
@@ -369,7 +367,7 @@ TEST(DsaTensorParallel, PartsSumToTheWholeLayer) {
         if (p.split != TpSplit::identical) mla_layouts.push_back(p);
       expect_grads_match(whole, mods, mla_layouts, 1e-12);
     }
-    testing::expect_error([&] { dist::dsa_tp_config(k.c, 3); },
+    testing::expect_error([&] { dsa_tp_config(k.c, 3); },
                           "an MLA layer's 4 heads do not split over 3 ranks");
   }
 }
@@ -383,13 +381,13 @@ TEST(TensorParallelSlices, LoadRefusesWhatDoesNotFit) {
   c.intermediate_size = 12;
   c.seed = 1;
   DenseMlp whole(c, policy, "mlp");
-  DenseMlp part(dist::mlp_tp_config(c, 2), policy, "mlp");
+  DenseMlp part(mlp_tp_config(c, 2), policy, "mlp");
   const Tensor before = part.down_proj().weight().value.clone();
-  testing::expect_error([&] { dist::tp_load_shard(whole, part, dist::mlp_tp_params(c), 0, 3); },
+  testing::expect_error([&] { tp_load_shard(whole, part, mlp_tp_params(c), 0, 3); },
                         "rank 0's part of 'gate_proj.weight' is");
-  std::vector<TpParam> missing = dist::mlp_tp_params(c);
+  std::vector<TpParam> missing = mlp_tp_params(c);
   missing.pop_back();
-  testing::expect_error([&] { dist::tp_load_shard(whole, part, missing, 0, 2); },
+  testing::expect_error([&] { tp_load_shard(whole, part, missing, 0, 2); },
                         "parameter 'down_proj.weight' of the rank's layer has no tensor-parallel "
                         "layout");
   EXPECT_TRUE(testing::bit_equal(part.down_proj().weight().value, before));
@@ -417,7 +415,7 @@ TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
     SCOPED_TRACE(p.name);
     kind[p.name] = p.split;
     EXPECT_TRUE(testing::bit_equal(part.find_parameter(p.name)->value,
-                                   dist::tp_shard(whole.find_parameter(p.name)->value, p, 1, 2)));
+                                   tp_shard(whole.find_parameter(p.name)->value, p, 1, 2)));
   }
   EXPECT_EQ(kind["model.layers.0.self_attn.q_proj.weight"], TpSplit::rows);
   EXPECT_EQ(kind["model.layers.0.self_attn.o_proj.weight"], TpSplit::cols);
@@ -450,7 +448,7 @@ TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
         part.forward(Context{false, false}, in);
       },
       "a tensor-parallel model runs neither over a cache nor context parallel");
-  testing::expect_error([&] { dist::kda_tp_config(kda_layer_config(mc), 3); },
+  testing::expect_error([&] { kda_tp_config(kda_layer_config(mc), 3); },
                         "a KDA layer's 2 heads do not split over 3 ranks");
 }
 

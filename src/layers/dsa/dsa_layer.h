@@ -137,7 +137,7 @@ class DsaLayer : public Mla {
   Output forward_cached(const Tensor& x, const SeqLayout& seqs, DsaCacheView& cache,
                         const Tensor& given = {}) const;
 
-  // Tensor parallelism (dist/tensor_parallel.h): this layer holds its group's rank's share of the
+  // Tensor parallelism (layers/tensor_parallel.h): this layer holds its group's rank's share of the
   // heads, and the indexer loss's target, the head-summed attention distribution, is summed over
   // the group: every head's row sums to 1 over its set, so the whole layer's target is the mean
   // of the ranks' (one all-reduce of [T, W] per training forward with the loss). Every rank then

@@ -1,6 +1,6 @@
-// Tensor parallelism (dist/tensor_parallel.h): the parameter layouts, the slicing of a whole
+// Tensor parallelism (layers/tensor_parallel.h): the parameter layouts, the slicing of a whole
 // layer's parameters into a rank's part and back, and the sums over the group.
-#include "dist/tensor_parallel.h"
+#include "layers/tensor_parallel.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "ops/tensor_ops.h"
 
-namespace hlm::dist {
+namespace hlm {
 
 namespace {
 
@@ -122,12 +122,12 @@ Tensor tp_unshard(const std::vector<Tensor>& parts, const TpParam& p) {
   return whole;
 }
 
-Tensor tp_gather(Comm& group, const Tensor& part, const TpParam& p) {
+Tensor tp_gather(dist::Comm& group, const Tensor& part, const TpParam& p) {
   const Tensor h = host_copy(part);
   if (!sliced(p)) return h;
   const int n = group.size();
   const Tensor rows = h.view({int64_t(1), h.numel()});
-  const Tensor all = allgather_from(group, rows);  // [n, numel], rank r's part in row r
+  const Tensor all = dist::allgather_from(group, rows);  // [n, numel], rank r's part in row r
   std::vector<Tensor> parts;
   for (int r = 0; r < n; ++r) parts.push_back(all.slice(0, r, r + 1).contiguous().view(h.shape()));
   return tp_unshard(parts, p);
@@ -156,7 +156,7 @@ void tp_load_shard(Module& whole, Module& shard, const std::vector<TpParam>& lay
   for (auto& [sp, part] : parts) sp->value.copy_(part.to(sp->value.dtype()));
 }
 
-void tp_reduce_grads(Comm& group, Module& shard, const std::vector<TpParam>& layouts) {
+void tp_reduce_grads(dist::Comm& group, Module& shard, const std::vector<TpParam>& layouts) {
   std::map<std::string, const TpParam*> by_name;
   for (const TpParam& p : layouts) by_name[p.name] = &p;
   for (const auto& [name, p] : shard.named_parameters()) {
@@ -165,15 +165,16 @@ void tp_reduce_grads(Comm& group, Module& shard, const std::vector<TpParam>& lay
               "tensor parallel: parameter '{}' of the rank's layer has no tensor-parallel layout",
               name);
     if (it->second->split != TpSplit::replicated || !p->grad.defined()) continue;
-    p->grad = allreduce_from(group, p->grad);
+    p->grad = dist::allreduce_from(group, p->grad);
   }
 }
 
-Tensor tp_allreduce(Comm& group, const Tensor& t) {
-  return allreduce_from(group, t);
+Tensor tp_allreduce(dist::Comm& group, const Tensor& t) {
+  return dist::allreduce_from(group, t);
 }
 
-Tensor tp_allgather_rows(Comm& group, const Tensor& part, const std::vector<int64_t>& bounds) {
+Tensor tp_allgather_rows(dist::Comm& group, const Tensor& part,
+                         const std::vector<int64_t>& bounds) {
   const int n = group.size(), r = group.rank();
   HLM_CHECK(int(bounds.size()) == n + 1 && bounds.front() == 0,
             "tensor parallel: row bounds must hold {} offsets from 0, got {}", n + 1,
@@ -195,7 +196,7 @@ Tensor tp_allgather_rows(Comm& group, const Tensor& part, const std::vector<int6
     Tensor head = block.slice(0, 0, rows);
     head.copy_(part);  // (any dtype: the rows may be a MoE selection)
   }
-  const Tensor all = allgather_from(group, block);  // [n m, ...]
+  const Tensor all = dist::allgather_from(group, block);  // [n m, ...]
   Shape whole = part.shape();
   whole[0] = bounds.back();
   Tensor out = Tensor::empty(whole, part.dtype(), part.device());
@@ -310,4 +311,4 @@ std::vector<TpParam> dsa_tp_params(DsaLayer& layer) {
   return v;
 }
 
-}  // namespace hlm::dist
+}  // namespace hlm

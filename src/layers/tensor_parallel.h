@@ -32,7 +32,7 @@
 #include "layers/kda/kda_layer.h"
 #include "layers/mlp.h"
 
-namespace hlm::dist {
+namespace hlm {
 
 enum class TpSplit : uint8_t {
   replicated,  // every rank holds the whole parameter; its gradient on a rank is a part
@@ -59,7 +59,7 @@ Tensor tp_shard(const Tensor& full, const TpParam& p, int r, int n);
 // dtype). A replicated or identical parameter is parts[0] (the parts must agree in shape).
 Tensor tp_unshard(const std::vector<Tensor>& parts, const TpParam& p);
 // The whole parameter on every rank of the group from this rank's part (an all-gather).
-Tensor tp_gather(Comm& group, const Tensor& part, const TpParam& p);
+Tensor tp_gather(dist::Comm& group, const Tensor& part, const TpParam& p);
 
 // Every parameter of `layouts` in `shard` set to rank r's part of the same-named parameter of
 // `whole` (values converted to the shard parameter's dtype and device). A missing name or a shape
@@ -69,15 +69,15 @@ void tp_load_shard(Module& whole, Module& shard, const std::vector<TpParam>& lay
 // The replicated parameters' gradients of `shard` summed over the group (rank order), so every
 // rank holds the whole layer's gradient of them (a sliced parameter's gradient is already its
 // slice of the whole, an identical one's the whole). Parameters without a gradient are skipped.
-void tp_reduce_grads(Comm& group, Module& shard, const std::vector<TpParam>& layouts);
+void tp_reduce_grads(dist::Comm& group, Module& shard, const std::vector<TpParam>& layouts);
 // The sum over the group of every rank's part (a layer's output or input gradient): a new tensor
 // on t's device and dtype. t's shape must be the same on every rank.
-Tensor tp_allreduce(Comm& group, const Tensor& t);
+Tensor tp_allreduce(dist::Comm& group, const Tensor& t);
 
 // Rows [bounds[r], bounds[r + 1]) of a [T, ...] tensor held by rank r (part: its rows), gathered
 // into the whole [T, ...] on every rank, on part's device (one all-gather of blocks padded to the
 // longest part). bounds: [n + 1] ascending offsets from 0 to T, the same on every rank.
-Tensor tp_allgather_rows(Comm& group, const Tensor& part, const std::vector<int64_t>& bounds);
+Tensor tp_allgather_rows(dist::Comm& group, const Tensor& part, const std::vector<int64_t>& bounds);
 
 // The KDA layer of rank r's heads: num_heads / n qk heads and num_v_heads / n value heads, the
 // rest as `whole` (the ranks of the low-rank gates are not split). n must divide num_heads (so
@@ -102,4 +102,4 @@ std::vector<TpParam> mla_tp_params(const MlaConfig& c);
 DsaLayerConfig dsa_tp_config(const DsaLayerConfig& whole, int n);
 std::vector<TpParam> dsa_tp_params(DsaLayer& layer);
 
-}  // namespace hlm::dist
+}  // namespace hlm
