@@ -8,8 +8,9 @@
 // Per batch B: B prompts of N random tokens are submitted to one Generator; its first step
 // prefills them all (one packed forward), every later step decodes one token of each. Reported:
 // the prefill time and tokens/s, the decode steps' median time and tokens/s (B per step), and
-// the copies to the host per decode step (each a wait for the device; core/device.h) and to the
-// device (uploads).
+// the copies to the host per decode step (each a wait for the device; core/device.h), to the
+// device (uploads), and the uploads that waited for a staging slot (ring waits: the host had run
+// a ring's length ahead of the device).
 // Greedy, or sampled with --temperature (request b seeded with b); the steps are timed with a
 // steady clock around Generator::step, after a short warm-up generation. HLM_PROFILE=1 prints where
 // each batch's decode steps spent their time, HLM_PROFILE=host how long the host took to issue
@@ -138,8 +139,9 @@ int main(int argc, char** argv) {
         a.config.c_str(), (long long)cfg.hidden_size, (long long)cfg.num_hidden_layers,
         cfg.layer_pattern().c_str(), (long long)cfg.vocab_size, dtype_name(a.dtype),
         device_name(a.device), (long long)a.prompt, (long long)a.generate, mode.c_str());
-    std::printf("%6s | %12s %14s | %14s %14s %11s %12s\n", "batch", "prefill ms", "prefill tok/s",
-                "decode step ms", "decode tok/s", "waits/step", "uploads/step");
+    std::printf("%6s | %12s %14s | %14s %14s %11s %12s %12s\n", "batch", "prefill ms",
+                "prefill tok/s", "decode step ms", "decode tok/s", "waits/step", "uploads/step",
+                "ring waits");
     Rng rng(7);
     {  // warm-up: the threads and the allocator's first pages
       infer::Generator gen(model, {.max_seqs = 1, .max_tokens = 64});
@@ -191,11 +193,12 @@ int main(int argc, char** argv) {
       const double per = steps.empty() ? 0 : 1.0 / double(steps.size());
       const double waits = double(ts.to_host) * per;
       const double uploads = double(ts.to_device + ts.to_device_staged) * per;
+      const double ring_waits = double(ts.staging_waits) * per;
       std::sort(steps.begin(), steps.end());
       const double med = steps.empty() ? 0 : steps[steps.size() / 2];
-      std::printf("%6lld | %12.2f %14.0f | %14.3f %14.1f %11.2f %12.2f\n", (long long)B,
+      std::printf("%6lld | %12.2f %14.0f | %14.3f %14.1f %11.2f %12.2f %12.2f\n", (long long)B,
                   prefill * 1e3, double(B * a.prompt) / prefill, med * 1e3,
-                  med > 0 ? double(B) / med : 0.0, waits, uploads);
+                  med > 0 ? double(B) / med : 0.0, waits, uploads, ring_waits);
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

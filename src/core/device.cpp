@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <vector>
 
 #include "core/cuda_cache.h"
 #include "core/error.h"
@@ -154,16 +155,20 @@ void device_free(Device d, void* p) {
 #ifdef HLM_HAVE_CUDA
 namespace {
 
-// Small host-to-device copies through a ring of pinned staging buffers: the bytes are copied into
+// Small host-to-device copies through rings of pinned staging buffers: the bytes are copied into
 // pinned memory and cudaMemcpyAsync'd on the default stream, so the host goes on without waiting
 // for the device (a copy from pageable memory first waits for the stream: a decode step uploads a
 // few small tables per layer, and each such wait drained the device's queue). A slot is reused
 // once the event recorded behind its copy has passed; the stream orders the copy before every
-// later kernel, and a copy back to the host (synchronous) after it.
+// later kernel, and a copy back to the host (synchronous) after it. Two rings: copies of up to
+// 64 KiB (a decode step's hundred-odd tables) take one of 256 small slots, so the host may run a
+// whole step ahead of the device before it waits for one; larger copies up to 1 MiB one of 16.
+// A reuse that finds its slot's copy still pending waits for it, and is counted
+// (TransferStats::staging_waits).
 class H2dStaging {
  public:
-  static constexpr size_t kSlotBytes = size_t(1) << 20;
-  static constexpr int kSlots = 16;
+  static constexpr size_t kSmallBytes = size_t(64) << 10, kLargeBytes = size_t(1) << 20;
+  static constexpr int kSmallSlots = 256, kLargeSlots = 16;
 
   static H2dStaging& get() {
     static H2dStaging* s = new H2dStaging;  // never freed: the CUDA runtime may be gone at exit
@@ -171,21 +176,30 @@ class H2dStaging {
   }
 
   // Copies when n fits a slot; false (nothing done) otherwise, or always with HLM_H2D_STAGING=0
-  // in the environment (every copy then synchronous, as cudaMemcpy makes it).
-  bool copy(void* dst, const void* src, size_t n) {
+  // in the environment (every copy then synchronous, as cudaMemcpy makes it). *waited: whether
+  // the slot's previous copy was still pending.
+  bool copy(void* dst, const void* src, size_t n, bool* waited) {
     static const bool on = [] {
       const char* e = std::getenv("HLM_H2D_STAGING");
       return !(e && std::strcmp(e, "0") == 0);
     }();
-    if (!on || n > kSlotBytes) return false;
+    *waited = false;
+    if (!on || n > kLargeBytes) return false;
     std::lock_guard<std::mutex> lock(mu_);
-    Slot& s = slots_[size_t(next_)];
-    next_ = (next_ + 1) % kSlots;
+    Ring& ring = n <= kSmallBytes ? small_ : large_;
+    Slot& s = ring.slots[size_t(ring.next)];
+    ring.next = (ring.next + 1) % int(ring.slots.size());
     if (!s.host) {
-      HLM_CUDA_CHECK(cudaMallocHost(&s.host, kSlotBytes));
+      HLM_CUDA_CHECK(cudaMallocHost(&s.host, ring.bytes));
       HLM_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
     } else {
-      HLM_CUDA_CHECK(cudaEventSynchronize(s.done));
+      const cudaError_t q = cudaEventQuery(s.done);
+      if (q == cudaErrorNotReady) {
+        *waited = true;
+        HLM_CUDA_CHECK(cudaEventSynchronize(s.done));
+      } else {
+        HLM_CUDA_CHECK(q);
+      }
     }
     std::memcpy(s.host, src, n);
     HLM_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, n, cudaMemcpyHostToDevice, nullptr));
@@ -198,9 +212,14 @@ class H2dStaging {
     void* host = nullptr;
     cudaEvent_t done = nullptr;
   };
+  struct Ring {
+    Ring(int slots, size_t b) : slots(size_t(slots)), bytes(b) {}
+    std::vector<Slot> slots;
+    size_t bytes;
+    int next = 0;
+  };
   std::mutex mu_;
-  Slot slots_[kSlots];
-  int next_ = 0;
+  Ring small_{kSmallSlots, kSmallBytes}, large_{kLargeSlots, kLargeBytes};
 };
 
 }  // namespace
@@ -210,7 +229,7 @@ namespace {
 
 struct TransferCounters {
   std::atomic<uint64_t> to_host{0}, to_host_bytes{0}, to_device{0}, to_device_staged{0},
-      to_device_bytes{0}, synchronizes{0};
+      to_device_bytes{0}, synchronizes{0}, staging_waits{0};
 };
 TransferCounters& transfer_counters() {
   static TransferCounters c;
@@ -222,13 +241,14 @@ TransferCounters& transfer_counters() {
 TransferStats transfer_stats() {
   const TransferCounters& c = transfer_counters();
   return {c.to_host.load(),          c.to_host_bytes.load(),   c.to_device.load(),
-          c.to_device_staged.load(), c.to_device_bytes.load(), c.synchronizes.load()};
+          c.to_device_staged.load(), c.to_device_bytes.load(), c.synchronizes.load(),
+          c.staging_waits.load()};
 }
 
 void reset_transfer_stats() {
   TransferCounters& c = transfer_counters();
   for (std::atomic<uint64_t>* v : {&c.to_host, &c.to_host_bytes, &c.to_device, &c.to_device_staged,
-                                   &c.to_device_bytes, &c.synchronizes})
+                                   &c.to_device_bytes, &c.synchronizes, &c.staging_waits})
     v->store(0);
 }
 
@@ -245,8 +265,10 @@ void device_copy(void* dst, Device dd, const void* src, Device sd, size_t nbytes
     tc.to_host_bytes += nbytes;
   } else if (sd == Device::cpu) {
     tc.to_device_bytes += nbytes;
-    if (H2dStaging::get().copy(dst, src, nbytes)) {
+    bool waited = false;
+    if (H2dStaging::get().copy(dst, src, nbytes, &waited)) {
       ++tc.to_device_staged;
+      if (waited) ++tc.staging_waits;
       return;
     }
     ++tc.to_device;

@@ -66,11 +66,14 @@ void cuda_profiler_collect(bool on);
 // waits for the device (the default stream drains first): `to_host` counts the places where the
 // host waits for the device, and a decode step's count of them is part of its contract
 // (docs/inference.md). `to_device_staged` are the host-to-device copies that went through the
-// pinned staging ring (no wait); `to_device` those that did not (cudaMemcpy: the host waits).
+// pinned staging rings (no wait for the device, unless `staging_waits`: the ring's slot still
+// held an earlier copy the device had not made, so the host waited for it); `to_device` those
+// that did not (cudaMemcpy: the host waits).
 struct TransferStats {
   uint64_t to_host = 0, to_host_bytes = 0;
   uint64_t to_device = 0, to_device_staged = 0, to_device_bytes = 0;
-  uint64_t synchronizes = 0;  // device_synchronize calls
+  uint64_t synchronizes = 0;   // device_synchronize calls
+  uint64_t staging_waits = 0;  // staged copies that waited for their slot
 };
 TransferStats transfer_stats();
 void reset_transfer_stats();

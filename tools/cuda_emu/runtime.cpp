@@ -1539,6 +1539,11 @@ cudaError_t cudaEventSynchronize(cudaEvent_t) {
   return cudaSuccess;
 }
 
+// Every recorded event has passed: the emulation runs each call to its end before returning.
+cudaError_t cudaEventQuery(cudaEvent_t) {
+  return cudaSuccess;
+}
+
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   const auto* a = reinterpret_cast<EmuEvent*>(start);
   const auto* b = reinterpret_cast<EmuEvent*>(end);
