@@ -29,6 +29,7 @@ struct TrainArgs {
   bool overwrite = false;
   int64_t expert_parallel = 1;
   int64_t context_parallel = 1;
+  int64_t tensor_parallel = 1;
   std::string cp_mode = "chunkwise";
 };
 
@@ -131,6 +132,7 @@ void run_train(const TrainArgs& a) {
   if (dist::world().size() > 1) opts.comm = &dist::world();
   opts.expert_parallel = int(a.expert_parallel);
   opts.context_parallel = int(a.context_parallel);
+  opts.tensor_parallel = int(a.tensor_parallel);
   opts.cp_mode = a.cp_mode == "headwise" ? KdaCpMode::headwise : KdaCpMode::chunkwise;
   train::Trainer trainer(cfg, opts);
   const train::TrainSummary sum = trainer.run();
@@ -174,6 +176,11 @@ std::function<void()> setup_train(CLI::App& app) {
   app.add_option("--context-parallel", a->context_parallel,
                  "under mpirun: split each part of the batch along its tokens over groups of "
                  "this many processes (default 1; KDA, MoE and dense-MLP models without MTP)")
+      ->check(count_range(1, 1 << 20));
+  app.add_option("--tensor-parallel", a->tensor_parallel,
+                 "under mpirun: split every attention layer's heads and dense MLP's channels "
+                 "over the processes (default 1; for now the number of processes, without data, "
+                 "expert or context parallelism)")
       ->check(count_range(1, 1 << 20));
   app.add_option("--cp-mode", a->cp_mode,
                  "the KDA layers' context-parallel mode: chunkwise (states passed between "

@@ -146,6 +146,12 @@ const Tensor& AdamW::exp_avg_sq(const std::string& name) const {
 }
 
 double AdamW::grad_sum_squares() const {
+  double total = 0;
+  for (double ps : grad_sum_squares_per_param()) total += ps;
+  return total;
+}
+
+std::vector<double> AdamW::grad_sum_squares_per_param() const {
   struct Task {
     size_t slot;
     int64_t begin, end;
@@ -187,16 +193,16 @@ double AdamW::grad_sum_squares() const {
                      ? sum_squares(g.data<double>(), tasks[k].begin, tasks[k].end)
                      : sum_squares(g.data<float>(), tasks[k].begin, tasks[k].end);
   }
-  // Blocks of a parameter in order, then parameters in order.
-  double total = 0;
+  // Blocks of a parameter in order.
+  std::vector<double> out(slots_.size(), 0.0);
   size_t k = 0;
   for (size_t i = 0; i < slots_.size(); ++i) {
     double ps = 0;
     for (; k < tasks.size() && tasks[k].slot == i; ++k) ps += partial[k];
     for (double d : device_partial[i]) ps += d;
-    total += ps;
+    out[i] = ps;
   }
-  return total;
+  return out;
 }
 
 GradNorm AdamW::grad_norm() const {

@@ -96,6 +96,9 @@ class AdamW {
   // the norm and clip factor of a sum of squares: a distributed optimizer adds its shards' sums
   // (train/data_parallel.h).
   double grad_sum_squares() const;
+  // The same per parameter (its blocks in order), in the parameters' order; grad_sum_squares adds
+  // them in that order. (Tensor parallelism adds the sliced parameters' over the group.)
+  std::vector<double> grad_sum_squares_per_param() const;
   GradNorm grad_norm_from(double sum_squares) const;
   // One AdamW update at learning rate lr (finite, >= 0), unless the gradient norm is not finite;
   // the second form takes the norm (and clip factor) from the caller.

@@ -575,6 +575,33 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "--cp-mode headwise: the KDA layers' {} heads do not divide by the degree {}",
               cfg_.model.kda.num_heads, cp);
   }
+  const int tp = opts_.tensor_parallel;
+  if (tp != 1) {
+    HLM_CHECK(tp >= 1 && tp == nproc,
+              "--tensor-parallel {}: the degree must equal the number of processes, {} (tensor "
+              "parallelism does not combine with data parallelism in the trainer yet)",
+              tp, nproc);
+    HLM_CHECK(ep == 1 && cp == 1,
+              "--tensor-parallel {}: does not combine with --expert-parallel or "
+              "--context-parallel yet",
+              tp);
+    const ModelConfig& m = cfg_.model;
+    const bool mtp = cfg_.mtp && m.mtp.num_layers > 0;
+    if (m.count_layers(LayerKind::kda) > 0)
+      HLM_CHECK(m.kda.num_heads % tp == 0,
+                "--tensor-parallel {}: the KDA layers' {} heads do not divide by the degree", tp,
+                m.kda.num_heads);
+    if (m.count_layers(LayerKind::dsa) + m.count_layers(LayerKind::mla) > 0 || mtp)
+      HLM_CHECK(m.mla.num_heads % tp == 0,
+                "--tensor-parallel {}: the MLA layers' {} heads do not divide by the degree", tp,
+                m.mla.num_heads);
+    bool dense = mtp && m.mtp_mlp_kind() == MlpKind::dense;
+    for (int64_t l = 0; l < m.num_hidden_layers; ++l) dense = dense || !m.is_moe_layer(l);
+    if (dense)
+      HLM_CHECK(m.intermediate_size % tp == 0,
+                "--tensor-parallel {}: the dense MLPs' {} channels do not divide by the degree", tp,
+                m.intermediate_size);
+  }
   if (nproc > 1 && opts_.device != Device::cpu) {
     // One GPU per rank of this host, before anything is allocated there.
     cuda_select_device(dist::local_rank() % cuda_device_count());
@@ -591,11 +618,15 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   mo.recompute = cfg_.recompute;
   mo.mtp = cfg_.mtp;
   mo.expert_comm = groups_ ? groups_->dispatch() : nullptr;
+  // Tensor parallel over the job's ranks: over NCCL on GPUs, else the host's.
+  if (tp > 1) tp_ = dcomm_ ? dcomm_.get() : opts_.comm;
+  mo.tensor_comm = tp_;
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
+  if (tp_) tp_layouts_ = model_->tensor_parallel_params();
   if (groups_)
     for (Param* p : model_->expert_params()) split_experts_.insert(p);
-  if (nproc > 1) {
+  if (nproc > 1 && !tp_) {
     dp_ = groups_ ? std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
                                                    dcomm_.get(), *groups_, model_->expert_params())
                   : std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
@@ -722,7 +753,9 @@ void Trainer::resume_from_checkpoint() {
       opt_->load_state_dict(dp_->shard_state(ck.state.tensors, "optimizer."), "optimizer.");
       dp_->share_values();
     } else {
-      opt_->load_state_dict(ck.state.tensors, "optimizer.");
+      // Tensor parallel: this rank's parts of the whole state.
+      opt_->load_state_dict(tp_ ? tp_convert(ck.state.tensors, true) : ck.state.tensors,
+                            "optimizer.");
     }
   } catch (const Error& e) {
     throw Error(
@@ -776,8 +809,13 @@ void Trainer::resume_from_checkpoint() {
         auto t = w.tensors.find(name);
         HLM_CHECK(t != w.tensors.end(), "--resume {}: {} lacks tensor '{}'", dir,
                   checkpoint::kSingleFile, name);
-        // Under expert parallelism an expert tensor is compared with this rank's share of it.
-        HLM_CHECK(bit_equal(dp_ ? dp_->expert_share(name, t->second) : t->second, p->value),
+        // Under expert (tensor) parallelism an expert (a split) tensor is compared with this
+        // rank's share (part) of it.
+        const TpParam* split = tp_layout_of(name);
+        const Tensor want = dp_     ? dp_->expert_share(name, t->second)
+                            : split ? tp_shard(t->second, *split, tp_->rank(), tp_->size())
+                                    : t->second;
+        HLM_CHECK(bit_equal(want, p->value),
                   "--resume {}: tensor '{}' of {} differs from the weights in {} (same step {}): "
                   "the checkpoint was modified",
                   dir, name, checkpoint::kSingleFile, kTrainerStateFile, step_);
@@ -819,10 +857,58 @@ void Trainer::move_to_device() {
                   device_name(opts_.device)));
 }
 
-Shape Trainer::whole_shape(const Param& p) const {
+Shape Trainer::whole_shape(const std::string& name, const Param& p) const {
   Shape s = p.value.shape();
   if (split_experts_.count(&p)) s[0] *= groups_->ep;
+  if (const TpParam* l = tp_layout_of(name)) s[l->split == TpSplit::cols ? 1 : 0] *= tp_->size();
   return s;
+}
+
+const TpParam* Trainer::tp_layout_of(const std::string& key) const {
+  if (!tp_) return nullptr;
+  std::string name = key;
+  const std::string prefix = "optimizer.";
+  if (name.rfind(prefix, 0) == 0) {
+    name = name.substr(prefix.size());
+    bool kind = false;
+    for (const char* k : AdamW::kStateKinds)
+      if (name.rfind(k, 0) == 0) {
+        name = name.substr(std::strlen(k));
+        kind = true;
+        break;
+      }
+    if (!kind) return nullptr;  // "optimizer.step"
+  }
+  for (const TpParam& l : tp_layouts_)
+    if (l.name == name) return l.split == TpSplit::rows || l.split == TpSplit::cols ? &l : nullptr;
+  return nullptr;
+}
+
+safetensors::TensorMap Trainer::tp_convert(const safetensors::TensorMap& in, bool to_parts) const {
+  safetensors::TensorMap out;
+  for (const auto& [key, t] : in) {  // (a map: every rank in the same order)
+    const TpParam* l = tp_layout_of(key);
+    if (!l)
+      out[key] = t;
+    else
+      out[key] = to_parts ? tp_shard(t, *l, tp_->rank(), tp_->size()) : tp_gather(*tp_, t, *l);
+  }
+  return out;
+}
+
+GradNorm Trainer::tp_grad_norm() const {
+  // The split parameters' squares are parts of the whole model's: summed over the group; every
+  // other parameter's gradient is the same on every rank (tp_reduce_grads) and counts once.
+  const std::vector<double> per = opt_->grad_sum_squares_per_param();
+  HLM_CHECK(per.size() == tp_layouts_.size(), "tensor parallel: {} optimizer slots for {} layouts",
+            per.size(), tp_layouts_.size());
+  double split = 0, other = 0;
+  for (size_t i = 0; i < per.size(); ++i) {
+    const TpSplit k = tp_layouts_[i].split;
+    (k == TpSplit::rows || k == TpSplit::cols ? split : other) += per[i];
+  }
+  const Tensor sum = dist::allreduce_from(*tp_, Tensor::from_vector<double>({1}, {split}));
+  return opt_->grad_norm_from(sum.data<double>()[0] + other);
 }
 
 void Trainer::write_param_list() const {
@@ -833,7 +919,7 @@ void Trainer::write_param_list() const {
   for (size_t i = 0; i < params.size(); ++i) {
     const Param* p = params[i].second;
     const DecayDecision d = weight_decay_decision(*p, cfg_.adamw);
-    const Shape whole = whole_shape(*p);
+    const Shape whole = whole_shape(params[i].first, *p);
     std::string shape;
     for (int64_t s : whole) {
       if (!shape.empty()) shape += 'x';
@@ -893,9 +979,14 @@ void Trainer::save() {
   meta["train_config"] = cfg_.to_json().dump();
   // With N > 1 processes every rank sends its shard to rank 0, which writes the one-process
   // layout: under expert parallelism the experts' shares too, of the state and of the weights.
-  const safetensors::TensorMap state =
+  safetensors::TensorMap state =
       dp_ ? dp_->gather_state(*opt_, "optimizer.") : opt_->state_dict("optimizer.");
   checkpoint::NamedTensors weights = checkpoint::module_tensors(*model_);
+  if (tp_) {  // every rank sends its parts; the whole tensors on every rank, rank 0 writes
+    state = tp_convert(state, false);
+    for (auto& [name, t] : weights)
+      if (const TpParam* l = tp_layout_of(name)) t = tp_gather(*tp_, t, *l);
+  }
   if (groups_) {
     const auto params = model_->named_parameters();
     std::vector<size_t> at;
@@ -952,7 +1043,8 @@ TrainSummary Trainer::run() {
                                   std::vector<uint8_t>(text.begin(), text.end()));
   }
   int64_t n_params = 0;  // the whole model's, experts split or not
-  for (const auto& [name, p] : model_->named_parameters()) n_params += shape_numel(whole_shape(*p));
+  for (const auto& [name, p] : model_->named_parameters())
+    n_params += shape_numel(whole_shape(name, *p));
   log(
       fmt::format("model: {} layers \"{}\", hidden {}, vocab {}, mHC {}x, {} MoE layers, MTP {}; "
                   "{} parameters ({}, recompute {})",
@@ -987,6 +1079,12 @@ TrainSummary Trainer::run() {
         "its tokens over a group (KDA layers {})",
         dp_->size() / cp_comm_->size(), cp_comm_->size(),
         opts_.cp_mode == KdaCpMode::headwise ? "headwise" : "chunkwise"));
+  if (tp_)
+    log(fmt::format(
+        "tensor parallel: {} processes ({} backend), each holding 1/{} of every attention "
+        "layer's heads and dense MLP's channels and running the whole batch; MoE layers on each "
+        "process's share of the rows",
+        tp_->size(), tp_->backend(), tp_->size()));
   if (root_) write_param_list();
   move_to_device();
   if (opts_.resume)
@@ -1035,6 +1133,17 @@ TrainSummary Trainer::run() {
   auto pending_signal = [&] {
     if (!opts_.handle_signals) return 0;
     std::vector<int64_t> sig{InterruptGuard::pending()};
+    if (tp_) {  // the first rank's signal that is set, on every rank
+      Tensor all = Tensor::zeros({int64_t(opts_.comm->size())}, DType::i64);
+      all.data<int64_t>()[opts_.comm->rank()] = sig[0];
+      opts_.comm->allreduce_sum(all);
+      sig[0] = 0;
+      for (int64_t i = 0; i < all.numel(); ++i)
+        if (all.data<int64_t>()[i] != 0) {
+          sig[0] = all.data<int64_t>()[i];
+          break;
+        }
+    }
     if (dp_) {
       std::vector<int64_t> all(size_t(dp_->size()), 0);
       all[size_t(dp_->rank())] = sig[0];
@@ -1132,6 +1241,11 @@ TrainSummary Trainer::run() {
         dp_->reduce_gradients();
         r = opt_->step(lr, dp_->grad_norm(*opt_));
         if (r.applied) dp_->share_values();
+      } else if (tp_) {
+        // The replicated parameters' parts summed; each rank updates its parts and the same
+        // whole parameters (the same bits everywhere).
+        tp_reduce_grads(*tp_, *model_, tp_layouts_);
+        r = opt_->step(lr, tp_grad_norm());
       } else {
         r = opt_->step(lr);
       }
@@ -1205,8 +1319,9 @@ TrainSummary Trainer::run() {
                         s == sum.start_step + 1;
     // Rank 0 evaluates (the weights are the same everywhere); under expert parallelism every
     // rank runs the evaluation's forward with its expert group.
-    const bool is_eval =
-        (root_ || groups_) && ((cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end);
+    // Under tensor parallelism every rank runs it too (the model's sums span the group).
+    const bool is_eval = (root_ || groups_ || tp_) &&
+                         ((cfg_.eval_interval > 0 && s % cfg_.eval_interval == 0) || s == end);
     if (is_eval) {
       const EvalResult ev = evaluate();
       if (ev.has_accuracy) rec.eval_accuracy = ev.accuracy.value();
@@ -1253,7 +1368,7 @@ TrainSummary Trainer::run() {
   }
   if (end <= sum.start_step) {
     // Nothing to train (resumed at the total): evaluate for the summary.
-    if (root_ || groups_) sum.eval = evaluate();
+    if (root_ || groups_ || tp_) sum.eval = evaluate();
     if (opts_.resume)
       log(fmt::format("the checkpoint is already at step {} of {}: nothing to train", step_,
                       cfg_.steps));

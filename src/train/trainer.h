@@ -183,6 +183,12 @@ struct TrainerOptions {
   // not run context parallel yet). Checkpoints keep the one-process layout.
   int context_parallel = 1;
   KdaCpMode cp_mode = KdaCpMode::chunkwise;
+  // Tensor parallelism (docs/parallel.md, "In the trainer"): every attention layer's heads and
+  // every dense MLP's channels split over the processes (HybridModelOptions::tensor_comm), each
+  // running the whole global batch. For now the degree must equal the number of processes (no
+  // data, expert or context parallelism beside it) and divide the KDA and MLA heads and the dense
+  // MLPs' intermediate size. Checkpoints keep the one-process layout.
+  int tensor_parallel = 1;
 };
 
 struct EvalResult {
@@ -253,9 +259,10 @@ class Trainer {
   void resume_from_checkpoint();
   void move_to_device();  // model and optimizer state to opts_.device
   void write_param_list() const;
-  // p's shape in the whole model: an expert weight split over the expert group has ep times the
-  // rows this rank holds.
-  Shape whole_shape(const Param& p) const;
+  // The shape of parameter `name` in the whole model: an expert weight split over the expert
+  // group has ep times the rows this rank holds, a tensor-parallel part the group's size times
+  // its split dimension.
+  Shape whole_shape(const std::string& name, const Param& p) const;
   // The text file cfg_.data_path encoded with the tokenizer cfg_.tokenizer_path.
   std::unique_ptr<DataSource> open_tokenized_text(TokenStreamConfig tc) const;
 
@@ -263,6 +270,17 @@ class Trainer {
   TrainerOptions opts_;
   std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
   std::unique_ptr<dist::Comm> cp_comm_;   // context parallelism: this rank's group
+  // Tensor parallelism: the group (the job's ranks; NCCL's on GPUs), every parameter's layout in
+  // named_parameters order, and the sums of a state or weight map over it.
+  dist::Comm* tp_ = nullptr;
+  std::vector<TpParam> tp_layouts_;
+  // The layout of the parameter a checkpoint name belongs to (a weight's name, or an optimizer
+  // state's "optimizer.<kind><name>"), or null when it is not split.
+  const TpParam* tp_layout_of(const std::string& key) const;
+  // Each split tensor of `in` gathered whole over the group (every rank calls), or cut to this
+  // rank's part (to_parts); the others pass unchanged.
+  safetensors::TensorMap tp_convert(const safetensors::TensorMap& in, bool to_parts) const;
+  GradNorm tp_grad_norm() const;          // the whole model's gradient norm (sliced parts summed)
   std::set<const Param*> split_experts_;  // and this rank's shares of the expert weights
   std::unique_ptr<HybridModel> model_;
   std::unique_ptr<AdamW> opt_;

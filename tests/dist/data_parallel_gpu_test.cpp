@@ -6,8 +6,9 @@
 // another order), the checkpoint written in the one-process layout. Then the same with the
 // experts split over the two processes (expert parallelism: the MoE layers' all-to-alls over NCCL
 // too), and with each part of the batch split along its tokens over the two (context
-// parallelism: a model whose layers are all KDA, without MTP). On GPUs each rank needs its own
-// device.
+// parallelism: a model whose layers are all KDA, without MTP), and with the attention heads and
+// dense MLP channels split over the two (tensor parallelism, its sums over NCCL). On GPUs each
+// rank needs its own device.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -86,11 +87,12 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   tk["mtp"] = false;
   std::ofstream(dir / "train_kda.json") << tk.dump();
   auto train = [&](int n, const std::string& out, int ep = 1, int cp = 1,
-                   const std::string& config = "train.json") {
+                   const std::string& config = "train.json", int tp = 1) {
     std::string cmd = "cd " + dir.string() + " && OMP_NUM_THREADS=1 ";
     if (n > 1) cmd += testing::mpirun_prefix(n);
     cmd += testing::dist_check() + " --train " + config + " " + out + " cuda " +
-           std::to_string(ep) + " " + std::to_string(cp) + " > out.txt 2>&1";
+           std::to_string(ep) + " " + std::to_string(cp) + " " + std::to_string(tp) +
+           " > out.txt 2>&1";
     const int st = std::system(cmd.c_str());
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   };
@@ -101,6 +103,9 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   ASSERT_EQ(train(2, "ep", 2), 0) << read(dir / "out.txt");
   EXPECT_NE(read(dir / "out.txt").find("expert parallel: 1 groups of 2 processes"),
             std::string::npos);
+  ASSERT_EQ(train(2, "tp", 1, 1, "train.json", 2), 0) << read(dir / "out.txt");
+  EXPECT_NE(read(dir / "out.txt").find("tensor parallel: 2 processes (nccl backend)"),
+            std::string::npos);
   ASSERT_EQ(train(1, "kda_one", 1, 1, "train_kda.json"), 0) << read(dir / "out.txt");
   ASSERT_EQ(train(2, "cp", 1, 2, "train_kda.json"), 0) << read(dir / "out.txt");
   EXPECT_NE(read(dir / "out.txt").find("context parallel: 1 groups of 2 processes"),
@@ -109,7 +114,7 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   ASSERT_EQ(first.size(), 3u);
   EXPECT_GT(double(first.back().at("indexer_loss")), 0);
   EXPECT_GT(double(metrics(dir / "kda_one").back().at("aux_loss")), 0);
-  for (const char* run : {"two", "ep", "cp"}) {
+  for (const char* run : {"two", "ep", "cp", "tp"}) {
     const std::string ref = std::string(run) == "cp" ? "kda_one" : "one";
     const auto b = metrics(dir / ref);
     const auto a = metrics(dir / run);

@@ -5,7 +5,7 @@
 // (tests/dist/nccl_gpu_test.cpp) the same collectives run again on the NCCL backend over GPU
 // tensors (each rank on GPU local_rank % count; in the emulation build the NCCL stand-in), and
 // each result must equal the host backend's bit for bit. Prints one line per rank and exits 0 when
-// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP]]` runs the trainer
+// every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP [TP]]]` runs the trainer
 // instead, `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism, `--moe-ep DTYPE
 // DEVICE` the MoE layer's expert parallelism, `--model-cp DTYPE DEVICE [short]` the whole model's
 // context parallelism, `--tp DTYPE DEVICE` the layers' tensor parallelism and `--model-tp DTYPE
@@ -199,13 +199,13 @@ void check_nccl(Comm& w) {
 
 }  // namespace
 
-// `--train CONFIG OUT DEVICE [EP [CP]]` (cpu or cuda): the trainer (train/trainer.h) on a
+// `--train CONFIG OUT DEVICE [EP [CP [TP]]]` (cpu or cuda): the trainer (train/trainer.h) on a
 // training config, data parallel over the processes of the job (expert parallel over groups of
-// EP, context parallel over groups of CP), as `hybridlm train [--expert-parallel EP]
-// [--context-parallel CP]` runs it (tests/dist/data_parallel_gpu_test.cpp: the emulation build
-// then needs no command-line tool).
+// EP, context parallel over groups of CP), or tensor parallel over all of them (TP), as
+// `hybridlm train [--expert-parallel EP] [--context-parallel CP] [--tensor-parallel TP]` runs it
+// (tests/dist/data_parallel_gpu_test.cpp: the emulation build then needs no command-line tool).
 int train(const std::string& config, const std::string& out, const std::string& device, int ep,
-          int cp) {
+          int cp, int tp) {
   Comm& w = hlm::dist::world();
   hlm::train::TrainConfig cfg =
       hlm::train::make_train_config(hlm::train::read_train_config_file(config), {}, config,
@@ -216,6 +216,7 @@ int train(const std::string& config, const std::string& out, const std::string& 
   o.comm = w.size() > 1 ? &w : nullptr;
   o.expert_parallel = ep;
   o.context_parallel = cp;
+  o.tensor_parallel = tp;
   o.plot = false;
   hlm::train::Trainer(cfg, o).run();
   return 0;
@@ -909,7 +910,7 @@ int model_tp(const std::string& dtype, const std::string& device) {
   return failures == 0 ? 0 : 1;
 }
 
-// The expert- or context-parallel degree of --train: a whole number >= 1.
+// A parallel degree of --train: a whole number >= 1.
 int degree(const char* s) {
   char* end = nullptr;
   const long v = std::strtol(s, &end, 10);
@@ -920,9 +921,9 @@ int degree(const char* s) {
 
 int main(int argc, char** argv) {
   try {
-    if (argc >= 5 && argc <= 7 && std::string(argv[1]) == "--train")
+    if (argc >= 5 && argc <= 8 && std::string(argv[1]) == "--train")
       return train(argv[2], argv[3], argv[4], argc >= 6 ? degree(argv[5]) : 1,
-                   argc == 7 ? degree(argv[6]) : 1);
+                   argc >= 7 ? degree(argv[6]) : 1, argc == 8 ? degree(argv[7]) : 1);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--kda-cp")
       return kda_cp(argv[2], argv[3], argc == 4);

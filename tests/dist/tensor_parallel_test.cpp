@@ -27,7 +27,6 @@
 namespace hlm {
 namespace {
 
-
 Tensor iota(const Shape& shape) {
   Tensor t = Tensor::empty(shape, DType::f64);
   for (int64_t i = 0; i < t.numel(); ++i) t.data<double>()[i] = double(i);
