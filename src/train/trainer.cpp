@@ -577,10 +577,9 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   }
   const int tp = opts_.tensor_parallel;
   if (tp != 1) {
-    HLM_CHECK(tp >= 1 && tp == nproc,
-              "--tensor-parallel {}: the degree must equal the number of processes, {} (tensor "
-              "parallelism does not combine with data parallelism in the trainer yet)",
-              tp, nproc);
+    HLM_CHECK(tp >= 1 && nproc % tp == 0,
+              "--tensor-parallel {}: the degree must divide the number of processes, {}", tp,
+              nproc);
     HLM_CHECK(ep == 1 && cp == 1,
               "--tensor-parallel {}: does not combine with --expert-parallel or "
               "--context-parallel yet",
@@ -602,9 +601,21 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
                 "--tensor-parallel {}: the dense MLPs' {} channels do not divide by the degree", tp,
                 m.intermediate_size);
   }
-  if (nproc > 1 && opts_.device != Device::cpu) {
-    // One GPU per rank of this host, before anything is allocated there.
-    cuda_select_device(dist::local_rank() % cuda_device_count());
+  const bool gpu = opts_.device != Device::cpu;
+  // One GPU per rank of this host, before anything is allocated there.
+  if (nproc > 1 && gpu) cuda_select_device(dist::local_rank() % cuda_device_count());
+  if (tp > 1) {
+    // Tensor-parallel group g: the ranks [g tp, (g + 1) tp); data parallel over the groups: the
+    // ranks of one tensor-parallel rank, in rank order. Over NCCL on GPUs.
+    const int r = opts_.comm->rank();
+    tp_host_ = opts_.comm->split(r / tp, r);
+    if (nproc > tp) dp_host_ = opts_.comm->split(r % tp, r);
+    if (gpu) {
+      tp_dev_ = dist::nccl_comm(*tp_host_);
+      if (dp_host_) dcomm_ = dist::nccl_comm(*dp_host_);
+    }
+    tp_ = tp_dev_ ? tp_dev_.get() : tp_host_.get();
+  } else if (nproc > 1 && gpu) {
     dcomm_ = dist::nccl_comm(*opts_.comm);
   }
   if (ep > 1)
@@ -618,19 +629,20 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   mo.recompute = cfg_.recompute;
   mo.mtp = cfg_.mtp;
   mo.expert_comm = groups_ ? groups_->dispatch() : nullptr;
-  // Tensor parallel over the job's ranks: over NCCL on GPUs, else the host's.
-  if (tp > 1) tp_ = dcomm_ ? dcomm_.get() : opts_.comm;
   mo.tensor_comm = tp_;
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
   if (tp_) tp_layouts_ = model_->tensor_parallel_params();
   if (groups_)
     for (Param* p : model_->expert_params()) split_experts_.insert(p);
-  if (nproc > 1 && !tp_) {
-    dp_ = groups_ ? std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
-                                                   dcomm_.get(), *groups_, model_->expert_params())
-                  : std::make_unique<DataParallel>(*opts_.comm, model_->named_parameters(),
-                                                   dcomm_.get());
+  // The data-parallel ranks: every rank, or under tensor parallelism the ranks of this one's
+  // tensor-parallel rank (each holding the same parts).
+  dist::Comm* dp_comm = tp_ ? dp_host_.get() : (nproc > 1 ? opts_.comm : nullptr);
+  if (dp_comm) {
+    dp_ = groups_
+              ? std::make_unique<DataParallel>(*dp_comm, model_->named_parameters(), dcomm_.get(),
+                                               *groups_, model_->expert_params())
+              : std::make_unique<DataParallel>(*dp_comm, model_->named_parameters(), dcomm_.get());
     opt_ = std::make_unique<AdamW>(dp_->owned(), cfg_.adamw);
   } else {
     opt_ = std::make_unique<AdamW>(model_->named_parameters(), cfg_.adamw);
@@ -750,7 +762,10 @@ void Trainer::resume_from_checkpoint() {
   try {
     if (dp_) {
       // This rank's shard, then every parameter's value from its owner.
-      opt_->load_state_dict(dp_->shard_state(ck.state.tensors, "optimizer."), "optimizer.");
+      opt_->load_state_dict(
+          dp_->shard_state(tp_ ? tp_convert(ck.state.tensors, true) : ck.state.tensors,
+                           "optimizer."),
+          "optimizer.");
       dp_->share_values();
     } else {
       // Tensor parallel: this rank's parts of the whole state.
@@ -811,10 +826,10 @@ void Trainer::resume_from_checkpoint() {
                   checkpoint::kSingleFile, name);
         // Under expert (tensor) parallelism an expert (a split) tensor is compared with this
         // rank's share (part) of it.
-        const TpParam* split = tp_layout_of(name);
-        const Tensor want = dp_     ? dp_->expert_share(name, t->second)
-                            : split ? tp_shard(t->second, *split, tp_->rank(), tp_->size())
-                                    : t->second;
+        Tensor want = t->second;
+        if (const TpParam* split = tp_layout_of(name))
+          want = tp_shard(want, *split, tp_->rank(), tp_->size());
+        if (dp_) want = dp_->expert_share(name, want);
         HLM_CHECK(bit_equal(want, p->value),
                   "--resume {}: tensor '{}' of {} differs from the weights in {} (same step {}): "
                   "the checkpoint was modified",
@@ -898,17 +913,15 @@ safetensors::TensorMap Trainer::tp_convert(const safetensors::TensorMap& in, boo
 
 GradNorm Trainer::tp_grad_norm() const {
   // The split parameters' squares are parts of the whole model's: summed over the group; every
-  // other parameter's gradient is the same on every rank (tp_reduce_grads) and counts once.
+  // other parameter's gradient is the same on every rank (tp_reduce_grads) and counts once. With
+  // data parallelism, each rank's optimizer holds its shard of the parameters: both sums are
+  // first added over the data-parallel ranks (rank order).
   const std::vector<double> per = opt_->grad_sum_squares_per_param();
-  HLM_CHECK(per.size() == tp_layouts_.size(), "tensor parallel: {} optimizer slots for {} layouts",
-            per.size(), tp_layouts_.size());
-  double split = 0, other = 0;
-  for (size_t i = 0; i < per.size(); ++i) {
-    const TpSplit k = tp_layouts_[i].split;
-    (k == TpSplit::rows || k == TpSplit::cols ? split : other) += per[i];
-  }
-  const Tensor sum = dist::allreduce_from(*tp_, Tensor::from_vector<double>({1}, {split}));
-  return opt_->grad_norm_from(sum.data<double>()[0] + other);
+  std::vector<double> sums{0, 0};  // split, other
+  for (size_t i = 0; i < per.size(); ++i) sums[tp_layout_of(opt_->name(i)) ? 0 : 1] += per[i];
+  if (dp_) dp_->allreduce(sums);
+  const Tensor split = dist::allreduce_from(*tp_, Tensor::from_vector<double>({1}, {sums[0]}));
+  return opt_->grad_norm_from(split.data<double>()[0] + sums[1]);
 }
 
 void Trainer::write_param_list() const {
@@ -1081,10 +1094,10 @@ TrainSummary Trainer::run() {
         opts_.cp_mode == KdaCpMode::headwise ? "headwise" : "chunkwise"));
   if (tp_)
     log(fmt::format(
-        "tensor parallel: {} processes ({} backend), each holding 1/{} of every attention "
-        "layer's heads and dense MLP's channels and running the whole batch; MoE layers on each "
-        "process's share of the rows",
-        tp_->size(), tp_->backend(), tp_->size()));
+        "tensor parallel: {} groups of {} processes ({} backend), each process holding 1/{} of "
+        "every attention layer's heads and dense MLP's channels and running its group's part "
+        "of the batch; MoE layers on each process's share of the rows",
+        (dp_ ? dp_->size() : 1), tp_->size(), tp_->backend(), tp_->size()));
   if (root_) write_param_list();
   move_to_device();
   if (opts_.resume)
@@ -1143,8 +1156,7 @@ TrainSummary Trainer::run() {
           sig[0] = all.data<int64_t>()[i];
           break;
         }
-    }
-    if (dp_) {
+    } else if (dp_) {
       std::vector<int64_t> all(size_t(dp_->size()), 0);
       all[size_t(dp_->rank())] = sig[0];
       dp_->allreduce(all);
@@ -1237,14 +1249,14 @@ TrainSummary Trainer::run() {
       ps_bwd.end();
       if (opts_.hooks.after_backward) opts_.hooks.after_backward(s, *model_);
       HLM_PROFILE("optimizer");
+      // Tensor parallel: the replicated parameters' parts summed first; each rank then updates
+      // its parts, and the whole parameters as every other rank does (the same bits).
+      if (tp_) tp_reduce_grads(*tp_, *model_, tp_layouts_);
       if (dp_) {
         dp_->reduce_gradients();
-        r = opt_->step(lr, dp_->grad_norm(*opt_));
+        r = opt_->step(lr, tp_ ? tp_grad_norm() : dp_->grad_norm(*opt_));
         if (r.applied) dp_->share_values();
       } else if (tp_) {
-        // The replicated parameters' parts summed; each rank updates its parts and the same
-        // whole parameters (the same bits everywhere).
-        tp_reduce_grads(*tp_, *model_, tp_layouts_);
         r = opt_->step(lr, tp_grad_norm());
       } else {
         r = opt_->step(lr);

@@ -184,10 +184,11 @@ struct TrainerOptions {
   int context_parallel = 1;
   KdaCpMode cp_mode = KdaCpMode::chunkwise;
   // Tensor parallelism (docs/parallel.md, "In the trainer"): every attention layer's heads and
-  // every dense MLP's channels split over the processes (HybridModelOptions::tensor_comm), each
-  // running the whole global batch. For now the degree must equal the number of processes (no
-  // data, expert or context parallelism beside it) and divide the KDA and MLA heads and the dense
-  // MLPs' intermediate size. Checkpoints keep the one-process layout.
+  // every dense MLP's channels split over groups of this many consecutive processes
+  // (HybridModelOptions::tensor_comm), the ranks of a group running the group's part of the
+  // global batch; data parallel over the N / tensor_parallel groups. It must divide the number of
+  // processes, the KDA and MLA heads and the dense MLPs' intermediate size; not with expert or
+  // context parallelism yet. Checkpoints keep the one-process layout.
   int tensor_parallel = 1;
 };
 
@@ -270,8 +271,9 @@ class Trainer {
   TrainerOptions opts_;
   std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
   std::unique_ptr<dist::Comm> cp_comm_;   // context parallelism: this rank's group
-  // Tensor parallelism: the group (the job's ranks; NCCL's on GPUs), every parameter's layout in
-  // named_parameters order, and the sums of a state or weight map over it.
+  // Tensor parallelism: the group (NCCL's on GPUs) and every parameter's layout in
+  // named_parameters order. dp_host_: the data-parallel ranks beside it (dp_ runs over them).
+  std::unique_ptr<dist::Comm> tp_host_, tp_dev_, dp_host_;
   dist::Comm* tp_ = nullptr;
   std::vector<TpParam> tp_layouts_;
   // The layout of the parameter a checkpoint name belongs to (a weight's name, or an optimizer

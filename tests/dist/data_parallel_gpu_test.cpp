@@ -104,7 +104,7 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   EXPECT_NE(read(dir / "out.txt").find("expert parallel: 1 groups of 2 processes"),
             std::string::npos);
   ASSERT_EQ(train(2, "tp", 1, 1, "train.json", 2), 0) << read(dir / "out.txt");
-  EXPECT_NE(read(dir / "out.txt").find("tensor parallel: 2 processes (nccl backend)"),
+  EXPECT_NE(read(dir / "out.txt").find("tensor parallel: 1 groups of 2 processes (nccl backend)"),
             std::string::npos);
   ASSERT_EQ(train(1, "kda_one", 1, 1, "train_kda.json"), 0) << read(dir / "out.txt");
   ASSERT_EQ(train(2, "cp", 1, 2, "train_kda.json"), 0) << read(dir / "out.txt");

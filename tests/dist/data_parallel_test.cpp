@@ -276,36 +276,48 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
 }
 
 // Tensor parallelism (HybridModelOptions::tensor_comm): the test model's attention heads and
-// dense MLP channels split over 2 processes, each running the whole batch (KDA and DSA layers
-// with KPool and the indexer loss through both stages, MoE with the aux loss on each process's
-// share of the rows, mHC, MTP): the one-process run's losses, weights and optimizer state
-// (gathered into the one-process layout), the same bits run again, a checkpoint resumed in one
-// process, and the refusals.
+// dense MLP channels split over groups of 2 processes, alone (2 processes) and data parallel over
+// 2 groups (4 processes), each group running its part of the batch (KDA and DSA layers with KPool
+// and the indexer loss through both stages, MoE with the aux loss on each process's share of the
+// rows, mHC, MTP): the one-process run's losses, weights and optimizer state (gathered into the
+// one-process layout), the same bits run again, checkpoints resumed across layouts, and the
+// refusals.
 TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   ASSERT_EQ(train(1, "--config train.json --out one"), 0) << read("err.txt");
-  ASSERT_EQ(train(2, "--config train.json --out tp2 --tensor-parallel 2"), 0) << read("err.txt");
-  EXPECT_NE(read("out.txt").find("tensor parallel: 2 processes (mpi backend), each holding 1/2 of "
-                                 "every attention layer's heads"),
-            std::string::npos)
-      << read("out.txt");
-  expect_as_one("tp2", "one");
-  EXPECT_EQ(read("tp2/parameters.txt"), read("one/parameters.txt"));
-  ASSERT_EQ(train(2, "--config train.json --out again --tensor-parallel 2"), 0) << read("err.txt");
-  expect_same_bits("again", "tp2");
-  // A checkpoint of the two processes resumes in one process (and one process's at 2).
-  ASSERT_EQ(train(2, "--config train.json --out split --tensor-parallel 2 --stop-after 4"), 0)
+  for (const int n : {2, 4}) {
+    SCOPED_TRACE(fmt::format("{} processes, tensor parallel 2", n));
+    const std::string run = fmt::format("n{}tp2", n);
+    ASSERT_EQ(train(n, fmt::format("--config train.json --out {} --tensor-parallel 2", run)), 0)
+        << read("err.txt");
+    EXPECT_NE(read("out.txt").find(fmt::format("tensor parallel: {} groups of 2 processes (mpi "
+                                               "backend), each process holding 1/2 of every "
+                                               "attention layer's heads",
+                                               n / 2)),
+              std::string::npos)
+        << read("out.txt");
+    expect_as_one(run, "one");
+    EXPECT_EQ(read(run + "/parameters.txt"), read("one/parameters.txt"));
+  }
+  ASSERT_EQ(train(4, "--config train.json --out again --tensor-parallel 2"), 0) << read("err.txt");
+  expect_same_bits("again", "n4tp2");
+  // A checkpoint of 4 processes (2 x 2) resumes at 2 (tensor parallel) and in one process; one
+  // process's resumes at 4.
+  ASSERT_EQ(train(4, "--config train.json --out split --tensor-parallel 2 --stop-after 4"), 0)
       << read("err.txt");
-  ASSERT_EQ(train(1, "--resume split"), 0) << read("err.txt");
+  fs::copy(dir_ / "split", dir_ / "split_b", fs::copy_options::recursive);
+  ASSERT_EQ(train(2, "--resume split --tensor-parallel 2"), 0) << read("err.txt");
   EXPECT_NE(read("out.txt").find("resumed from split at step 4"), std::string::npos);
-  expect_same_tensors("split", "one", "model.safetensors", 1e-10);
+  expect_as_one("split", "one");
+  ASSERT_EQ(train(1, "--resume split_b"), 0) << read("err.txt");
+  expect_same_tensors("split_b", "one", "model.safetensors", 1e-10);
   ASSERT_EQ(train(1, "--config train.json --out whole --stop-after 4"), 0) << read("err.txt");
-  ASSERT_EQ(train(2, "--resume whole --tensor-parallel 2"), 0) << read("err.txt");
+  ASSERT_EQ(train(4, "--resume whole --tensor-parallel 2"), 0) << read("err.txt");
   expect_as_one("whole", "one");
-  // Refused, nothing written: a degree that is not the number of processes, one that does not
-  // divide the heads, and with expert parallelism.
+  // Refused, nothing written: a degree that does not divide the processes or the heads, and with
+  // expert parallelism.
   for (const auto& [n, args, msg] :
        std::initializer_list<std::tuple<int, const char*, const char*>>{
-           {4, "--tensor-parallel 2", "the degree must equal the number of processes, 4"},
+           {3, "--tensor-parallel 2", "the degree must divide the number of processes, 3"},
            {4, "--tensor-parallel 4", "the KDA layers' 2 heads do not divide by the degree"},
            {2, "--tensor-parallel 2 --expert-parallel 2",
             "does not combine with --expert-parallel or --context-parallel yet"}}) {
