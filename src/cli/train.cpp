@@ -179,8 +179,8 @@ std::function<void()> setup_train(CLI::App& app) {
       ->check(count_range(1, 1 << 20));
   app.add_option("--tensor-parallel", a->tensor_parallel,
                  "under mpirun: split every attention layer's heads and dense MLP's channels "
-                 "over groups of this many processes (default 1; not with --expert-parallel or "
-                 "--context-parallel yet)")
+                 "over groups of this many processes (default 1; not with --context-parallel "
+                 "yet)")
       ->check(count_range(1, 1 << 20));
   app.add_option("--cp-mode", a->cp_mode,
                  "the KDA layers' context-parallel mode: chunkwise (states passed between "

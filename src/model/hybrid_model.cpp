@@ -363,7 +363,10 @@ class FeedForward : public Module {
  private:
   // Tensor parallel MoE: the layer on this rank's even share of the rows (a context-parallel
   // slice of the batch over the group, so the aux loss of a sequence split between ranks takes
-  // the whole sequence's counts), the outputs and selections gathered back. The aux loss and the
+  // the whole sequence's counts), the outputs and selections gathered back. With expert
+  // parallelism the share's rows are dispatched over the expert group as a rank's own tokens
+  // are (the expert group then spans ranks of other tensor-parallel groups, which hold other
+  // tokens). The aux loss and the
   // counts are this rank's share (the model sums them over the group): the layer averages its
   // sequences' shares over its own pieces, so the share is rescaled to the whole batch's
   // sequence count (as data parallelism's aux_sequences does).
@@ -380,7 +383,7 @@ class FeedForward : public Module {
     for (int r = 0; r <= n; ++r) bounds.push_back(r < n ? slice.begin(r) : T);
     const Tensor rp = replay.defined() ? ops::contiguous(replay.slice(0, b0, b1)) : Tensor();
     MoeLayer::Output o = moe_->forward(c, ops::contiguous(x.slice(0, b0, b1)), slice.local(),
-                                       s ? &s->moe : nullptr, rp, nullptr, /*stats=*/true, &slice);
+                                       s ? &s->moe : nullptr, rp, ep_, /*stats=*/true, &slice);
     auto nonempty = [](const SeqLayout& q) {
       int64_t k = 0;
       for (int64_t i = 0; i < q.num_seqs(); ++i) k += q.length(i) > 0;
@@ -872,8 +875,6 @@ HybridModel::HybridModel(const ModelConfig& config, const HybridModelOptions& op
   cfg_.validate();
   HLM_CHECK(opt_.dtype == DType::f64 || opt_.dtype == DType::f32 || opt_.dtype == DType::bf16,
             "HybridModel: dtype must be f64, f32 or bf16, got {}", dtype_name(opt_.dtype));
-  HLM_CHECK(!tp_group(opt_) || !opt_.expert_comm || opt_.expert_comm->size() == 1,
-            "HybridModel: tensor parallelism does not combine with expert parallelism yet");
   const int64_t V = cfg_.vocab_size, D = cfg_.hidden_size;
   embed_ = &add_param("model.embed_tokens.weight",
                       normal_tensor({V, D}, opt_.dtype, opt_.seed, 1, cfg_.initializer_range));

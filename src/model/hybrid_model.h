@@ -79,8 +79,10 @@ struct HybridModelOptions {
   // gradients are summed over the group after each such layer. A MoE layer runs on the rank's
   // share of the batch's tokens (an even split of the rows), its outputs gathered back. Every
   // other parameter (embedding, mHC, norms, head) is whole on every rank and computed the same
-  // there. Every rank of the group calls each forward and backward together. Not with expert
-  // parallelism, context parallelism or a cache yet (refused). nullptr or a group of one: none.
+  // there. Every rank of the group calls each forward and backward together. With expert
+  // parallelism, a MoE layer's share of the rows goes to the expert group (which must be made of
+  // ranks of other tensor-parallel groups, as the trainer makes it). Not with context parallelism
+  // or a cache yet (refused). nullptr or a group of one: none.
   dist::Comm* tensor_comm = nullptr;
 };
 

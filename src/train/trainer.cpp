@@ -580,10 +580,11 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     HLM_CHECK(tp >= 1 && nproc % tp == 0,
               "--tensor-parallel {}: the degree must divide the number of processes, {}", tp,
               nproc);
-    HLM_CHECK(ep == 1 && cp == 1,
-              "--tensor-parallel {}: does not combine with --expert-parallel or "
-              "--context-parallel yet",
-              tp);
+    HLM_CHECK(cp == 1, "--tensor-parallel {}: does not combine with --context-parallel yet", tp);
+    HLM_CHECK(ep == 1 || (nproc / tp) % ep == 0,
+              "--tensor-parallel {} --expert-parallel {}: the expert groups are made of the {} "
+              "data-parallel groups' ranks, and {} does not divide them",
+              tp, ep, nproc / tp, ep);
     const ModelConfig& m = cfg_.model;
     const bool mtp = cfg_.mtp && m.mtp.num_layers > 0;
     if (m.count_layers(LayerKind::kda) > 0)
@@ -618,9 +619,11 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   } else if (nproc > 1 && gpu) {
     dcomm_ = dist::nccl_comm(*opts_.comm);
   }
+  // Expert groups over the data-parallel ranks (under tensor parallelism: those of one
+  // tensor-parallel rank, which hold different tokens).
   if (ep > 1)
     groups_ = std::make_unique<ExpertGroups>(
-        make_expert_groups(*opts_.comm, ep, opts_.device != Device::cpu));
+        make_expert_groups(tp_ ? *dp_host_ : *opts_.comm, ep, opts_.device != Device::cpu));
   // Context-parallel group g: the ranks [g cp, (g + 1) cp), in rank order.
   if (cp > 1) cp_comm_ = opts_.comm->split(opts_.comm->rank() / cp, opts_.comm->rank());
   HybridModelOptions mo;

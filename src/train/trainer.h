@@ -187,8 +187,9 @@ struct TrainerOptions {
   // every dense MLP's channels split over groups of this many consecutive processes
   // (HybridModelOptions::tensor_comm), the ranks of a group running the group's part of the
   // global batch; data parallel over the N / tensor_parallel groups. It must divide the number of
-  // processes, the KDA and MLA heads and the dense MLPs' intermediate size; not with expert or
-  // context parallelism yet. Checkpoints keep the one-process layout.
+  // processes, the KDA and MLA heads and the dense MLPs' intermediate size. Expert groups are
+  // then made of the data-parallel ranks of one tensor-parallel rank; not with context
+  // parallelism yet. Checkpoints keep the one-process layout.
   int tensor_parallel = 1;
 };
 

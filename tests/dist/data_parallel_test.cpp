@@ -279,9 +279,9 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
 // dense MLP channels split over groups of 2 processes, alone (2 processes) and data parallel over
 // 2 groups (4 processes), each group running its part of the batch (KDA and DSA layers with KPool
 // and the indexer loss through both stages, MoE with the aux loss on each process's share of the
-// rows, mHC, MTP): the one-process run's losses, weights and optimizer state (gathered into the
-// one-process layout), the same bits run again, checkpoints resumed across layouts, and the
-// refusals.
+// rows, mHC, MTP), and with expert parallelism beside it: the one-process run's losses, weights
+// and optimizer state (gathered into the one-process layout), the same bits run again,
+// checkpoints resumed across layouts, and the refusals.
 TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   ASSERT_EQ(train(1, "--config train.json --out one"), 0) << read("err.txt");
   for (const int n : {2, 4}) {
@@ -300,6 +300,12 @@ TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   }
   ASSERT_EQ(train(4, "--config train.json --out again --tensor-parallel 2"), 0) << read("err.txt");
   expect_same_bits("again", "n4tp2");
+  // With expert parallelism over the data-parallel ranks of each tensor-parallel rank.
+  ASSERT_EQ(train(4, "--config train.json --out tpep --tensor-parallel 2 --expert-parallel 2"), 0)
+      << read("err.txt");
+  EXPECT_NE(read("out.txt").find("expert parallel: 1 groups of 2 processes"), std::string::npos)
+      << read("out.txt");
+  expect_as_one("tpep", "one");
   // A checkpoint of 4 processes (2 x 2) resumes at 2 (tensor parallel) and in one process; one
   // process's resumes at 4.
   ASSERT_EQ(train(4, "--config train.json --out split --tensor-parallel 2 --stop-after 4"), 0)
@@ -313,14 +319,18 @@ TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   ASSERT_EQ(train(1, "--config train.json --out whole --stop-after 4"), 0) << read("err.txt");
   ASSERT_EQ(train(4, "--resume whole --tensor-parallel 2"), 0) << read("err.txt");
   expect_as_one("whole", "one");
-  // Refused, nothing written: a degree that does not divide the processes or the heads, and with
-  // expert parallelism.
+  // Refused, nothing written: a degree that does not divide the processes or the heads, expert
+  // groups that do not divide the data-parallel ranks, and with context parallelism.
   for (const auto& [n, args, msg] :
        std::initializer_list<std::tuple<int, const char*, const char*>>{
            {3, "--tensor-parallel 2", "the degree must divide the number of processes, 3"},
            {4, "--tensor-parallel 4", "the KDA layers' 2 heads do not divide by the degree"},
            {2, "--tensor-parallel 2 --expert-parallel 2",
-            "does not combine with --expert-parallel or --context-parallel yet"}}) {
+            "the expert groups are made of the 1 data-parallel groups' ranks"},
+           {2,
+            "--tensor-parallel 2 --context-parallel 2 --set model.layer_pattern=KKK --set "
+            "mtp=false",
+            "does not combine with --context-parallel yet"}}) {
     SCOPED_TRACE(args);
     EXPECT_EQ(train(n, fmt::format("--config train.json --out refused {}", args)), 2);
     EXPECT_NE(read("err.txt").find(msg), std::string::npos) << read("err.txt");

@@ -396,7 +396,7 @@ TEST(TensorParallelSlices, LoadRefusesWhatDoesNotFit) {
 // its parameters are its parts of the one-process model's, bit for bit, under the layouts
 // tensor_parallel_params gives (sliced attention and dense-MLP weights, the KDA low-rank gates
 // and the MoE layers replicated, the DSA indexer and everything outside those layers identical);
-// and the combinations not supported yet are refused.
+// and a context-parallel forward is refused.
 TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
   nlohmann::json j = nlohmann::json::parse(testing::kSmallModelJson);
   const ModelConfig mc = ModelConfig::from_json(j);
@@ -431,12 +431,7 @@ TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
   for (const TpParam& p : whole.tensor_parallel_params())
     EXPECT_EQ(p.split, TpSplit::identical) << p.name;
 
-  // Refused: with expert parallelism; context parallel.
-  HybridModelOptions ep = po;
-  testing::FakeGroup eg(0, 2);
-  ep.expert_comm = &eg;
-  testing::expect_error([&] { HybridModel m(mc, ep); },
-                        "tensor parallelism does not combine with expert parallelism yet");
+  // Refused: context parallel.
   const SeqLayout seqs = testing::seqs_of({6});
   const dist::CpSlice slice(g, seqs, {0, 3, 6});
   ModelInputs in;
