@@ -2,20 +2,22 @@
 // a group (docs/parallel.md, "Tensor parallelism").
 //
 // Rank r of a group of n runs a layer of the same kind with 1/n of the heads (the config from
-// kda_tp_config / mlp_tp_config), whose parameters are slices of the whole layer's, laid out as
-// Megatron lays out the KDA layer:
+// kda_tp_config / dsa_tp_config / mlp_tp_config), whose parameters are slices of the whole
+// layer's, laid out as Megatron lays out the KDA layer:
 //   column-parallel (rows of the weight split): q_proj, k_proj, v_proj, the conv channels,
-//   f_b_proj,
-//     g_b_proj (and its bias), b_proj, A_log, dt_bias; an MLP's gate_proj and up_proj;
+//     f_b_proj, g_b_proj (and its bias), b_proj, A_log, dt_bias; MLA's q_b_proj and kv_b_proj;
+//     an MLP's gate_proj and up_proj;
 //   row-parallel (columns of the weight split): o_proj; an MLP's down_proj;
-//   replicated: the low-rank f_a_proj and g_a_proj, o_norm's weight.
+//   replicated: the low-rank f_a_proj and g_a_proj, o_norm's weight; MLA's latent projections
+//     and their norms;
+//   identical: a DSA layer's indexer (every rank runs it whole on the same inputs).
 // Every head's computation needs only its own slices, so the rank's layer computes its heads
 // exactly as the whole layer does, and its output (o_proj or down_proj over its own columns) is a
 // part of the whole: the sum of the n parts (tp_allreduce) is the layer's output. The backward is
 // the mirror: each rank's dx is a part (the column-parallel projections' and the replicated
-// low-rank projections' input gradients from its heads), summed the same way. A sliced parameter's
+// projections' input gradients from its heads), summed the same way. A sliced parameter's
 // gradient is the slice of the whole layer's gradient; a replicated one's is a part, and
-// tp_reduce_grads sums those over the group.
+// tp_reduce_grads sums those over the group; an identical one's is the whole layer's.
 //
 // The sums over ranks are Comm::allreduce_sum's (rank order: the same bits on every rank and run
 // to run). The whole layer sums a row of o_proj in one GEMM; the parts split that sum, so the

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/device.h"
@@ -255,6 +256,15 @@ Tensor random_rows(int64_t T, int64_t D, DType dt, hlm::Device dev, hlm::Rng& rn
   Tensor t = Tensor::empty({T, D}, dt);
   rng.fill_uniform(t, -1, 1);
   return t.to(dev);
+}
+
+// T random token ids below V and their targets (every 7th, from the 4th, ignored: -100), i64.
+std::pair<Tensor, Tensor> random_tokens(int64_t T, int64_t V, hlm::Rng& rng) {
+  std::vector<int64_t> tok(static_cast<size_t>(T)), tgt(static_cast<size_t>(T));
+  for (auto& t : tok) t = int64_t(rng.next_u64() % uint64_t(V));
+  for (int64_t t = 0; t < T; ++t)
+    tgt[size_t(t)] = t % 7 == 3 ? -100 : int64_t(rng.next_u64() % uint64_t(V));
+  return {Tensor::from_vector<int64_t>({T}, tok), Tensor::from_vector<int64_t>({T}, tgt)};
 }
 
 // `--kda-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): KdaLayer's context parallelism,
@@ -515,12 +525,8 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
       const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths(k.lengths);
       const int64_t T = seqs.total_tokens();
       hlm::Rng rng(7, uint64_t(T));
-      std::vector<int64_t> tok(static_cast<size_t>(T)), tgt(static_cast<size_t>(T));
-      for (auto& t : tok) t = int64_t(rng.next_u64() % 24);
-      for (int64_t t = 0; t < T; ++t)
-        tgt[size_t(t)] = t % 7 == 3 ? -100 : int64_t(rng.next_u64() % 24);
-      const Tensor tokens = Tensor::from_vector<int64_t>({T}, tok);
-      const Tensor targets = Tensor::from_vector<int64_t>({T}, tgt);
+      const auto [tokens, targets] = random_tokens(T, 24, rng);
+      const std::vector<int64_t> tgt = targets.to_i64_vector();
       const hlm::Context ctx{true, false};
       // The whole batch here.
       model.zero_grad();
@@ -815,13 +821,9 @@ int model_tp(const std::string& dtype, const std::string& device) {
   const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths({37, 20});
   const int64_t T = seqs.total_tokens();
   hlm::Rng rng(8, 3);
-  std::vector<int64_t> tok(static_cast<size_t>(T)), tgt(static_cast<size_t>(T));
-  for (auto& t : tok) t = int64_t(rng.next_u64() % 24);
-  for (int64_t t = 0; t < T; ++t) tgt[size_t(t)] = t % 7 == 3 ? -100 : int64_t(rng.next_u64() % 24);
   hlm::ModelInputs in;
-  in.tokens = Tensor::from_vector<int64_t>({T}, tok);
+  std::tie(in.tokens, in.targets) = random_tokens(T, 24, rng);
   in.cu_seqlens = Tensor::from_vector<int64_t>({int64_t(seqs.offsets().size())}, seqs.offsets());
-  in.targets = Tensor::from_vector<int64_t>({T}, tgt);
   const hlm::Context ctx{true, false};
   auto loss_terms = [](const hlm::ModelOutput& o) {
     return std::vector<double>{o.loss, o.lm_loss, o.mtp_loss, o.aux_loss, o.indexer_loss};
