@@ -366,10 +366,9 @@ class FeedForward : public Module {
   // the whole sequence's counts), the outputs and selections gathered back. With expert
   // parallelism the share's rows are dispatched over the expert group as a rank's own tokens
   // are (the expert group then spans ranks of other tensor-parallel groups, which hold other
-  // tokens). The aux loss and the
-  // counts are this rank's share (the model sums them over the group): the layer averages its
-  // sequences' shares over its own pieces, so the share is rescaled to the whole batch's
-  // sequence count (as data parallelism's aux_sequences does).
+  // tokens). The aux loss and the counts are this rank's share (the model sums them over the
+  // group): the layer averages its sequences' shares over its own pieces, so the share is
+  // rescaled to the whole batch's sequence count (as data parallelism's aux_sequences does).
   Tensor tp_moe_forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
                         const Tensor& replay) const {
     const int64_t T = x.size(0), n = tp_->size();

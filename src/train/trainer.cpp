@@ -635,7 +635,11 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   mo.tensor_comm = tp_;
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
-  if (tp_) tp_layouts_ = model_->tensor_parallel_params();
+  if (tp_) {
+    tp_layouts_ = model_->tensor_parallel_params();
+    for (const TpParam& l : tp_layouts_)
+      if (l.split == TpSplit::rows || l.split == TpSplit::cols) tp_split_[l.name] = &l;
+  }
   if (groups_)
     for (Param* p : model_->expert_params()) split_experts_.insert(p);
   // The data-parallel ranks: every rank, or under tensor parallelism the ranks of this one's
@@ -679,12 +683,18 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   }
   // Every part needs a sequence of each global batch, and every slice of a part a token (the
   // first batch tells; all are alike).
-  if (dp_) {
-    const Batch part = shard_batch(data_->batch(1), dp_->rank() / cp, dp_->size() / cp);
+  if (dp_ || tp_) {
+    const Batch part =
+        dp_ ? shard_batch(data_->batch(1), dp_->rank() / cp, dp_->size() / cp) : data_->batch(1);
     HLM_CHECK(part.num_tokens() >= cp,
               "--context-parallel {}: a part of the global batch holds {} tokens, fewer than the "
               "degree (raise tokens_per_step)",
               cp, part.num_tokens());
+    // A tensor-parallel MoE layer gives every rank of the group a share of the part's rows.
+    HLM_CHECK(!tp_ || part.num_tokens() >= tp_->size(),
+              "--tensor-parallel {}: a part of the global batch holds {} tokens, fewer than the "
+              "degree (raise tokens_per_step)",
+              tp_ ? tp_->size() : 1, part.num_tokens());
   }
   if (opts_.resume) {
     // The lock before the state is read: a run still writing there is refused, not raced.
@@ -897,9 +907,8 @@ const TpParam* Trainer::tp_layout_of(const std::string& key) const {
       }
     if (!kind) return nullptr;  // "optimizer.step"
   }
-  for (const TpParam& l : tp_layouts_)
-    if (l.name == name) return l.split == TpSplit::rows || l.split == TpSplit::cols ? &l : nullptr;
-  return nullptr;
+  const auto it = tp_split_.find(name);
+  return it == tp_split_.end() ? nullptr : it->second;
 }
 
 safetensors::TensorMap Trainer::tp_convert(const safetensors::TensorMap& in, bool to_parts) const {

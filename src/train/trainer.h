@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -277,6 +278,7 @@ class Trainer {
   std::unique_ptr<dist::Comm> tp_host_, tp_dev_, dp_host_;
   dist::Comm* tp_ = nullptr;
   std::vector<TpParam> tp_layouts_;
+  std::map<std::string, const TpParam*> tp_split_;  // the split ones (rows or cols), by name
   // The layout of the parameter a checkpoint name belongs to (a weight's name, or an optimizer
   // state's "optimizer.<kind><name>"), or null when it is not split.
   const TpParam* tp_layout_of(const std::string& key) const;
