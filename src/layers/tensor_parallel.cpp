@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <numeric>
 
 #include "core/error.h"
 #include "ops/tensor_ops.h"
