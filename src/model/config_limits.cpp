@@ -358,6 +358,30 @@ int64_t moe_layer_count(const ModelConfig& c, bool mtp) {
 
 }  // namespace
 
+int64_t tensor_parallel_split_count(const ModelConfig& c, bool mtp) {
+  const int64_t D = c.hidden_size;
+  // A KDA layer less its replicated low-rank gates and o_norm; an MLA less its latent
+  // projections and their norms.
+  const int64_t kda = kda_layer(c);
+  const int64_t kda_rep = (c.kda.f_lora_rank > 0 ? linear(D, c.kda.f_lora_rank) : 0) +
+                          (c.kda.g_lora_rank > 0 ? linear(D, c.kda.g_lora_rank) : 0) +
+                          c.kda.v_head_dim;
+  const int64_t rq = c.mla.q_lora_rank, rkv = c.mla.kv_lora_rank;
+  const int64_t mla_rep =
+      (rq > 0 ? rq + linear(D, rq) : 0) + rkv + linear(D, rkv + c.mla.qk_rope_head_dim);
+  const int64_t dense = dense_mlp(D, c.intermediate_size);
+  Count n;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    n.add(c.layer_kind(l) == LayerKind::kda ? kda - kda_rep : mla(c) - mla_rep);
+    if (c.mlp_kind(l) == MlpKind::dense) n.add(dense);
+  }
+  if (mtp && c.mtp.num_layers > 0) {
+    n.add(mla(c) - mla_rep);
+    if (c.mtp_mlp_kind() == MlpKind::dense) n.add(dense);
+  }
+  return n.v;
+}
+
 int64_t routed_expert_parameter_count(const ModelConfig& c, bool mtp) {
   return mul(moe_layer_count(c, mtp), c.moe.n_routed_experts,
              mul(3, c.hidden_size, c.moe.moe_intermediate_size));

@@ -83,6 +83,13 @@ MemoryEstimate estimate_memory(const ModelConfig& c, const Workload& w);
 // MTP block's when mtp): what expert parallelism shards.
 int64_t routed_expert_parameter_count(const ModelConfig& c, bool mtp = true);
 
+// The parameters tensor parallelism splits over its group (layers/tensor_parallel.h): each
+// attention layer's per-head projections (KDA: q, k, v, the conv, f_b, g_b, b_proj, A_log,
+// dt_bias, o_proj; MLA: q_b_proj or q_proj, kv_b_proj, o_proj) and every dense MLP. The rest is
+// whole on every rank of the group: the embedding and head, norms, mHC, the low-rank f_a / g_a,
+// o_norm, MLA's latent projections and norms, the indexers and the MoE layers.
+int64_t tensor_parallel_split_count(const ModelConfig& c, bool mtp = true);
+
 // Parameters one token runs through: parameter_count less the routed experts a token does not
 // use ((n_routed_experts - num_experts_per_tok) experts of every MoE layer) and the embedding rows
 // but its own (the vocab_size - 1 other rows of embed_tokens).

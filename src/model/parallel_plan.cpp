@@ -118,7 +118,8 @@ ParallelPlan plan_parallel(const ModelConfig& c, const ParallelLayout& l, int64_
   p.tokens_per_gpu = tokens / n_d;
   p.experts_per_gpu = E / l.ep;
   const int64_t P = parameter_count(c, mtp), Pe = routed_expert_parameter_count(c, mtp);
-  p.held_dense = (P - Pe) / l.tp;
+  const int64_t S = tensor_parallel_split_count(c, mtp);
+  p.held_dense = S / l.tp + (P - Pe - S);
   p.held_experts = Pe / l.ep;
   const double hd = double(p.held_dense), he = double(p.held_experts);
   p.weights = u64(2 * (hd + he));
@@ -155,8 +156,22 @@ ParallelPlan plan_parallel(const ModelConfig& c, const ParallelLayout& l, int64_
     p.cp_exchange =
         u64(kda * double(kda_layers) + 2 * t * row * 2 * double(l.cp - 1) * double(dsa_layers));
   }
+  // Tensor parallelism per layer: the attention's output and input gradient all-reduced; a dense
+  // MLP's the same; a MoE layer's rows all-gathered (forward and backward); and a DSA layer's
+  // indexer-loss target [t, index_topk] (FP32) all-reduced in the forward.
   const int64_t layers = c.num_hidden_layers + (mtp ? c.mtp.num_layers : 0);
-  p.tp_allreduce = u64(4 * t * D * 2 * 2 * ring(1.0, l.tp) * double(layers));
+  int64_t loss_layers = 0;
+  if (c.indexer.loss_coeff > 0) {
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      loss_layers += c.layer_kind(i) == LayerKind::dsa &&
+                     (c.indexer_kinds.empty() || c.indexer_kinds[size_t(i)] == IndexerKind::full);
+    if (mtp) loss_layers += c.mtp.num_layers;
+  }
+  const double act = t * D * 2;  // one BF16 [t, D]
+  p.tp_allreduce =
+      u64(ring(1.0, l.tp) *
+          (2 * 2 * act * double(layers + layers - moe_layers) + 2 * act * double(moe_layers) +
+           2 * t * double(c.indexer.topk) * 4 * double(loss_layers)));
   p.flops_per_gpu =
       6.0 * double(active_parameter_count(c, mtp)) * double(tokens) / double(l.world());
   return p;

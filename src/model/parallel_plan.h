@@ -10,10 +10,11 @@
 // its group's experts whole.
 //
 // Memory per GPU (BF16 weights, FP32 gradients, AdamW with a distributed optimizer):
-//   held       = (P - P_e) / tp + P_e / ep                  parameters on the GPU (the small
-//                tensors tp replicates, norms and gate vectors, counted as split: under 0.1%)
+//   held       = S / tp + (P - P_e - S) + P_e / ep           parameters on the GPU: S the ones
+//                tp splits (tensor_parallel_split_count: the attention layers' per-head
+//                projections and the dense MLPs), the rest whole on every tp rank
 //   weights    = 2 held;  gradients = 4 held                 (reduced in place)
-//   optimizer  = 12 ((P - P_e) / tp / (dp cp) + P_e / ep / (dp cp / ep))
+//   optimizer  = 12 ((S / tp + P - P_e - S) / (dp cp) + P_e / ep / (dp cp / ep))
 //                FP32 masters and both moments, sharded over the ranks that hold the same
 //                parameters (every parameter's state is stored once per tp rank)
 //   activations: the training estimate (model/config_limits.h) of T / (dp cp) tokens in
@@ -36,8 +37,11 @@
 //                  DSA (not built yet): all-gather of the BF16 latent rows and indexer
 //                  keys of the t tokens (forward) and reduce-scatter of their gradients (backward),
 //                  per DSA layer: 2 t (r_kv + d_r + d_I / P) 2 (cp - 1)
-//   tp             two all-reduces of the BF16 [t, D] activations per layer forward and two
-//                  backward: 4 t D 2 2 (tp-1)/tp per layer
+//   tp             as the model runs it (HybridModelOptions::tensor_comm): an all-reduce of the
+//                  BF16 [t, D] output of every attention layer and dense MLP, forward and backward
+//                  (2 t D 2 2 (tp-1)/tp each); an all-gather of a MoE layer's rows, forward and
+//                  backward (2 t D 2 (tp-1)/tp); and per DSA layer with the indexer loss an
+//                  all-reduce of its FP32 target [t, index_topk] (2 t K 4 (tp-1)/tp)
 // Compute per GPU: 6 x active parameters (less the embedding) x T / world (the GEMMs; the
 // attention's and the KDA core's FLOPs are not counted).
 #pragma once

@@ -20,6 +20,7 @@
 #include "layers/kda/kda_layer.h"
 #include "layers/mlp.h"
 #include "layers/tensor_parallel.h"
+#include "model/config_limits.h"
 #include "model/hybrid_model.h"
 #include "ops/tensor_ops.h"
 #include "testing.h"
@@ -427,6 +428,13 @@ TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
   EXPECT_EQ(kind["model.layers.2.self_attn.o_proj.weight"], TpSplit::cols);  // the MTP block's
   EXPECT_EQ(kind["model.embed_tokens.weight"], TpSplit::identical);
   EXPECT_EQ(kind["model.layers.0.attn_hc.fn"], TpSplit::identical);
+  // The split parameters, whole, are what the layout plan counts as split
+  // (tensor_parallel_split_count, model/config_limits.h).
+  int64_t split = 0;
+  for (const TpParam& p : layouts)
+    if (p.split == TpSplit::rows || p.split == TpSplit::cols)
+      split += part.find_parameter(p.name)->value.numel() * 2;
+  EXPECT_EQ(split, tensor_parallel_split_count(mc, true));
   // Without a group every parameter is identical.
   for (const TpParam& p : whole.tensor_parallel_params())
     EXPECT_EQ(p.split, TpSplit::identical) << p.name;

@@ -44,16 +44,24 @@ TEST(ParallelPlan, OneGpuIsTheUnshardedEstimate) {
 TEST(ParallelPlan, ShardsAddUpAndGroupsPartitionTheRanks) {
   const ModelConfig c = flash();
   const int64_t P = parameter_count(c, true), Pe = routed_expert_parameter_count(c, true);
+  // What tp splits: the attention layers' per-head projections and the dense MLPs (most of the
+  // non-expert parameters; the embedding and head, MoE routers and shared experts stay whole).
+  const int64_t S = tensor_parallel_split_count(c, true);
+  EXPECT_GT(S, 0);
+  EXPECT_LT(S, P - Pe);
   for (const char* spec : {"dp=8,ep=8,cp=2", "dp=4,ep=2", "dp=2,cp=2,tp=2,ep=4", "tp=4"}) {
     SCOPED_TRACE(spec);
     const ParallelLayout l = ParallelLayout::parse(spec);
     const ParallelPlan p = plan_parallel(c, l, l.dp * 8192, 8192, true);
     EXPECT_EQ(p.held_experts * l.ep, Pe);
-    EXPECT_NEAR(double(p.held_dense * l.tp), double(P - Pe), double(l.tp));  // rounded down
+    // A tp group holds the split parameters once and the rest on every rank.
+    EXPECT_NEAR(double(p.held_dense * l.tp), double(S) + double(P - Pe - S) * double(l.tp),
+                double(l.tp));  // rounded down
     EXPECT_EQ(p.tokens_per_gpu * l.dp * l.cp, p.tokens);
-    // Every parameter's optimizer state once per tp rank over all the GPUs (to rounding).
+    // Over all the GPUs: the split parameters' optimizer state once, every other parameter's once
+    // per tp rank (to rounding).
     const double states = double(p.optimizer) * double(l.world()) / 12.0;
-    EXPECT_NEAR(states, double(P - Pe) + double(Pe) * double(l.tp), 1e-9 * double(P) + l.world());
+    EXPECT_NEAR(states, double(S) + double(P - S) * double(l.tp), 1e-9 * double(P) + l.world());
     // Each kind of group partitions the world; a rank's groups hold it.
     for (auto group : {&ParallelPlan::tp_group, &ParallelPlan::cp_group, &ParallelPlan::dp_group,
                        &ParallelPlan::ep_group}) {
@@ -93,7 +101,23 @@ TEST(ParallelPlan, TrafficFollowsTheRingVolumes) {
   const ParallelPlan e = plan_parallel(kda_only, ParallelLayout::parse("cp=4"), 8192, 8192, false);
   const double per_layer = 4.0 * 3 * (64.0 * 128 * (2 * 128 + 128) + 2.0 * 3 * (3 * 64 * 128));
   EXPECT_EQ(e.cp_exchange, uint64_t(per_layer * double(kda_only.num_hidden_layers) + 0.5));
-  EXPECT_EQ(d.tp_allreduce, uint64_t(4.0 * 4096 * 4096 * 2 * 2 * 0.5 * 46 + 0.5));
+  // Tensor parallelism, as the model exchanges (t = 4096 tokens per GPU, D = 4096, (tp-1)/tp =
+  // 1/2): all-reduces of the BF16 [t, D] outputs and input gradients of the 46 attention layers
+  // and the 3 dense MLPs, all-gathers of the 43 MoE layers' rows forward and backward; with the
+  // indexer loss on, also each DSA layer's FP32 indexer-loss target [t, index_topk] once.
+  const double act = 4096.0 * 4096 * 2;
+  EXPECT_NEAR(double(d.tp_allreduce), 0.5 * (4 * act * (46 + 3) + 2 * act * 43), 1.0);
+  int64_t loss_layers = 1;  // the MTP block's
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    loss_layers += c.layer_kind(i) == LayerKind::dsa &&
+                   (c.indexer_kinds.empty() || c.indexer_kinds[size_t(i)] == IndexerKind::full);
+  ModelConfig with_loss = c;
+  with_loss.indexer.loss_coeff = 0.1;
+  const ParallelPlan dl =
+      plan_parallel(with_loss, ParallelLayout::parse("cp=2,tp=2"), 8192, 8192, true);
+  EXPECT_GT(loss_layers, 1);
+  EXPECT_NEAR(double(dl.tp_allreduce) - double(d.tp_allreduce),
+              0.5 * 2 * 4096.0 * double(c.indexer.topk) * 4 * double(loss_layers), 2.0);
 }
 
 TEST(ParallelPlan, LayoutsThatDoNotFitAreRefused) {
