@@ -168,10 +168,6 @@ void tp_reduce_grads(dist::Comm& group, Module& shard, const std::vector<TpParam
   }
 }
 
-Tensor tp_allreduce(dist::Comm& group, const Tensor& t) {
-  return dist::allreduce_from(group, t);
-}
-
 Tensor tp_allgather_rows(dist::Comm& group, const Tensor& part,
                          const std::vector<int64_t>& bounds) {
   const int n = group.size(), r = group.rank();

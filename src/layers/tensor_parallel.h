@@ -13,11 +13,11 @@
 //   identical: a DSA layer's indexer (every rank runs it whole on the same inputs).
 // Every head's computation needs only its own slices, so the rank's layer computes its heads
 // exactly as the whole layer does, and its output (o_proj or down_proj over its own columns) is a
-// part of the whole: the sum of the n parts (tp_allreduce) is the layer's output. The backward is
-// the mirror: each rank's dx is a part (the column-parallel projections' and the replicated
-// projections' input gradients from its heads), summed the same way. A sliced parameter's
-// gradient is the slice of the whole layer's gradient; a replicated one's is a part, and
-// tp_reduce_grads sums those over the group; an identical one's is the whole layer's.
+// part of the whole: the sum of the n parts (dist::allreduce_from) is the layer's output. The
+// backward is the mirror: each rank's dx is a part (the column-parallel projections' and the
+// replicated projections' input gradients from its heads), summed the same way. A sliced
+// parameter's gradient is the slice of the whole layer's gradient; a replicated one's is a part,
+// and tp_reduce_grads sums those over the group; an identical one's is the whole layer's.
 //
 // The sums over ranks are Comm::allreduce_sum's (rank order: the same bits on every rank and run
 // to run). The whole layer sums a row of o_proj in one GEMM; the parts split that sum, so the
@@ -72,9 +72,6 @@ void tp_load_shard(Module& whole, Module& shard, const std::vector<TpParam>& lay
 // rank holds the whole layer's gradient of them (a sliced parameter's gradient is already its
 // slice of the whole, an identical one's the whole). Parameters without a gradient are skipped.
 void tp_reduce_grads(dist::Comm& group, Module& shard, const std::vector<TpParam>& layouts);
-// The sum over the group of every rank's part (a layer's output or input gradient): a new tensor
-// on t's device and dtype. t's shape must be the same on every rank.
-Tensor tp_allreduce(dist::Comm& group, const Tensor& t);
 
 // Rows [bounds[r], bounds[r + 1]) of a [T, ...] tensor held by rank r (part: its rows), gathered
 // into the whole [T, ...] on every rank, on part's device (one all-gather of blocks padded to the

@@ -274,6 +274,18 @@ dist::Comm* tp_group(const HybridModelOptions& o) {
   return o.tensor_comm && o.tensor_comm->size() > 1 ? o.tensor_comm : nullptr;
 }
 
+// A layer's output or input gradient summed over the tensor-parallel group tp (null: t itself).
+Tensor tp_sum(dist::Comm* tp, const Tensor& t) {
+  return tp ? dist::allreduce_from(*tp, t) : t;
+}
+
+// The sequences of a layout that hold a token (what the MoE sequence aux loss averages over).
+int64_t nonempty_seqs(const SeqLayout& seqs) {
+  int64_t k = 0;
+  for (int64_t q = 0; q < seqs.num_seqs(); ++q) k += seqs.length(q) > 0;
+  return k;
+}
+
 // Under tensor parallelism: this rank's part of a layer built whole (so that its initial values
 // are the whole layer's, drawn as one process draws them) and then sliced.
 template <class L, class Cfg, class Init, class Layout>
@@ -335,7 +347,7 @@ class FeedForward : public Module {
                  const Tensor& replay, bool cached, const dist::CpSlice* cp = nullptr) const {
     if (!moe_) {
       const Tensor y = mlp_->forward(c, x, s ? &s->mlp : nullptr);
-      return tp_ ? tp_allreduce(*tp_, y) : y;
+      return tp_sum(tp_, y);
     }
     if (tp_) return tp_moe_forward(c, x, cu, s, out, replay);
     MoeLayer::Output o =
@@ -357,7 +369,7 @@ class FeedForward : public Module {
     }
     if (moe_) return moe_->backward(c, dy, s.moe, d_aux);
     const Tensor dx = mlp_->backward(c, dy, s.mlp);
-    return tp_ ? tp_allreduce(*tp_, dx) : dx;
+    return tp_sum(tp_, dx);
   }
 
  private:
@@ -383,12 +395,7 @@ class FeedForward : public Module {
     const Tensor rp = replay.defined() ? ops::contiguous(replay.slice(0, b0, b1)) : Tensor();
     MoeLayer::Output o = moe_->forward(c, ops::contiguous(x.slice(0, b0, b1)), slice.local(),
                                        s ? &s->moe : nullptr, rp, ep_, /*stats=*/true, &slice);
-    auto nonempty = [](const SeqLayout& q) {
-      int64_t k = 0;
-      for (int64_t i = 0; i < q.num_seqs(); ++i) k += q.length(i) > 0;
-      return k;
-    };
-    const double aux_scale = double(nonempty(slice.local())) / double(nonempty(cu));
+    const double aux_scale = double(nonempty_seqs(slice.local())) / double(nonempty_seqs(cu));
     if (s) {
       s->tp_rows = bounds;
       s->tp_aux_scale = aux_scale;
@@ -630,13 +637,13 @@ class DecoderLayer : public Module {
       y = kda_->forward(c, a, *s->cp.slice, train ? &s->kda : nullptr, s->cp.mode);
     } else if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
-      if (tp_) y = tp_allreduce(*tp_, y);
+      y = tp_sum(tp_, y);
     } else {
       DsaCacheView view;
       if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
       DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view, given)
                               : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
-      y = tp_ ? tp_allreduce(*tp_, o.y) : o.y;
+      y = tp_sum(tp_, o.y);
       if (out) {
         if (o.has_indexer_loss) {
           out->indexer_loss = o.indexer_loss;
@@ -695,7 +702,7 @@ class DecoderLayer : public Module {
     profile::Scope ps_att(kda_ ? "kda layer" : "dsa layer");
     Tensor da =
         kda_ ? kda_->backward(c, dy1, s.kda).dx : dsa_->backward(c, dy1, s.dsa, indexer_scale);
-    if (tp_) da = tp_allreduce(*tp_, da);
+    da = tp_sum(tp_, da);
     ps_att.end();
     HLM_PROFILE("mhc + norm");
     Tensor du = in_norm_->backward(c, da, s.in_norm);
@@ -789,7 +796,7 @@ class MtpBlock : public Module {
       out->indexer_loss = o.indexer_loss;
       out->indexer_rows = o.indexer_loss_rows;
     }
-    Tensor m2 = add(m, tp_ ? tp_allreduce(*tp_, o.y) : o.y);
+    Tensor m2 = add(m, tp_sum(tp_, o.y));
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
     Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
     Tensor m3 = add(m2, f);
@@ -806,7 +813,7 @@ class MtpBlock : public Module {
     Tensor db = ffn_->backward(c, dm3, s.ffn, d_aux);
     Tensor dm2 = add(dm3, post_norm_->backward(c, db, s.post_norm));
     Tensor da = dsa_->backward(c, dm2, s.dsa, indexer_scale);
-    if (tp_) da = tp_allreduce(*tp_, da);
+    da = tp_sum(tp_, da);
     Tensor dm = add(dm2, in_norm_->backward(c, da, s.in_norm));
     Tensor dcat = eh_.backward(c, dm, s.eh);
     Tensor de = enorm_->backward(c, ops::contiguous(dcat.slice(1, 0, D)), s.enorm);
@@ -1090,8 +1097,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
                 (has_targets && !in.output_processor),
             "HybridModel::forward: loss normalizers need targets (and no output processor)");
   if (in.aux_sequences > 0) {
-    int64_t nonempty = 0;
-    for (int64_t q = 0; q < seqs.num_seqs(); ++q) nonempty += seqs.length(q) > 0;
+    const int64_t nonempty = nonempty_seqs(seqs);
     HLM_CHECK(nonempty <= in.aux_sequences,
               "HybridModel::forward: aux_sequences {} is below this batch's {} sequences",
               in.aux_sequences, nonempty);

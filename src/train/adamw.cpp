@@ -2,6 +2,7 @@
 #include "train/adamw.h"
 
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "ops/dispatch.h"
@@ -203,6 +204,13 @@ std::vector<double> AdamW::grad_sum_squares_per_param() const {
     out[i] = ps;
   }
   return out;
+}
+
+std::string AdamW::state_param(const std::string& key, const std::string& prefix) {
+  const std::string rest = key.substr(prefix.size());
+  for (const char* k : kStateKinds)
+    if (rest.rfind(k, 0) == 0) return rest.substr(std::strlen(k));
+  return "";
 }
 
 GradNorm AdamW::grad_norm() const {

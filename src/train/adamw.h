@@ -121,6 +121,9 @@ class AdamW {
   safetensors::TensorMap state_dict(const std::string& prefix = "optimizer.") const;
   // The three per-parameter kinds of state_dict's names, in that order.
   static constexpr const char* kStateKinds[] = {"master.", "exp_avg.", "exp_avg_sq."};
+  // The parameter name of a state key "<prefix><kind><name>" ("" for "<prefix>step" and keys of
+  // no kind; no kind is a prefix of another). key must start with prefix.
+  static std::string state_param(const std::string& key, const std::string& prefix);
   // Restore a state written by state_dict(). Entries outside `prefix` are ignored (a checkpoint may
   // hold model weights too). Every parameter needs its three tensors with its shape and master
   // dtype, no tensor under `prefix` may be unknown, and every value must be finite; otherwise

@@ -23,16 +23,6 @@ DType master_dtype(const Param& p) {
   return p.value.dtype() == DType::f64 ? DType::f64 : DType::f32;
 }
 
-// The parameter name of a state tensor's key "<prefix><kind><name>" (AdamW::state_dict; "" for
-// "<prefix>step" and keys of no kind). No kind is a prefix of another ("exp_avg." vs
-// "exp_avg_sq.").
-std::string state_param(const std::string& key, const std::string& prefix) {
-  const std::string rest = key.substr(prefix.size());
-  for (const char* k : AdamW::kStateKinds)
-    if (rest.rfind(k, 0) == 0) return rest.substr(std::strlen(k));
-  return "";
-}
-
 // params without those in `drop`, in order.
 std::vector<std::pair<std::string, Param*>> without(
     const std::vector<std::pair<std::string, Param*>>& params, const std::vector<Param*>& drop) {
@@ -360,7 +350,7 @@ safetensors::TensorMap DataParallel::gather_own_state(const safetensors::TensorM
   for (int64_t i = seg_begin_[0]; i < seg_begin_[1]; ++i) mine.insert(params_[size_t(i)].first);
   safetensors::TensorMap whole;
   for (const auto& [k, t] : local)
-    if (k == prefix + "step" || mine.count(state_param(k, prefix))) whole[k] = t.clone();
+    if (k == prefix + "step" || mine.count(AdamW::state_param(k, prefix))) whole[k] = t.clone();
   for (int r = 1; r < size(); ++r) {
     uint64_t n = 0;
     comm_.recv_bytes(&n, sizeof n, r, kTag);
@@ -399,7 +389,7 @@ safetensors::TensorMap DataParallel::shard_state(const safetensors::TensorMap& w
       experts[key] = t;
       continue;
     }
-    const std::string name = state_param(key, prefix);
+    const std::string name = AdamW::state_param(key, prefix);
     if (expert_names_.count(name)) {
       experts[key] = expert_share(name, t);
       continue;

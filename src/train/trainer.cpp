@@ -894,19 +894,8 @@ Shape Trainer::whole_shape(const std::string& name, const Param& p) const {
 
 const TpParam* Trainer::tp_layout_of(const std::string& key) const {
   if (!tp_) return nullptr;
-  std::string name = key;
   const std::string prefix = "optimizer.";
-  if (name.rfind(prefix, 0) == 0) {
-    name = name.substr(prefix.size());
-    bool kind = false;
-    for (const char* k : AdamW::kStateKinds)
-      if (name.rfind(k, 0) == 0) {
-        name = name.substr(std::strlen(k));
-        kind = true;
-        break;
-      }
-    if (!kind) return nullptr;  // "optimizer.step"
-  }
+  const std::string name = key.rfind(prefix, 0) == 0 ? AdamW::state_param(key, prefix) : key;
   const auto it = tp_split_.find(name);
   return it == tp_split_.end() ? nullptr : it->second;
 }
@@ -1007,7 +996,9 @@ void Trainer::save() {
   safetensors::TensorMap state =
       dp_ ? dp_->gather_state(*opt_, "optimizer.") : opt_->state_dict("optimizer.");
   checkpoint::NamedTensors weights = checkpoint::module_tensors(*model_);
-  if (tp_) {  // every rank sends its parts; the whole tensors on every rank, rank 0 writes
+  // Tensor parallel: group 0 (the ranks of rank 0, which writes) gathers the whole tensors; the
+  // data-parallel shards gave it the whole state above (the others hold none).
+  if (tp_ && opts_.comm->rank() < tp_->size()) {
     state = tp_convert(state, false);
     for (auto& [name, t] : weights)
       if (const TpParam* l = tp_layout_of(name)) t = tp_gather(*tp_, t, *l);
@@ -1157,29 +1148,15 @@ TrainSummary Trainer::run() {
   // A signal reaches the ranks of a job at different moments: they stop at the same step.
   auto pending_signal = [&] {
     if (!opts_.handle_signals) return 0;
-    std::vector<int64_t> sig{InterruptGuard::pending()};
-    if (tp_) {  // the first rank's signal that is set, on every rank
-      Tensor all = Tensor::zeros({int64_t(opts_.comm->size())}, DType::i64);
-      all.data<int64_t>()[opts_.comm->rank()] = sig[0];
-      opts_.comm->allreduce_sum(all);
-      sig[0] = 0;
-      for (int64_t i = 0; i < all.numel(); ++i)
-        if (all.data<int64_t>()[i] != 0) {
-          sig[0] = all.data<int64_t>()[i];
-          break;
-        }
-    } else if (dp_) {
-      std::vector<int64_t> all(size_t(dp_->size()), 0);
-      all[size_t(dp_->rank())] = sig[0];
-      dp_->allreduce(all);
-      sig[0] = 0;
-      for (int64_t v : all)
-        if (v != 0) {
-          sig[0] = v;
-          break;
-        }
-    }
-    return int(sig[0]);
+    const int64_t own = InterruptGuard::pending();
+    if (!opts_.comm || opts_.comm->size() == 1) return int(own);
+    // The first rank's signal that is set, on every rank of the job.
+    Tensor all = Tensor::zeros({int64_t(opts_.comm->size())}, DType::i64);
+    all.data<int64_t>()[opts_.comm->rank()] = own;
+    opts_.comm->allreduce_sum(all);
+    for (int64_t i = 0; i < all.numel(); ++i)
+      if (all.data<int64_t>()[i] != 0) return int(all.data<int64_t>()[i]);
+    return 0;
   };
   for (int64_t s = step_ + 1; s <= end; ++s) {
     // A signal during the previous step (or before the first): stop before this one.

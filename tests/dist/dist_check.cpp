@@ -639,8 +639,8 @@ double check_tp_layer(const std::string& what, hlm::Module& whole, hlm::Module& 
   auto run = [&](bool recompute, TpRun& out, std::vector<Tensor>& g) {
     part.zero_grad();
     const TpRun r = fn(part, hlm::Context{true, recompute});
-    out.y = hlm::tp_allreduce(w, r.y).to(hlm::Device::cpu);
-    out.dx = hlm::tp_allreduce(w, r.dx).to(hlm::Device::cpu);
+    out.y = hlm::dist::allreduce_from(w, r.y).to(hlm::Device::cpu);
+    out.dx = hlm::dist::allreduce_from(w, r.dx).to(hlm::Device::cpu);
     out.loss = r.loss;
     hlm::tp_reduce_grads(w, part, layouts);
     g.clear();
