@@ -252,6 +252,69 @@ Tensor alltoallv_from(Comm& c, const Tensor& t, const std::vector<int64_t>& send
   return unstaged(c.alltoallv(staged(t, c.memory()), send_rows, recv_rows), t.device());
 }
 
+Tensor allgather_rows(Comm& group, const Tensor& part, const std::vector<int64_t>& bounds) {
+  const int n = group.size(), r = group.rank();
+  HLM_CHECK(int(bounds.size()) == n + 1 && bounds.front() == 0,
+            "allgather_rows: row bounds must hold {} offsets from 0, got {}", n + 1, bounds.size());
+  int64_t m = 0;
+  for (int q = 0; q < n; ++q) {
+    HLM_CHECK(bounds[size_t(q)] <= bounds[size_t(q) + 1], "allgather_rows: row bounds must ascend");
+    m = std::max(m, bounds[size_t(q) + 1] - bounds[size_t(q)]);
+  }
+  const int64_t rows = bounds[size_t(r) + 1] - bounds[size_t(r)];
+  HLM_CHECK(part.dim() >= 1 && part.size(0) == rows,
+            "allgather_rows: rank {} holds rows [{}, {}), its part is {}", r, bounds[size_t(r)],
+            bounds[size_t(r) + 1], part.describe());
+  Shape padded = part.shape();
+  padded[0] = m;
+  Tensor block = Tensor::zeros(padded, part.dtype(), part.device());
+  if (rows > 0) {
+    Tensor head = block.slice(0, 0, rows);
+    head.copy_(part);  // (any dtype: the rows may be a MoE selection)
+  }
+  const Tensor all = allgather_from(group, block);  // [n m, ...]
+  Shape whole = part.shape();
+  whole[0] = bounds.back();
+  Tensor out = Tensor::empty(whole, part.dtype(), part.device());
+  for (int q = 0; q < n; ++q) {
+    const int64_t b0 = bounds[size_t(q)], b1 = bounds[size_t(q) + 1];
+    if (b1 == b0) continue;
+    Tensor dst = out.slice(0, b0, b1);
+    dst.copy_(all.slice(0, int64_t(q) * m, int64_t(q) * m + (b1 - b0)));
+  }
+  return out;
+}
+
+Tensor reduce_scatter_rows(Comm& group, const Tensor& whole, const std::vector<int64_t>& bounds) {
+  const int n = group.size(), r = group.rank();
+  HLM_CHECK(int(bounds.size()) == n + 1 && bounds.front() == 0 && whole.dim() >= 1 &&
+                whole.size(0) == bounds.back(),
+            "reduce_scatter_rows: row bounds must hold {} offsets from 0 to the tensor's rows, got "
+            "{} offsets for {}",
+            n + 1, bounds.size(), whole.describe());
+  int64_t m = 0;
+  for (int q = 0; q < n; ++q) {
+    HLM_CHECK(bounds[size_t(q)] <= bounds[size_t(q) + 1],
+              "reduce_scatter_rows: row bounds must ascend");
+    m = std::max(m, bounds[size_t(q) + 1] - bounds[size_t(q)]);
+  }
+  // Rank q's rows as block q of n blocks of m rows (zero padded), then Comm::reduce_scatter_sum:
+  // each block summed over the ranks in rank order by the rank that owns it.
+  const Tensor w = staged(whole, group.memory());
+  Shape padded = w.shape();
+  padded[0] = int64_t(n) * m;
+  Tensor blocks = Tensor::zeros(padded, w.dtype(), group.memory());
+  for (int q = 0; q < n; ++q) {
+    const int64_t b0 = bounds[size_t(q)], b1 = bounds[size_t(q) + 1];
+    if (b1 == b0) continue;
+    Tensor dst = blocks.slice(0, int64_t(q) * m, int64_t(q) * m + (b1 - b0));
+    dst.copy_(w.slice(0, b0, b1));
+  }
+  const Tensor mine = group.reduce_scatter_sum(blocks);  // [m, ...]
+  const int64_t rows = bounds[size_t(r) + 1] - bounds[size_t(r)];
+  return unstaged(mine.slice(0, 0, rows).contiguous(), whole.device());
+}
+
 void Comm::broadcast(Tensor& t, int root) {
   constexpr const char* what = "Comm::broadcast";
   require_on(t, memory(), what);

@@ -98,6 +98,16 @@ Tensor allreduce_from(Comm& c, const Tensor& t);
 Tensor alltoallv_from(Comm& c, const Tensor& t, const std::vector<int64_t>& send_rows,
                       const std::vector<int64_t>& recv_rows);
 
+// Rows split over the ranks: rank r holds rows [bounds[r], bounds[r + 1]) of a [T, ...] tensor
+// (bounds [size() + 1] ascending from 0 to T, the same on every rank; parts may be empty and of
+// different lengths). allgather_rows: the whole [T, ...] on every rank from each rank's part (one
+// all-gather of blocks padded to the longest part), on part's device, in part's dtype (any).
+// reduce_scatter_rows: every rank passes a whole [T, ...] (f32, f64, i32 or i64); each gets its
+// own rows summed over the ranks in rank order (one reduce-scatter of padded blocks), on whole's
+// device.
+Tensor allgather_rows(Comm& group, const Tensor& part, const std::vector<int64_t>& bounds);
+Tensor reduce_scatter_rows(Comm& group, const Tensor& whole, const std::vector<int64_t>& bounds);
+
 // One process: rank 0 of 1.
 std::unique_ptr<Comm> self_comm();
 

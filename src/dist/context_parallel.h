@@ -42,6 +42,7 @@ class CpSlice {
   int64_t begin(int r) const { return bounds_[size_t(r)]; }
   int64_t end(int r) const { return bounds_[size_t(r) + 1]; }
   int64_t tokens(int r) const { return end(r) - begin(r); }
+  const std::vector<int64_t>& bounds() const { return bounds_; }  // [size() + 1]
   // Rank r's first token is not the start of its sequence (r > 0 and a sequence spans b_r).
   bool continues(int r) const { return flags_[size_t(r)] & kContinues; }
   // Rank r's last sequence goes on in rank r + 1 (continues(r + 1)).

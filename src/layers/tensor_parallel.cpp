@@ -168,42 +168,6 @@ void tp_reduce_grads(dist::Comm& group, Module& shard, const std::vector<TpParam
   }
 }
 
-Tensor tp_allgather_rows(dist::Comm& group, const Tensor& part,
-                         const std::vector<int64_t>& bounds) {
-  const int n = group.size(), r = group.rank();
-  HLM_CHECK(int(bounds.size()) == n + 1 && bounds.front() == 0,
-            "tensor parallel: row bounds must hold {} offsets from 0, got {}", n + 1,
-            bounds.size());
-  int64_t m = 0;
-  for (int q = 0; q < n; ++q) {
-    HLM_CHECK(bounds[size_t(q)] <= bounds[size_t(q) + 1],
-              "tensor parallel: row bounds must ascend");
-    m = std::max(m, bounds[size_t(q) + 1] - bounds[size_t(q)]);
-  }
-  const int64_t rows = bounds[size_t(r) + 1] - bounds[size_t(r)];
-  HLM_CHECK(part.dim() >= 1 && part.size(0) == rows,
-            "tensor parallel: rank {} holds rows [{}, {}), its part is {}", r, bounds[size_t(r)],
-            bounds[size_t(r) + 1], part.describe());
-  Shape padded = part.shape();
-  padded[0] = m;
-  Tensor block = Tensor::zeros(padded, part.dtype(), part.device());
-  if (rows > 0) {
-    Tensor head = block.slice(0, 0, rows);
-    head.copy_(part);  // (any dtype: the rows may be a MoE selection)
-  }
-  const Tensor all = dist::allgather_from(group, block);  // [n m, ...]
-  Shape whole = part.shape();
-  whole[0] = bounds.back();
-  Tensor out = Tensor::empty(whole, part.dtype(), part.device());
-  for (int q = 0; q < n; ++q) {
-    const int64_t b0 = bounds[size_t(q)], b1 = bounds[size_t(q) + 1];
-    if (b1 == b0) continue;
-    Tensor dst = out.slice(0, b0, b1);
-    dst.copy_(all.slice(0, int64_t(q) * m, int64_t(q) * m + (b1 - b0)));
-  }
-  return out;
-}
-
 KdaConfig kda_tp_config(const KdaConfig& whole, int n) {
   HLM_CHECK(n >= 1 && whole.num_heads % n == 0,
             "tensor parallel: a KDA layer's {} heads do not split over {} ranks", whole.num_heads,

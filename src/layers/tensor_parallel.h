@@ -73,11 +73,6 @@ void tp_load_shard(Module& whole, Module& shard, const std::vector<TpParam>& lay
 // slice of the whole, an identical one's the whole). Parameters without a gradient are skipped.
 void tp_reduce_grads(dist::Comm& group, Module& shard, const std::vector<TpParam>& layouts);
 
-// Rows [bounds[r], bounds[r + 1]) of a [T, ...] tensor held by rank r (part: its rows), gathered
-// into the whole [T, ...] on every rank, on part's device (one all-gather of blocks padded to the
-// longest part). bounds: [n + 1] ascending offsets from 0 to T, the same on every rank.
-Tensor tp_allgather_rows(dist::Comm& group, const Tensor& part, const std::vector<int64_t>& bounds);
-
 // The KDA layer of rank r's heads: num_heads / n qk heads and num_v_heads / n value heads, the
 // rest as `whole` (the ranks of the low-rank gates are not split). n must divide num_heads (so
 // also num_v_heads, a multiple of it); n >= 1.

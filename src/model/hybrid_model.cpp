@@ -365,7 +365,7 @@ class FeedForward : public Module {
       const int64_t b0 = s.tp_rows[size_t(tp_->rank())], b1 = s.tp_rows[size_t(tp_->rank()) + 1];
       const Tensor dx =
           moe_->backward(c, ops::contiguous(dy.slice(0, b0, b1)), s.moe, d_aux * s.tp_aux_scale);
-      return tp_allgather_rows(*tp_, dx, s.tp_rows);
+      return dist::allgather_rows(*tp_, dx, s.tp_rows);
     }
     if (moe_) return moe_->backward(c, dy, s.moe, d_aux);
     const Tensor dx = mlp_->backward(c, dy, s.mlp);
@@ -403,9 +403,9 @@ class FeedForward : public Module {
     if (out) {
       out->aux_loss = o.aux_loss * aux_scale;
       out->counts = o.counts;
-      out->topk = tp_allgather_rows(*tp_, o.topk_idx, bounds);
+      out->topk = dist::allgather_rows(*tp_, o.topk_idx, bounds);
     }
-    return tp_allgather_rows(*tp_, o.y, bounds);
+    return dist::allgather_rows(*tp_, o.y, bounds);
   }
 
   std::unique_ptr<MoeLayer> moe_;
@@ -641,8 +641,9 @@ class DecoderLayer : public Module {
     } else {
       DsaCacheView view;
       if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
-      DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view, given)
-                              : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given);
+      DsaLayer::Output o =
+          cc ? dsa_->forward_cached(a, cu, view, given)
+             : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, given, s->cp.slice);
       y = tp_sum(tp_, o.y);
       if (out) {
         if (o.has_indexer_loss) {
@@ -1031,9 +1032,9 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     HLM_CHECK(in.cache == nullptr,
               "HybridModel::forward: a forward over a cache does not run context parallel");
     for (size_t l = 0; l < layers_.size(); ++l)
-      HLM_CHECK(!layers_[l]->is_dsa(),
-                "HybridModel::forward: layer {} is a DSA / MLA layer, which does not run context "
-                "parallel yet (KDA layers, MoE and dense MLPs do)",
+      HLM_CHECK(!layers_[l]->is_dsa() || embed_->value.is_cpu(),
+                "HybridModel::forward: layer {} is a DSA layer, which runs context parallel on the "
+                "CPU only so far (KDA layers, MoE and dense MLPs also on CUDA)",
                 l);
     HLM_CHECK(!(mtp_ && has_targets),
               "HybridModel::forward: the MTP block (a DSA layer) does not run context parallel "

@@ -140,8 +140,11 @@ struct ModelInputs {
   // slice's own layout (cp->local()). The KDA layers pass what crosses a slice boundary on
   // (cp_mode), the MoE aux loss takes the whole sequences' counts; every loss and gradient is
   // this slice's share (with the global batch's normalizers above, they sum over the ranks to the
-  // whole batch's). Not over a cache; DSA layers and the MTP block do not run context parallel
-  // yet (refused).
+  // whole batch's). The DSA layers gather the latent rows and indexer keys over the group and
+  // attend from this slice's queries (CPU only so far); their indexer losses are this slice's
+  // rows' means (ModelOutput::indexer_rows: the caller rescales each by the slice's share of the
+  // rows, as the trainer does under data parallelism). Not over a cache; the MTP block does not
+  // run context parallel yet (refused).
   const dist::CpSlice* cp = nullptr;
   KdaCpMode cp_mode = KdaCpMode::chunkwise;
 };

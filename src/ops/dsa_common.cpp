@@ -15,6 +15,48 @@ const std::vector<int64_t>& seq_offsets(const SeqLayout& seqs, int64_t T, const 
   return seqs.offsets();
 }
 
+QueryWindow whole_window(const std::vector<int64_t>& cu) {
+  QueryWindow w;
+  w.cu = cu;
+  w.q0 = 0;
+  w.T = cu.back();
+  w.qcu.push_back(0);
+  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+    if (cu[d + 1] == cu[d]) continue;
+    w.doc.push_back(int64_t(d));
+    w.qcu.push_back(cu[d + 1]);
+  }
+  return w;
+}
+
+QueryWindow window_of(const SeqLayout& seqs, int64_t T, const std::optional<int64_t>& q0,
+                      const char* op) {
+  if (!q0) return whole_window(seq_offsets(seqs, T, op));
+  const std::vector<int64_t>& cu = seqs.offsets();
+  HLM_CHECK(*q0 >= 0 && T >= 0 && *q0 + T <= cu.back(),
+            "{}: query rows [{}, {}) are not inside the sequence layout's {} tokens", op, *q0,
+            *q0 + T, cu.back());
+  QueryWindow w;
+  w.cu = cu;
+  w.q0 = *q0;
+  w.T = T;
+  w.qcu.push_back(0);
+  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t lo = std::max(cu[d], w.q0), hi = std::min(cu[d + 1], w.q0 + T);
+    if (hi <= lo) continue;
+    w.doc.push_back(int64_t(d));
+    w.qcu.push_back(hi - w.q0);
+  }
+  return w;
+}
+
+void require_whole_on_cuda(const QueryWindow& w, Device dev, const char* op) {
+  HLM_CHECK(dev == Device::cpu || (w.q0 == 0 && w.T == w.cu.back()),
+            "{}: query rows [{}, {}) of a batch of {} tokens (context parallelism) run on the CPU "
+            "only; the CUDA kernels take the whole batch's queries",
+            op, w.q0, w.q0 + w.T, w.cu.back());
+}
+
 std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool) {
   std::vector<int64_t> cp(cu.size(), 0);
   for (size_t i = 1; i < cu.size(); ++i) cp[i] = cp[i - 1] + (cu[i] - cu[i - 1]) / pool;
@@ -59,30 +101,28 @@ void build_inverse(Pattern& p) {
       p.key_entry[size_t(at[size_t(c * NK + p.key[size_t(e)])]++)] = e;
 }
 
-Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) {
+Pattern causal_pattern(const QueryWindow& w, int64_t pool, int64_t W) {
   Pattern p;
-  p.T = cu.back();
+  p.T = w.T;
   p.W = W;
-  const std::vector<int64_t> cp = pool_offsets(cu, pool);
+  const std::vector<int64_t> cp = pool_offsets(w.cu, pool);
   p.nkeys = cp.back();
   p.row_ptr.assign(size_t(p.T + 1), 0);
-  for (size_t d = 0; d + 1 < cu.size(); ++d)
-    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
-      const int64_t n = (t - cu[d] + 1) / pool;
-      p.row_ptr[size_t(t + 1)] = n;
-    }
+  for (size_t m = 0; m < w.docs(); ++m)
+    for (int64_t t = w.qcu[m]; t < w.qcu[m + 1]; ++t)
+      p.row_ptr[size_t(t + 1)] = (w.pos(m, t) + 1) / pool;
   for (int64_t t = 0; t < p.T; ++t) p.row_ptr[size_t(t + 1)] += p.row_ptr[size_t(t)];
   const int64_t E = p.row_ptr.back();
   p.slot.resize(size_t(E));
   p.key.resize(size_t(E));
   p.query.resize(size_t(E));
-  for (size_t d = 0; d + 1 < cu.size(); ++d)
-    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
+  for (size_t m = 0; m < w.docs(); ++m)
+    for (int64_t t = w.qcu[m]; t < w.qcu[m + 1]; ++t) {
       int64_t e = p.row_ptr[size_t(t)];
       const int64_t n = p.row_ptr[size_t(t + 1)] - e;
       for (int64_t j = 0; j < n; ++j, ++e) {
         p.slot[size_t(e)] = int32_t(j);
-        p.key[size_t(e)] = cp[d] + j;
+        p.key[size_t(e)] = cp[size_t(w.doc[m])] + j;
         p.query[size_t(e)] = t;
       }
     }
@@ -90,14 +130,14 @@ Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) 
   return p;
 }
 
-Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
-                     const char* op, const char* what, bool with_inverse) {
+Pattern rows_pattern(const Tensor& rows, const QueryWindow& w, int64_t pool, const char* op,
+                     const char* what, bool with_inverse) {
   detail::require_int(rows, op, what);
-  const int64_t T = cu.back();
+  const int64_t T = w.T;
   HLM_CHECK(rows.dim() == 2 && rows.size(0) == T, "{}: {} must be [T = {}, W], got {}", op, what, T,
             rows.describe());
   const std::vector<int64_t> v = detail::index_values(rows);
-  const std::vector<int64_t> cp = pool_offsets(cu, pool);
+  const std::vector<int64_t> cp = pool_offsets(w.cu, pool);
   Pattern p;
   p.T = T;
   p.W = rows.size(1);
@@ -108,10 +148,10 @@ Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t
   // error thrown is that of the first bad row, as a sequential scan would find it.
   const size_t nrows = static_cast<size_t>(T);
   std::vector<int64_t> lo(nrows), hi(nrows), count(nrows, 0), bad_j(nrows, -1), dup(nrows, -1);
-  for (size_t d = 0; d + 1 < cu.size(); ++d)
-    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
-      lo[size_t(t)] = cp[d];
-      hi[size_t(t)] = cp[d] + (t - cu[d] + 1) / pool;
+  for (size_t m = 0; m < w.docs(); ++m)
+    for (int64_t t = w.qcu[m]; t < w.qcu[m + 1]; ++t) {
+      lo[size_t(t)] = cp[size_t(w.doc[m])];
+      hi[size_t(t)] = lo[size_t(t)] + (w.pos(m, t) + 1) / pool;
     }
 #pragma omp parallel for schedule(dynamic, 64)
   for (int64_t t = 0; t < T; ++t) {
@@ -145,7 +185,7 @@ Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t
               "{}: {}[{}, {}] = {} is not a causal {} of query {}'s document (expected -1 or "
               "a value in [{}, {}))",
               op, what, t, j, v[size_t(t * W + std::max<int64_t>(j, 0))],
-              pool == 1 ? "token" : "pool", t, lo[size_t(t)], hi[size_t(t)]);
+              pool == 1 ? "token" : "pool", w.q0 + t, lo[size_t(t)], hi[size_t(t)]);
     HLM_CHECK(dup[size_t(t)] < 0, "{}: {} row {} holds index {} more than once", op, what, t,
               dup[size_t(t)]);
   }

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/seq_layout.h"
@@ -54,6 +55,31 @@ void best_indices(const F* row, int64_t n, int64_t k, std::vector<int32_t>& cand
 // The offsets [N+1] of a layout, after checking that it covers the op's T tokens.
 const std::vector<int64_t>& seq_offsets(const SeqLayout& seqs, int64_t T, const char* op);
 
+// The queries an op computes: global tokens [q0, q0 + T) of the packed batch cu, as local rows
+// 0 .. T-1, while the keys are the whole batch's (context parallelism gives each rank such a
+// window; docs/parallel.md). The whole batch is the window q0 = 0, T = cu.back(). Every DSA op
+// walks its queries document by document through a window: local row t of window document m
+// (rows [qcu[m], qcu[m+1])) is a query of document doc[m] at document-relative position pos(m, t).
+struct QueryWindow {
+  std::vector<int64_t> cu;   // [N+1] the whole batch's offsets
+  int64_t q0 = 0, T = 0;     // the global id of local row 0, the number of rows
+  std::vector<int64_t> doc;  // [M] the documents that hold rows of the window, in order
+  std::vector<int64_t> qcu;  // [M+1] local row offsets of each (qcu[0] = 0, qcu[M] = T)
+  size_t docs() const { return doc.size(); }
+  int64_t first(size_t m) const { return cu[size_t(doc[m])]; }  // the document's first token
+  int64_t pos(size_t m, int64_t t) const { return q0 + t - first(m); }
+};
+// The window of the whole batch.
+QueryWindow whole_window(const std::vector<int64_t>& cu);
+// The window of an op's T query rows: with q0, rows [*q0, *q0 + T) of seqs (0 <= *q0 and *q0 + T
+// <= the layout's tokens, else throws naming op); without, the whole batch (seqs must cover T
+// tokens, as seq_offsets checks).
+QueryWindow window_of(const SeqLayout& seqs, int64_t T, const std::optional<int64_t>& q0,
+                      const char* op);
+// The CUDA kernels derive each query's keys from the whole batch's per-token layout: a window
+// other than the whole batch on a CUDA tensor throws, naming op.
+void require_whole_on_cuda(const QueryWindow& w, Device dev, const char* op);
+
 // Start of each document's pools in the global pool numbering: doc i has floor(L_i / P) complete
 // pools, numbered cu_pools[i] .. cu_pools[i+1]-1. (P = 1 gives the sequence offsets.)
 std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool);
@@ -75,15 +101,23 @@ struct Pattern {
 // Dense causal pattern: query t (document-relative position r) visits keys of its own document
 // whose last token is visible: with P = 1 the tokens s <= t (slot r' = s - doc start), with P > 1
 // the complete pools p < floor((r + 1) / P) (slot p, key row cu_pools[doc] + p). W must be at least
-// max_keys_per_doc.
-Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W);
+// max_keys_per_doc. Over a window: its rows, keys of the whole batch.
+Pattern causal_pattern(const QueryWindow& w, int64_t pool, int64_t W);
+inline Pattern causal_pattern(const std::vector<int64_t>& cu, int64_t pool, int64_t W) {
+  return causal_pattern(whole_window(cu), pool, W);
+}
 
 // Pattern of explicit key rows [T, W] (i32 or i64; -1 = empty slot, skipped). Every other entry
 // must be a causal key of the query's own document (as in causal_pattern) and appear at most once
 // in its row; anything else throws, naming `what`. The inverse map is built only with_inverse
-// (backward passes); forward passes leave key_ptr / key_entry empty.
-Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
-                     const char* op, const char* what, bool with_inverse = true);
+// (backward passes); forward passes leave key_ptr / key_entry empty. Over a window: rows [w.T, W]
+// of its queries, key rows of the whole batch.
+Pattern rows_pattern(const Tensor& rows, const QueryWindow& w, int64_t pool, const char* op,
+                     const char* what, bool with_inverse = true);
+inline Pattern rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
+                            const char* op, const char* what, bool with_inverse = true) {
+  return rows_pattern(rows, whole_window(cu), pool, op, what, with_inverse);
+}
 
 // Checks a host-built pattern over nkeys key rows (the forward over an inference cache): row_ptr
 // has T + 1 ascending entries ending at the entry count, every slot is in [0, W), every key row in

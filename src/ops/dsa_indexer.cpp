@@ -22,22 +22,26 @@ namespace {
 using dsa_detail::Pattern;
 
 struct ScoreArgs {
-  Tensor q, k, w;  // contiguous
-  std::vector<int64_t> cu;
+  Tensor q, k, w;               // contiguous
+  dsa_detail::QueryWindow win;  // the queries' rows of the batch
+  std::vector<int64_t> cu;      // the whole batch's offsets (win.cu)
   int64_t T = 0, H = 0, D = 0;
   double scale = 0;  // resolved (d_I^-1/2 for opt.scale == 0)
   Device dev = Device::cpu;
 };
 
 ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, const Tensor& rows,
-                           const SeqLayout& seqs, const IndexerScoreOptions& opt, const char* op) {
+                           const SeqLayout& seqs, const IndexerScoreOptions& opt, const char* op,
+                           const std::optional<int64_t>& q0) {
   detail::require_float_dev(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H_I, d_I], got {}", op, q.describe());
   HLM_CHECK(opt.pool >= 1, "{}: pool must be >= 1, got {}", op, opt.pool);
   ScoreArgs a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
   a.dev = detail::one_device(op, {q, "q"}, {{rows, "rows"}});
-  a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
+  a.win = dsa_detail::window_of(seqs, a.T, q0, op);
+  dsa_detail::require_whole_on_cuda(a.win, a.dev, op);
+  a.cu = a.win.cu;
   const int64_t nkeys = dsa_detail::pool_offsets(a.cu, opt.pool).back();
   detail::require_like(k, q, {nkeys, a.D}, op,
                        opt.pool == 1 ? "k (token keys [T, d_I])" : "k (pooled keys [NP, d_I])",
@@ -68,7 +72,7 @@ RowsPattern rows_pattern_of(const ScoreArgs& a, const Tensor& rows, int64_t pool
                             bool with_inverse) {
   RowsPattern p;
   if (a.dev == Device::cpu) {
-    p.host = dsa_detail::rows_pattern(rows, a.cu, pool, op, "rows", with_inverse);
+    p.host = dsa_detail::rows_pattern(rows, a.win, pool, op, "rows", with_inverse);
   } else {
     HLM_CUDA_PATH(op,
                   p.dev = cuda::device_rows_pattern(rows, a.cu, pool, op, "rows", with_inverse));
@@ -86,15 +90,15 @@ IndexerScoreGrads new_grads(const ScoreArgs& a) {
 }  // namespace
 
 Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
-                      const IndexerScoreOptions& opt, int64_t W) {
+                      const IndexerScoreOptions& opt, int64_t W, std::optional<int64_t> q0) {
   const char* op = "indexer_scores";
-  const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op, q0);
   const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the most keys of a document), got {}",
             op, need, W);
   Tensor out = new_scores(a, W == 0 ? need : W);
   if (a.dev == Device::cpu) {
-    const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, out.size(1));
+    const Pattern p = dsa_detail::causal_pattern(a.win, opt.pool, out.size(1));
     cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
   } else {
     HLM_CUDA_PATH(op, cuda::indexer_scores_dense(a.q, a.k, a.w, a.cu, opt, a.scale, out, op));
@@ -103,9 +107,10 @@ Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const S
 }
 
 Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
-                         const Tensor& rows, const IndexerScoreOptions& opt) {
+                         const Tensor& rows, const IndexerScoreOptions& opt,
+                         std::optional<int64_t> q0) {
   const char* op = "indexer_scores_at";
-  const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op, q0);
   const RowsPattern p = rows_pattern_of(a, rows, opt.pool, op, false);
   Tensor out = new_scores(a, p.W);
   if (a.dev == Device::cpu) {
@@ -251,9 +256,10 @@ Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, cons
 
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                           const SeqLayout& seqs, const Tensor& d_scores_,
-                                          const IndexerScoreOptions& opt) {
+                                          const IndexerScoreOptions& opt,
+                                          std::optional<int64_t> q0) {
   const char* op = "indexer_scores_backward";
-  const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, Tensor(), seqs, opt, op, q0);
   HLM_CHECK(d_scores_.defined() && d_scores_.dim() == 2, "{}: d_scores must be [T, W], got {}", op,
             d_scores_.describe());
   const int64_t need = dsa_detail::max_keys_per_doc(a.cu, opt.pool);
@@ -263,7 +269,7 @@ IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, cons
   const Tensor d_scores = d_scores_.contiguous();
   IndexerScoreGrads g = new_grads(a);
   if (a.dev == Device::cpu) {
-    const Pattern p = dsa_detail::causal_pattern(a.cu, opt.pool, d_scores.size(1));
+    const Pattern p = dsa_detail::causal_pattern(a.win, opt.pool, d_scores.size(1));
     cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
   } else {
     HLM_CUDA_PATH(op, cuda::indexer_scores_dense_backward(a.q, a.k, a.w, a.cu, opt, a.scale,
@@ -275,9 +281,10 @@ IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, cons
 IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                              const SeqLayout& seqs, const Tensor& rows,
                                              const Tensor& d_scores_,
-                                             const IndexerScoreOptions& opt) {
+                                             const IndexerScoreOptions& opt,
+                                             std::optional<int64_t> q0) {
   const char* op = "indexer_scores_at_backward";
-  const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op);
+  const ScoreArgs a = check_score_args(q, k, w, rows, seqs, opt, op, q0);
   const RowsPattern p = rows_pattern_of(a, rows, opt.pool, op, true);
   detail::require_compute_like(d_scores_, a.q, {a.T, p.W}, op, "d_scores", "q");
   const Tensor d_scores = d_scores_.contiguous();
@@ -291,22 +298,27 @@ IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, c
   return g;
 }
 
-Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int64_t pool) {
+Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int64_t pool,
+                   std::optional<int64_t> q0) {
   const char* op = "topk_select";
   detail::require_real(scores_, op, "scores");
   HLM_CHECK(scores_.dim() == 2, "{}: scores must be [T, W], got {}", op, scores_.describe());
   HLM_CHECK(k >= 1, "{}: k must be >= 1, got {}", op, k);
   HLM_CHECK(pool >= 1, "{}: pool must be >= 1, got {}", op, pool);
   const int64_t T = scores_.size(0);
-  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, op);
-  const int64_t need = dsa_detail::max_keys_per_doc(cu, pool);
+  const dsa_detail::QueryWindow win = dsa_detail::window_of(seqs, T, q0, op);
+  dsa_detail::require_whole_on_cuda(win, scores_.device(), op);
+  const int64_t need = dsa_detail::max_keys_per_doc(win.cu, pool);
   HLM_CHECK(scores_.size(1) >= need,
             "{}: scores must have W >= {} columns (the most {} of a "
             "document), got {}",
             op, need, pool == 1 ? "tokens" : "pools", scores_.describe());
   const Tensor scores = scores_.contiguous();
   Tensor out = detail::new_output({T, k}, DType::i32, scores.device());
-  HLM_DISPATCH(op, scores.device(), topk_select, scores, cu, k, pool, out);
+  if (scores.is_cpu())
+    cpu::topk_select(scores, win, k, pool, out);
+  else
+    HLM_CUDA_PATH(op, cuda::topk_select(scores, win.cu, k, pool, out));
   return out;
 }
 

@@ -28,6 +28,8 @@
 // tensors in the input dtype.
 #pragma once
 
+#include <optional>
+
 #include "core/seq_layout.h"
 #include "core/tensor.h"
 #include "ops/dsa_sparse_attention.h"
@@ -59,14 +61,22 @@ struct IndexerScoreOptions {
   double fp8_amax_floor = 1e-4;
 };
 
+// Query windows (context parallelism, docs/parallel.md): every op below that takes seqs also takes
+// an optional q0. With it, q (w, the scores, their rows and gradients) holds the queries of global
+// tokens [q0, q0 + T) of the packed batch seqs, and k its keys (all of them: [T_total or NP, d_I]);
+// the result is those rows of the whole batch's. CPU only so far (a CUDA tensor with q0 is
+// refused).
+
 // q [T, H_I, d_I], k [T or NP, d_I], w [T, H_I] (dtypes above) -> scores [T, W] dense layout.
 // W = 0 picks the minimum width (max keys per document).
 Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
-                      const IndexerScoreOptions& opt = {}, int64_t W = 0);
+                      const IndexerScoreOptions& opt = {}, int64_t W = 0,
+                      std::optional<int64_t> q0 = {});
 
 // Scores at explicit key rows [T, W] (each a visible key of the query's document, no duplicates).
 Tensor indexer_scores_at(const Tensor& q, const Tensor& k, const Tensor& w, const SeqLayout& seqs,
-                         const Tensor& rows, const IndexerScoreOptions& opt = {});
+                         const Tensor& rows, const IndexerScoreOptions& opt = {},
+                         std::optional<int64_t> q0 = {});
 
 struct IndexerScoreGrads {
   Tensor dq;  // [T, H_I, d_I]
@@ -76,11 +86,13 @@ struct IndexerScoreGrads {
 // d_scores in the dense layout [T, W] of indexer_scores.
 IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                           const SeqLayout& seqs, const Tensor& d_scores,
-                                          const IndexerScoreOptions& opt = {});
+                                          const IndexerScoreOptions& opt = {},
+                                          std::optional<int64_t> q0 = {});
 IndexerScoreGrads indexer_scores_at_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                              const SeqLayout& seqs, const Tensor& rows,
                                              const Tensor& d_scores,
-                                             const IndexerScoreOptions& opt = {});
+                                             const IndexerScoreOptions& opt = {},
+                                             std::optional<int64_t> q0 = {});
 
 // The forward over an inference cache (layers/dsa/dsa_cached.cpp) scores storage rows of the
 // cache, not a packed batch's keys: p (built on the host) lists each query's key rows of k in slot
@@ -117,6 +129,7 @@ Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, cons
 // min(k, n_t) best are selected by (higher score first, then lower index; NaN ranks below every
 // number), so when n_t <= k all candidates are selected whatever the scores. The row is written in
 // increasing index order followed by -1 padding: i32 [T, k] of global token (or pool) ids.
-Tensor topk_select(const Tensor& scores, const SeqLayout& seqs, int64_t k, int64_t pool = 1);
+Tensor topk_select(const Tensor& scores, const SeqLayout& seqs, int64_t k, int64_t pool = 1,
+                   std::optional<int64_t> q0 = {});
 
 }  // namespace hlm::ops

@@ -21,16 +21,19 @@ namespace {
 
 // q, kv: f32 / f64 (CUDA: also bf16, contiguous), one dtype; the target is in the computation
 // dtype (f32 for bf16).
-std::vector<int64_t> check_target(const Tensor& q, const Tensor& kv, const Tensor& indices,
-                                  const SeqLayout& seqs, double scale, const char* op) {
+dsa_detail::QueryWindow check_target(const Tensor& q, const Tensor& kv, const Tensor& indices,
+                                     const SeqLayout& seqs, double scale, const char* op,
+                                     const std::optional<int64_t>& q0) {
   detail::require_float_dev(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
-  detail::require_like(kv, q, {q.size(0), q.size(2)}, op, "kv (the latent cache rows [T, D_qk])",
-                       "q");
+  detail::require_like(kv, q, {q0 ? seqs.total_tokens() : q.size(0), q.size(2)}, op,
+                       "kv (the latent cache rows [T, D_qk])", "q");
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
-  detail::one_device(op, {q, "q"}, {{indices, "indices"}});
-  return dsa_detail::seq_offsets(seqs, q.size(0), op);
+  const Device dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
+  dsa_detail::QueryWindow w = dsa_detail::window_of(seqs, q.size(0), q0, op);
+  dsa_detail::require_whole_on_cuda(w, dev, op);
+  return w;
 }
 
 // The CPU target over a host pattern.
@@ -43,14 +46,15 @@ Tensor run_target(const Tensor& q, const Tensor& kv, const dsa_detail::Pattern& 
 }  // namespace
 
 Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
-                        int64_t W) {
+                        int64_t W, std::optional<int64_t> q0) {
   const char* op = "attention_target";
-  const std::vector<int64_t> cu = check_target(q, kv, Tensor(), seqs, scale, op);
+  const dsa_detail::QueryWindow win = check_target(q, kv, Tensor(), seqs, scale, op, q0);
+  const std::vector<int64_t>& cu = win.cu;
   const int64_t need = dsa_detail::max_keys_per_doc(cu, 1);
   HLM_CHECK(W == 0 || W >= need, "{}: W must be 0 or >= {} (the longest document), got {}", op,
             need, W);
   if (q.is_cpu())
-    return run_target(q, kv, dsa_detail::causal_pattern(cu, 1, W == 0 ? need : W), scale);
+    return run_target(q, kv, dsa_detail::causal_pattern(win, 1, W == 0 ? need : W), scale);
   // CUDA: no host pattern (O(T^2) at long documents); the kernels read the per-token layout.
   Tensor out = detail::new_output({q.size(0), W == 0 ? need : W}, detail::compute_dtype(q.dtype()),
                                   q.device());
@@ -59,9 +63,11 @@ Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs
 }
 
 Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
-                           const Tensor& indices, double scale, const Tensor& lse) {
+                           const Tensor& indices, double scale, const Tensor& lse,
+                           std::optional<int64_t> q0) {
   const char* op = "attention_target_at";
-  const std::vector<int64_t> cu = check_target(q, kv, indices, seqs, scale, op);
+  const dsa_detail::QueryWindow win = check_target(q, kv, indices, seqs, scale, op, q0);
+  const std::vector<int64_t>& cu = win.cu;
   if (lse.defined()) {
     detail::require_float_dev(lse, op, "lse");
     detail::require_same_device(lse, q, op, "lse", "q");
@@ -71,7 +77,8 @@ Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& s
               dtype_name(detail::compute_dtype(q.dtype())), lse.describe());
   }
   if (q.is_cpu())
-    return run_target(q, kv, dsa_detail::rows_pattern(indices, cu, 1, op, "indices", false), scale);
+    return run_target(q, kv, dsa_detail::rows_pattern(indices, win, 1, op, "indices", false),
+                      scale);
   // CUDA: the selection's pattern built and checked on the device.
   Tensor out;
   HLM_CUDA_PATH(op, {

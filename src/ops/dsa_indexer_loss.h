@@ -22,6 +22,8 @@
 // summed in f64 in row order (deterministic).
 #pragma once
 
+#include <optional>
+
 #include "core/seq_layout.h"
 #include "core/tensor.h"
 
@@ -31,15 +33,18 @@ constexpr double kIndexerKlEps = 1e-10;
 
 // q [T, H, D_qk], kv [T, D_qk] (one dtype: f32 or f64; on CUDA also bf16, contiguous) -> p* [T, W]
 // in the computation dtype (f32 for bf16) in the dense causal layout (0 outside the causal set).
+// q0: a query window (context parallelism, CPU only so far): q holds the queries of global tokens
+// [q0, q0 + T) of seqs, kv all its tokens; likewise for attention_target_at.
 Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
-                        int64_t W = 0);
+                        int64_t W = 0, std::optional<int64_t> q0 = {});
 // p* over explicit selections: indices [T, W] (global tokens, -1 empty) -> [T, W] (0 at -1).
 // lse (optional): [T, H] in the computation dtype, the log-sum-exp of each query and head over the
 // same set, as sparse_attention returns it for the same q, kv, indices and scale. CUDA then skips
 // its own pass over the keys for it (half the work); the CPU computes it either way (the two agree
 // to rounding).
 Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
-                           const Tensor& indices, double scale, const Tensor& lse = {});
+                           const Tensor& indices, double scale, const Tensor& lse = {},
+                           std::optional<int64_t> q0 = {});
 
 enum class KlReduction { mean, sum };
 

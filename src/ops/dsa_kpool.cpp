@@ -83,32 +83,38 @@ KPoolCompressGrads kpool_compress_backward(const Tensor& k_, const Tensor& gate_
 }
 
 KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, int64_t K, int64_t P,
-                            bool always_select_tail) {
+                            bool always_select_tail, std::optional<int64_t> q0) {
   const char* op = "kpool_select";
   check_kp(K, P, op);
   detail::require_real(pool_scores, op, "pool_scores");
   HLM_CHECK(pool_scores.dim() == 2, "{}: pool_scores must be [T, W], got {}", op,
             pool_scores.describe());
   const int64_t T = pool_scores.size(0);
-  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, op);
+  const dsa_detail::QueryWindow win = dsa_detail::window_of(seqs, T, q0, op);
+  dsa_detail::require_whole_on_cuda(win, pool_scores.device(), op);
   KPoolSelection sel;
-  sel.pools = topk_select(pool_scores, seqs, K / P, P);
+  sel.pools = topk_select(pool_scores, seqs, K / P, P, q0);
   sel.indices =
       detail::new_output({T, K + (always_select_tail ? P - 1 : 0)}, DType::i32, sel.pools.device());
-  HLM_DISPATCH(op, sel.pools.device(), kpool_select_indices, sel.pools, cu, K, P,
-               always_select_tail, sel.indices);
+  if (sel.pools.is_cpu())
+    cpu::kpool_select_indices(sel.pools, win, K, P, always_select_tail, sel.indices);
+  else
+    HLM_CUDA_PATH(
+        op, cuda::kpool_select_indices(sel.pools, win.cu, K, P, always_select_tail, sel.indices));
   return sel;
 }
 
 Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs, int64_t P,
-                               int64_t Wp) {
+                               int64_t Wp, std::optional<int64_t> q0) {
   const char* op = "kpool_pool_target_dense";
   HLM_CHECK(P >= 1, "{}: the pool size P must be >= 1, got {}", op, P);
   detail::require_real(token_target, op, "token_target");
   HLM_CHECK(token_target.dim() == 2, "{}: token_target must be [T, W], got {}", op,
             token_target.describe());
   const int64_t T = token_target.size(0);
-  const std::vector<int64_t> cu = dsa_detail::seq_offsets(seqs, T, op);
+  const dsa_detail::QueryWindow win = dsa_detail::window_of(seqs, T, q0, op);
+  dsa_detail::require_whole_on_cuda(win, token_target.device(), op);
+  const std::vector<int64_t>& cu = win.cu;
   const int64_t need_t = dsa_detail::max_keys_per_doc(cu, 1);
   const int64_t need_p = dsa_detail::max_keys_per_doc(cu, P);
   HLM_CHECK(token_target.size(1) >= need_t, "{}: token_target needs W >= {} columns, got {}", op,
@@ -116,7 +122,10 @@ Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs
   HLM_CHECK(Wp == 0 || Wp >= need_p, "{}: Wp must be 0 or >= {}, got {}", op, need_p, Wp);
   const Tensor tt = token_target.contiguous();
   Tensor out = detail::new_output({T, Wp == 0 ? need_p : Wp}, tt.dtype(), tt.device());
-  HLM_DISPATCH(op, tt.device(), kpool_pool_target_dense, tt, cu, P, out);
+  if (tt.is_cpu())
+    cpu::kpool_pool_target_dense(tt, win, P, out);
+  else
+    HLM_CUDA_PATH(op, cuda::kpool_pool_target_dense(tt, cu, P, out));
   return out;
 }
 

@@ -24,6 +24,7 @@
 // a candidate of query t (document-relative position r) iff p < floor((r + 1) / P).
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "core/seq_layout.h"
@@ -59,8 +60,9 @@ struct KPoolSelection {
 // min(K / P, candidate pools) per query by (higher score, then lower pool id; NaN last).
 // K % P != 0, P < 1 or K < 1 throw. With the tail, when the document prefix r + 1 <= K every causal
 // token is selected (dense attention).
+// q0: the rows [q0, q0 + T) of a query window (dsa_indexer.h; CPU only).
 KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, int64_t K, int64_t P,
-                            bool always_select_tail = true);
+                            bool always_select_tail = true, std::optional<int64_t> q0 = {});
 
 // Pool-level indexer-loss targets (our own design, no public source trains KPool; docs/dsa.md,
 // "Pool-level KL for KPool: our design"). Input: the token-level
@@ -71,7 +73,7 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, in
 // Dense warm-up: token_target [T, Wt] in the dense token layout -> [T, Wp] dense pool layout
 // (Wp = 0: max pools per document).
 Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs, int64_t P,
-                               int64_t Wp = 0);
+                               int64_t Wp = 0, std::optional<int64_t> q0 = {});
 // Sparse stage: token_target [T, K + P - 1 or K] in the layout of KPoolSelection::indices
 // -> [T, K / P] aligned with KPoolSelection::pools (0 where the pool id is -1).
 Tensor kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools, int64_t P);

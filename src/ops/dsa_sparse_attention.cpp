@@ -21,24 +21,28 @@ namespace hlm::ops {
 namespace {
 
 struct AttnDims {
-  std::vector<int64_t> cu;
+  dsa_detail::QueryWindow win;  // the queries' rows of the batch
+  std::vector<int64_t> cu;      // the whole batch's offsets (win.cu)
   int64_t T = 0, H = 0, D = 0;
   Device dev = Device::cpu;
 };
 
 // The arguments both attentions share (indices: undefined for causal_attention).
 AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices, const SeqLayout& seqs,
-                    int64_t d_v, double scale, const char* op) {
+                    int64_t d_v, double scale, const char* op, const std::optional<int64_t>& q0) {
   detail::require_float_dev(q, op, "q");
   HLM_CHECK(q.dim() == 3, "{}: q must be [T, H, D_qk], got {}", op, q.describe());
   AttnDims a;
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
-  detail::require_like(kv, q, {a.T, a.D}, op, "kv (the latent cache rows [T, D_qk])", "q");
+  const int64_t keys = q0 ? seqs.total_tokens() : a.T;
+  detail::require_like(kv, q, {keys, a.D}, op, "kv (the latent cache rows [T, D_qk])", "q");
   HLM_CHECK(d_v >= 1 && d_v <= a.D, "{}: d_v must be in [1, D_qk = {}], got {}", op, a.D, d_v);
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
   a.dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
-  a.cu = dsa_detail::seq_offsets(seqs, a.T, op);
+  a.win = dsa_detail::window_of(seqs, a.T, q0, op);
+  dsa_detail::require_whole_on_cuda(a.win, a.dev, op);
+  a.cu = a.win.cu;
   return a;
 }
 
@@ -70,7 +74,7 @@ Selection selection_of(const AttnDims& a, const Tensor& indices, const char* op,
                        bool with_inverse) {
   Selection s;
   if (a.dev == Device::cpu) {
-    s.host = dsa_detail::rows_pattern(indices, a.cu, 1, op, "indices", with_inverse);
+    s.host = dsa_detail::rows_pattern(indices, a.win, 1, op, "indices", with_inverse);
   } else {
     HLM_CUDA_PATH(op,
                   s.dev = cuda::device_rows_pattern(indices, a.cu, 1, op, "indices", with_inverse));
@@ -80,15 +84,16 @@ Selection selection_of(const AttnDims& a, const Tensor& indices, const char* op,
 
 // The CPU's dense causal set: every causal token of the query's document, ascending.
 dsa_detail::Pattern causal_of(const AttnDims& a) {
-  return dsa_detail::causal_pattern(a.cu, 1, dsa_detail::max_keys_per_doc(a.cu, 1));
+  return dsa_detail::causal_pattern(a.win, 1, dsa_detail::max_keys_per_doc(a.cu, 1));
 }
 
 }  // namespace
 
 SparseAttentionOut sparse_attention(const Tensor& q_, const Tensor& kv_, const Tensor& indices,
-                                    const SeqLayout& seqs, int64_t d_v, double scale) {
+                                    const SeqLayout& seqs, int64_t d_v, double scale,
+                                    std::optional<int64_t> q0) {
   const char* op = "sparse_attention";
-  const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
+  const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op, q0);
   const Selection p = selection_of(a, indices, op, false);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   SparseAttentionOut r = new_forward_outputs(a, q, d_v);
@@ -223,9 +228,10 @@ CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, co
 SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& kv_,
                                                const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out_,
-                                               const Tensor& lse_, const Tensor& d_out_) {
+                                               const Tensor& lse_, const Tensor& d_out_,
+                                               std::optional<int64_t> q0) {
   const char* op = "sparse_attention_backward";
-  const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op);
+  const AttnDims a = check_attn(q_, kv_, indices, seqs, d_v, scale, op, q0);
   const Selection p = selection_of(a, indices, op, true);
   check_backward(a, q_, d_v, out_, lse_, d_out_, op);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous(), out = out_.contiguous(),
@@ -241,9 +247,9 @@ SparseAttentionGrads sparse_attention_backward(const Tensor& q_, const Tensor& k
 }
 
 SparseAttentionOut causal_attention(const Tensor& q_, const Tensor& kv_, const SeqLayout& seqs,
-                                    int64_t d_v, double scale) {
+                                    int64_t d_v, double scale, std::optional<int64_t> q0) {
   const char* op = "causal_attention";
-  const AttnDims a = check_attn(q_, kv_, Tensor(), seqs, d_v, scale, op);
+  const AttnDims a = check_attn(q_, kv_, Tensor(), seqs, d_v, scale, op, q0);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous();
   SparseAttentionOut r = new_forward_outputs(a, q, d_v);
   if (a.dev == Device::cpu) {
@@ -257,9 +263,9 @@ SparseAttentionOut causal_attention(const Tensor& q_, const Tensor& kv_, const S
 SparseAttentionGrads causal_attention_backward(const Tensor& q_, const Tensor& kv_,
                                                const SeqLayout& seqs, int64_t d_v, double scale,
                                                const Tensor& out_, const Tensor& lse_,
-                                               const Tensor& d_out_) {
+                                               const Tensor& d_out_, std::optional<int64_t> q0) {
   const char* op = "causal_attention_backward";
-  const AttnDims a = check_attn(q_, kv_, Tensor(), seqs, d_v, scale, op);
+  const AttnDims a = check_attn(q_, kv_, Tensor(), seqs, d_v, scale, op, q0);
   check_backward(a, q_, d_v, out_, lse_, d_out_, op);
   const Tensor q = q_.contiguous(), kv = kv_.contiguous(), out = out_.contiguous(),
                lse = lse_.contiguous(), d_out = d_out_.contiguous();

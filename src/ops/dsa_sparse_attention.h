@@ -23,6 +23,8 @@
 // atomics.
 #pragma once
 
+#include <optional>
+
 #include "core/seq_layout.h"
 #include "core/tensor.h"
 
@@ -38,8 +40,12 @@ struct SparseAttentionOut {
 };
 
 // q [T, H, D_qk], kv [T, D_qk] (same dtype, see above), indices [T, W].
+// q0 (context parallelism; CPU only so far): q (and out, lse, indices, d_out, dq) holds the
+// queries of global tokens [q0, q0 + T) of the packed batch seqs, kv (and dkv) all its tokens
+// [T_total, D_qk]; the result is those rows of the whole batch's.
 SparseAttentionOut sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& indices,
-                                    const SeqLayout& seqs, int64_t d_v, double scale);
+                                    const SeqLayout& seqs, int64_t d_v, double scale,
+                                    std::optional<int64_t> q0 = {});
 
 struct SparseAttentionGrads {
   Tensor dq;   // [T, H, D_qk]
@@ -48,7 +54,8 @@ struct SparseAttentionGrads {
 SparseAttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& kv,
                                                const Tensor& indices, const SeqLayout& seqs,
                                                int64_t d_v, double scale, const Tensor& out,
-                                               const Tensor& lse, const Tensor& d_out);
+                                               const Tensor& lse, const Tensor& d_out,
+                                               std::optional<int64_t> q0 = {});
 
 // The same attention over storage rows of an inference cache (layers/dsa/dsa_cached.cpp): p (built
 // on the host) lists each query's rows of kv [R, D_qk] in slot order, each checked to be in
@@ -90,11 +97,12 @@ CachedAttentionOut cached_sparse_attention(const Tensor& q, const Tensor& kv, co
 // sparse_attention with the full causal index tensor); CUDA derives each query's keys and each
 // key's readers (the queries s .. doc_end - 1, in increasing t) from the per-token layout on the
 // device: O(T) host work and memory, and the bits of the CUDA sparse_attention with that tensor.
+// q0: a query window, as for sparse_attention.
 SparseAttentionOut causal_attention(const Tensor& q, const Tensor& kv, const SeqLayout& seqs,
-                                    int64_t d_v, double scale);
+                                    int64_t d_v, double scale, std::optional<int64_t> q0 = {});
 SparseAttentionGrads causal_attention_backward(const Tensor& q, const Tensor& kv,
                                                const SeqLayout& seqs, int64_t d_v, double scale,
                                                const Tensor& out, const Tensor& lse,
-                                               const Tensor& d_out);
+                                               const Tensor& d_out, std::optional<int64_t> q0 = {});
 
 }  // namespace hlm::ops

@@ -138,6 +138,9 @@ TEST(ModelContextParallel, OneRankIsThePlainModelAndRefusals) {
   j["layer_pattern"] = "KK";
   j["router_aux_loss_coef"] = 0.05;
   const ModelConfig kda_cfg = ModelConfig::from_json(j);
+  j["layer_pattern"] = "KD";  // a DSA layer with the KPool indexer (CPU: context parallel too)
+  j["dsa_indexer_loss_coeff"] = 0.5;
+  const ModelConfig dsa_cfg = ModelConfig::from_json(j);
   const SeqLayout seqs = SeqLayout::from_lengths({9, 14});
   const Tensor tokens = Tensor::from_vector<int64_t>(
       {23}, {1, 5, 7, 2, 9, 11, 3, 3, 4, 8, 6, 0, 12, 13, 2, 7, 19, 21, 5, 5, 1, 17, 23});
@@ -146,33 +149,36 @@ TEST(ModelContextParallel, OneRankIsThePlainModelAndRefusals) {
   const std::unique_ptr<dist::Comm> one = dist::self_comm();
   const dist::CpSlice slice(*one, seqs, {0, 23});
   const Context ctx{true, false};
-  for (const KdaCpMode mode : {KdaCpMode::chunkwise, KdaCpMode::headwise}) {
-    HybridModel m(kda_cfg, {.dtype = DType::f64, .seed = 3, .mtp = false});
-    auto run = [&](bool cp) {
-      m.zero_grad();
-      ModelInputs in;
-      in.tokens = tokens;
-      in.targets = targets;
-      if (cp) {
-        in.cp = &slice;
-        in.cp_mode = mode;
-      } else {
-        in.cu_seqlens = testing::cu_of({9, 14});
-      }
-      HybridModel::SavedPtr s;
-      const ModelOutput o = m.forward(ctx, in, &s);
-      m.backward(ctx, *s);
-      std::vector<Tensor> g;
-      for (const auto& [name, p] : m.named_parameters()) g.push_back(p->grad.clone());
-      return std::pair{o, g};
-    };
-    const auto [plain, gp] = run(false);
-    const auto [sliced, gs] = run(true);
-    EXPECT_GT(plain.aux_loss, 0);
-    EXPECT_EQ(sliced.loss, plain.loss);
-    EXPECT_EQ(sliced.aux_loss, plain.aux_loss);
-    for (size_t i = 0; i < gp.size(); ++i) EXPECT_TRUE(testing::bit_equal(gs[i], gp[i])) << i;
-  }
+  for (const ModelConfig* cfg : {&kda_cfg, &dsa_cfg})
+    for (const KdaCpMode mode : {KdaCpMode::chunkwise, KdaCpMode::headwise}) {
+      HybridModel m(*cfg, {.dtype = DType::f64, .seed = 3, .mtp = false});
+      auto run = [&](bool cp) {
+        m.zero_grad();
+        ModelInputs in;
+        in.tokens = tokens;
+        in.targets = targets;
+        if (cp) {
+          in.cp = &slice;
+          in.cp_mode = mode;
+        } else {
+          in.cu_seqlens = testing::cu_of({9, 14});
+        }
+        HybridModel::SavedPtr s;
+        const ModelOutput o = m.forward(ctx, in, &s);
+        m.backward(ctx, *s);
+        std::vector<Tensor> g;
+        for (const auto& [name, p] : m.named_parameters()) g.push_back(p->grad.clone());
+        return std::pair{o, g};
+      };
+      const auto [plain, gp] = run(false);
+      const auto [sliced, gs] = run(true);
+      EXPECT_GT(plain.aux_loss, 0);
+      EXPECT_EQ(sliced.loss, plain.loss);
+      EXPECT_EQ(sliced.aux_loss, plain.aux_loss);
+      if (cfg == &dsa_cfg) EXPECT_GT(plain.indexer_loss, 0);
+      EXPECT_EQ(sliced.indexer_loss, plain.indexer_loss);
+      for (size_t i = 0; i < gp.size(); ++i) EXPECT_TRUE(testing::bit_equal(gs[i], gp[i])) << i;
+    }
   // Refusals.
   HybridModel kda(kda_cfg, {.dtype = DType::f64, .seed = 3, .mtp = false});
   HybridModel full(ModelConfig::from_json(nlohmann::json::parse(testing::kSmallModelJson)),
@@ -186,7 +192,7 @@ TEST(ModelContextParallel, OneRankIsThePlainModelAndRefusals) {
     HybridModel::SavedPtr s;
     m.forward(ctx, in, &s);
   };
-  testing::expect_error([&] { forward(full, tokens, {}); }, "is a DSA / MLA layer");
+  testing::expect_error([&] { forward(full, tokens, {}); }, "the MTP block");
   testing::expect_error([&] { forward(kda, tokens.slice(0, 0, 20).contiguous(), {}); },
                         "holds 23 tokens, tokens has 20");
   testing::expect_error([&] { forward(kda, tokens, testing::cu_of({23})); },

@@ -341,8 +341,9 @@ TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
 // Context parallelism (HybridModel's ModelInputs::cp): each part of the global batch split along
 // its tokens over groups of 2 or 4 processes, the KDA layers chunkwise or headwise; with data
 // parallelism across the groups and with expert parallelism; a checkpoint of a context-parallel
-// run resumes in one process. The model: the test model's layers all KDA (its DSA layers and the
-// MTP block do not run context parallel yet), with MoE and the sequence aux loss.
+// run resumes in one process. The model: the test model's layers all KDA (the MTP block does not
+// run context parallel yet), with MoE and the sequence aux loss; then the test model's own layers,
+// its DSA layer with the KPool indexer and its loss, over 2 and 4 processes.
 TEST_F(DataParallelRun, ContextParallelTrainsAsOne) {
   const std::string kda = " --set model.layer_pattern=KKK --set mtp=false";
   ASSERT_EQ(train(1, "--config train.json --out one" + kda), 0) << read("err.txt");
@@ -371,14 +372,25 @@ TEST_F(DataParallelRun, ContextParallelTrainsAsOne) {
       << read("err.txt");
   ASSERT_EQ(train(1, "--resume half"), 0) << read("err.txt");
   expect_same_tensors("half", "one", "model.safetensors", 1e-10);
-  // Refused, with nothing written: a degree that does not divide the processes, the DSA layers
-  // and the MTP block, headwise over more ranks than KDA heads.
+  // The DSA layer (CPU): its latent rows and indexer keys gathered over the group.
+  const std::string dsa = " --set mtp=false";
+  ASSERT_EQ(train(1, "--config train.json --out onedsa" + dsa), 0) << read("err.txt");
+  EXPECT_GT(double(metrics("onedsa").back().at("indexer_loss")), 0);
+  for (const int n : {2, 4}) {
+    SCOPED_TRACE(fmt::format("DSA, {} processes in one context-parallel group", n));
+    const std::string run = fmt::format("cpdsa{}", n);
+    ASSERT_EQ(
+        train(n, fmt::format("--config train.json --out {} --context-parallel {}", run, n) + dsa),
+        0)
+        << read("err.txt");
+    expect_as_one(run, "onedsa");
+  }
+  // Refused, with nothing written: a degree that does not divide the processes, the MTP block,
+  // headwise over more ranks than KDA heads.
   const std::pair<std::string, std::string> bad[] = {
       {"--context-parallel 3" + kda,
        "the degree must be at least 1 and divide the number of processes, 4"},
-      {"--context-parallel 2", "DSA / MLA layer(s) do not run context parallel yet"},
-      {"--context-parallel 2 --set model.layer_pattern=KKK",
-       "the MTP block (a DSA layer) does not run context parallel yet"},
+      {"--context-parallel 2", "the MTP block (a DSA layer) does not run context parallel yet"},
       {"--context-parallel 4 --cp-mode headwise" + kda,
        "the KDA layers' 2 heads do not divide by the degree 4"},
       {"--context-parallel 2 --cp-mode sideways" + kda, "--cp-mode"}};

@@ -476,20 +476,25 @@ int moe_ep(const std::string& dtype, const std::string& device) {
 
 // `--model-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): the whole model's context
 // parallelism (ModelInputs::cp) over this job's ranks against the whole batch run in this process:
-// a model of three KDA layers (4 heads of 32), a dense MLP and two MoE layers with the aux loss,
-// and mHC. Each rank runs its slice with the whole batch's normalizers; the loss terms summed over
-// the ranks, every parameter gradient summed over the ranks and the expert counts summed over the
-// ranks must equal the whole batch's: within 1e-10 (f64) or 5e-5 (f32) relative (the counts
-// exactly), chunkwise and (when the group's size divides the 4 heads) headwise, without recompute,
-// with selective and with full recompute, and the same bits when run again. Batches: sequences
-// cut by the slice bounds (one of 300 tokens; 70, 3 and 100 with a one-token slice at 3 and 4
-// ranks). `short` runs the first batch without recompute only (the emulated GPU's run).
+// a model of three KDA layers (4 heads of 32), a dense MLP and MoE layers with the aux loss, and
+// mHC; on the CPU a fourth layer, DSA with the KPool indexer (top-16 of pools of 4 with the tail)
+// and its loss, in the sparse stage and the dense warm-up. Each rank runs its slice with the
+// whole batch's normalizers, and rescales its indexer losses (and their gradients) by its share of
+// the rows, as the trainer does; the loss terms summed over the ranks, every parameter gradient
+// summed over the ranks and the expert counts summed over the ranks must equal the whole batch's:
+// within 1e-10 (f64) or 5e-5 (f32) relative (the counts exactly), chunkwise and (when the group's
+// size divides the 4 heads) headwise, without recompute, with selective and with full recompute,
+// and the same bits when run again. Batches: sequences cut by the slice bounds (one of 300
+// tokens; 70, 3 and 100 with a one-token slice at 3 and 4 ranks). `short` runs the first batch
+// without recompute only (the emulated GPU's run).
 int model_cp(const std::string& dtype, const std::string& device, bool all_cases) {
   const auto [dt, dev] = layer_check_args("--model-cp", dtype, device);
   const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
   Comm& w = hlm::dist::world();
   const int R = w.rank(), N = w.size();
-  const hlm::ModelConfig mc = hlm::ModelConfig::from_json(nlohmann::json::parse(R"({
+  // The DSA layer's context parallelism runs on the CPU only so far.
+  const bool dsa = dev == hlm::Device::cpu;
+  nlohmann::json cfg = nlohmann::json::parse(R"({
     "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
     "num_hidden_layers": 3, "layer_pattern": "KKK", "first_k_dense_replace": 1,
     "intermediate_size": 24, "initializer_range": 0.2,
@@ -497,7 +502,16 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
     "num_nextn_predict_layers": 0, "gemm_precision": "native"
-  })"));
+  })");
+  if (dsa)
+    cfg.update(nlohmann::json::parse(R"({
+      "num_hidden_layers": 4, "layer_pattern": "KKDK",
+      "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
+      "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4,
+      "index_n_heads": 2, "index_head_dim": 8, "index_topk": 16, "index_kpool": 4,
+      "index_kpool_always_select_tail": true, "dsa_indexer_loss_coeff": 0.5
+    })"));
+  const hlm::ModelConfig mc = hlm::ModelConfig::from_json(cfg);
   struct Case {
     const char* name;
     std::vector<int64_t> lengths, bounds;
@@ -512,104 +526,124 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
   std::vector<hlm::Recompute> recomputes{hlm::Recompute::none};
   if (all_cases)
     recomputes = {hlm::Recompute::none, hlm::Recompute::selective, hlm::Recompute::full};
+  std::vector<hlm::DsaStage> stages{hlm::DsaStage::sparse};
+  if (dsa && all_cases) stages.push_back(hlm::DsaStage::dense_warmup);
   double worst = 0;
-  for (const hlm::Recompute rc : recomputes) {
-    hlm::HybridModelOptions mo;
-    mo.dtype = dt;
-    mo.seed = 2026;
-    mo.recompute = rc;
-    hlm::HybridModel model(mc, mo);
-    model.to(dev);
-    const auto params = model.named_parameters();
-    for (const Case& k : cases) {
-      const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths(k.lengths);
-      const int64_t T = seqs.total_tokens();
-      hlm::Rng rng(7, uint64_t(T));
-      const auto [tokens, targets] = random_tokens(T, 24, rng);
-      const std::vector<int64_t> tgt = targets.to_i64_vector();
-      const hlm::Context ctx{true, false};
-      // The whole batch here.
-      model.zero_grad();
-      hlm::ModelInputs whole;
-      whole.tokens = tokens;
-      whole.cu_seqlens =
-          Tensor::from_vector<int64_t>({int64_t(seqs.offsets().size())}, seqs.offsets());
-      whole.targets = targets;
-      hlm::HybridModel::SavedPtr sw;
-      const hlm::ModelOutput ow = model.forward(ctx, whole, &sw);
-      model.backward(ctx, *sw);
-      sw.reset();
-      std::vector<Tensor> g_ref;
-      for (const auto& [name, p] : params) g_ref.push_back(p->grad.to(hlm::Device::cpu));
-      const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.aux_loss};
-      // This rank's slice.
-      const std::vector<int64_t> bounds =
-          k.bounds.empty() ? hlm::dist::CpSlice::even_bounds(T, N) : k.bounds;
-      const hlm::dist::CpSlice slice(w, seqs, bounds);
-      const int64_t b0 = slice.begin(R), b1 = slice.end(R);
-      int64_t lm_norm = 0;
-      for (int64_t v : tgt) lm_norm += v != -100;
-      for (const hlm::KdaCpMode mode : modes) {
-        const std::string what = std::string(k.name) + ", " +
-                                 (mode == hlm::KdaCpMode::headwise ? "headwise" : "chunkwise") +
-                                 ", recompute " + hlm::recompute_name(rc);
-        auto run = [&](std::vector<double>& l, std::vector<Tensor>& g, std::vector<Tensor>& c) {
-          model.zero_grad();
-          hlm::ModelInputs in;
-          in.tokens = tokens.slice(0, b0, b1).contiguous();
-          in.targets = targets.slice(0, b0, b1).contiguous();
-          in.lm_normalizer = lm_norm;
-          in.aux_sequences = seqs.num_seqs();
-          in.cp = &slice;
-          in.cp_mode = mode;
-          hlm::HybridModel::SavedPtr s;
-          const hlm::ModelOutput o = model.forward(ctx, in, &s);
-          model.backward(ctx, *s);
-          Tensor lt = Tensor::from_vector<double>({3}, {o.loss, o.lm_loss, o.aux_loss});
-          w.allreduce_sum(lt);
-          l = lt.to_f64_vector();
-          g.clear();
-          for (const auto& [name, p] : params) {
-            Tensor h = p->grad.to(hlm::Device::cpu).contiguous();
-            w.allreduce_sum(h);
-            g.push_back(h);
+  for (const hlm::Recompute rc : recomputes)
+    for (const hlm::DsaStage stage : stages) {
+      hlm::HybridModelOptions mo;
+      mo.dtype = dt;
+      mo.seed = 2026;
+      mo.recompute = rc;
+      hlm::HybridModel model(mc, mo);
+      model.to(dev);
+      model.set_dsa_stage(stage);
+      const auto params = model.named_parameters();
+      for (const Case& k : cases) {
+        const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths(k.lengths);
+        const int64_t T = seqs.total_tokens();
+        hlm::Rng rng(7, uint64_t(T));
+        const auto [tokens, targets] = random_tokens(T, 24, rng);
+        const std::vector<int64_t> tgt = targets.to_i64_vector();
+        const hlm::Context ctx{true, false};
+        // The whole batch here.
+        model.zero_grad();
+        hlm::ModelInputs whole;
+        whole.tokens = tokens;
+        whole.cu_seqlens =
+            Tensor::from_vector<int64_t>({int64_t(seqs.offsets().size())}, seqs.offsets());
+        whole.targets = targets;
+        hlm::HybridModel::SavedPtr sw;
+        const hlm::ModelOutput ow = model.forward(ctx, whole, &sw);
+        model.backward(ctx, *sw);
+        sw.reset();
+        std::vector<Tensor> g_ref;
+        for (const auto& [name, p] : params) g_ref.push_back(p->grad.to(hlm::Device::cpu));
+        const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.aux_loss, ow.indexer_loss};
+        expect(!dsa || ow.indexer_loss > 0, std::string(k.name) + ": an indexer loss", R);
+        // This rank's slice.
+        const std::vector<int64_t> bounds =
+            k.bounds.empty() ? hlm::dist::CpSlice::even_bounds(T, N) : k.bounds;
+        const hlm::dist::CpSlice slice(w, seqs, bounds);
+        const int64_t b0 = slice.begin(R), b1 = slice.end(R);
+        int64_t lm_norm = 0;
+        for (int64_t v : tgt) lm_norm += v != -100;
+        for (const hlm::KdaCpMode mode : modes) {
+          const std::string what =
+              std::string(k.name) + ", " +
+              (mode == hlm::KdaCpMode::headwise ? "headwise" : "chunkwise") + ", recompute " +
+              hlm::recompute_name(rc) +
+              (dsa ? stage == hlm::DsaStage::sparse ? ", DSA sparse" : ", DSA dense warm-up" : "");
+          auto run = [&](std::vector<double>& l, std::vector<Tensor>& g, std::vector<Tensor>& c) {
+            model.zero_grad();
+            hlm::ModelInputs in;
+            in.tokens = tokens.slice(0, b0, b1).contiguous();
+            in.targets = targets.slice(0, b0, b1).contiguous();
+            in.lm_normalizer = lm_norm;
+            in.aux_sequences = seqs.num_seqs();
+            in.cp = &slice;
+            in.cp_mode = mode;
+            hlm::HybridModel::SavedPtr s;
+            const hlm::ModelOutput o = model.forward(ctx, in, &s);
+            // The indexer losses are this slice's rows' means: each rank's share is its rows over
+            // the whole batch's (the trainer's rescaling).
+            Tensor rows =
+                Tensor::from_vector<int64_t>({int64_t(o.indexer_rows.size())}, o.indexer_rows);
+            if (rows.numel() > 0) w.allreduce_sum(rows);
+            std::vector<double> scales;
+            double indexer = 0;
+            for (size_t i = 0; i < o.indexer_rows.size(); ++i) {
+              const int64_t all = rows.to_i64_vector()[i];
+              scales.push_back(all > 0 ? double(o.indexer_rows[i]) / double(all) : 0.0);
+              indexer += o.indexer_losses[i] * scales.back();
+            }
+            model.backward(ctx, *s, {}, scales);
+            Tensor lt = Tensor::from_vector<double>(
+                {4}, {o.loss - o.indexer_loss + indexer, o.lm_loss, o.aux_loss, indexer});
+            w.allreduce_sum(lt);
+            l = lt.to_f64_vector();
+            g.clear();
+            for (const auto& [name, p] : params) {
+              Tensor h = p->grad.to(hlm::Device::cpu).contiguous();
+              w.allreduce_sum(h);
+              g.push_back(h);
+            }
+            c.clear();
+            for (const Tensor& ct : o.expert_counts) {
+              Tensor h = ct.to(hlm::Device::cpu).contiguous();
+              w.allreduce_sum(h);
+              c.push_back(h);
+            }
+          };
+          std::vector<double> l, l2;
+          std::vector<Tensor> g, g2, c, c2;
+          run(l, g, c);
+          run(l2, g2, c2);
+          double el = 0, eg = 0;
+          std::string worst_param;
+          bool same = l == l2;
+          for (size_t i = 0; i < l_ref.size(); ++i)
+            el = std::max(el, std::abs(l[i] - l_ref[i]) / std::max(std::abs(l_ref[i]), 1e-30));
+          for (size_t i = 0; i < params.size(); ++i) {
+            const double e = rel_err(g[i], g_ref[i]);
+            if (!(e <= tol)) expect(false, what + ": gradient of " + params[i].first, R);
+            if (e > eg) eg = e, worst_param = params[i].first;
+            same = same && same_bits(g[i], g2[i]);
           }
-          c.clear();
-          for (const Tensor& ct : o.expert_counts) {
-            Tensor h = ct.to(hlm::Device::cpu).contiguous();
-            w.allreduce_sum(h);
-            c.push_back(h);
-          }
-        };
-        std::vector<double> l, l2;
-        std::vector<Tensor> g, g2, c, c2;
-        run(l, g, c);
-        run(l2, g2, c2);
-        double el = 0, eg = 0;
-        std::string worst_param;
-        bool same = l == l2;
-        for (size_t i = 0; i < 3; ++i)
-          el = std::max(el, std::abs(l[i] - l_ref[i]) / std::max(std::abs(l_ref[i]), 1e-30));
-        for (size_t i = 0; i < params.size(); ++i) {
-          const double e = rel_err(g[i], g_ref[i]);
-          if (!(e <= tol)) expect(false, what + ": gradient of " + params[i].first, R);
-          if (e > eg) eg = e, worst_param = params[i].first;
-          same = same && same_bits(g[i], g2[i]);
+          bool counts = c.size() == ow.expert_counts.size();
+          for (size_t i = 0; counts && i < c.size(); ++i)
+            counts = same_bits(c[i], ow.expert_counts[i].to(hlm::Device::cpu).contiguous());
+          expect(el <= tol, what + ": the loss terms", R);
+          expect(counts, what + ": the expert counts", R);
+          expect(same, what + ": the same bits run again", R);
+          if (R == 0)
+            std::printf("model_cp: %d ranks (%s %s): %s: losses %.2e (aux %.6g), grads %.2e (%s)\n",
+                        N, dtype.c_str(), device.c_str(), what.c_str(), el, l[2], eg,
+                        worst_param.c_str());
+          worst = std::max({worst, el, eg});
         }
-        bool counts = c.size() == ow.expert_counts.size();
-        for (size_t i = 0; counts && i < c.size(); ++i)
-          counts = same_bits(c[i], ow.expert_counts[i].to(hlm::Device::cpu).contiguous());
-        expect(el <= tol, what + ": the loss terms", R);
-        expect(counts, what + ": the expert counts", R);
-        expect(same, what + ": the same bits run again", R);
-        if (R == 0)
-          std::printf("model_cp: %d ranks (%s %s): %s: losses %.2e (aux %.6g), grads %.2e (%s)\n",
-                      N, dtype.c_str(), device.c_str(), what.c_str(), el, l[2], eg,
-                      worst_param.c_str());
-        worst = std::max({worst, el, eg});
       }
     }
-  }
   w.barrier();
   std::printf("model_cp: rank %d of %d: worst %.2e (tolerance %.0e): %d of %d checks passed\n", R,
               N, worst, tol, checks - failures, checks);

@@ -17,6 +17,8 @@
 
 #include "core/profile.h"
 #include "dist/comm.h"
+#include "dist/context_parallel.h"
+#include "ops/dsa_common.h"
 #include "ops/dsa_indexer_loss.h"
 #include "ops/dsa_sparse_attention.h"
 #include "ops/tensor_ops.h"
@@ -79,7 +81,8 @@ DsaIndexer& DsaLayer::indexer() {
 }
 
 DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs,
-                                   Saved* saved, const Tensor& given_indices) const {
+                                   Saved* saved, const Tensor& given_indices,
+                                   const dist::CpSlice* cp) const {
   HLM_CHECK(x.defined() && x.dim() == 2 && x.size(0) >= 1,
             "DsaLayer::forward: x must be [T >= 1, {}], got {}", config().hidden_size,
             x.defined() ? x.describe() : "undefined");
@@ -88,12 +91,13 @@ DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Se
   Saved local;
   Saved* work = nullptr;
   if (ctx.training) work = (save && !ctx.recompute) ? saved : &local;
-  Output out = forward_full(x, seqs, ctx.training, work, lcfg_.stage, given_indices);
+  Output out = forward_full(x, seqs, ctx.training, work, lcfg_.stage, given_indices, cp);
   if (save) {
     if (ctx.recompute) {
       *saved = Saved{};
       saved->x = x;
       saved->seqs = seqs;
+      saved->cp = cp;
       saved->stage = lcfg_.stage;
       saved->has_loss = out.has_indexer_loss;
       saved->given = given_indices;
@@ -106,8 +110,9 @@ DsaLayer::Output DsaLayer::forward(const Context& ctx, const Tensor& x, const Se
 // Checks a given selection: [T, W] integer on x's device, each entry -1 or a causal token of the
 // query's own sequence, no duplicates in a row. Returns it as i32. On CUDA the entries are checked
 // on the device by the attention op (the same rules, before anything is computed from them).
-static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t>& cu, int64_t T,
+static Tensor check_given_indices(const Tensor& given, const ops::dsa_detail::QueryWindow& w,
                                   Device dev) {
+  const int64_t T = w.T;
   HLM_CHECK(given.dim() == 2 && given.size(0) == T && given.size(1) >= 1 &&
                 (given.dtype() == DType::i32 || given.dtype() == DType::i64),
             "DsaLayer::forward: given_indices must be i32/i64 [{}, W >= 1], got {}", T,
@@ -122,16 +127,17 @@ static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t
   const Tensor g = given.to(Device::cpu).to(DType::i64).contiguous();
   const int64_t W = g.size(1);
   const int64_t* p = g.data<int64_t>();
-  for (size_t n = 0; n + 1 < cu.size(); ++n)
-    for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+  for (size_t m = 0; m < w.docs(); ++m)
+    for (int64_t t = w.qcu[m]; t < w.qcu[m + 1]; ++t) {
       std::vector<int64_t> row;
-      for (int64_t w = 0; w < W; ++w) {
-        const int64_t s = p[t * W + w];
+      const int64_t first = w.first(m), self = w.q0 + t;
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t s = p[t * W + j];
         if (s == -1) continue;  // padding (any other negative value is an error, not padding)
-        HLM_CHECK(s >= cu[n] && s <= t,
+        HLM_CHECK(s >= first && s <= self,
                   "DsaLayer::forward: given_indices[{}, {}] = {} is neither -1 (padding) nor a "
                   "causal token of the query's sequence [{}, {}]",
-                  t, w, s, cu[n], t);
+                  t, j, s, first, self);
         row.push_back(s);
       }
       std::sort(row.begin(), row.end());
@@ -143,12 +149,33 @@ static Tensor check_given_indices(const Tensor& given, const std::vector<int64_t
 }
 
 DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, bool training,
-                                        Saved* s, DsaStage stage, const Tensor& given) const {
+                                        Saved* s, DsaStage stage, const Tensor& given,
+                                        const dist::CpSlice* cp) const {
   Context c;
   c.training = training && s != nullptr;
   const int64_t T = x.size(0), rkv = config().kv_lora_rank;
   const double scale = config().softmax_scale_value();
-  const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaLayer"), seqs.offsets());
+  seqs.check_tokens(T, "DsaLayer");
+  // The layout the attention ops run over and this call's query rows: under context parallelism
+  // the whole batch's and this rank's slice of it, else the call's own (no window).
+  std::optional<int64_t> q0;
+  std::vector<int64_t> starts;  // each local sequence's first position (context parallel)
+  if (cp) {
+    HLM_CHECK(x.is_cpu(),
+              "DsaLayer::forward: context parallelism runs on the CPU only so far (the DSA ops' "
+              "query windows), got x on {}",
+              device_name(x.device()));
+    HLM_CHECK(T == cp->tokens(cp->rank()) && seqs.offsets() == cp->local().offsets(),
+              "DsaLayer::forward: rank {} holds {} tokens of the context-parallel batch (and its "
+              "local layout), got {}",
+              cp->rank(), cp->tokens(cp->rank()), T);
+    q0 = cp->begin(cp->rank());
+    starts.assign(size_t(seqs.num_seqs()), 0);
+    if (!starts.empty()) starts[0] = *q0 - cp->sequence_begin(*q0);
+  }
+  const SeqLayout& on = cp ? cp->global() : seqs;
+  const ops::dsa_detail::QueryWindow win =
+      ops::dsa_detail::window_of(on, T, q0, "DsaLayer::forward");
   if (s) {
     *s = Saved{};
     s->x = x;
@@ -156,14 +183,17 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
     s->stage = stage;
     s->full = true;
     s->given = given;
+    s->cp = cp;
   }
   profile::Scope ps_proj("projections");
-  Projected p = project(c, x, seqs, s ? &s->proj : nullptr);
+  Projected p = project(c, x, seqs, s ? &s->proj : nullptr, cp ? &starts : nullptr);
   ps_proj.end();
   // The attention's operands (bf16 unless kv_b_proj's precision is native: attention_operand).
   profile::Scope ps_abs("absorb q");
   const Tensor q_abs = attention_operand(absorb_query(p.q));
-  const Tensor kv = attention_operand(p.kv);
+  Tensor kv = attention_operand(p.kv);
+  // Context parallel: every rank's queries read the whole batch's latent rows.
+  if (cp) kv = dist::allgather_rows(cp->comm(), kv, cp->bounds());
   ps_abs.end();
 
   const bool want_loss = c.training && indexer_ && lcfg_.indexer_loss;
@@ -172,25 +202,25 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
   DsaIndexer::Output sel;
   if (run_indexer) {
     HLM_PROFILE("indexer");
-    sel = indexer_->forward(c, x, p.c_q, seqs, want_loss ? &s->indexer : nullptr);
+    sel = indexer_->forward(c, x, p.c_q, seqs, want_loss ? &s->indexer : nullptr, cp);
   }
-  // The attended set: the given one, the indexer's selection, or every causal token. On CUDA the
-  // last needs no index tensor ([T, longest] would not fit at long T): ops::causal_attention,
-  // and Output::indices stays undefined.
+  // The attended set: the given one, the indexer's selection, or every causal token. On CUDA
+  // (and under context parallelism) the last needs no index tensor ([T, longest] would not fit
+  // at long T): ops::causal_attention, and Output::indices stays undefined.
   const bool causal_set = !use_given && !(indexer_ && stage == DsaStage::sparse);
-  const bool implicit = causal_set && !x.is_cpu();
+  const bool implicit = causal_set && (!x.is_cpu() || cp);
   Tensor indices;
   if (use_given)
-    indices = check_given_indices(given, cu, T, x.device());
+    indices = check_given_indices(given, win, x.device());
   else if (!causal_set)
     indices = sel.indices;
   else if (!implicit)
-    indices = Mla::causal_indices(cu, T);
+    indices = Mla::causal_indices(seqs.offsets(), T);
 
   profile::Scope ps_att("attention");
   ops::SparseAttentionOut att = implicit
-                                    ? ops::causal_attention(q_abs, kv, seqs, rkv, scale)
-                                    : ops::sparse_attention(q_abs, kv, indices, seqs, rkv, scale);
+                                    ? ops::causal_attention(q_abs, kv, on, rkv, scale, q0)
+                                    : ops::sparse_attention(q_abs, kv, indices, on, rkv, scale, q0);
   ps_att.end();
   profile::Scope ps_out("output");
   Output out;
@@ -203,9 +233,9 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
     const bool dense = stage == DsaStage::dense_warmup;
     // The attention ran over the indexer's own selection: its lse is the target's.
     const bool same_set = !use_given && !causal_set;
-    Tensor target = dense ? ops::attention_target(q_abs, kv, seqs, scale)
-                          : ops::attention_target_at(q_abs, kv, seqs, sel.indices, scale,
-                                                     same_set ? att.lse : Tensor());
+    Tensor target = dense ? ops::attention_target(q_abs, kv, on, scale, 0, q0)
+                          : ops::attention_target_at(q_abs, kv, on, sel.indices, scale,
+                                                     same_set ? att.lse : Tensor(), q0);
     if (tp_ && tp_->size() > 1) {  // the mean of the ranks' targets (set_tensor_parallel)
       target = dist::allreduce_from(*tp_, target);
       ops::scale_(target, 1.0 / double(tp_->size()));
@@ -226,6 +256,7 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
     s->q_abs = q_abs;
     s->indices = indices;
     s->lse = att.lse;
+    if (cp) s->kv_all = kv;
   }
   return out;
 }
@@ -251,7 +282,7 @@ Tensor DsaLayer::backward(const Context& ctx, const Tensor& dy, const Saved& sav
     // Selective recompute: the same deterministic forward rebuilds every activation and the
     // selection.
     Saved full;
-    forward_full(saved.x, saved.seqs, true, &full, saved.stage, saved.given);
+    forward_full(saved.x, saved.seqs, true, &full, saved.stage, saved.given, saved.cp);
     dx = backward_full(dy, full, indexer_grad_scale);
   }
   return as_dt(dx, saved.x.dtype());
@@ -266,12 +297,18 @@ Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_
       attention_operand(output_backward(c, ops::contiguous(as_dt(dy, compute_dtype())), s.out));
   ps_out.end();
   profile::Scope ps_att("attention");
-  const Tensor kv = attention_operand(s.p.kv), o_lat = attention_operand(s.out.o_lat);
-  const ops::SparseAttentionGrads g =
+  const Tensor kv = s.cp ? s.kv_all : attention_operand(s.p.kv);
+  const Tensor o_lat = attention_operand(s.out.o_lat);
+  const SeqLayout& on = s.cp ? s.cp->global() : s.seqs;
+  const std::optional<int64_t> q0 =
+      s.cp ? std::optional<int64_t>(s.cp->begin(s.cp->rank())) : std::nullopt;
+  ops::SparseAttentionGrads g =
       s.indices.defined()
-          ? ops::sparse_attention_backward(s.q_abs, kv, s.indices, s.seqs, rkv, scale, o_lat, s.lse,
-                                           dol)
-          : ops::causal_attention_backward(s.q_abs, kv, s.seqs, rkv, scale, o_lat, s.lse, dol);
+          ? ops::sparse_attention_backward(s.q_abs, kv, s.indices, on, rkv, scale, o_lat, s.lse,
+                                           dol, q0)
+          : ops::causal_attention_backward(s.q_abs, kv, on, rkv, scale, o_lat, s.lse, dol, q0);
+  // Context parallel: this rank's latent rows' gradient, summed over every rank's queries.
+  if (s.cp) g.dkv = dist::reduce_scatter_rows(s.cp->comm(), g.dkv, s.cp->bounds());
   ps_att.end();
   // The attention's gradients as CUDA returns them (bf16 unless native) on both devices.
   profile::Scope ps_abs("absorb q");
@@ -280,7 +317,9 @@ Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_
   profile::Scope ps_proj("projections");
   Tensor dx = project_backward(c, dq, attention_operand(g.dkv), s.proj);
   ps_proj.end();
-  if (s.has_loss && indexer_grad_scale != 0) {
+  // Context parallel: every rank runs the indexer backward (its key gradients are summed over the
+  // group), also one whose share of the loss is 0.
+  if (s.has_loss && (indexer_grad_scale != 0 || s.cp)) {
     HLM_PROFILE("indexer loss");
     IndexerLossOptions lo;
     lo.stage =

@@ -50,7 +50,8 @@ namespace hlm {
 
 namespace dist {
 class Comm;
-}
+class CpSlice;
+}  // namespace dist
 
 enum class DsaStage : uint8_t {
   dense_warmup,  // main attention over all causal tokens; indexer KL over all causal tokens
@@ -96,6 +97,8 @@ class DsaLayer : public Mla {
     DsaIndexer::Saved indexer;
     Tensor target;  // detached token-level target of the indexer loss (its stage's layout)
     Tensor given;   // given_indices as passed (kept for recompute)
+    const dist::CpSlice* cp = nullptr;  // context parallel: the slice (always kept)
+    Tensor kv_all;                      // context parallel: the whole batch's latent rows
   };
 
   // path: "model.layers.3.self_attn"; the indexer is path + ".indexer".
@@ -113,8 +116,18 @@ class DsaLayer : public Mla {
   // sharing between layers, selection replay); global token ids within the query's own sequence
   // and causal, -1 padded, no duplicates. A layer without an indexer attends the given set when
   // one is given. The indexer still runs for its loss (over its own selection).
+  //
+  // Context parallel (cp; docs/parallel.md, "Context parallelism"): x holds rank cp->rank()'s
+  // slice of the packed batch cp->global() and seqs is cp->local(); every rank of the group calls
+  // together (and again in the backward). The latent rows (and the indexer's keys) are gathered
+  // over the group; this rank's queries select and attend over the whole batch's, by the rules
+  // above at their global positions, so y and Output::indices (global token ids) are those rows
+  // of the one-process forward's. The backward sends each rank the gradients of its latent rows
+  // and keys (summed over the ranks). The indexer loss is this slice's rows' mean (the caller
+  // rescales it by this slice's share of the rows, as for data parallelism). A dense causal set
+  // leaves Output::indices undefined. CPU only so far (the DSA ops' query windows).
   Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
-                 const Tensor& given_indices = {}) const;
+                 const Tensor& given_indices = {}, const dist::CpSlice* cp = nullptr) const;
   // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
   // input is reported by the overload above).
   Output forward(const Context& ctx, const Tensor& x, const Tensor& cu_seqlens, Saved* saved,
@@ -153,7 +166,7 @@ class DsaLayer : public Mla {
 
  private:
   Output forward_full(const Tensor& x, const SeqLayout& seqs, bool training, Saved* s,
-                      DsaStage stage, const Tensor& given) const;
+                      DsaStage stage, const Tensor& given, const dist::CpSlice* cp) const;
   Tensor backward_full(const Tensor& dy, const Saved& s, double indexer_grad_scale);
 
   DsaLayerConfig lcfg_;

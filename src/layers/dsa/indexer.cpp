@@ -17,9 +17,11 @@
 #include "layers/dsa/indexer.h"
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "core/rng.h"
+#include "dist/context_parallel.h"
 #include "ops/dsa_kpool.h"
 #include "ops/hadamard.h"
 #include "ops/layernorm.h"
@@ -164,6 +166,30 @@ std::vector<int64_t> positions_of(const std::vector<int64_t>& cu) {
   return pos;
 }
 
+// Each token's position in its sequence: of the call's own layout, or (context parallel) of the
+// whole batch's for this rank's slice.
+std::vector<int64_t> positions_of(const SeqLayout& seqs, const dist::CpSlice* cp) {
+  if (!cp) return positions_of(seqs.offsets());
+  const int64_t b = cp->begin(cp->rank());
+  std::vector<int64_t> pos(size_t(cp->tokens(cp->rank())));
+  for (size_t t = 0; t < pos.size(); ++t) {
+    const int64_t g = b + int64_t(t);
+    pos[t] = g - cp->sequence_begin(g);
+  }
+  return pos;
+}
+
+// The layout the ops run over and the query rows of this call: the whole batch's layout and this
+// rank's first token under context parallelism, else the call's own layout (no window).
+struct OpRows {
+  const SeqLayout& seqs;
+  std::optional<int64_t> q0;
+};
+OpRows op_rows(const SeqLayout& own, const dist::CpSlice* cp) {
+  if (!cp) return {own, std::nullopt};
+  return {cp->global(), cp->begin(cp->rank())};
+}
+
 void check_input(const Tensor& x, int64_t width, Device dev, const char* name, const char* what) {
   HLM_CHECK(x.defined(), "DsaIndexer::forward: {} is undefined", name);
   HLM_CHECK(x.device() == dev,
@@ -302,34 +328,47 @@ void DsaIndexer::project_into(const Tensor& h_in, const Tensor& cq_in,
 }
 
 void DsaIndexer::run_internals(const Tensor& h_in, const Tensor& cq_in, const SeqLayout& seqs,
-                               bool select, Saved& s) const {
+                               bool select, Saved& s, const dist::CpSlice* cp) const {
   const Device dev = wk_.weight_value().device();
   check_input(h_in, cfg_.hidden_size, dev, "h", "hidden_size");
   check_input(cq_in, cfg_.q_lora_rank, dev, "c_q", "q_lora_rank");
   const int64_t T = h_in.size(0);
-  const std::vector<int64_t> cu = (seqs.check_tokens(T, "DsaIndexer::forward"), seqs.offsets());
-  project_into(h_in, cq_in, positions_of(cu), s);
+  seqs.check_tokens(T, "DsaIndexer::forward");
+  if (cp)
+    HLM_CHECK(T == cp->tokens(cp->rank()) && seqs.offsets() == cp->local().offsets(),
+              "DsaIndexer::forward: rank {} holds {} tokens of the context-parallel batch, got {} "
+              "(and the slice's own layout)",
+              cp->rank(), cp->tokens(cp->rank()), T);
+  project_into(h_in, cq_in, positions_of(seqs, cp), s);
   s.seqs = seqs;
+  s.cp = cp;
+  const OpRows on = op_rows(seqs, cp);
   const int64_t P = cfg_.kpool;
 
-  // Keys for scoring: token keys (P = 1) or Hadamard of the pooled keys (P > 1).
+  // Keys for scoring: token keys (P = 1) or Hadamard of the pooled keys (P > 1); under context
+  // parallelism the whole batch's, gathered (every rank pools the whole batch: O(T d_I)).
+  Tensor k = s.k, gate = s.gate_out;
+  if (cp) {
+    s.k_all = k = dist::allgather_rows(cp->comm(), s.k, cp->bounds());
+    if (P > 1) s.gate_all = gate = dist::allgather_rows(cp->comm(), s.gate_out, cp->bounds());
+  }
   Tensor keys;
   if (P == 1) {
-    keys = s.k;
+    keys = k;
   } else {
-    s.pooled = ops::kpool_compress(s.k, s.gate_out, as_dt(ape_->value, compute_dtype()), seqs);
+    s.pooled = ops::kpool_compress(k, gate, as_dt(ape_->value, compute_dtype()), on.seqs);
     if (cfg_.hadamard) ops::hadamard_inplace(s.pooled);
     keys = s.pooled;
   }
 
-  s.scores = ops::indexer_scores(s.q, keys, s.w, seqs, score_options());
+  s.scores = ops::indexer_scores(s.q, keys, s.w, on.seqs, score_options(), 0, on.q0);
   if (!select) return;
   if (P == 1) {
-    s.indices = ops::topk_select(s.scores, seqs, cfg_.topk, 1);
+    s.indices = ops::topk_select(s.scores, on.seqs, cfg_.topk, 1, on.q0);
     s.pools = Tensor();
   } else {
     ops::KPoolSelection sel =
-        ops::kpool_select(s.scores, seqs, cfg_.topk, P, cfg_.kpool_always_select_tail);
+        ops::kpool_select(s.scores, on.seqs, cfg_.topk, P, cfg_.kpool_always_select_tail, on.q0);
     s.indices = sel.indices;
     s.pools = sel.pools;
   }
@@ -355,9 +394,10 @@ Tensor DsaIndexer::pool_keys(const Tensor& k, const Tensor& gate) const {
 }
 
 DsaIndexer::Output DsaIndexer::forward(const Context& ctx, const Tensor& h, const Tensor& c_q,
-                                       const SeqLayout& seqs, Saved* saved) const {
+                                       const SeqLayout& seqs, Saved* saved,
+                                       const dist::CpSlice* cp) const {
   Saved s;
-  run_internals(h, c_q, seqs, true, s);
+  run_internals(h, c_q, seqs, true, s, cp);
   Output out{s.indices, s.pools, s.scores, s.w};
   if (saved != nullptr && ctx.training) {
     if (ctx.recompute) {
@@ -365,6 +405,7 @@ DsaIndexer::Output DsaIndexer::forward(const Context& ctx, const Tensor& h, cons
       r.h = s.h;
       r.c_q = s.c_q;
       r.seqs = s.seqs;
+      r.cp = s.cp;
       r.indices = s.indices;
       r.pools = s.pools;
       r.recomputed = true;
@@ -387,7 +428,7 @@ const DsaIndexer::Saved& DsaIndexer::full_saved(const Saved& saved, Saved& local
               "DsaIndexer loss: Saved has no intermediates and is not marked recomputed");
     return saved;
   }
-  run_internals(saved.h, saved.c_q, saved.seqs, false, local);
+  run_internals(saved.h, saved.c_q, saved.seqs, false, local, saved.cp);
   local.indices = saved.indices;
   local.pools = saved.pools;
   return local;
@@ -409,6 +450,7 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
   const Tensor tok = as_dt(target, cdt);
   LossEval ev;
   const ops::IndexerScoreOptions so = score_options();
+  const OpRows on = op_rows(s.seqs, s.cp);
   if (dense) {
     ev.scores = s.scores;
     if (P == 1) {
@@ -422,7 +464,7 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
                 "DsaIndexer loss (dense): target must be [T = {}, W] in the dense causal token "
                 "layout, got {}",
                 T, target.describe());
-      ev.target = ops::kpool_pool_target_dense(tok, s.seqs, P, s.scores.size(1));
+      ev.target = ops::kpool_pool_target_dense(tok, on.seqs, P, s.scores.size(1), on.q0);
     }
   } else {
     HLM_CHECK(tok.dim() == 2 && tok.size(0) == T && tok.size(1) == cfg_.index_width(),
@@ -431,10 +473,11 @@ DsaIndexer::LossEval DsaIndexer::eval_loss(const Saved& s, const Tensor& target,
               T, cfg_.index_width(), target.describe());
     if (P == 1) {
       ev.target = tok;
-      ev.scores = ops::indexer_scores_at(s.q, s.k, s.w, s.seqs, s.indices, so);
+      ev.scores =
+          ops::indexer_scores_at(s.q, s.cp ? s.k_all : s.k, s.w, on.seqs, s.indices, so, on.q0);
     } else {
       ev.target = ops::kpool_pool_target_sparse(tok, s.pools, P);
-      ev.scores = ops::indexer_scores_at(s.q, s.pooled, s.w, s.seqs, s.pools, so);
+      ev.scores = ops::indexer_scores_at(s.q, s.pooled, s.w, on.seqs, s.pools, so, on.q0);
     }
   }
   ev.kl = ops::indexer_kl_loss(ev.scores, ev.target, opt.coeff, opt.reduction);
@@ -456,8 +499,14 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
 
   const int64_t T = s.h.size(0), H = cfg_.n_heads, d = cfg_.head_dim, P = cfg_.kpool;
   const DType cdt = compute_dtype();
-  const std::vector<int64_t> pos =
-      positions_of((s.seqs.check_tokens(T, "DsaIndexer::backward"), s.seqs.offsets()));
+  s.seqs.check_tokens(T, "DsaIndexer::backward");
+  const std::vector<int64_t> pos = positions_of(s.seqs, s.cp);
+  const OpRows on = op_rows(s.seqs, s.cp);
+  // Context parallel: a gradient of the whole batch's keys, summed over the ranks, this rank's
+  // rows.
+  auto own_rows = [&](const Tensor& whole) {
+    return s.cp ? dist::reduce_scatter_rows(s.cp->comm(), whole, s.cp->bounds()) : whole;
+  };
   const Context lin_ctx{true, false};
   const ops::IndexerScoreOptions so = score_options();
   const bool dense = opt.stage == IndexerLossStage::dense;
@@ -467,13 +516,13 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
     ds = ds.clone();
     scale_inplace(ds, opt.grad_scale);
   }
-  const Tensor& keys = P == 1 ? s.k : s.pooled;
+  const Tensor& keys = P > 1 ? s.pooled : s.cp ? s.k_all : s.k;
   ops::IndexerScoreGrads g;
   if (dense)
-    g = ops::indexer_scores_backward(s.q, keys, s.w, s.seqs, ds, so);
+    g = ops::indexer_scores_backward(s.q, keys, s.w, on.seqs, ds, so, on.q0);
   else
-    g = ops::indexer_scores_at_backward(s.q, keys, s.w, s.seqs, P == 1 ? s.indices : s.pools, ds,
-                                        so);
+    g = ops::indexer_scores_at_backward(s.q, keys, s.w, on.seqs, P == 1 ? s.indices : s.pools, ds,
+                                        so, on.q0);
 
   // Head weights.
   Tensor dwp = copy_as(g.dw, cdt);
@@ -490,20 +539,21 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   Tensor dk;
   Tensor dh_gate;
   if (P == 1) {
-    dk = copy_as(g.dk, cdt);
+    dk = copy_as(own_rows(g.dk), cdt);
     if (cfg_.hadamard) ops::hadamard_inplace(dk);
   } else {
     Tensor dpooled = copy_as(g.dk, cdt);
     if (cfg_.hadamard) ops::hadamard_inplace(dpooled);
     const ops::KPoolCompressGrads cg =
-        ops::kpool_compress_backward(s.k, s.gate_out, as_dt(ape_->value, cdt), s.seqs, dpooled);
-    dk = copy_as(cg.dk, cdt);
+        ops::kpool_compress_backward(s.cp ? s.k_all : s.k, s.cp ? s.gate_all : s.gate_out,
+                                     as_dt(ape_->value, cdt), on.seqs, dpooled);
+    dk = copy_as(own_rows(cg.dk), cdt);
     gate_lin_.weight().value = gate_->value;
     if (!gate_->grad.defined())
       gate_->grad = Tensor::zeros(gate_->value.shape(), grad_dtype_for(gate_->value.dtype()),
                                   gate_->value.device());
     gate_lin_.weight().grad = gate_->grad;
-    dh_gate = ops::contiguous(gate_lin_.backward(lin_ctx, cg.dgate, s.gate));
+    dh_gate = ops::contiguous(gate_lin_.backward(lin_ctx, own_rows(cg.dgate), s.gate));
     accumulate_grad(*ape_, cg.dape);
   }
   rope_rows(dk, pos, cfg_.rope_dim, cfg_.rope_theta, cfg_.rope_interleave, true);

@@ -79,6 +79,10 @@
 
 namespace hlm {
 
+namespace dist {
+class CpSlice;
+}
+
 struct IndexerConfig {
   int64_t hidden_size = 0;  // D: width of h
   int64_t q_lora_rank = 0;  // r_q: width of c_q
@@ -141,22 +145,24 @@ class DsaIndexer : public Module {
 
   struct Saved {
     // Always kept (also under ctx.recompute):
-    Tensor h, c_q;            // inputs converted to the compute dtype
-    SeqLayout seqs;           // as given
+    Tensor h, c_q;                      // inputs converted to the compute dtype
+    SeqLayout seqs;                     // as given
+    const dist::CpSlice* cp = nullptr;  // context parallel: the slice (seqs is its local layout)
     Tensor indices;           // the selection (discrete; the sparse-stage loss runs over it)
     Tensor pools;             // KPool selection (pool ids)
     bool recomputed = false;  // true: the fields below are empty and the backward recomputes
     // Intermediates (empty under ctx.recompute):
     Linear::Saved wq_b, wk, weights_proj, gate;
-    Tensor k_lin;           // wk(h) [T, d_I] (LayerNorm input)
-    Tensor k_mean, k_rstd;  // LayerNorm statistics [T]
-    Tensor q;               // scoring queries [T, H_I, d_I] (after RoPE and Hadamard)
-    Tensor k;               // P = 1: scoring keys [T, d_I] (after RoPE and Hadamard);
-                            // P > 1: LayerNorm(+RoPE) keys before pooling
-    Tensor gate_out;        // KPool: gate [T, d_I]
-    Tensor pooled;          // KPool: scoring keys [NP, d_I] (pooled, after Hadamard)
-    Tensor w;               // [T, H_I]
-    Tensor scores;          // dense-layout scores (as Output::scores)
+    Tensor k_lin;            // wk(h) [T, d_I] (LayerNorm input)
+    Tensor k_mean, k_rstd;   // LayerNorm statistics [T]
+    Tensor q;                // scoring queries [T, H_I, d_I] (after RoPE and Hadamard)
+    Tensor k;                // P = 1: scoring keys [T, d_I] (after RoPE and Hadamard);
+                             // P > 1: LayerNorm(+RoPE) keys before pooling
+    Tensor gate_out;         // KPool: gate [T, d_I]
+    Tensor k_all, gate_all;  // context parallel: k and gate_out of the whole batch (gathered)
+    Tensor pooled;           // KPool: scoring keys [NP, d_I] (pooled, after Hadamard)
+    Tensor w;                // [T, H_I]
+    Tensor scores;           // dense-layout scores (as Output::scores)
   };
 
   // Validates cfg; resolves the GEMM precisions from `policy` with the full module path `path`
@@ -167,8 +173,14 @@ class DsaIndexer : public Module {
 
   // h [T, hidden], c_q [T, q_lora_rank] (f64/f32/bf16), cu_seqlens [N+1] (i32/i64, validated).
   // Fills *saved when saved != nullptr and ctx.training.
+  // Context parallel (cp; docs/parallel.md): h and c_q hold rank cp->rank()'s slice of the packed
+  // batch cp->global() and seqs is cp->local(); every rank of the group calls together. The keys
+  // (and KPool's gates) are gathered over the group, the pools made from the whole batch's, and
+  // this rank's queries scored and selected over them (global token and pool ids): the rows of
+  // the whole batch's output. The loss's backward sends each rank its keys' gradients back
+  // (summed over the ranks). CPU only so far (the ops' query windows).
   Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const SeqLayout& seqs,
-                 Saved* saved) const;
+                 Saved* saved, const dist::CpSlice* cp = nullptr) const;
   // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable
   // input is reported by the overload above).
   Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const Tensor& cu_seqlens,
@@ -248,7 +260,7 @@ class DsaIndexer : public Module {
                     bool infer = false) const;
   // Validates the inputs and computes every intermediate of Saved (and the selection if select).
   void run_internals(const Tensor& h, const Tensor& c_q, const SeqLayout& seqs, bool select,
-                     Saved& s) const;
+                     Saved& s, const dist::CpSlice* cp) const;
   // saved itself, or (recompute) `local` filled from saved's inputs plus saved's selection.
   const Saved& full_saved(const Saved& saved, Saved& local) const;
   LossEval eval_loss(const Saved& s, const Tensor& target, const IndexerLossOptions& opt) const;

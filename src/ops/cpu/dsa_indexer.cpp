@@ -134,21 +134,22 @@ void score_bwd(const ScoreArgs& a, bool relu, const Pattern& p, const Tensor& ds
 }
 
 template <class F>
-void topk_rows(const Tensor& sc, const std::vector<int64_t>& cu, int64_t kk, int64_t pool,
+void topk_rows(const Tensor& sc, const dsa_detail::QueryWindow& w, int64_t kk, int64_t pool,
                Tensor& out) {
   const F* s = sc.data<F>();
   const int64_t W = sc.size(1);
-  const std::vector<int64_t> cp = dsa_detail::pool_offsets(cu, pool);
+  const std::vector<int64_t> cp = dsa_detail::pool_offsets(w.cu, pool);
   int32_t* o = out.data<int32_t>();
-  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+  for (size_t d = 0; d < w.docs(); ++d) {
+    const int64_t base = cp[size_t(w.doc[d])];
 #pragma omp parallel for schedule(dynamic, 8)
-    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
-      const int64_t n = (t - cu[d] + 1) / pool;
+    for (int64_t t = w.qcu[d]; t < w.qcu[d + 1]; ++t) {
+      const int64_t n = (w.pos(d, t) + 1) / pool;
       thread_local std::vector<int32_t> cand;
       dsa_detail::best_indices(s + t * W, n, kk, cand);
       const int64_t m = int64_t(cand.size());
       int32_t* orow = o + t * kk;
-      for (int64_t j = 0; j < m; ++j) orow[j] = int32_t(cp[d] + cand[size_t(j)]);
+      for (int64_t j = 0; j < m; ++j) orow[j] = int32_t(base + cand[size_t(j)]);
       for (int64_t j = m; j < kk; ++j) orow[j] = -1;
     }
   }
@@ -175,12 +176,12 @@ void indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w, 
     score_bwd<float>(a, opt.relu, p, d_scores, g);
 }
 
-void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
+void topk_select(const Tensor& scores, const dsa_detail::QueryWindow& w, int64_t k, int64_t pool,
                  Tensor& out) {
   if (scores.dtype() == DType::f64)
-    topk_rows<double>(scores, cu, k, pool, out);
+    topk_rows<double>(scores, w, k, pool, out);
   else
-    topk_rows<float>(scores, cu, k, pool, out);
+    topk_rows<float>(scores, w, k, pool, out);
 }
 
 }  // namespace hlm::ops::cpu

@@ -27,8 +27,8 @@ void indexer_scores_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                              const dsa_detail::Pattern& p, const IndexerScoreOptions& opt,
                              double scale, const Tensor& d_scores, IndexerScoreGrads& g,
                              const char* op);
-// out i32 [T, k]; cu: checked cu_seqlens.
-void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
+// out i32 [w.T, k] for the window's queries (ops/dsa_common.h).
+void topk_select(const Tensor& scores, const dsa_detail::QueryWindow& w, int64_t k, int64_t pool,
                  Tensor& out);
 
 }  // namespace hlm::ops::cpu

@@ -108,15 +108,15 @@ void compress_bwd(const CompressArgs& a, const Tensor& dpool, KPoolCompressGrads
 }
 
 template <class F>
-void pool_target_dense(const Tensor& tt, const std::vector<int64_t>& cu, int64_t P, Tensor& out) {
+void pool_target_dense(const Tensor& tt, const dsa_detail::QueryWindow& w, int64_t P, Tensor& out) {
   const F* x = tt.data<F>();
   F* o = out.data<F>();
   const int64_t Wt = tt.size(1), Wp = out.size(1);
   std::fill(o, o + out.numel(), F(0));
-  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+  for (size_t d = 0; d < w.docs(); ++d) {
 #pragma omp parallel for schedule(static)
-    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
-      const int64_t n = (t - cu[d] + 1) / P;
+    for (int64_t t = w.qcu[d]; t < w.qcu[d + 1]; ++t) {
+      const int64_t n = (w.pos(d, t) + 1) / P;
       F tot = 0;
       for (int64_t p = 0; p < n; ++p) {
         F s = 0;
@@ -172,37 +172,38 @@ void kpool_compress_backward(const Tensor& k, const Tensor& gate, const Tensor& 
     compress_bwd<float>(a, d_pooled, g);
 }
 
-void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
-                          bool always_select_tail, Tensor& indices) {
-  const std::vector<int64_t> cp = dsa_detail::pool_offsets(cu, P);
+void kpool_select_indices(const Tensor& pools, const dsa_detail::QueryWindow& w, int64_t K,
+                          int64_t P, bool always_select_tail, Tensor& indices) {
+  const std::vector<int64_t> cp = dsa_detail::pool_offsets(w.cu, P);
   const int64_t G = K / P, W = indices.size(1);
   const int32_t* pl = pools.data<int32_t>();
   int32_t* o = indices.data<int32_t>();
-  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+  for (size_t d = 0; d < w.docs(); ++d) {
+    const int64_t first_tok = w.first(d), first_pool = cp[size_t(w.doc[d])];
 #pragma omp parallel for schedule(static)
-    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) {
+    for (int64_t t = w.qcu[d]; t < w.qcu[d + 1]; ++t) {
       int32_t* row = o + t * W;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t p = pl[t * G + g];
         for (int64_t j = 0; j < P; ++j)
-          row[g * P + j] = p < 0 ? -1 : int32_t(cu[d] + (p - cp[d]) * P + j);
+          row[g * P + j] = p < 0 ? -1 : int32_t(first_tok + (p - first_pool) * P + j);
       }
       if (always_select_tail) {
-        const int64_t r = t - cu[d];
+        const int64_t r = w.pos(d, t);
         const int64_t first = (r + 1) / P * P;  // relative start of the incomplete pool
         for (int64_t j = 0; j < P - 1; ++j)
-          row[K + j] = first + j <= r ? int32_t(cu[d] + first + j) : -1;
+          row[K + j] = first + j <= r ? int32_t(first_tok + first + j) : -1;
       }
     }
   }
 }
 
-void kpool_pool_target_dense(const Tensor& token_target, const std::vector<int64_t>& cu, int64_t P,
-                             Tensor& out) {
+void kpool_pool_target_dense(const Tensor& token_target, const dsa_detail::QueryWindow& w,
+                             int64_t P, Tensor& out) {
   if (token_target.dtype() == DType::f64)
-    pool_target_dense<double>(token_target, cu, P, out);
+    pool_target_dense<double>(token_target, w, P, out);
   else
-    pool_target_dense<float>(token_target, cu, P, out);
+    pool_target_dense<float>(token_target, w, P, out);
 }
 
 void kpool_pool_target_sparse(const Tensor& token_target, const std::vector<int64_t>& pools,

@@ -94,7 +94,7 @@ void attn_bwd(const AttnArgs& a, const Pattern& p, F scale, const Tensor& out_t,
     }
   }
 #pragma omp parallel for schedule(dynamic, 4)
-  for (int64_t s = 0; s < a.T; ++s) {
+  for (int64_t s = 0; s < p.nkeys; ++s) {
     F* dk = dkv + s * D;
     std::vector<F> acc_k(size_t(D), F(0));
     for (int64_t i = p.key_ptr[size_t(s)]; i < p.key_ptr[size_t(s + 1)]; ++i) {
