@@ -50,13 +50,6 @@ QueryWindow window_of(const SeqLayout& seqs, int64_t T, const std::optional<int6
   return w;
 }
 
-void require_whole_on_cuda(const QueryWindow& w, Device dev, const char* op) {
-  HLM_CHECK(dev == Device::cpu || (w.q0 == 0 && w.T == w.cu.back()),
-            "{}: query rows [{}, {}) of a batch of {} tokens (context parallelism) run on the CPU "
-            "only; the CUDA kernels take the whole batch's queries",
-            op, w.q0, w.q0 + w.T, w.cu.back());
-}
-
 std::vector<int64_t> pool_offsets(const std::vector<int64_t>& cu, int64_t pool) {
   std::vector<int64_t> cp(cu.size(), 0);
   for (size_t i = 1; i < cu.size(); ++i) cp[i] = cp[i - 1] + (cu[i] - cu[i - 1]) / pool;

@@ -76,9 +76,6 @@ QueryWindow whole_window(const std::vector<int64_t>& cu);
 // tokens, as seq_offsets checks).
 QueryWindow window_of(const SeqLayout& seqs, int64_t T, const std::optional<int64_t>& q0,
                       const char* op);
-// The CUDA kernels derive each query's keys from the whole batch's per-token layout: a window
-// other than the whole batch on a CUDA tensor throws, naming op.
-void require_whole_on_cuda(const QueryWindow& w, Device dev, const char* op);
 
 // Start of each document's pools in the global pool numbering: doc i has floor(L_i / P) complete
 // pools, numbered cu_pools[i] .. cu_pools[i+1]-1. (P = 1 gives the sequence offsets.)

@@ -40,7 +40,6 @@ ScoreArgs check_score_args(const Tensor& q, const Tensor& k, const Tensor& w, co
   a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
   a.dev = detail::one_device(op, {q, "q"}, {{rows, "rows"}});
   a.win = dsa_detail::window_of(seqs, a.T, q0, op);
-  dsa_detail::require_whole_on_cuda(a.win, a.dev, op);
   a.cu = a.win.cu;
   const int64_t nkeys = dsa_detail::pool_offsets(a.cu, opt.pool).back();
   detail::require_like(k, q, {nkeys, a.D}, op,
@@ -75,7 +74,7 @@ RowsPattern rows_pattern_of(const ScoreArgs& a, const Tensor& rows, int64_t pool
     p.host = dsa_detail::rows_pattern(rows, a.win, pool, op, "rows", with_inverse);
   } else {
     HLM_CUDA_PATH(op,
-                  p.dev = cuda::device_rows_pattern(rows, a.cu, pool, op, "rows", with_inverse));
+                  p.dev = cuda::device_rows_pattern(rows, a.win, pool, op, "rows", with_inverse));
   }
   p.W = rows.size(1);  // checked: rows is [T, W]
   return p;
@@ -101,7 +100,7 @@ Tensor indexer_scores(const Tensor& q, const Tensor& k, const Tensor& w, const S
     const Pattern p = dsa_detail::causal_pattern(a.win, opt.pool, out.size(1));
     cpu::indexer_scores(a.q, a.k, a.w, p, opt, a.scale, out, op);
   } else {
-    HLM_CUDA_PATH(op, cuda::indexer_scores_dense(a.q, a.k, a.w, a.cu, opt, a.scale, out, op));
+    HLM_CUDA_PATH(op, cuda::indexer_scores_dense(a.q, a.k, a.w, a.win, opt, a.scale, out, op));
   }
   return out;
 }
@@ -272,7 +271,7 @@ IndexerScoreGrads indexer_scores_backward(const Tensor& q, const Tensor& k, cons
     const Pattern p = dsa_detail::causal_pattern(a.win, opt.pool, d_scores.size(1));
     cpu::indexer_scores_backward(a.q, a.k, a.w, p, opt, a.scale, d_scores, g, op);
   } else {
-    HLM_CUDA_PATH(op, cuda::indexer_scores_dense_backward(a.q, a.k, a.w, a.cu, opt, a.scale,
+    HLM_CUDA_PATH(op, cuda::indexer_scores_dense_backward(a.q, a.k, a.w, a.win, opt, a.scale,
                                                           d_scores, g, op));
   }
   return g;
@@ -307,7 +306,6 @@ Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int6
   HLM_CHECK(pool >= 1, "{}: pool must be >= 1, got {}", op, pool);
   const int64_t T = scores_.size(0);
   const dsa_detail::QueryWindow win = dsa_detail::window_of(seqs, T, q0, op);
-  dsa_detail::require_whole_on_cuda(win, scores_.device(), op);
   const int64_t need = dsa_detail::max_keys_per_doc(win.cu, pool);
   HLM_CHECK(scores_.size(1) >= need,
             "{}: scores must have W >= {} columns (the most {} of a "
@@ -318,7 +316,7 @@ Tensor topk_select(const Tensor& scores_, const SeqLayout& seqs, int64_t k, int6
   if (scores.is_cpu())
     cpu::topk_select(scores, win, k, pool, out);
   else
-    HLM_CUDA_PATH(op, cuda::topk_select(scores, win.cu, k, pool, out));
+    HLM_CUDA_PATH(op, cuda::topk_select(scores, win, k, pool, out));
   return out;
 }
 

@@ -64,8 +64,8 @@ struct IndexerScoreOptions {
 // Query windows (context parallelism, docs/parallel.md): every op below that takes seqs also takes
 // an optional q0. With it, q (w, the scores, their rows and gradients) holds the queries of global
 // tokens [q0, q0 + T) of the packed batch seqs, and k its keys (all of them: [T_total or NP, d_I]);
-// the result is those rows of the whole batch's. CPU only so far (a CUDA tensor with q0 is
-// refused).
+// the result is those rows of the whole batch's (on CUDA the kernels take the window's per-query
+// geometry, ops/cuda/dsa_common.cuh's DsaLayoutDev, and clip each key's readers to it).
 
 // q [T, H_I, d_I], k [T or NP, d_I], w [T, H_I] (dtypes above) -> scores [T, W] dense layout.
 // W = 0 picks the minimum width (max keys per document).

@@ -32,7 +32,6 @@ dsa_detail::QueryWindow check_target(const Tensor& q, const Tensor& kv, const Te
             scale);
   const Device dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
   dsa_detail::QueryWindow w = dsa_detail::window_of(seqs, q.size(0), q0, op);
-  dsa_detail::require_whole_on_cuda(w, dev, op);
   return w;
 }
 
@@ -58,7 +57,7 @@ Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs
   // CUDA: no host pattern (O(T^2) at long documents); the kernels read the per-token layout.
   Tensor out = detail::new_output({q.size(0), W == 0 ? need : W}, detail::compute_dtype(q.dtype()),
                                   q.device());
-  HLM_CUDA_PATH(op, cuda::attention_target_dense(q, kv, cu, scale, out));
+  HLM_CUDA_PATH(op, cuda::attention_target_dense(q, kv, win, scale, out));
   return out;
 }
 
@@ -82,7 +81,7 @@ Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& s
   // CUDA: the selection's pattern built and checked on the device.
   Tensor out;
   HLM_CUDA_PATH(op, {
-    const cuda::DsaPatternDev p = cuda::device_rows_pattern(indices, cu, 1, op, "indices", false);
+    const cuda::DsaPatternDev p = cuda::device_rows_pattern(indices, win, 1, op, "indices", false);
     out = detail::new_output({p.T, p.W}, detail::compute_dtype(q.dtype()), q.device());
     cuda::attention_target(q.contiguous(), kv.contiguous(), p, scale, out,
                            lse.defined() ? lse.contiguous() : Tensor());

@@ -33,7 +33,7 @@ constexpr double kIndexerKlEps = 1e-10;
 
 // q [T, H, D_qk], kv [T, D_qk] (one dtype: f32 or f64; on CUDA also bf16, contiguous) -> p* [T, W]
 // in the computation dtype (f32 for bf16) in the dense causal layout (0 outside the causal set).
-// q0: a query window (context parallelism, CPU only so far): q holds the queries of global tokens
+// q0: a query window (context parallelism): q holds the queries of global tokens
 // [q0, q0 + T) of seqs, kv all its tokens; likewise for attention_target_at.
 Tensor attention_target(const Tensor& q, const Tensor& kv, const SeqLayout& seqs, double scale,
                         int64_t W = 0, std::optional<int64_t> q0 = {});

@@ -91,7 +91,6 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, in
             pool_scores.describe());
   const int64_t T = pool_scores.size(0);
   const dsa_detail::QueryWindow win = dsa_detail::window_of(seqs, T, q0, op);
-  dsa_detail::require_whole_on_cuda(win, pool_scores.device(), op);
   KPoolSelection sel;
   sel.pools = topk_select(pool_scores, seqs, K / P, P, q0);
   sel.indices =
@@ -100,7 +99,7 @@ KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, in
     cpu::kpool_select_indices(sel.pools, win, K, P, always_select_tail, sel.indices);
   else
     HLM_CUDA_PATH(
-        op, cuda::kpool_select_indices(sel.pools, win.cu, K, P, always_select_tail, sel.indices));
+        op, cuda::kpool_select_indices(sel.pools, win, K, P, always_select_tail, sel.indices));
   return sel;
 }
 
@@ -113,7 +112,6 @@ Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs
             token_target.describe());
   const int64_t T = token_target.size(0);
   const dsa_detail::QueryWindow win = dsa_detail::window_of(seqs, T, q0, op);
-  dsa_detail::require_whole_on_cuda(win, token_target.device(), op);
   const std::vector<int64_t>& cu = win.cu;
   const int64_t need_t = dsa_detail::max_keys_per_doc(cu, 1);
   const int64_t need_p = dsa_detail::max_keys_per_doc(cu, P);
@@ -125,7 +123,7 @@ Tensor kpool_pool_target_dense(const Tensor& token_target, const SeqLayout& seqs
   if (tt.is_cpu())
     cpu::kpool_pool_target_dense(tt, win, P, out);
   else
-    HLM_CUDA_PATH(op, cuda::kpool_pool_target_dense(tt, cu, P, out));
+    HLM_CUDA_PATH(op, cuda::kpool_pool_target_dense(tt, win, P, out));
   return out;
 }
 

@@ -60,7 +60,7 @@ struct KPoolSelection {
 // min(K / P, candidate pools) per query by (higher score, then lower pool id; NaN last).
 // K % P != 0, P < 1 or K < 1 throw. With the tail, when the document prefix r + 1 <= K every causal
 // token is selected (dense attention).
-// q0: the rows [q0, q0 + T) of a query window (dsa_indexer.h; CPU only).
+// q0: the rows [q0, q0 + T) of a query window (dsa_indexer.h).
 KPoolSelection kpool_select(const Tensor& pool_scores, const SeqLayout& seqs, int64_t K, int64_t P,
                             bool always_select_tail = true, std::optional<int64_t> q0 = {});
 

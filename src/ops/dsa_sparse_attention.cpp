@@ -41,7 +41,6 @@ AttnDims check_attn(const Tensor& q, const Tensor& kv, const Tensor& indices, co
             scale);
   a.dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
   a.win = dsa_detail::window_of(seqs, a.T, q0, op);
-  dsa_detail::require_whole_on_cuda(a.win, a.dev, op);
   a.cu = a.win.cu;
   return a;
 }
@@ -76,8 +75,8 @@ Selection selection_of(const AttnDims& a, const Tensor& indices, const char* op,
   if (a.dev == Device::cpu) {
     s.host = dsa_detail::rows_pattern(indices, a.win, 1, op, "indices", with_inverse);
   } else {
-    HLM_CUDA_PATH(op,
-                  s.dev = cuda::device_rows_pattern(indices, a.cu, 1, op, "indices", with_inverse));
+    HLM_CUDA_PATH(
+        op, s.dev = cuda::device_rows_pattern(indices, a.win, 1, op, "indices", with_inverse));
   }
   return s;
 }
@@ -255,7 +254,7 @@ SparseAttentionOut causal_attention(const Tensor& q_, const Tensor& kv_, const S
   if (a.dev == Device::cpu) {
     cpu::sparse_attention(q, kv, causal_of(a), d_v, scale, r.out, r.lse);
   } else {
-    HLM_CUDA_PATH(op, cuda::causal_attention(q, kv, a.cu, d_v, scale, r.out, r.lse));
+    HLM_CUDA_PATH(op, cuda::causal_attention(q, kv, a.win, d_v, scale, r.out, r.lse));
   }
   return r;
 }
@@ -273,8 +272,8 @@ SparseAttentionGrads causal_attention_backward(const Tensor& q_, const Tensor& k
   if (a.dev == Device::cpu) {
     cpu::sparse_attention_backward(q, kv, causal_of(a), d_v, scale, out, lse, d_out, g.dq, g.dkv);
   } else {
-    HLM_CUDA_PATH(
-        op, cuda::causal_attention_backward(q, kv, a.cu, d_v, scale, out, lse, d_out, g.dq, g.dkv));
+    HLM_CUDA_PATH(op, cuda::causal_attention_backward(q, kv, a.win, d_v, scale, out, lse, d_out,
+                                                      g.dq, g.dkv));
   }
   return g;
 }

@@ -40,7 +40,7 @@ struct SparseAttentionOut {
 };
 
 // q [T, H, D_qk], kv [T, D_qk] (same dtype, see above), indices [T, W].
-// q0 (context parallelism; CPU only so far): q (and out, lse, indices, d_out, dq) holds the
+// q0 (context parallelism): q (and out, lse, indices, d_out, dq) holds the
 // queries of global tokens [q0, q0 + T) of the packed batch seqs, kv (and dkv) all its tokens
 // [T_total, D_qk]; the result is those rows of the whole batch's.
 SparseAttentionOut sparse_attention(const Tensor& q, const Tensor& kv, const Tensor& indices,

@@ -390,6 +390,7 @@ TEST(DsaAttentionGpu, GlmShapeAgreesAndTimings) {
   // The dense causal attention (no index tensor, the absorbed MLA's) on one document of T tokens.
   for (int64_t T : {4096, 8192}) {
     const std::vector<int64_t> cu{0, T};
+    const ops::dsa_detail::QueryWindow win = ops::dsa_detail::whole_window(cu);
     const Tensor q = gpu(randn({T, H, D}, DType::f32, rng).to(DType::bf16));
     const Tensor kv = gpu(randn({T, D}, DType::f32, rng).to(DType::bf16));
     const Tensor dout = gpu(randn({T, H, dv}, DType::f32, rng, 0.1).to(DType::bf16));
@@ -397,9 +398,9 @@ TEST(DsaAttentionGpu, GlmShapeAgreesAndTimings) {
     Tensor lse = Tensor::empty({T, H}, DType::f32, Device::cuda);
     Tensor dq = Tensor::empty({T, H, D}, DType::bf16, Device::cuda);
     Tensor dkv = Tensor::empty({T, D}, DType::bf16, Device::cuda);
-    const double f = time_ms([&] { ops::cuda::causal_attention(q, kv, cu, dv, scale, out, lse); });
+    const double f = time_ms([&] { ops::cuda::causal_attention(q, kv, win, dv, scale, out, lse); });
     const double b = time_ms([&] {
-      ops::cuda::causal_attention_backward(q, kv, cu, dv, scale, out, lse, dout, dq, dkv);
+      ops::cuda::causal_attention_backward(q, kv, win, dv, scale, out, lse, dout, dq, dkv);
     });
     const double E = double(T) * double(T + 1) / 2;
     std::printf(
@@ -421,6 +422,7 @@ TEST(DsaAttentionGpu, GlmShapeAgreesAndTimings) {
       }
     }
     const std::vector<int64_t> cu{0, T};
+    const ops::dsa_detail::QueryWindow win = ops::dsa_detail::whole_window(cu);
     const Tensor idx = gpu(Tensor::from_vector<int32_t>({T, K}, rv));
     const auto pattern = [&] {
       return ops::cuda::device_rows_pattern(idx, cu, 1, "timing", "indices", true);
@@ -441,7 +443,7 @@ TEST(DsaAttentionGpu, GlmShapeAgreesAndTimings) {
       ops::cuda::sparse_attention_backward(q, kv, p, dv, scale, out, lse, dout, dq, dkv);
     });
     const double ta = time_ms([&] { ops::cuda::attention_target(q, kv, p, scale, tgt); });
-    const double td = time_ms([&] { ops::cuda::attention_target_dense(q, kv, cu, scale, dense); });
+    const double td = time_ms([&] { ops::cuda::attention_target_dense(q, kv, win, scale, dense); });
     const double E = double(p.entries), Hd = double(H);
     std::printf(
         "GLM shape bf16 T=%lld H=%lld D=%lld dv=%lld top-k %lld (%.3g entries): device pattern "

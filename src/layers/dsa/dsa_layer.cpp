@@ -161,10 +161,6 @@ DsaLayer::Output DsaLayer::forward_full(const Tensor& x, const SeqLayout& seqs, 
   std::optional<int64_t> q0;
   std::vector<int64_t> starts;  // each local sequence's first position (context parallel)
   if (cp) {
-    HLM_CHECK(x.is_cpu(),
-              "DsaLayer::forward: context parallelism runs on the CPU only so far (the DSA ops' "
-              "query windows), got x on {}",
-              device_name(x.device()));
     HLM_CHECK(T == cp->tokens(cp->rank()) && seqs.offsets() == cp->local().offsets(),
               "DsaLayer::forward: rank {} holds {} tokens of the context-parallel batch (and its "
               "local layout), got {}",
@@ -307,8 +303,10 @@ Tensor DsaLayer::backward_full(const Tensor& dy, const Saved& s, double indexer_
           ? ops::sparse_attention_backward(s.q_abs, kv, s.indices, on, rkv, scale, o_lat, s.lse,
                                            dol, q0)
           : ops::causal_attention_backward(s.q_abs, kv, on, rkv, scale, o_lat, s.lse, dol, q0);
-  // Context parallel: this rank's latent rows' gradient, summed over every rank's queries.
-  if (s.cp) g.dkv = dist::reduce_scatter_rows(s.cp->comm(), g.dkv, s.cp->bounds());
+  // Context parallel: this rank's latent rows' gradient, summed over every rank's queries in the
+  // compute dtype (then rounded as the attention's gradients are: attention_operand).
+  if (s.cp)
+    g.dkv = dist::reduce_scatter_rows(s.cp->comm(), as_dt(g.dkv, compute_dtype()), s.cp->bounds());
   ps_att.end();
   // The attention's gradients as CUDA returns them (bf16 unless native) on both devices.
   profile::Scope ps_abs("absorb q");

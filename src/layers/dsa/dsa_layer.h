@@ -125,7 +125,7 @@ class DsaLayer : public Mla {
   // of the one-process forward's. The backward sends each rank the gradients of its latent rows
   // and keys (summed over the ranks). The indexer loss is this slice's rows' mean (the caller
   // rescales it by this slice's share of the rows, as for data parallelism). A dense causal set
-  // leaves Output::indices undefined. CPU only so far (the DSA ops' query windows).
+  // leaves Output::indices undefined.
   Output forward(const Context& ctx, const Tensor& x, const SeqLayout& seqs, Saved* saved,
                  const Tensor& given_indices = {}, const dist::CpSlice* cp = nullptr) const;
   // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable

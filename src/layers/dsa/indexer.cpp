@@ -505,7 +505,8 @@ IndexerLossResult DsaIndexer::loss_backward(const Context& ctx, const Tensor& ta
   // Context parallel: a gradient of the whole batch's keys, summed over the ranks, this rank's
   // rows.
   auto own_rows = [&](const Tensor& whole) {
-    return s.cp ? dist::reduce_scatter_rows(s.cp->comm(), whole, s.cp->bounds()) : whole;
+    return s.cp ? dist::reduce_scatter_rows(s.cp->comm(), as_dt(whole, cdt), s.cp->bounds())
+                : whole;
   };
   const Context lin_ctx{true, false};
   const ops::IndexerScoreOptions so = score_options();

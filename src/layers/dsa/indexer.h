@@ -178,7 +178,7 @@ class DsaIndexer : public Module {
   // (and KPool's gates) are gathered over the group, the pools made from the whole batch's, and
   // this rank's queries scored and selected over them (global token and pool ids): the rows of
   // the whole batch's output. The loss's backward sends each rank its keys' gradients back
-  // (summed over the ranks). CPU only so far (the ops' query windows).
+  // (summed over the ranks).
   Output forward(const Context& ctx, const Tensor& h, const Tensor& c_q, const SeqLayout& seqs,
                  Saved* saved, const dist::CpSlice* cp = nullptr) const;
   // The same with a cu_seqlens tensor [N+1] (checked here; undefined: one sequence; an unusable

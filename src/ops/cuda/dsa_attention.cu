@@ -584,7 +584,10 @@ PatternKeys pattern_keys(const DsaPatternDev& d) {
           d.W};
 }
 DenseKeys dense_keys(const DsaLayoutDev& d) {
-  return {cptr<int64_t>(d.doc_start), cptr<int64_t>(d.doc_end)};
+  DenseKeys k{cptr<int64_t>(d.doc_start), cptr<int64_t>(d.key_start), cptr<int64_t>(d.key_end)};
+  k.q0 = d.q0;
+  k.nq = d.T;
+  return k;
 }
 
 // Forward (out != nullptr) or lse only (out == nullptr, dv = 0) over the keys `keys`.
@@ -723,14 +726,14 @@ void sparse_attention_backward(const Tensor& q, const Tensor& kv, const DsaPatte
   launch_bwd(q, kv, pattern_keys(pd), pd.nkeys, d_v, scale, out, lse, d_out, dq, dkv, what);
 }
 
-void causal_attention(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,
+void causal_attention(const Tensor& q, const Tensor& kv, const dsa_detail::QueryWindow& w,
                       int64_t d_v, double scale, Tensor& out, Tensor& lse) {
   const char* what = "causal_attention";
   const int64_t T = q.size(0);
   const int H = as_int(q.size(1), what, "H"), D = as_int(q.size(2), what, "D_qk");
   const int dv = as_int(d_v, what, "d_v");
   if (T == 0 || H == 0) return;
-  const DsaLayoutDev lay = upload_layout(cu, 1);
+  const DsaLayoutDev lay = upload_layout(w, 1);
   dispatch_storage(q.dtype(), [&](auto tx) {
     using T_ = decltype(tx);
     using A = acc_t<T_>;
@@ -739,29 +742,28 @@ void causal_attention(const Tensor& q, const Tensor& kv, const std::vector<int64
   });
 }
 
-void causal_attention_backward(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,
+void causal_attention_backward(const Tensor& q, const Tensor& kv, const dsa_detail::QueryWindow& w,
                                int64_t d_v, double scale, const Tensor& out, const Tensor& lse,
                                const Tensor& d_out, Tensor& dq, Tensor& dkv) {
   const char* what = "causal_attention_backward";
-  if (q.size(0) == 0 || q.size(2) == 0) return;
+  if (q.size(0) == 0 || q.size(2) == 0) return dkv.zero_();
   if (q.size(1) == 0) return dkv.zero_();
-  const DsaLayoutDev lay = upload_layout(cu, 1);
-  // Entries numbered query by query (the tensor-core backward's workspace rows): a document's
-  // query at position r starts at the document's first entry + r (r + 1) / 2.
+  const DsaLayoutDev lay = upload_layout(w, 1);
+  // Entries numbered query by query (the tensor-core backward's workspace rows): each query's
+  // keys follow the window's earlier queries' (r + 1 keys at document position r).
   std::vector<int64_t> base(size_t(lay.T));
   int64_t e = 0, longest = 0;
-  for (size_t i = 0; i + 1 < cu.size(); ++i) {
-    longest = std::max(longest, cu[i + 1] - cu[i]);
-    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+  for (size_t m = 0; m < w.docs(); ++m)
+    for (int64_t t = w.qcu[m]; t < w.qcu[m + 1]; ++t) {
       base[size_t(t)] = e;
-      e += t - cu[i] + 1;
+      e += w.pos(m, t) + 1;
+      longest = std::max(longest, w.pos(m, t) + 1);
     }
-  }
   const Tensor entry_base = to_device(base);
   DenseKeys keys = dense_keys(lay);
   keys.entry_base = cptr<int64_t>(entry_base);
   keys.width = longest;
-  launch_bwd(q, kv, keys, lay.T, d_v, scale, out, lse, d_out, dq, dkv, what);
+  launch_bwd(q, kv, keys, kv.size(0), d_v, scale, out, lse, d_out, dq, dkv, what);
 }
 
 void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd, double scale,
@@ -778,14 +780,14 @@ void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& pd
   });
 }
 
-void attention_target_dense(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,
+void attention_target_dense(const Tensor& q, const Tensor& kv, const dsa_detail::QueryWindow& w,
                             double scale, Tensor& out) {
   const char* what = "attention_target";
   const int64_t T = q.size(0);
   const int H = as_int(q.size(1), what, "H"), D = as_int(q.size(2), what, "D_qk");
   if (T == 0) return;
   if (H == 0) return out.zero_();
-  const DsaLayoutDev lay = upload_layout(cu, 1);
+  const DsaLayoutDev lay = upload_layout(w, 1);
   dispatch_storage(q.dtype(), [&](auto tx) {
     using T_ = decltype(tx);
     using A = acc_t<T_>;

@@ -26,9 +26,9 @@ void sparse_attention_backward(const Tensor& q, const Tensor& kv, const DsaPatte
 // The same over the dense causal set of each query's document (keys doc_start .. t) of the packed
 // batch `cu`: no host pattern, the kernels derive each query's keys and each key's readers (the
 // queries s .. doc_end - 1) from the per-token layout (upload_layout).
-void causal_attention(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,
+void causal_attention(const Tensor& q, const Tensor& kv, const dsa_detail::QueryWindow& w,
                       int64_t d_v, double scale, Tensor& out, Tensor& lse);
-void causal_attention_backward(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,
+void causal_attention_backward(const Tensor& q, const Tensor& kv, const dsa_detail::QueryWindow& w,
                                int64_t d_v, double scale, const Tensor& out, const Tensor& lse,
                                const Tensor& d_out, Tensor& dq, Tensor& dkv);
 
@@ -38,7 +38,7 @@ void attention_target(const Tensor& q, const Tensor& kv, const DsaPatternDev& p,
                       Tensor& out, const Tensor& lse = {});
 // p* [T, W] over the dense causal sets of the packed batch `cu` (column j = document token j;
 // 0 beyond the query's position): no host pattern, the keys come from the per-token layout.
-void attention_target_dense(const Tensor& q, const Tensor& kv, const std::vector<int64_t>& cu,
+void attention_target_dense(const Tensor& q, const Tensor& kv, const dsa_detail::QueryWindow& w,
                             double scale, Tensor& out);
 
 }  // namespace hlm::ops::cuda

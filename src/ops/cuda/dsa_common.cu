@@ -95,21 +95,32 @@ Tensor upload_page_table(const std::vector<const std::vector<int64_t>*>& pages) 
       .to(Device::cuda);
 }
 
-DsaLayoutDev upload_layout(const std::vector<int64_t>& cu, int64_t P) {
+DsaLayoutDev upload_layout(const dsa_detail::QueryWindow& w, int64_t P) {
   DsaLayoutDev d;
-  d.T = cu.back(), d.P = P;
+  d.T = w.T, d.P = P, d.q0 = w.q0;
+  const std::vector<int64_t>& cu = w.cu;
   const std::vector<int64_t> cp = dsa_detail::pool_offsets(cu, P);
   d.nkeys = cp.back();
-  std::vector<int64_t> start(size_t(d.T)), end(size_t(d.T)), base(size_t(d.T));
-  for (size_t i = 0; i + 1 < cu.size(); ++i)
-    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
-      start[size_t(t)] = cu[i];
-      end[size_t(t)] = cu[i + 1];
-      base[size_t(t)] = cp[i];
+  std::vector<int64_t> start(size_t(d.T)), base(size_t(d.T));
+  for (size_t m = 0; m < w.docs(); ++m)
+    for (int64_t t = w.qcu[m]; t < w.qcu[m + 1]; ++t) {
+      start[size_t(t)] = w.first(m) - w.q0;
+      base[size_t(t)] = cp[size_t(w.doc[m])];
     }
   d.doc_start = to_device(start);
-  d.doc_end = to_device(end);
   d.key_base = to_device(base);
+  if (P != 1) return d;
+  const bool whole = w.q0 == 0 && w.T == cu.back();
+  std::vector<int64_t> end(size_t(cu.back()));
+  std::vector<int64_t> kstart;
+  if (!whole) kstart.resize(size_t(cu.back()));
+  for (size_t i = 0; i + 1 < cu.size(); ++i)
+    for (int64_t s = cu[i]; s < cu[i + 1]; ++s) {
+      end[size_t(s)] = cu[i + 1];
+      if (!whole) kstart[size_t(s)] = cu[i];
+    }
+  d.key_start = whole ? d.doc_start : to_device(kstart);
+  d.key_end = to_device(end);
   return d;
 }
 
@@ -154,15 +165,17 @@ __device__ __forceinline__ RowBounds row_bounds(const int64_t* cu, const int64_t
   return {cp[d], cp[d] + (t - cu[d] + 1) / pool};
 }
 
+// (Row t of a window is the query of global token q0 + t.)
 template <class I>
 __global__ void __launch_bounds__(kThreads)
     rows_check_kernel(const I* __restrict__ rows, int64_t T, int64_t W,
                       const int64_t* __restrict__ cu, const int64_t* __restrict__ cp, int64_t ndocs,
-                      int64_t pool, int32_t* __restrict__ count, int32_t* __restrict__ flag) {
+                      int64_t pool, int64_t q0, int32_t* __restrict__ count,
+                      int32_t* __restrict__ flag) {
   const int lane = int(threadIdx.x & 31);
   const int64_t t = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T) return;  // the whole warp
-  const RowBounds b = row_bounds(cu, cp, ndocs, pool, t);
+  const RowBounds b = row_bounds(cu, cp, ndocs, pool, q0 + t);
   const I* row = rows + t * W;
   int64_t n = 0;     // entries so far
   int32_t top = -1;  // the largest of them (keys are < 2^31)
@@ -554,11 +567,13 @@ void read_back(void* dst, const void* src, size_t bytes) {
 
 }  // namespace
 
-DsaPatternDev device_rows_pattern(const Tensor& rows_, const std::vector<int64_t>& cu, int64_t pool,
-                                  const char* op, const char* what, bool with_inverse) {
+DsaPatternDev device_rows_pattern(const Tensor& rows_, const dsa_detail::QueryWindow& win,
+                                  int64_t pool, const char* op, const char* what,
+                                  bool with_inverse) {
   detail::require_int(rows_, op, what);
   const Tensor rows = rows_.contiguous();  // a strided view: gathered through the host
-  const int64_t T = cu.back();
+  const std::vector<int64_t>& cu = win.cu;
+  const int64_t T = win.T, q0 = win.q0;
   HLM_CHECK(rows.dim() == 2 && rows.size(0) == T, "{}: {} must be [T = {}, W], got {}", op, what, T,
             rows.describe());
   HLM_CHECK(rows.device() == Device::cuda, "{}: {} must be on CUDA here, got {}", op, what,
@@ -590,7 +605,7 @@ DsaPatternDev device_rows_pattern(const Tensor& rows_, const std::vector<int64_t
   if (T > 0)
     by_index([&](const auto* r) {
       rows_check_kernel<<<row_blocks, kThreads>>>(r, T, W, cptr<int64_t>(cu_dev),
-                                                  cptr<int64_t>(cp_dev), ndocs, pool,
+                                                  cptr<int64_t>(cp_dev), ndocs, pool, q0,
                                                   mptr<int32_t>(count), mptr<int32_t>(flag));
       check_launch(kname);
     });
@@ -614,12 +629,13 @@ DsaPatternDev device_rows_pattern(const Tensor& rows_, const std::vector<int64_t
       read_back(&v32, static_cast<const char*>(rows.raw()) + size_t(bad_t * W + bad_j) * es, es);
       v = v32;
     }
-    const size_t doc = size_t(std::upper_bound(cu.begin(), cu.end(), bad_t) - cu.begin()) - 1;
-    const int64_t lo = cp[doc], hi = cp[doc] + (bad_t - cu[doc] + 1) / pool;
+    const int64_t g = q0 + bad_t;  // the query's global token
+    const size_t doc = size_t(std::upper_bound(cu.begin(), cu.end(), g) - cu.begin()) - 1;
+    const int64_t lo = cp[doc], hi = cp[doc] + (g - cu[doc] + 1) / pool;
     HLM_FAIL(
         "{}: {}[{}, {}] = {} is not a causal {} of query {}'s document (expected -1 or a value in "
         "[{}, {}))",
-        op, what, bad_t, bad_j, v, pool == 1 ? "token" : "pool", bad_t, lo, hi);
+        op, what, bad_t, bad_j, v, pool == 1 ? "token" : "pool", g, lo, hi);
   };
   // Rows before the first bad one are all strictly ascending: no repeat can come first.
   const bool check_repeats = unsorted_t < bad_t;

@@ -40,22 +40,35 @@ Tensor upload_page_table(const std::vector<const std::vector<int64_t>*>& pages);
 // order), the same refusals with the same messages (the first bad row wins; in it, the first
 // column out of range, else the smallest repeated value). The host reads back a few numbers only:
 // the entry count and the first problem found. with_inverse: also key_ptr / key_entry (backward
-// passes).
-DsaPatternDev device_rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu, int64_t pool,
-                                  const char* op, const char* what, bool with_inverse);
+// passes). Over a query window: rows [w.T, W] of its queries, key rows of the whole batch.
+DsaPatternDev device_rows_pattern(const Tensor& rows, const dsa_detail::QueryWindow& w,
+                                  int64_t pool, const char* op, const char* what,
+                                  bool with_inverse);
+inline DsaPatternDev device_rows_pattern(const Tensor& rows, const std::vector<int64_t>& cu,
+                                         int64_t pool, const char* op, const char* what,
+                                         bool with_inverse) {
+  return device_rows_pattern(rows, dsa_detail::whole_window(cu), pool, op, what, with_inverse);
+}
 
-// Per-token geometry of a packed batch for keys grouped in pools of P tokens (P = 1: tokens):
-//   doc_start[t] = the first token of t's document,
-//   doc_end[t]   = one past the last token of t's document,
+// Per-query geometry of a query window (dsa_detail::QueryWindow: rows [q0, q0 + T) of a packed
+// batch; the whole batch: q0 = 0) for keys grouped in pools of P tokens (P = 1: tokens), for
+// local rows t:
+//   doc_start[t] = the first token of t's document, minus q0 (so t - doc_start[t] is t's
+//                  document-relative position r; negative where the document began before the
+//                  window),
 //   key_base[t]  = the global id of the document's first key (its first token for P = 1, its first
 //                  pool, pool_offsets, for P > 1).
-// Query t (document-relative r = t - doc_start[t]) sees keys key_base[t] + [0, (r + 1) / P).
+// Query t sees keys key_base[t] + [0, (r + 1) / P).
+// Per key s of the whole batch (P = 1 only; the dense causal attention's readers):
+//   key_start[s] / key_end[s] = the first token of s's document / one past its last token.
+// For the whole batch key_start and doc_start are one array.
 struct DsaLayoutDev {
-  int64_t T = 0, P = 1, nkeys = 0;
+  int64_t T = 0, P = 1, nkeys = 0, q0 = 0;
   Tensor doc_start;  // [T] i64
-  Tensor doc_end;    // [T] i64
   Tensor key_base;   // [T] i64
+  Tensor key_start;  // [nkeys] i64 (P = 1)
+  Tensor key_end;    // [nkeys] i64 (P = 1)
 };
-DsaLayoutDev upload_layout(const std::vector<int64_t>& cu, int64_t P);
+DsaLayoutDev upload_layout(const dsa_detail::QueryWindow& w, int64_t P);
 
 }  // namespace hlm::ops::cuda

@@ -459,14 +459,15 @@ __global__ void __launch_bounds__(256, 2)
 // dk [nkeys, D] (one 128-channel part per blockIdx.y, one group of hpg heads per blockIdx.z):
 // per key tile, its readers in query-tile order, the group's heads in order. With one group the
 // block writes dk; else its partial sum goes to dk_part [groups, nkeys, D] (dense_dk_reduce adds
-// the groups in order). cu / cp: the document and pool offsets [N+1].
+// the groups in order). cu / cp: the document and pool offsets [N+1]; the queries (q, w, dsc) are
+// the rows of global tokens [q0, q0 + nq).
 template <class TQ, class T, class A>
 __global__ void __launch_bounds__(256, 2)
     dense_dk_kernel(const TQ* __restrict__ q, const TQ* __restrict__ k, const T* __restrict__ w,
                     const A* __restrict__ dsc, const int64_t* __restrict__ cu,
-                    const int64_t* __restrict__ cp, int64_t ndocs, T* __restrict__ dk,
-                    A* __restrict__ dk_part, int64_t nkeys, int H, int hpg, int D, int64_t W,
-                    int64_t P, A scale, bool relu) {
+                    const int64_t* __restrict__ cp, int64_t ndocs, int64_t q0, int64_t nq,
+                    T* __restrict__ dk, A* __restrict__ dk_part, int64_t nkeys, int H, int hpg,
+                    int D, int64_t W, int64_t P, A scale, bool relu) {
   using S = TileSmem<kTile>;
   extern __shared__ float4 smem4[];
   A* As = reinterpret_cast<A*>(smem4);
@@ -484,10 +485,13 @@ __global__ void __launch_bounds__(256, 2)
     if (tid < nk) {
       const int64_t s = s0 + tid, d = last_le(cp, ndocs + 1, s);
       const int64_t rel = s - cp[d];
+      // The readers: the queries from the first that sees the key to the document's end, those
+      // of the window [q0, q0 + nq), as its rows.
+      const int64_t first = cu[d] + (rel + 1) * P - 1, end = cu[d + 1];
       s_doc[tid] = d;
-      s_end[tid] = cu[d + 1];
+      s_end[tid] = (end < q0 + nq ? end : q0 + nq) - q0;
       s_rel[tid] = rel;
-      s_first[tid] = cu[d] + (rel + 1) * P - 1;  // the first query that sees the key
+      s_first[tid] = (first > q0 ? first : q0) - q0;
       s_roff[tid] = s * D;
     } else {
       s_doc[tid] = -1, s_end[tid] = 0, s_rel[tid] = 0, s_first[tid] = 0, s_roff[tid] = -1;
@@ -854,12 +858,12 @@ void dispatch_score(DType dt, bool fp8, F&& f) {
 }  // namespace
 
 void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
-                          const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,
+                          const dsa_detail::QueryWindow& win, const IndexerScoreOptions& opt,
                           double scale, Tensor& scores, const char* op) {
   const int64_t T_ = q.size(0), W = scores.size(1);
   const int H = int(q.size(1)), D = int(q.size(2));
   if (T_ == 0 || W == 0) return;
-  const DsaLayoutDev lay = upload_layout(cu, opt.pool);
+  const DsaLayoutDev lay = upload_layout(win, opt.pool);
   dispatch_storage(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     using A = acc_t<T>;
@@ -935,13 +939,14 @@ Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, cons
 }
 
 void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                   const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,
-                                   double scale, const Tensor& d_scores, IndexerScoreGrads& g,
-                                   const char* op) {
+                                   const dsa_detail::QueryWindow& win,
+                                   const IndexerScoreOptions& opt, double scale,
+                                   const Tensor& d_scores, IndexerScoreGrads& g, const char* op) {
   const int64_t T_ = q.size(0), W = d_scores.size(1), nkeys = k.size(0);
   const int H = int(q.size(1)), D = int(q.size(2));
   const int parts = parts_of(D);
-  const DsaLayoutDev lay = upload_layout(cu, opt.pool);
+  const std::vector<int64_t>& cu = win.cu;
+  const DsaLayoutDev lay = upload_layout(win, opt.pool);
   const std::vector<int64_t> cp = dsa_detail::pool_offsets(cu, opt.pool);
   const Tensor cu_dev = to_device(cu), cp_dev = to_device(cp);
   const int64_t ndocs = int64_t(cu.size()) - 1;
@@ -974,10 +979,11 @@ void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tenso
         allow_smem(reinterpret_cast<const void*>(&dense_dk_kernel<TQ, T, A>), smem, op);
         const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(parts),
                         static_cast<unsigned>(groups));
-        dense_dk_kernel<TQ, T, A><<<grid, 256, smem>>>(
-            cptr<TQ>(in.q), cptr<TQ>(in.k), cptr<T>(w), cptr<A>(d_scores), cptr<int64_t>(cu_dev),
-            cptr<int64_t>(cp_dev), ndocs, mptr<T>(g.dk), groups > 1 ? mptr<A>(part) : nullptr,
-            nkeys, H, hpg, D, W, opt.pool, A(scale), opt.relu);
+        dense_dk_kernel<TQ, T, A>
+            <<<grid, 256, smem>>>(cptr<TQ>(in.q), cptr<TQ>(in.k), cptr<T>(w), cptr<A>(d_scores),
+                                  cptr<int64_t>(cu_dev), cptr<int64_t>(cp_dev), ndocs, win.q0, T_,
+                                  mptr<T>(g.dk), groups > 1 ? mptr<A>(part) : nullptr, nkeys, H,
+                                  hpg, D, W, opt.pool, A(scale), opt.relu);
         check_launch("indexer_scores_backward dense dk");
         const int64_t n = nkeys * D;
         if (groups > 1 && n > 0) {

@@ -23,7 +23,7 @@ namespace hlm::ops::cuda {
 
 // scores [T, W] (W = scores.size(1) >= the most keys of a document); cu: checked cu_seqlens.
 void indexer_scores_dense(const Tensor& q, const Tensor& k, const Tensor& w,
-                          const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,
+                          const dsa_detail::QueryWindow& win, const IndexerScoreOptions& opt,
                           double scale, Tensor& scores, const char* op);
 // scores [T, p.W] at the pattern's entries, -inf elsewhere.
 void indexer_scores_rows(const Tensor& q, const Tensor& k, const Tensor& w, const DsaPatternDev& p,
@@ -35,9 +35,9 @@ Tensor indexer_fp8_emulate(const Tensor& x, const IndexerScoreOptions& opt, cons
                            const char* what, Tensor* nonfinite);
 // g.dq, g.dk, g.dw written; d_scores [T, W] in the dense layout.
 void indexer_scores_dense_backward(const Tensor& q, const Tensor& k, const Tensor& w,
-                                   const std::vector<int64_t>& cu, const IndexerScoreOptions& opt,
-                                   double scale, const Tensor& d_scores, IndexerScoreGrads& g,
-                                   const char* op);
+                                   const dsa_detail::QueryWindow& win,
+                                   const IndexerScoreOptions& opt, double scale,
+                                   const Tensor& d_scores, IndexerScoreGrads& g, const char* op);
 // g.dq, g.dk, g.dw written; d_scores [T, p.W] in the explicit-rows layout.
 void indexer_scores_rows_backward(const Tensor& q, const Tensor& k, const Tensor& w,
                                   const DsaPatternDev& p, const IndexerScoreOptions& opt,

@@ -14,12 +14,15 @@ namespace hlm::ops::cuda {
 // increasing t (each reader reads s once: the patterns here are token-level, no duplicates).
 //   PatternKeys: entries row_ptr[t] .. row_ptr[t+1]-1; the readers come from the inverse map
 //                (key_ptr, key_entry, query; null unless uploaded for a backward pass).
-//   DenseKeys:   keys doc_start[t] .. t (slot = key - doc_start[t]); readers s .. doc_end[s]-1.
+//   DenseKeys:   keys doc_start .. t of t's document (slot = key - its document's first token);
+//                readers s .. doc_end[s]-1. Over a query window (rows [q0, q0 + nq) of the batch,
+//                ops/dsa_common.h) the keys are global tokens and the readers the window's
+//                queries among them, as local rows.
 // Entries (the tensor-core backward's per-(query, key) rows): query t's keys are the entries
 // entry0(t) .. entry0(t) + count(t) - 1 in slot order, and reader i of key s is the entry
 // reader_entry(s, r0, i) (r0 = readers_first(s)). PatternKeys: the pattern's entries. DenseKeys:
 // entries numbered query by query, entry0(t) = entry_base[t] (uploaded only for that backward:
-// the document's first entry + r (r + 1) / 2 at document position r).
+// the running sum of the window's earlier queries' key counts).
 struct PatternKeys {
   const int64_t* row_ptr;
   const int64_t* key;
@@ -45,20 +48,27 @@ struct PatternKeys {
   }
 };
 struct DenseKeys {
-  const int64_t* doc_start;
-  const int64_t* doc_end;
+  const int64_t* doc_start;  // [nq] per query row: its document's first token - q0
+  const int64_t* key_start;  // [keys] per key: its document's first token
+  const int64_t* key_end;    // [keys] per key: one past its document's last token
   const int64_t* entry_base = nullptr;
-  int64_t width = 0;  // most keys of one query (the longest document)
-  __device__ __forceinline__ int64_t first(int64_t t) const { return doc_start[t]; }
+  int64_t width = 0;       // most keys of one query (the longest document)
+  int64_t q0 = 0, nq = 0;  // the query rows: global tokens [q0, q0 + nq)
+  __device__ __forceinline__ int64_t first(int64_t t) const { return doc_start[t] + q0; }
   __device__ __forceinline__ int64_t count(int64_t t) const { return t - doc_start[t] + 1; }
   __device__ __forceinline__ int64_t key_at(int64_t f, int64_t j) const { return f + j; }
   __device__ __forceinline__ int64_t slot_at(int64_t, int64_t j) const { return j; }
-  __device__ __forceinline__ int64_t readers_first(int64_t s) const { return s; }
-  __device__ __forceinline__ int64_t readers_count(int64_t s) const { return doc_end[s] - s; }
+  __device__ __forceinline__ int64_t readers_first(int64_t s) const {
+    return (s > q0 ? s : q0) - q0;
+  }
+  __device__ __forceinline__ int64_t readers_count(int64_t s) const {
+    const int64_t lo = s > q0 ? s : q0, hi = key_end[s] < q0 + nq ? key_end[s] : q0 + nq;
+    return hi > lo ? hi - lo : 0;
+  }
   __device__ __forceinline__ int64_t reader_at(int64_t r0, int64_t i) const { return r0 + i; }
   __device__ __forceinline__ int64_t entry0(int64_t t) const { return entry_base[t]; }
   __device__ __forceinline__ int64_t reader_entry(int64_t s, int64_t r0, int64_t i) const {
-    return entry_base[r0 + i] + (s - doc_start[s]);
+    return entry_base[r0 + i] + (s - key_start[s]);
   }
 };
 

@@ -186,18 +186,19 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// (Rows of a query window: doc_start is the document's first token minus q0, DsaLayoutDev.)
 template <class I>
 __global__ void expand_kernel(const I* __restrict__ pools, const int64_t* __restrict__ doc_start,
-                              const int64_t* __restrict__ pool_base, int64_t T, int64_t K,
-                              int64_t P, int64_t Wout, int32_t* __restrict__ out) {
+                              const int64_t* __restrict__ pool_base, int64_t q0, int64_t T,
+                              int64_t K, int64_t P, int64_t Wout, int32_t* __restrict__ out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * Wout) return;
-  const int64_t t = i / Wout, col = i % Wout, s0 = doc_start[t];
+  const int64_t t = i / Wout, col = i % Wout, s0 = doc_start[t] + q0;
   if (col < K) {
     const int64_t p = int64_t(pools[t * (K / P) + col / P]);
     out[i] = p < 0 ? -1 : int32_t(s0 + (p - pool_base[t]) * P + col % P);
   } else {
-    const int64_t r = t - s0, first = (r + 1) / P * P, j = col - K;
+    const int64_t r = t - doc_start[t], first = (r + 1) / P * P, j = col - K;
     out[i] = first + j <= r ? int32_t(s0 + first + j) : -1;
   }
 }
@@ -398,11 +399,11 @@ void cached_select(const Tensor& scores, const Tensor& ncand, const Tensor& pos,
   check_launch("cached_select expand");
 }
 
-void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
+void topk_select(const Tensor& scores, const dsa_detail::QueryWindow& w, int64_t k, int64_t pool,
                  Tensor& out) {
   const int64_t T = scores.size(0);
   if (T == 0) return;
-  const DsaLayoutDev lay = upload_layout(cu, pool);
+  const DsaLayoutDev lay = upload_layout(w, pool);
   dispatch_real(scores.dtype(), [&](auto f) {
     using F = decltype(f);
     topk_kernel<F>
@@ -412,26 +413,26 @@ void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k
   check_launch("topk_select");
 }
 
-void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
-                          bool always_select_tail, Tensor& indices) {
+void kpool_select_indices(const Tensor& pools, const dsa_detail::QueryWindow& w, int64_t K,
+                          int64_t P, bool always_select_tail, Tensor& indices) {
   (void)always_select_tail;  // the width of `indices` says whether the tail columns are there
   const int64_t T = indices.size(0), Wout = indices.size(1);
   if (T == 0) return;
-  const DsaLayoutDev lay = upload_layout(cu, P);
+  const DsaLayoutDev lay = upload_layout(w, P);
   dispatch_index(pools.dtype(), [&](auto i) {
     using I = decltype(i);
     expand_kernel<I><<<blocks_for(T * Wout, kThreads), kThreads>>>(
-        cptr<I>(pools), cptr<int64_t>(lay.doc_start), cptr<int64_t>(lay.key_base), T, K, P, Wout,
-        mptr<int32_t>(indices));
+        cptr<I>(pools), cptr<int64_t>(lay.doc_start), cptr<int64_t>(lay.key_base), w.q0, T, K, P,
+        Wout, mptr<int32_t>(indices));
   });
   check_launch("kpool_select");
 }
 
-void kpool_pool_target_dense(const Tensor& token_target, const std::vector<int64_t>& cu, int64_t P,
-                             Tensor& out) {
+void kpool_pool_target_dense(const Tensor& token_target, const dsa_detail::QueryWindow& w,
+                             int64_t P, Tensor& out) {
   const int64_t T = out.size(0);
   if (T == 0) return;
-  const DsaLayoutDev lay = upload_layout(cu, P);
+  const DsaLayoutDev lay = upload_layout(w, P);
   dispatch_real(token_target.dtype(), [&](auto f) {
     using F = decltype(f);
     pool_target_kernel<F, int32_t><<<unsigned(T), kThreads>>>(

@@ -9,13 +9,14 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/dsa_common.h"
 #include "ops/dsa_indexer_loss.h"
 
 namespace hlm::ops::cuda {
 
 // out i32 [T, k]: the rule of ops::topk_select (higher score, then lower index; NaN last), rows
 // in increasing index order, -1 padded.
-void topk_select(const Tensor& scores, const std::vector<int64_t>& cu, int64_t k, int64_t pool,
+void topk_select(const Tensor& scores, const dsa_detail::QueryWindow& w, int64_t k, int64_t pool,
                  Tensor& out);
 // The selection of the forward over an inference cache (ops::cached_sparse_attention): per query
 // t the best min(K / P, ncand[t]) of scores[t, 0 .. ncand[t]) (the topk_select rule), expanded to
@@ -32,10 +33,10 @@ void cached_select(const Tensor& scores, const Tensor& ncand, const Tensor& pos,
 void cached_candidates(const Tensor& ncand, const Tensor& seq_of, const Tensor& pages, int64_t page,
                        int64_t P, const Tensor& row_ptr, Tensor& slot, Tensor& key, Tensor& query);
 // indices i32 [T, K (+ P - 1)] from the selected pools i32 [T, K / P] (KPoolSelection).
-void kpool_select_indices(const Tensor& pools, const std::vector<int64_t>& cu, int64_t K, int64_t P,
-                          bool always_select_tail, Tensor& indices);
-void kpool_pool_target_dense(const Tensor& token_target, const std::vector<int64_t>& cu, int64_t P,
-                             Tensor& out);
+void kpool_select_indices(const Tensor& pools, const dsa_detail::QueryWindow& w, int64_t K,
+                          int64_t P, bool always_select_tail, Tensor& indices);
+void kpool_pool_target_dense(const Tensor& token_target, const dsa_detail::QueryWindow& w,
+                             int64_t P, Tensor& out);
 // pools: i32 or i64 [T, G] on the device.
 void kpool_pool_target_sparse(const Tensor& token_target, const Tensor& pools, int64_t P,
                               Tensor& out);
