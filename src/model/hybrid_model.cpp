@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <span>
 
 #include "core/enum_names.h"
@@ -317,7 +318,7 @@ class FeedForward : public Module {
 
   FeedForward(const ModelConfig& c, MlpKind kind, int64_t index, const HybridModelOptions& o,
               const std::string& path)
-      : tp_(tp_group(o)) {
+      : tp_(tp_group(o)), tcp_(o.tensor_context_comm) {
     if (kind == MlpKind::moe) {
       MoeConfig m = moe_layer_config(c, o.dtype, sub_seed(o.seed, index, 6));
       if (o.expert_comm && o.expert_comm->size() > 1) {
@@ -349,7 +350,7 @@ class FeedForward : public Module {
       const Tensor y = mlp_->forward(c, x, s ? &s->mlp : nullptr);
       return tp_sum(tp_, y);
     }
-    if (tp_) return tp_moe_forward(c, x, cu, s, out, replay);
+    if (tp_) return tp_moe_forward(c, x, cu, s, out, replay, cp);
     MoeLayer::Output o =
         moe_->forward(c, x, cu, s ? &s->moe : nullptr, replay, ep_, /*stats=*/!cached, cp);
     if (out) {
@@ -381,21 +382,44 @@ class FeedForward : public Module {
   // tokens). The aux loss and the counts are this rank's share (the model sums them over the
   // group): the layer averages its sequences' shares over its own pieces, so the share is
   // rescaled to the whole batch's sequence count (as data parallelism's aux_sequences does).
+  // Under context parallelism (cp) the rows are the slice's, and the share is a slice of the whole
+  // batch over the tensor-context group (HybridModelOptions::tensor_context_comm): every tensor
+  // group's slice split over its ranks, in (context rank, tensor rank) order.
   Tensor tp_moe_forward(const Context& c, const Tensor& x, const SeqLayout& cu, Saved* s, Out* out,
-                        const Tensor& replay) const {
+                        const Tensor& replay, const dist::CpSlice* cp) const {
     const int64_t T = x.size(0), n = tp_->size();
     HLM_CHECK(T >= n,
               "HybridModel: a tensor-parallel MoE layer splits the batch's rows over the group's "
               "{} ranks, but the batch has {} tokens",
               n, T);
-    const dist::CpSlice slice(*tp_, cu, dist::CpSlice::even_bounds(T, int(n)));
-    const int64_t b0 = slice.begin(tp_->rank()), b1 = slice.end(tp_->rank());
-    std::vector<int64_t> bounds;
-    for (int r = 0; r <= n; ++r) bounds.push_back(r < n ? slice.begin(r) : T);
+    std::vector<int64_t> bounds;  // the rows of each tensor rank, within x
+    for (int64_t b : dist::CpSlice::even_bounds(T, int(n))) bounds.push_back(b);
+    std::optional<dist::CpSlice> slice;
+    int64_t off = 0;  // the first row of x in the slice's global layout
+    if (cp) {
+      const int nc = cp->size();
+      std::vector<int64_t> all;
+      for (int q = 0; q < nc; ++q) {
+        HLM_CHECK(cp->tokens(q) >= n,
+                  "HybridModel: context rank {} holds {} tokens, fewer than the {} tensor ranks "
+                  "that split its MoE rows",
+                  q, cp->tokens(q), n);
+        const std::vector<int64_t> e = dist::CpSlice::even_bounds(cp->tokens(q), int(n));
+        for (int r = 0; r < n; ++r) all.push_back(cp->begin(q) + e[size_t(r)]);
+      }
+      all.push_back(cp->global().total_tokens());
+      slice.emplace(*tcp_, cp->global(), all);
+      off = cp->begin(cp->rank());
+    } else {
+      slice.emplace(*tp_, cu, bounds);
+    }
+    const int64_t b0 = bounds[size_t(tp_->rank())], b1 = bounds[size_t(tp_->rank()) + 1];
+    HLM_CHECK(slice->begin(slice->rank()) == off + b0 && slice->end(slice->rank()) == off + b1,
+              "HybridModel: the tensor-parallel MoE rows do not match the slice");
     const Tensor rp = replay.defined() ? ops::contiguous(replay.slice(0, b0, b1)) : Tensor();
-    MoeLayer::Output o = moe_->forward(c, ops::contiguous(x.slice(0, b0, b1)), slice.local(),
-                                       s ? &s->moe : nullptr, rp, ep_, /*stats=*/true, &slice);
-    const double aux_scale = double(nonempty_seqs(slice.local())) / double(nonempty_seqs(cu));
+    MoeLayer::Output o = moe_->forward(c, ops::contiguous(x.slice(0, b0, b1)), slice->local(),
+                                       s ? &s->moe : nullptr, rp, ep_, /*stats=*/true, &*slice);
+    const double aux_scale = double(nonempty_seqs(slice->local())) / double(nonempty_seqs(cu));
     if (s) {
       s->tp_rows = bounds;
       s->tp_aux_scale = aux_scale;
@@ -410,8 +434,9 @@ class FeedForward : public Module {
 
   std::unique_ptr<MoeLayer> moe_;
   std::unique_ptr<DenseMlp> mlp_;
-  dist::Comm* ep_ = nullptr;  // the expert-parallel group (HybridModelOptions::expert_comm)
-  dist::Comm* tp_ = nullptr;  // the tensor-parallel group (HybridModelOptions::tensor_comm)
+  dist::Comm* ep_ = nullptr;   // the expert-parallel group (HybridModelOptions::expert_comm)
+  dist::Comm* tp_ = nullptr;   // the tensor-parallel group (HybridModelOptions::tensor_comm)
+  dist::Comm* tcp_ = nullptr;  // HybridModelOptions::tensor_context_comm
 };
 
 // ---- the decoder layer --------------------------------------------------------------------------
@@ -635,6 +660,7 @@ class DecoderLayer : public Module {
       cc->cache->store_kda_states(cc->layer, *cc->slots, fin);
     } else if (kda_ && s->cp.slice) {
       y = kda_->forward(c, a, *s->cp.slice, train ? &s->kda : nullptr, s->cp.mode);
+      y = tp_sum(tp_, y);
     } else if (kda_) {
       y = kda_->forward(c, a, cu, nullptr, train ? &s->kda : nullptr);
       y = tp_sum(tp_, y);
@@ -775,8 +801,10 @@ class MtpBlock : public Module {
 
   // e [T, D] (embedding of the next token, zeros where there is none), h [T, D] (the main
   // stack's mean-contracted hidden) -> the normed output [T, D] for the shared head.
+  // cp: context parallel (ModelInputs::cp): the DSA layer and the MoE take the slice.
   Tensor forward(const Context& ctx, const Tensor& e, const Tensor& h, const SeqLayout& cu,
-                 Saved* s, Out* out, const Tensor& replay, const CacheCall* cc = nullptr) const {
+                 Saved* s, Out* out, const Tensor& replay, const CacheCall* cc = nullptr,
+                 const dist::CpSlice* cp = nullptr) const {
     Context c = ctx;
     c.recompute = ctx.training && recompute_ == Recompute::selective;
     const bool train = ctx.training && s;
@@ -791,15 +819,15 @@ class MtpBlock : public Module {
     Tensor a = in_norm_->forward(c, m, train ? &s->in_norm : nullptr);
     DsaCacheView view;
     if (cc) view = cc->cache->dsa_view(cc->layer, *cc->slots);
-    DsaLayer::Output o =
-        cc ? dsa_->forward_cached(a, cu, view) : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr);
+    DsaLayer::Output o = cc ? dsa_->forward_cached(a, cu, view)
+                            : dsa_->forward(c, a, cu, train ? &s->dsa : nullptr, Tensor(), cp);
     if (out && o.has_indexer_loss) {
       out->indexer_loss = o.indexer_loss;
       out->indexer_rows = o.indexer_loss_rows;
     }
     Tensor m2 = add(m, tp_sum(tp_, o.y));
     Tensor b = post_norm_->forward(c, m2, train ? &s->post_norm : nullptr);
-    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr);
+    Tensor f = ffn_->forward(c, b, cu, train ? &s->ffn : nullptr, out, replay, cc != nullptr, cp);
     Tensor m3 = add(m2, f);
     return head_norm_->forward(c, m3, train ? &s->head_norm : nullptr);
   }
@@ -1025,20 +1053,20 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
   const bool has_targets = in.targets.defined();
   dist::Comm* tp = tp_group(opt_);
   if (tp)
-    HLM_CHECK(in.cache == nullptr && in.cp == nullptr,
-              "HybridModel::forward: a tensor-parallel model runs neither over a cache nor "
-              "context parallel yet");
+    HLM_CHECK(in.cache == nullptr,
+              "HybridModel::forward: a tensor-parallel model does not run over a cache yet");
+  if (tp && in.cp) {
+    const dist::Comm* tcp = opt_.tensor_context_comm;
+    HLM_CHECK(tcp && tcp->size() == in.cp->size() * tp->size() &&
+                  tcp->rank() == in.cp->rank() * tp->size() + tp->rank(),
+              "HybridModel::forward: tensor and context parallelism together need "
+              "HybridModelOptions::tensor_context_comm: the {} x {} ranks of this part of the "
+              "batch, ordered by (context rank, tensor rank)",
+              in.cp->size(), tp->size());
+  }
   if (in.cp) {
     HLM_CHECK(in.cache == nullptr,
               "HybridModel::forward: a forward over a cache does not run context parallel");
-    for (size_t l = 0; l < layers_.size(); ++l)
-      HLM_CHECK(!layers_[l]->is_dsa() || embed_->value.is_cpu(),
-                "HybridModel::forward: layer {} is a DSA layer, which runs context parallel on the "
-                "CPU only so far (KDA layers, MoE and dense MLPs also on CUDA)",
-                l);
-    HLM_CHECK(!(mtp_ && has_targets),
-              "HybridModel::forward: the MTP block (a DSA layer) does not run context parallel "
-              "yet; build the model without it (HybridModelOptions::mtp, train's mtp false)");
   }
   if (has_targets)
     HLM_CHECK(in.targets.dim() == 1 && in.targets.size(0) == T,
@@ -1243,6 +1271,19 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
         mt[size_t(i)] = tgt[next[size_t(i)]];
         valid[size_t(i)] = 1;
       }
+    // Context parallel: a slice whose last sequence goes on into the next rank takes that rank's
+    // first token and target as its last position's (one all-gather of each rank's first pair).
+    if (in.cp) {
+      const dist::CpSlice& cp = *in.cp;
+      const std::vector<int64_t> firsts =
+          cp.allgather(Tensor::from_vector<int64_t>({1, 2}, {tok[0], tgt[0]})).to_i64_vector();
+      if (cp.goes_on(cp.rank())) {
+        const size_t r = size_t(cp.rank()) + 1;
+        nt[size_t(T - 1)] = firsts[2 * r];
+        mt[size_t(T - 1)] = firsts[2 * r + 1];
+        valid[size_t(T - 1)] = 1;
+      }
+    }
     s->next_tokens = on(dev, Tensor::from_vector({T}, nt));
     s->next_valid = Tensor::from_vector({T}, valid);
     s->mtp_targets = on(dev, Tensor::from_vector({T}, mt));
@@ -1251,7 +1292,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
       if (!valid[size_t(i)]) en.select(0, i).zero_();
     MtpBlock::Out mo;
     Tensor o = mtp_->forward(ctx, en, h, seqs, train ? &s->mtp : nullptr, &mo,
-                             mtp_->is_moe() ? replay_of(moe_i) : Tensor());
+                             mtp_->is_moe() ? replay_of(moe_i) : Tensor(), nullptr, in.cp);
     if (mtp_->is_moe()) {
       out.aux_loss += mo.aux_loss * s->aux_scale;
       out.expert_counts.push_back(mo.counts);

@@ -81,9 +81,16 @@ struct HybridModelOptions {
   // other parameter (embedding, mHC, norms, head) is whole on every rank and computed the same
   // there. Every rank of the group calls each forward and backward together. With expert
   // parallelism, a MoE layer's share of the rows goes to the expert group (which must be made of
-  // ranks of other tensor-parallel groups, as the trainer makes it). Not with context parallelism
-  // or a cache yet (refused). nullptr or a group of one: none.
+  // ranks of other tensor-parallel groups, as the trainer makes it). With context parallelism
+  // (ModelInputs::cp: a slice over a group of the ranks of one tensor-parallel rank) the group's
+  // ranks run the same slice, and tensor_context_comm must be given. Not over a cache yet
+  // (refused). nullptr or a group of one: none.
   dist::Comm* tensor_comm = nullptr;
+  // Tensor and context parallelism together: the ranks that hold one part of the batch (every
+  // tensor-parallel group of one context-parallel group), ordered by (context rank, tensor rank).
+  // A MoE layer's rows are the slice's rows split over the tensor group, and its sequence aux loss
+  // takes the whole sequences' counts over this group.
+  dist::Comm* tensor_context_comm = nullptr;
 };
 
 // The caller's own output projection and loss (Megatron's output_processor): given the final
@@ -141,7 +148,7 @@ struct ModelInputs {
   // (cp_mode), the MoE aux loss takes the whole sequences' counts; every loss and gradient is
   // this slice's share (with the global batch's normalizers above, they sum over the ranks to the
   // whole batch's). The DSA layers gather the latent rows and indexer keys over the group and
-  // attend from this slice's queries (CPU only so far); their indexer losses are this slice's
+  // attend from this slice's queries; their indexer losses are this slice's
   // rows' means (ModelOutput::indexer_rows: the caller rescales each by the slice's share of the
   // rows, as the trainer does under data parallelism). Not over a cache; the MTP block does not
   // run context parallel yet (refused).

@@ -561,16 +561,6 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "--context-parallel {}: the degree must be at least 1 and divide the number of "
               "processes, {}",
               cp, nproc);
-    const int64_t attn =
-        cfg_.model.count_layers(LayerKind::dsa) + cfg_.model.count_layers(LayerKind::mla);
-    HLM_CHECK(attn == 0 || opts_.device == Device::cpu,
-              "--context-parallel {}: the model's {} DSA / MLA layer(s) run context parallel on "
-              "the CPU only so far (KDA layers, MoE and dense MLPs also on CUDA)",
-              cp, attn);
-    HLM_CHECK(!(cfg_.mtp && cfg_.model.mtp.num_layers > 0),
-              "--context-parallel {}: the MTP block (a DSA layer) does not run context parallel "
-              "yet; train without it (--set mtp=false)",
-              cp);
     HLM_CHECK(opts_.cp_mode != KdaCpMode::headwise || cfg_.model.kda.num_heads % cp == 0,
               "--cp-mode headwise: the KDA layers' {} heads do not divide by the degree {}",
               cfg_.model.kda.num_heads, cp);
@@ -580,7 +570,15 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     HLM_CHECK(tp >= 1 && nproc % tp == 0,
               "--tensor-parallel {}: the degree must divide the number of processes, {}", tp,
               nproc);
-    HLM_CHECK(cp == 1, "--tensor-parallel {}: does not combine with --context-parallel yet", tp);
+    HLM_CHECK(nproc % (tp * cp) == 0,
+              "--tensor-parallel {} --context-parallel {}: their product must divide the number "
+              "of processes, {}",
+              tp, cp, nproc);
+    HLM_CHECK(cp == 1 || opts_.cp_mode != KdaCpMode::headwise ||
+                  cfg_.model.kda.num_heads % (tp * cp) == 0,
+              "--tensor-parallel {} --cp-mode headwise: each rank's {} KDA heads do not divide by "
+              "the context-parallel degree {}",
+              tp, cfg_.model.kda.num_heads / tp, cp);
     HLM_CHECK(ep == 1 || (nproc / tp) % ep == 0,
               "--tensor-parallel {} --expert-parallel {}: the expert groups are made of the {} "
               "data-parallel groups' ranks, and {} does not divide them",
@@ -624,8 +622,19 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   if (ep > 1)
     groups_ = std::make_unique<ExpertGroups>(
         make_expert_groups(tp_ ? *dp_host_ : *opts_.comm, ep, opts_.device != Device::cpu));
-  // Context-parallel group g: the ranks [g cp, (g + 1) cp), in rank order.
-  if (cp > 1) cp_comm_ = opts_.comm->split(opts_.comm->rank() / cp, opts_.comm->rank());
+  // Context-parallel group g: the ranks [g cp, (g + 1) cp), in rank order. With tensor
+  // parallelism rank r is ((d cp + c) tp + a): part d of the batch, context rank c, tensor rank
+  // a; the context group is the ranks of one (d, a), and the tensor-context group the cp x tp
+  // ranks of part d.
+  if (cp > 1) {
+    const int r = opts_.comm->rank();
+    if (tp > 1) {
+      cp_comm_ = opts_.comm->split((r / (tp * cp)) * tp + r % tp, r);
+      tcp_comm_ = opts_.comm->split(r / (tp * cp), r);
+    } else {
+      cp_comm_ = opts_.comm->split(r / cp, r);
+    }
+  }
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
   mo.seed = cfg_.seed;
@@ -633,6 +642,7 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
   mo.mtp = cfg_.mtp;
   mo.expert_comm = groups_ ? groups_->dispatch() : nullptr;
   mo.tensor_comm = tp_;
+  mo.tensor_context_comm = tcp_comm_.get();
   model_ = std::make_unique<HybridModel>(cfg_.model, mo);
   model_->zero_grad();
   if (tp_) {

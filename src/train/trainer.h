@@ -273,6 +273,9 @@ class Trainer {
   TrainerOptions opts_;
   std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
   std::unique_ptr<dist::Comm> cp_comm_;   // context parallelism: this rank's group
+  // Tensor and context parallelism together: the ranks of this rank's part of the batch
+  // (HybridModelOptions::tensor_context_comm).
+  std::unique_ptr<dist::Comm> tcp_comm_;
   // Tensor parallelism: the group (NCCL's on GPUs) and every parameter's layout in
   // named_parameters order. dp_host_: the data-parallel ranks beside it (dp_ runs over them).
   std::unique_ptr<dist::Comm> tp_host_, tp_dev_, dp_host_;

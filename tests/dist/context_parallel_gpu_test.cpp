@@ -24,7 +24,8 @@ TEST(KdaContextParallelGpu, MatchesTheWholeBatch) {
 }
 
 // The whole model's context parallelism on GPUs (`--model-cp f32 cuda short`, 2 ranks): KDA
-// layers chunkwise and headwise, MoE with the sequence aux loss, mHC; the loss terms and the
+// layers chunkwise and headwise, a DSA layer with the KPool indexer and its loss (latent rows and
+// keys gathered over the ranks), MoE with the sequence aux loss, mHC; the loss terms and the
 // gradients summed over the ranks against the whole batch on the same GPU.
 TEST(ModelContextParallelGpu, MatchesTheWholeBatch) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";

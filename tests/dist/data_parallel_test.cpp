@@ -279,9 +279,9 @@ TEST_F(DataParallelRun, ExpertParallelTrainsAsOne) {
 // dense MLP channels split over groups of 2 processes, alone (2 processes) and data parallel over
 // 2 groups (4 processes), each group running its part of the batch (KDA and DSA layers with KPool
 // and the indexer loss through both stages, MoE with the aux loss on each process's share of the
-// rows, mHC, MTP), and with expert parallelism beside it: the one-process run's losses, weights
-// and optimizer state (gathered into the one-process layout), the same bits run again,
-// checkpoints resumed across layouts, and the refusals.
+// rows, mHC, MTP), with expert parallelism beside it and with context parallelism (2 x 2): the
+// one-process run's losses, weights and optimizer state (gathered into the one-process layout), the
+// same bits run again, checkpoints resumed across layouts, and the refusals.
 TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   ASSERT_EQ(train(1, "--config train.json --out one"), 0) << read("err.txt");
   for (const int n : {2, 4}) {
@@ -306,6 +306,13 @@ TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   EXPECT_NE(read("out.txt").find("expert parallel: 1 groups of 2 processes"), std::string::npos)
       << read("out.txt");
   expect_as_one("tpep", "one");
+  // With context parallelism: the tensor groups of one context-parallel pair run the pair's
+  // slices of the one part of the batch.
+  ASSERT_EQ(train(4, "--config train.json --out tpcp --tensor-parallel 2 --context-parallel 2"), 0)
+      << read("err.txt");
+  EXPECT_NE(read("out.txt").find("context parallel: 1 groups of 2 processes"), std::string::npos)
+      << read("out.txt");
+  expect_as_one("tpcp", "one");
   // A checkpoint of 4 processes (2 x 2) resumes at 2 (tensor parallel) and in one process; one
   // process's resumes at 4.
   ASSERT_EQ(train(4, "--config train.json --out split --tensor-parallel 2 --stop-after 4"), 0)
@@ -320,17 +327,18 @@ TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
   ASSERT_EQ(train(4, "--resume whole --tensor-parallel 2"), 0) << read("err.txt");
   expect_as_one("whole", "one");
   // Refused, nothing written: a degree that does not divide the processes or the heads, expert
-  // groups that do not divide the data-parallel ranks, and with context parallelism.
+  // groups that do not divide the data-parallel ranks, with context parallelism a product that
+  // does not divide the processes and headwise over fewer heads per rank than the degree.
   for (const auto& [n, args, msg] :
        std::initializer_list<std::tuple<int, const char*, const char*>>{
            {3, "--tensor-parallel 2", "the degree must divide the number of processes, 3"},
            {4, "--tensor-parallel 4", "the KDA layers' 2 heads do not divide by the degree"},
            {2, "--tensor-parallel 2 --expert-parallel 2",
             "the expert groups are made of the 1 data-parallel groups' ranks"},
-           {2,
-            "--tensor-parallel 2 --context-parallel 2 --set model.layer_pattern=KKK --set "
-            "mtp=false",
-            "does not combine with --context-parallel yet"}}) {
+           {2, "--tensor-parallel 2 --context-parallel 2",
+            "their product must divide the number of processes, 2"},
+           {4, "--tensor-parallel 2 --context-parallel 2 --cp-mode headwise",
+            "each rank's 1 KDA heads do not divide by the context-parallel degree 2"}}) {
     SCOPED_TRACE(args);
     EXPECT_EQ(train(n, fmt::format("--config train.json --out refused {}", args)), 2);
     EXPECT_NE(read("err.txt").find(msg), std::string::npos) << read("err.txt");
@@ -341,9 +349,9 @@ TEST_F(DataParallelRun, TensorParallelTrainsAsOne) {
 // Context parallelism (HybridModel's ModelInputs::cp): each part of the global batch split along
 // its tokens over groups of 2 or 4 processes, the KDA layers chunkwise or headwise; with data
 // parallelism across the groups and with expert parallelism; a checkpoint of a context-parallel
-// run resumes in one process. The model: the test model's layers all KDA (the MTP block does not
-// run context parallel yet), with MoE and the sequence aux loss; then the test model's own layers,
-// its DSA layer with the KPool indexer and its loss, over 2 and 4 processes.
+// run resumes in one process. The model: the test model's layers all KDA without MTP, with MoE
+// and the sequence aux loss; then the whole test model, its DSA layer with the KPool indexer and
+// its loss and its MTP block, over 2 and 4 processes.
 TEST_F(DataParallelRun, ContextParallelTrainsAsOne) {
   const std::string kda = " --set model.layer_pattern=KKK --set mtp=false";
   ASSERT_EQ(train(1, "--config train.json --out one" + kda), 0) << read("err.txt");
@@ -372,25 +380,24 @@ TEST_F(DataParallelRun, ContextParallelTrainsAsOne) {
       << read("err.txt");
   ASSERT_EQ(train(1, "--resume half"), 0) << read("err.txt");
   expect_same_tensors("half", "one", "model.safetensors", 1e-10);
-  // The DSA layer (CPU): its latent rows and indexer keys gathered over the group.
-  const std::string dsa = " --set mtp=false";
-  ASSERT_EQ(train(1, "--config train.json --out onedsa" + dsa), 0) << read("err.txt");
+  // The whole test model: the DSA layer's latent rows and indexer keys gathered over the group,
+  // the MTP block's last positions taking the next rank's first token.
+  ASSERT_EQ(train(1, "--config train.json --out onedsa"), 0) << read("err.txt");
   EXPECT_GT(double(metrics("onedsa").back().at("indexer_loss")), 0);
+  EXPECT_GT(double(metrics("onedsa").back().at("mtp_loss")), 0);
   for (const int n : {2, 4}) {
     SCOPED_TRACE(fmt::format("DSA, {} processes in one context-parallel group", n));
     const std::string run = fmt::format("cpdsa{}", n);
-    ASSERT_EQ(
-        train(n, fmt::format("--config train.json --out {} --context-parallel {}", run, n) + dsa),
-        0)
+    ASSERT_EQ(train(n, fmt::format("--config train.json --out {} --context-parallel {}", run, n)),
+              0)
         << read("err.txt");
     expect_as_one(run, "onedsa");
   }
-  // Refused, with nothing written: a degree that does not divide the processes, the MTP block,
-  // headwise over more ranks than KDA heads.
+  // Refused, with nothing written: a degree that does not divide the processes, headwise over
+  // more ranks than KDA heads.
   const std::pair<std::string, std::string> bad[] = {
       {"--context-parallel 3" + kda,
        "the degree must be at least 1 and divide the number of processes, 4"},
-      {"--context-parallel 2", "the MTP block (a DSA layer) does not run context parallel yet"},
       {"--context-parallel 4 --cp-mode headwise" + kda,
        "the KDA layers' 2 heads do not divide by the degree 4"},
       {"--context-parallel 2 --cp-mode sideways" + kda, "--cp-mode"}};

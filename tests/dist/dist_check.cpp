@@ -8,8 +8,9 @@
 // every check passed, 1 otherwise. `--train CONFIG OUT DEVICE [EP [CP [TP]]]` runs the trainer
 // instead, `--kda-cp DTYPE DEVICE [short]` the KDA layer's context parallelism, `--moe-ep DTYPE
 // DEVICE` the MoE layer's expert parallelism, `--model-cp DTYPE DEVICE [short]` the whole model's
-// context parallelism, `--tp DTYPE DEVICE` the layers' tensor parallelism and `--model-tp DTYPE
-// DEVICE` the whole model's (below).
+// context parallelism, `--tp DTYPE DEVICE` the layers' tensor parallelism, `--model-tp DTYPE
+// DEVICE` the whole model's and `--model-tpcp DTYPE DEVICE` the whole model's tensor and context
+// parallelism together (below).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -477,23 +478,22 @@ int moe_ep(const std::string& dtype, const std::string& device) {
 // `--model-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): the whole model's context
 // parallelism (ModelInputs::cp) over this job's ranks against the whole batch run in this process:
 // a model of three KDA layers (4 heads of 32), a dense MLP and MoE layers with the aux loss, and
-// mHC; on the CPU a fourth layer, DSA with the KPool indexer (top-16 of pools of 4 with the tail)
-// and its loss, in the sparse stage and the dense warm-up. Each rank runs its slice with the
-// whole batch's normalizers, and rescales its indexer losses (and their gradients) by its share of
-// the rows, as the trainer does; the loss terms summed over the ranks, every parameter gradient
-// summed over the ranks and the expert counts summed over the ranks must equal the whole batch's:
-// within 1e-10 (f64) or 5e-5 (f32) relative (the counts exactly), chunkwise and (when the group's
-// size divides the 4 heads) headwise, without recompute, with selective and with full recompute,
-// and the same bits when run again. Batches: sequences cut by the slice bounds (one of 300
-// tokens; 70, 3 and 100 with a one-token slice at 3 and 4 ranks). `short` runs the first batch
-// without recompute only (the emulated GPU's run).
+// mHC, a fourth layer, DSA with the KPool indexer (top-16 of pools of 4 with the tail) and its
+// loss, in the sparse stage and the dense warm-up, and the MTP block (a DSA layer and a MoE; the
+// last position of a slice whose sequence goes on takes the next rank's first token). Each rank
+// runs its slice with the whole batch's normalizers, and rescales its indexer losses (and their
+// gradients) by its share of the rows, as the trainer does; the loss terms summed over the ranks,
+// every parameter gradient summed over the ranks and the expert counts summed over the ranks must
+// equal the whole batch's: within 1e-10 (f64) or 5e-5 (f32) relative (the counts exactly),
+// chunkwise and (when the group's size divides the 4 heads) headwise, without recompute, with
+// selective and with full recompute, and the same bits when run again. Batches: sequences cut by
+// the slice bounds (one of 300 tokens; 70, 3 and 100 with a one-token slice at 3 and 4 ranks).
+// `short` runs the first batch without recompute only (the emulated GPU's run).
 int model_cp(const std::string& dtype, const std::string& device, bool all_cases) {
   const auto [dt, dev] = layer_check_args("--model-cp", dtype, device);
   const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
   Comm& w = hlm::dist::world();
   const int R = w.rank(), N = w.size();
-  // The DSA layer's context parallelism runs on the CPU only so far.
-  const bool dsa = dev == hlm::Device::cpu;
   nlohmann::json cfg = nlohmann::json::parse(R"({
     "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
     "num_hidden_layers": 3, "layer_pattern": "KKK", "first_k_dense_replace": 1,
@@ -501,10 +501,9 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
     "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
-    "num_nextn_predict_layers": 0, "gemm_precision": "native"
+    "num_nextn_predict_layers": 1, "gemm_precision": "native"
   })");
-  if (dsa)
-    cfg.update(nlohmann::json::parse(R"({
+  cfg.update(nlohmann::json::parse(R"({
       "num_hidden_layers": 4, "layer_pattern": "KKDK",
       "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 8,
       "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4,
@@ -527,7 +526,7 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
   if (all_cases)
     recomputes = {hlm::Recompute::none, hlm::Recompute::selective, hlm::Recompute::full};
   std::vector<hlm::DsaStage> stages{hlm::DsaStage::sparse};
-  if (dsa && all_cases) stages.push_back(hlm::DsaStage::dense_warmup);
+  if (all_cases) stages.push_back(hlm::DsaStage::dense_warmup);
   double worst = 0;
   for (const hlm::Recompute rc : recomputes)
     for (const hlm::DsaStage stage : stages) {
@@ -559,8 +558,10 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
         sw.reset();
         std::vector<Tensor> g_ref;
         for (const auto& [name, p] : params) g_ref.push_back(p->grad.to(hlm::Device::cpu));
-        const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.aux_loss, ow.indexer_loss};
-        expect(!dsa || ow.indexer_loss > 0, std::string(k.name) + ": an indexer loss", R);
+        const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.aux_loss, ow.indexer_loss,
+                                        ow.mtp_loss};
+        expect(ow.mtp_loss > 0, std::string(k.name) + ": an MTP loss", R);
+        expect(ow.indexer_loss > 0, std::string(k.name) + ": an indexer loss", R);
         // This rank's slice.
         const std::vector<int64_t> bounds =
             k.bounds.empty() ? hlm::dist::CpSlice::even_bounds(T, N) : k.bounds;
@@ -573,13 +574,14 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
               std::string(k.name) + ", " +
               (mode == hlm::KdaCpMode::headwise ? "headwise" : "chunkwise") + ", recompute " +
               hlm::recompute_name(rc) +
-              (dsa ? stage == hlm::DsaStage::sparse ? ", DSA sparse" : ", DSA dense warm-up" : "");
+              (stage == hlm::DsaStage::sparse ? ", DSA sparse" : ", DSA dense warm-up");
           auto run = [&](std::vector<double>& l, std::vector<Tensor>& g, std::vector<Tensor>& c) {
             model.zero_grad();
             hlm::ModelInputs in;
             in.tokens = tokens.slice(0, b0, b1).contiguous();
             in.targets = targets.slice(0, b0, b1).contiguous();
             in.lm_normalizer = lm_norm;
+            in.mtp_normalizer = ow.mtp_count;
             in.aux_sequences = seqs.num_seqs();
             in.cp = &slice;
             in.cp_mode = mode;
@@ -599,7 +601,8 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
             }
             model.backward(ctx, *s, {}, scales);
             Tensor lt = Tensor::from_vector<double>(
-                {4}, {o.loss - o.indexer_loss + indexer, o.lm_loss, o.aux_loss, indexer});
+                {5},
+                {o.loss - o.indexer_loss + indexer, o.lm_loss, o.aux_loss, indexer, o.mtp_loss});
             w.allreduce_sum(lt);
             l = lt.to_f64_vector();
             g.clear();
@@ -946,6 +949,141 @@ int model_tp(const std::string& dtype, const std::string& device) {
   return failures == 0 ? 0 : 1;
 }
 
+// `--model-tpcp DTYPE DEVICE` (4 ranks): tensor and context parallelism together, the ranks
+// tp = 2 x cp = 2 (rank = 2 c + a: the tensor groups are pairs of consecutive ranks, the context
+// groups the ranks of one tensor rank, the tensor-context group all four). The model of
+// --model-tp (KDA, DSA with KPool and its loss, MoE with the aux loss, mHC, MTP) runs each
+// context slice of the batch (37 + 20 tokens: the slice boundary inside the first sequence) on
+// each tensor group, with the whole batch's normalizers and the indexer losses rescaled by the
+// slice's share of the rows; the loss terms summed over a context group, and every parameter's
+// gradient (its tensor part, the replicated parts summed over the tensor group) summed over the
+// context group, must equal the whole model's on the whole batch in one process: within 1e-10
+// (f64) or 5e-5 (f32), chunkwise and headwise, and the same bits when run again.
+int model_tpcp(const std::string& dtype, const std::string& device) {
+  const auto [dt, dev] = layer_check_args("--model-tpcp", dtype, device);
+  const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
+  Comm& w = hlm::dist::world();
+  const int R = w.rank(), N = w.size();
+  if (N != 4) {
+    std::fprintf(stderr, "dist_check: --model-tpcp runs on 4 ranks, got %d\n", N);
+    return 2;
+  }
+  const int tp = 2, a = R % tp;
+  const std::unique_ptr<Comm> tp_comm = w.split(R / tp, R), cp_comm = w.split(a, R);
+  const hlm::ModelConfig mc = hlm::ModelConfig::from_json(nlohmann::json::parse(R"({
+    "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
+    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
+    "intermediate_size": 24, "initializer_range": 0.2,
+    "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 8, "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4,
+    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8, "index_kpool": 2,
+    "dsa_indexer_loss_coeff": 0.3,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
+    "num_nextn_predict_layers": 1, "gemm_precision": "native"
+  })"));
+  const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths({37, 20});
+  const int64_t T = seqs.total_tokens();
+  hlm::Rng rng(8, 4);
+  const auto [tokens, targets] = random_tokens(T, 24, rng);
+  const hlm::Context ctx{true, false};
+  hlm::HybridModelOptions mo;
+  mo.dtype = dt;
+  mo.seed = 2026;
+  // The whole model on the whole batch here.
+  hlm::HybridModel whole(mc, mo);
+  whole.to(dev);
+  whole.zero_grad();
+  hlm::ModelInputs all;
+  all.tokens = tokens;
+  all.targets = targets;
+  all.cu_seqlens = Tensor::from_vector<int64_t>({int64_t(seqs.offsets().size())}, seqs.offsets());
+  hlm::HybridModel::SavedPtr sw;
+  const hlm::ModelOutput ow = whole.forward(ctx, all, &sw);
+  whole.backward(ctx, *sw);
+  sw.reset();
+  const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.mtp_loss, ow.aux_loss, ow.indexer_loss};
+  int64_t lm_norm = 0;
+  for (int64_t v : targets.to_i64_vector()) lm_norm += v != -100;
+  const hlm::dist::CpSlice slice(*cp_comm, seqs, hlm::dist::CpSlice::even_bounds(T, 2));
+  const int64_t b0 = slice.begin(slice.rank()), b1 = slice.end(slice.rank());
+  double worst = 0;
+  for (const hlm::KdaCpMode mode : {hlm::KdaCpMode::chunkwise, hlm::KdaCpMode::headwise}) {
+    const std::string what = mode == hlm::KdaCpMode::headwise ? "headwise" : "chunkwise";
+    hlm::HybridModelOptions po = mo;
+    po.tensor_comm = tp_comm.get();
+    po.tensor_context_comm = &w;
+    hlm::HybridModel part(mc, po);
+    part.to(dev);
+    const std::vector<hlm::TpParam> layouts = part.tensor_parallel_params();
+    auto run = [&](std::vector<double>& l, std::vector<Tensor>& g) {
+      part.zero_grad();
+      hlm::ModelInputs in;
+      in.tokens = tokens.slice(0, b0, b1).contiguous();
+      in.targets = targets.slice(0, b0, b1).contiguous();
+      in.lm_normalizer = lm_norm;
+      in.mtp_normalizer = ow.mtp_count;
+      in.aux_sequences = seqs.num_seqs();
+      in.cp = &slice;
+      in.cp_mode = mode;
+      hlm::HybridModel::SavedPtr s;
+      const hlm::ModelOutput o = part.forward(ctx, in, &s);
+      // The indexer losses: this slice's share of the rows (the tensor ranks share the slice).
+      Tensor rows = Tensor::from_vector<int64_t>({int64_t(o.indexer_rows.size())}, o.indexer_rows);
+      cp_comm->allreduce_sum(rows);
+      std::vector<double> scales;
+      double indexer = 0;
+      for (size_t i = 0; i < o.indexer_rows.size(); ++i) {
+        const int64_t n = rows.to_i64_vector()[i];
+        scales.push_back(n > 0 ? double(o.indexer_rows[i]) / double(n) : 0.0);
+        indexer += o.indexer_losses[i] * scales.back();
+      }
+      part.backward(ctx, *s, {}, scales);
+      hlm::tp_reduce_grads(*tp_comm, part, layouts);
+      Tensor lt = Tensor::from_vector<double>(
+          {5}, {o.loss - o.indexer_loss + indexer, o.lm_loss, o.mtp_loss, o.aux_loss, indexer});
+      cp_comm->allreduce_sum(lt);
+      l = lt.to_f64_vector();
+      g.clear();
+      for (const hlm::TpParam& p : layouts) {
+        Tensor h = part.find_parameter(p.name)->grad.to(hlm::Device::cpu).contiguous();
+        cp_comm->allreduce_sum(h);
+        g.push_back(h);
+      }
+    };
+    std::vector<double> l, l2;
+    std::vector<Tensor> g, g2;
+    run(l, g);
+    run(l2, g2);
+    double el = 0, eg = 0;
+    std::string worst_param;
+    bool same = l == l2;
+    for (size_t i = 0; i < l.size(); ++i)
+      el = std::max(el, std::abs(l[i] - l_ref[i]) / std::max(std::abs(l_ref[i]), 1e-30));
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      const hlm::TpParam& p = layouts[i];
+      const Tensor ref = hlm::tp_shard(whole.find_parameter(p.name)->grad, p, a, tp);
+      const double e = rel_err(g[i], ref);
+      if (!(e <= tol)) expect(false, what + ": the gradient of " + p.name, R);
+      if (e > eg) eg = e, worst_param = p.name;
+      same = same && same_bits(g[i], g2[i]);
+    }
+    expect(l_ref[2] > 0 && l_ref[3] > 0 && l_ref[4] > 0, what + ": the MTP, aux and indexer losses",
+           R);
+    expect(el <= tol, what + ": the loss terms", R);
+    expect(same, what + ": the same bits run again", R);
+    if (R == 0)
+      std::printf("model_tpcp: tp 2 x cp 2 (%s %s): %s: losses %.2e, grads %.2e (%s)\n",
+                  dtype.c_str(), device.c_str(), what.c_str(), el, eg, worst_param.c_str());
+    worst = std::max({worst, el, eg});
+  }
+  w.barrier();
+  std::printf("model_tpcp: rank %d of %d: worst %.2e (tolerance %.0e): %d of %d checks passed\n", R,
+              N, worst, tol, checks - failures, checks);
+  return failures == 0 ? 0 : 1;
+}
+
 // A parallel degree of --train: a whole number >= 1.
 int degree(const char* s) {
   char* end = nullptr;
@@ -966,6 +1104,7 @@ int main(int argc, char** argv) {
     if (argc == 4 && std::string(argv[1]) == "--moe-ep") return moe_ep(argv[2], argv[3]);
     if (argc == 4 && std::string(argv[1]) == "--tp") return tp(argv[2], argv[3]);
     if (argc == 4 && std::string(argv[1]) == "--model-tp") return model_tp(argv[2], argv[3]);
+    if (argc == 4 && std::string(argv[1]) == "--model-tpcp") return model_tpcp(argv[2], argv[3]);
     if ((argc == 4 || (argc == 5 && std::string(argv[4]) == "short")) &&
         std::string(argv[1]) == "--model-cp")
       return model_cp(argv[2], argv[3], argc == 4);
@@ -992,6 +1131,24 @@ int main(int argc, char** argv) {
       expect(mine.shape() == Shape({m, 3}) &&
                  std::memcmp(mine.raw(), want.data() + R * m * 3, size_t(m * 3) * 4) == 0,
              "reduce_scatter_sum gives this rank's rows of the ordered sum", R);
+    }
+    // Rows split unevenly over the ranks (odd ranks hold none): gathered whole, and each rank's
+    // rows of the rank-ordered sum of every rank's whole tensor.
+    {
+      std::vector<int64_t> bounds{0};
+      for (int r = 0; r < N; ++r) bounds.push_back(bounds.back() + (r % 2 ? 0 : r + 2));
+      const int64_t rows = bounds[size_t(R) + 1] - bounds[size_t(R)], Tw = bounds.back();
+      const Tensor whole = input<double>(0, Tw * 2, DType::f64).view({Tw, 2});
+      const Tensor part = whole.slice(0, bounds[size_t(R)], bounds[size_t(R)] + rows).contiguous();
+      expect(same_bits(hlm::dist::allgather_rows(w, part, bounds), whole),
+             "allgather_rows gives the whole tensor from uneven parts", R);
+      const Tensor mine = hlm::dist::reduce_scatter_rows(
+          w, input<double>(R, Tw * 2, DType::f64).view({Tw, 2}), bounds);
+      const std::vector<double> want = ordered_sum<double>(N, Tw * 2, DType::f64);
+      expect(mine.shape() == Shape({rows, 2}) &&
+                 (rows == 0 || std::memcmp(mine.raw(), want.data() + bounds[size_t(R)] * 2,
+                                           size_t(rows * 2) * 8) == 0),
+             "reduce_scatter_rows gives this rank's rows of the ordered sum", R);
     }
     // allgather and broadcast.
     {

@@ -30,5 +30,15 @@ TEST(ModelTensorParallelGpu, MatchesTheWholeModel) {
   testing::expect_dist_check(2, "--model-tp f32 cuda");
 }
 
+// Tensor and context parallelism together on GPUs (`--model-tpcp f32 cuda`, tp 2 x cp 2 over 4
+// ranks, the sums through the host): the model's loss terms and gradients against the whole model
+// on the whole batch on the same GPU.
+TEST(TensorParallelGpu, WithContextParallelMatchesTheWholeModel) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device present";
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  if (!testing::mpirun_available()) GTEST_SKIP() << "no mpirun on this machine";
+  testing::expect_dist_check(4, "--model-tpcp f32 cuda");
+}
+
 }  // namespace
 }  // namespace hlm

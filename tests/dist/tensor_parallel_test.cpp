@@ -439,7 +439,7 @@ TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
   for (const TpParam& p : whole.tensor_parallel_params())
     EXPECT_EQ(p.split, TpSplit::identical) << p.name;
 
-  // Refused: context parallel.
+  // Refused: context parallel without the tensor-context group.
   const SeqLayout seqs = testing::seqs_of({6});
   const dist::CpSlice slice(g, seqs, {0, 3, 6});
   ModelInputs in;
@@ -449,7 +449,8 @@ TEST(ModelTensorParallel, PartsOfTheWholeModelAndRefusals) {
       [&] {
         part.forward(Context{false, false}, in);
       },
-      "a tensor-parallel model runs neither over a cache nor context parallel");
+      "tensor and context parallelism together need HybridModelOptions::tensor_context_comm: "
+      "the 2 x 2 ranks");
   testing::expect_error([&] { kda_tp_config(kda_layer_config(mc), 3); },
                         "a KDA layer's 2 heads do not split over 3 ranks");
 }
@@ -463,6 +464,17 @@ TEST(ModelTensorParallel, MatchesTheWholeModelOnTwoAndFourRanks) {
   for (const auto& [dt, n] : {std::pair{"f64", 2}, {"f64", 4}, {"f32", 4}}) {
     SCOPED_TRACE(std::string(dt) + " x " + std::to_string(n));
     testing::expect_dist_check(n, std::string("--model-tp ") + dt + " cpu");
+  }
+}
+
+// Tensor and context parallelism together, tp 2 x cp 2 over 4 processes (tests/dist/dist_check.cpp,
+// --model-tpcp): the model's loss terms and gradients against the whole model on the whole batch,
+// chunkwise and headwise; f64 and f32.
+TEST(TensorParallel, WithContextParallelMatchesTheWholeModel) {
+  if (!dist::have_mpi()) GTEST_SKIP() << "this build has no MPI backend";
+  for (const char* dt : {"f64", "f32"}) {
+    SCOPED_TRACE(dt);
+    testing::expect_dist_check(4, std::string("--model-tpcp ") + dt + " cpu");
   }
 }
 
