@@ -151,10 +151,11 @@ ParallelPlan plan_parallel(const ModelConfig& c, const ParallelLayout& l, int64_
     const double kda = 4.0 * double(l.cp - 1) *
                        (double(k.num_v_heads * k.head_dim) * double(2 * k.v_head_dim + k.head_dim) +
                         2.0 * double(k.conv_kernel - 1) * conv);
-    const double row = double(c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) +
-                       double(c.indexer.head_dim) / double(std::max<int64_t>(1, c.indexer.kpool));
-    p.cp_exchange =
-        u64(kda * double(kda_layers) + 2 * t * row * 2 * double(l.cp - 1) * double(dsa_layers));
+    const double g = c.indexer.kpool > 1 ? 2.0 : 1.0;
+    const double dsa = double(l.cp - 1) * t *
+                       (6.0 * double(c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) +
+                        8.0 * g * double(c.indexer.head_dim));
+    p.cp_exchange = u64(kda * double(kda_layers) + dsa * double(dsa_layers));
   }
   // Tensor parallelism per layer: the attention's output and input gradient all-reduced; a dense
   // MLP's the same; a MoE layer's rows all-gathered (forward and backward); and a DSA layer's

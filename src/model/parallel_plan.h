@@ -34,9 +34,11 @@
 //                  of each rank's FP32 [S_ext | M] [HV, K, V + K] and last W-1 conv inputs
 //                  forward, and of the state gradient [HV, K, V] and those inputs' gradients
 //                  backward: 4 (cp - 1) (HV K (2V + K) + 2 (W - 1) (2 H K + HV V));
-//                  DSA (not built yet): all-gather of the BF16 latent rows and indexer
-//                  keys of the t tokens (forward) and reduce-scatter of their gradients (backward),
-//                  per DSA layer: 2 t (r_kv + d_r + d_I / P) 2 (cp - 1)
+//                  DSA as DsaLayer runs it, per DSA layer (the MTP block's included): all-gather
+//                  of the t tokens' BF16 latent rows and FP32 indexer keys (with KPool also their
+//                  FP32 compress gates: every rank pools the whole batch) forward, reduce-scatter
+//                  of their FP32 gradients backward: (cp - 1) t (6 (r_kv + d_r) + 8 g d_I),
+//                  g = 2 with KPool, else 1
 //   tp             as the model runs it (HybridModelOptions::tensor_comm): an all-reduce of the
 //                  BF16 [t, D] output of every attention layer and dense MLP, forward and backward
 //                  (2 t D 2 2 (tp-1)/tp each); an all-gather of a MoE layer's rows, forward and

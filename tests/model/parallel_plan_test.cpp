@@ -94,6 +94,23 @@ TEST(ParallelPlan, TrafficFollowsTheRingVolumes) {
   // Context parallelism moves states and key rows; tensor parallelism activations.
   const ParallelPlan d = plan_parallel(c, ParallelLayout::parse("cp=2,tp=2"), 8192, 8192, true);
   EXPECT_GT(d.cp_exchange, 0u);
+  // Per DSA layer (the MTP block's too), as DsaLayer exchanges under context parallelism: the
+  // t = 4096 tokens' BF16 latent rows and FP32 indexer keys and KPool gates gathered, their FP32
+  // gradients reduce-scattered: (cp - 1) t (6 (r_kv + d_r) + 8 x 2 d_I). The KDA part as below.
+  {
+    const KdaHparams& k = c.kda;
+    const double kda =
+        4.0 * (double(k.num_v_heads * k.head_dim) * (2 * k.v_head_dim + k.head_dim) +
+               2.0 * double(k.conv_kernel - 1) *
+                   double(2 * k.num_heads * k.head_dim + k.num_v_heads * k.v_head_dim));
+    ASSERT_GT(c.indexer.kpool, 1);
+    const double dsa = 4096.0 * (6.0 * double(c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) +
+                                 16.0 * double(c.indexer.head_dim));
+    EXPECT_NEAR(double(d.cp_exchange),
+                kda * double(c.count_layers(LayerKind::kda)) +
+                    dsa * double(c.count_layers(LayerKind::dsa) + 1),
+                2.0);
+  }
   // The KDA part, per layer: 4 (cp - 1) (HV K (2V + K) + 2 (W - 1) (2 H K + HV V)); a model of
   // KDA layers only moves nothing else.
   ModelConfig kda_only = c;
