@@ -829,6 +829,24 @@ int tp(const std::string& dtype, const std::string& device) {
   return failures == 0 ? 0 : 1;
 }
 
+// The model of --model-tp and --model-tpcp: KDA (4 heads), DSA (4 MLA heads, the KPool indexer
+// and its loss), a dense MLP, MoE with the aux loss, mHC and the MTP block.
+hlm::ModelConfig tp_check_model() {
+  return hlm::ModelConfig::from_json(nlohmann::json::parse(R"({
+    "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
+    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
+    "intermediate_size": 24, "initializer_range": 0.2,
+    "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 8, "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
+    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
+    "dsa_indexer_loss_coeff": 0.3,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
+    "num_nextn_predict_layers": 1, "gemm_precision": "native"
+  })"));
+}
+
 // `--model-tp DTYPE DEVICE` (f64 or f32; cpu or cuda): the whole model's tensor parallelism
 // (HybridModelOptions::tensor_comm) over this job's ranks against the whole model run in this
 // process (the same seed): KDA and DSA layers (4 heads each; KPool and the indexer loss), a
@@ -842,19 +860,7 @@ int model_tp(const std::string& dtype, const std::string& device) {
   const double tol = dt == DType::f64 ? 1e-10 : 5e-5;
   Comm& w = hlm::dist::world();
   const int R = w.rank(), N = w.size();
-  const hlm::ModelConfig mc = hlm::ModelConfig::from_json(nlohmann::json::parse(R"({
-    "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
-    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
-    "intermediate_size": 24, "initializer_range": 0.2,
-    "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 8, "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4, "qk_rope_head_dim": 0, "v_head_dim": 4,
-    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4, "index_kpool": 2,
-    "dsa_indexer_loss_coeff": 0.3,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
-    "num_nextn_predict_layers": 1, "gemm_precision": "native"
-  })"));
+  const hlm::ModelConfig mc = tp_check_model();
   const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths({37, 20});
   const int64_t T = seqs.total_tokens();
   hlm::Rng rng(8, 3);
@@ -970,19 +976,7 @@ int model_tpcp(const std::string& dtype, const std::string& device) {
   }
   const int tp = 2, a = R % tp;
   const std::unique_ptr<Comm> tp_comm = w.split(R / tp, R), cp_comm = w.split(a, R);
-  const hlm::ModelConfig mc = hlm::ModelConfig::from_json(nlohmann::json::parse(R"({
-    "model_type": "glm5_next_text", "vocab_size": 24, "hidden_size": 16,
-    "num_hidden_layers": 3, "layer_pattern": "KDK", "first_k_dense_replace": 1,
-    "intermediate_size": 24, "initializer_range": 0.2,
-    "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 8, "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4,
-    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8, "index_kpool": 2,
-    "dsa_indexer_loss_coeff": 0.3,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "moe_intermediate_size": 8, "router_aux_loss_coef": 0.05, "mhc": true, "hc_mult": 4,
-    "num_nextn_predict_layers": 1, "gemm_precision": "native"
-  })"));
+  const hlm::ModelConfig mc = tp_check_model();
   const hlm::SeqLayout seqs = hlm::SeqLayout::from_lengths({37, 20});
   const int64_t T = seqs.total_tokens();
   hlm::Rng rng(8, 4);
