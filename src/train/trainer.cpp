@@ -700,11 +700,12 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
               "--context-parallel {}: a part of the global batch holds {} tokens, fewer than the "
               "degree (raise tokens_per_step)",
               cp, part.num_tokens());
-    // A tensor-parallel MoE layer gives every rank of the group a share of the part's rows.
-    HLM_CHECK(!tp_ || part.num_tokens() >= tp_->size(),
-              "--tensor-parallel {}: a part of the global batch holds {} tokens, fewer than the "
-              "degree (raise tokens_per_step)",
-              tp_ ? tp_->size() : 1, part.num_tokens());
+    // A tensor-parallel MoE layer gives every rank of the group a share of its rows (of the
+    // part, or of each context slice of it).
+    HLM_CHECK(!tp_ || part.num_tokens() >= int64_t(tp_->size()) * cp,
+              "--tensor-parallel {}: a part of the global batch holds {} tokens, fewer than {} "
+              "(the degree times the context-parallel degree; raise tokens_per_step)",
+              tp_ ? tp_->size() : 1, part.num_tokens(), int64_t(tp_ ? tp_->size() : 1) * cp);
   }
   if (opts_.resume) {
     // The lock before the state is read: a run still writing there is refused, not raced.
