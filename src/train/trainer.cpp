@@ -634,6 +634,7 @@ Trainer::Trainer(const TrainConfig& cfg, const TrainerOptions& opts) : cfg_(cfg)
     } else {
       cp_comm_ = opts_.comm->split(r / cp, r);
     }
+    if (gpu) cp_dev_ = dist::nccl_comm(*cp_comm_);
   }
   HybridModelOptions mo;
   mo.dtype = cfg_.dtype;
@@ -1102,9 +1103,10 @@ TrainSummary Trainer::run() {
         cfg_.model.moe.n_routed_experts, groups_->data->size()));
   if (cp_comm_)
     log(fmt::format(
-        "context parallel: {} groups of {} processes, each part of the global batch split along "
-        "its tokens over a group (KDA layers {})",
+        "context parallel: {} groups of {} processes ({} backend), each part of the global batch "
+        "split along its tokens over a group (KDA layers {})",
         dp_->size() / cp_comm_->size(), cp_comm_->size(),
+        cp_dev_ ? cp_dev_->backend() : cp_comm_->backend(),
         opts_.cp_mode == KdaCpMode::headwise ? "headwise" : "chunkwise"));
   if (tp_)
     log(fmt::format(
@@ -1187,7 +1189,7 @@ TrainSummary Trainer::run() {
     const Batch batch = dp_ ? shard_batch(global, dp_->rank() / cp, dp_->size() / cp) : global;
     std::optional<dist::CpSlice> slice;
     if (cp > 1)
-      slice.emplace(*cp_comm_,
+      slice.emplace(cp_dev_ ? *cp_dev_ : *cp_comm_,
                     SeqLayout::from_tensor(batch.cu_seqlens, batch.num_tokens(), "batch"),
                     dist::CpSlice::even_bounds(batch.num_tokens(), cp));
     const double lr = sched_->at(s);

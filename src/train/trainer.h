@@ -272,7 +272,9 @@ class Trainer {
   TrainConfig cfg_;
   TrainerOptions opts_;
   std::unique_ptr<ExpertGroups> groups_;  // expert parallelism (opts_.expert_parallel > 1)
-  std::unique_ptr<dist::Comm> cp_comm_;   // context parallelism: this rank's group
+  // Context parallelism: this rank's group, and on GPUs its NCCL communicator (the slices'
+  // exchanges stay on the devices).
+  std::unique_ptr<dist::Comm> cp_comm_, cp_dev_;
   // Tensor and context parallelism together: the ranks of this rank's part of the batch
   // (HybridModelOptions::tensor_context_comm).
   std::unique_ptr<dist::Comm> tcp_comm_;

@@ -99,7 +99,7 @@ TEST(DataParallelGpu, TwoProcessesTrainAsOne) {
   EXPECT_NE(read(dir / "out.txt").find("tensor parallel: 1 groups of 2 processes (nccl backend)"),
             std::string::npos);
   ASSERT_EQ(train(2, "cp", 1, 2), 0) << read(dir / "out.txt");
-  EXPECT_NE(read(dir / "out.txt").find("context parallel: 1 groups of 2 processes"),
+  EXPECT_NE(read(dir / "out.txt").find("context parallel: 1 groups of 2 processes (nccl backend)"),
             std::string::npos);
   const auto first = metrics(dir / "one");
   ASSERT_EQ(first.size(), 3u);
