@@ -33,6 +33,9 @@ Tensor sum_int_blocks(const Tensor& recv, int N, int64_t n) {
 // (rows in ascending order from zero, on either device: the same bits on the host and the GPU);
 // integers (host only) by the same loop.
 Tensor sum_blocks(const Tensor& recv, int N, int64_t n) {
+  // Integers on a device: summed on the host (exact; such sums are counts, a few numbers).
+  if (recv.device() != Device::cpu && (recv.dtype() == DType::i32 || recv.dtype() == DType::i64))
+    return sum_blocks(recv.to(Device::cpu), N, n).to(recv.device());
   switch (recv.dtype()) {
     case DType::i32:
       return sum_int_blocks<int32_t>(recv, N, n);
@@ -45,12 +48,9 @@ Tensor sum_blocks(const Tensor& recv, int N, int64_t n) {
 
 void require_summable(const Tensor& t, Device mem, const char* what) {
   const DType dt = t.dtype();
-  if (mem == Device::cpu)
-    HLM_CHECK(dt == DType::f32 || dt == DType::f64 || dt == DType::i32 || dt == DType::i64,
-              "{}: sums f32, f64, i32 or i64 tensors, got {}", what, dtype_name(dt));
-  else
-    HLM_CHECK(dt == DType::f32 || dt == DType::f64, "{}: sums f32 or f64 tensors on {}, got {}",
-              what, device_name(mem), dtype_name(dt));
+  (void)mem;
+  HLM_CHECK(dt == DType::f32 || dt == DType::f64 || dt == DType::i32 || dt == DType::i64,
+            "{}: sums f32, f64, i32 or i64 tensors, got {}", what, dtype_name(dt));
 }
 
 void require_on(const Tensor& t, Device mem, const char* what) {

@@ -14,8 +14,9 @@
 // `mpirun -np N hybridlm ...`). world() is MPI's world when the process was started by an MPI
 // launcher (and the build has MPI), else self.
 // Tensors are contiguous and on memory(): the host for self and MPI, the GPU for NCCL
-// (dist/nccl_comm.h). The sums support f32, f64, i32 and i64 (f32 and f64 on the GPU), each in the
-// tensor's own dtype, and start from zero (ops::sum_rows' order: the same bits on either side). A
+// (dist/nccl_comm.h). The sums support f32, f64, i32 and i64, each in the tensor's own dtype
+// (integers on the GPU are summed on the host: exact, for counts), and start from zero
+// (ops::sum_rows' order: the same bits on either side). A
 // collective whose arguments differ between ranks (shapes, dtypes, roots) is an error
 // on the rank that detects it; a rank that dies ends the job (the MPI launcher stops the others).
 #pragma once

@@ -1328,12 +1328,7 @@ ModelOutput HybridModel::forward(const Context& ctx, const ModelInputs& in, Save
     // over the group are the whole batch's (the same on every rank, as every other term is).
     const Tensor aux = dist::allreduce_from(*tp, Tensor::from_vector<double>({1}, {out.aux_loss}));
     out.aux_loss = aux.data<double>()[0];
-    // The counts (i64) are summed as f64 on the host, exact below 2^53 tokens (an NCCL group
-    // sums floats only).
-    for (Tensor& c : out.expert_counts) {
-      const Tensor sum = dist::allreduce_from(*tp, c.to(Device::cpu).to(DType::f64));
-      c = sum.to(DType::i64).to(c.device());
-    }
+    for (Tensor& c : out.expert_counts) c = dist::allreduce_from(*tp, c);
   }
   if (in.aux_losses) objective += out.aux_loss + out.indexer_loss;
   out.loss = objective;
