@@ -1,10 +1,12 @@
 // Query windows of the CUDA DSA ops (context parallelism): every windowed op's rows against the
 // same op over the whole batch on the device, bit for bit, and the windows' key gradients summed
 // against the whole batch's (f64 within 1e-13, f32 within 1e-6, bf16 within 1e-2 relative L2:
-// their partial sums are added in another order, in bf16 each window's rounded), on the batch of ops/dsa_window_checks.h (windows cut inside
-// documents, at their edges and one token long). The CUDA kernels take the window's per-query
-// geometry and clip each key's readers to the window.
+// their partial sums are added in another order, in bf16 each window's rounded), on the batch of
+// ops/dsa_window_checks.h (windows cut inside documents, at their edges and one token long). The
+// CUDA kernels take the window's per-query geometry and clip each key's readers to the window.
 #include <gtest/gtest.h>
+
+#include <cstdlib>
 
 #include "core/device.h"
 #include "ops/cuda/dsa_common.cuh"
@@ -19,8 +21,13 @@ TEST(DsaQueryWindowGpu, AttentionRowsAndKeyGradients) {
   testing::check_attention_windows(Device::cuda, DType::f64, 1e-13);
   testing::check_attention_windows(Device::cuda, DType::f32, 1e-6);
   // bf16 on the tensor cores (D a multiple of 32): each window's dkv is rounded to bf16 before
-  // the sum, the whole batch's once.
+  // the sum, the whole batch's once. Then again with the backward's workspace cut to 16 KiB, so
+  // it runs in chunks of a few queries (the key side gathered chunk by chunk, each key from its
+  // first reader's chunk on).
   testing::check_attention_windows(Device::cuda, DType::bf16, 1e-2, 64, 32);
+  setenv("HLM_DSA_ATTN_WORKSPACE", "16384", 1);
+  testing::check_attention_windows(Device::cuda, DType::bf16, 1e-2, 64, 32);
+  unsetenv("HLM_DSA_ATTN_WORKSPACE");
 }
 
 TEST(DsaQueryWindowGpu, IndexerScoresSelectionAndKeyGradients) {

@@ -581,7 +581,8 @@ PatternKeys pattern_keys(const DsaPatternDev& d) {
           cptr<int64_t>(d.key_ptr),
           cptr<int64_t>(d.key_entry),
           cptr<int64_t>(d.query),
-          d.W};
+          d.W,
+          d.q0};
 }
 DenseKeys dense_keys(const DsaLayoutDev& d) {
   DenseKeys k{cptr<int64_t>(d.doc_start), cptr<int64_t>(d.key_start), cptr<int64_t>(d.key_end)};

@@ -55,6 +55,7 @@
 #include <algorithm>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/dsa_attention_mma.cuh"
@@ -598,10 +599,16 @@ bool launch_bwd(const nv_bf16* q, const nv_bf16* kv, const nv_bf16* dout, const 
   const int nk = key_tile(mt, [&](int c) { return bwd_smem_bytes(mt, c, D, dv); });
   if (nk == 0) return false;
   const int ngroups = (H + 16 * mt - 1) / (16 * mt);
-  // Chunks of queries whose workspace rows (at most max_keys per query and head group) fit 2 GiB.
+  // Chunks of queries whose workspace rows (at most max_keys per query and head group) fit 2 GiB
+  // (HLM_DSA_ATTN_WORKSPACE, bytes, lowers the bound: the tests' many chunks on small shapes).
   const int64_t rows_per_query = std::max<int64_t>(max_keys, 1) * ngroups;
   const int64_t per_query = rows_per_query * D * int64_t(sizeof(float));
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t(1) << 31) / per_query));
+  int64_t budget = int64_t(1) << 31;
+  if (const char* e = std::getenv("HLM_DSA_ATTN_WORKSPACE")) {
+    const long long v = std::atoll(e);
+    if (v > 0 && v < budget) budget = v;
+  }
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, budget / per_query));
   const Tensor contrib = alloc({chunk * rows_per_query, D}, DType::f32);
   Tensor cursor = alloc({nkeys}, DType::i64), sum = alloc({nkeys, D}, DType::f32);
   cursor.zero_();
@@ -619,9 +626,10 @@ bool launch_bwd(const nv_bf16* q, const nv_bf16* kv, const nv_bf16* dout, const 
         kernel<<<unsigned(blocks), kThreads, smem>>>(
             q, kv, dout, lse, delta, keys, t0, mptr<float>(contrib), dq, H, D, dv, float(scale));
         check_launch(what);
-        // Keys past t1 - 1 have no reader yet (causal); the last chunk writes every key.
+        // Keys past the chunk's last query (global token q0 + t1 - 1) have no reader yet
+        // (causal); the last chunk writes every key.
         const bool last = t1 == T;
-        const int64_t nk_launch = last ? nkeys : std::min(nkeys, t1);
+        const int64_t nk_launch = last ? nkeys : std::min(nkeys, keys.q0 + t1);
         if (nk_launch == 0) continue;
         gather_kernel<Keys><<<unsigned(nk_launch), kThreads>>>(
             keys, t0, t1, cptr<float>(contrib), mptr<int64_t>(cursor), mptr<float>(sum),

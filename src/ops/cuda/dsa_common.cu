@@ -580,7 +580,7 @@ DsaPatternDev device_rows_pattern(const Tensor& rows_, const dsa_detail::QueryWi
             rows.describe());
   const std::vector<int64_t> cp = dsa_detail::pool_offsets(cu, pool);
   DsaPatternDev d;
-  d.T = T, d.W = rows.size(1), d.nkeys = cp.back();
+  d.T = T, d.W = rows.size(1), d.nkeys = cp.back(), d.q0 = q0;
   const int64_t W = d.W, NK = d.nkeys, ndocs = int64_t(cu.size()) - 1;
   constexpr int64_t kLimit = int64_t(1) << 31;
   HLM_CHECK(T < kLimit && W < kLimit && NK < kLimit,

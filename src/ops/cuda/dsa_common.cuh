@@ -19,6 +19,7 @@ namespace hlm::ops::cuda {
 // uploaded only when asked for (backward passes); otherwise undefined.
 struct DsaPatternDev {
   int64_t T = 0, W = 0, nkeys = 0, entries = 0;
+  int64_t q0 = 0;    // a query window's first global token (query row t reads keys <= q0 + t)
   Tensor row_ptr;    // [T+1]
   Tensor slot;       // [E] i32
   Tensor key;        // [E]

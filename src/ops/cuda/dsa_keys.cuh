@@ -31,6 +31,7 @@ struct PatternKeys {
   const int64_t* key_entry;
   const int64_t* query;
   int64_t width = 0;  // most keys of one query (the selection's W)
+  int64_t q0 = 0;     // a query window's first global token: row t's keys are <= q0 + t
   __device__ __forceinline__ int64_t first(int64_t t) const { return row_ptr[t]; }
   __device__ __forceinline__ int64_t count(int64_t t) const { return row_ptr[t + 1] - row_ptr[t]; }
   __device__ __forceinline__ int64_t key_at(int64_t f, int64_t j) const { return key[f + j]; }
