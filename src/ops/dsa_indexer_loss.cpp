@@ -30,9 +30,8 @@ dsa_detail::QueryWindow check_target(const Tensor& q, const Tensor& kv, const Te
                        "kv (the latent cache rows [T, D_qk])", "q");
   HLM_CHECK(std::isfinite(scale) && scale > 0, "{}: scale must be positive and finite, got {}", op,
             scale);
-  const Device dev = detail::one_device(op, {q, "q"}, {{indices, "indices"}});
-  dsa_detail::QueryWindow w = dsa_detail::window_of(seqs, q.size(0), q0, op);
-  return w;
+  detail::one_device(op, {q, "q"}, {{indices, "indices"}});
+  return dsa_detail::window_of(seqs, q.size(0), q0, op);
 }
 
 // The CPU target over a host pattern.
@@ -66,7 +65,6 @@ Tensor attention_target_at(const Tensor& q, const Tensor& kv, const SeqLayout& s
                            std::optional<int64_t> q0) {
   const char* op = "attention_target_at";
   const dsa_detail::QueryWindow win = check_target(q, kv, indices, seqs, scale, op, q0);
-  const std::vector<int64_t>& cu = win.cu;
   if (lse.defined()) {
     detail::require_float_dev(lse, op, "lse");
     detail::require_same_device(lse, q, op, "lse", "q");

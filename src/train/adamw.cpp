@@ -256,6 +256,7 @@ StepResult AdamW::step(double lr, const GradNorm& gn) {
   }
   if (!device_slots.empty()) {
     const cuda::UpdateStep st{gn.clip_scale, b1, b2, lr, bc1, bc2, cfg_.eps};
+    (void)st;  // (unused in a build without CUDA)
     HLM_CUDA_PATH("AdamW", cuda::adamw_update(device_slots, st));
     for (Slot& s : slots_)
       if (!s.master.is_cpu() && s.separate_master) write_back(s);

@@ -474,6 +474,41 @@ int moe_ep(const std::string& dtype, const std::string& device) {
   return failures == 0 ? 0 : 1;
 }
 
+// One context-parallel step of `model` on this rank's slice of (tokens, targets), with the whole
+// batch's normalizers: the forward, the indexer losses rescaled by the slice's share of their rows
+// (summed over `group`, the ranks that split the batch, as the trainer does), and the backward.
+// Returns the loss terms {objective, lm, aux, indexer, mtp}, this slice's shares, and the output.
+std::vector<double> cp_step(hlm::HybridModel& model, const hlm::Context& ctx, Comm& group,
+                            const hlm::dist::CpSlice& slice, hlm::KdaCpMode mode,
+                            const Tensor& tokens, const Tensor& targets, int64_t lm_norm,
+                            int64_t mtp_norm, hlm::ModelOutput* out = nullptr) {
+  const int64_t b0 = slice.begin(slice.rank()), b1 = slice.end(slice.rank());
+  hlm::ModelInputs in;
+  in.tokens = tokens.slice(0, b0, b1).contiguous();
+  in.targets = targets.slice(0, b0, b1).contiguous();
+  in.lm_normalizer = lm_norm;
+  in.mtp_normalizer = mtp_norm;
+  in.aux_sequences = slice.global().num_seqs();
+  in.cp = &slice;
+  in.cp_mode = mode;
+  hlm::HybridModel::SavedPtr s;
+  hlm::ModelOutput o = model.forward(ctx, in, &s);
+  Tensor rows = Tensor::from_vector<int64_t>({int64_t(o.indexer_rows.size())}, o.indexer_rows);
+  if (rows.numel() > 0) group.allreduce_sum(rows);
+  const std::vector<int64_t> all = rows.to_i64_vector();
+  std::vector<double> scales;
+  double indexer = 0;
+  for (size_t i = 0; i < o.indexer_rows.size(); ++i) {
+    scales.push_back(all[i] > 0 ? double(o.indexer_rows[i]) / double(all[i]) : 0.0);
+    indexer += o.indexer_losses[i] * scales.back();
+  }
+  model.backward(ctx, *s, {}, scales);
+  const std::vector<double> l{o.loss - o.indexer_loss + indexer, o.lm_loss, o.aux_loss, indexer,
+                              o.mtp_loss};
+  if (out) *out = std::move(o);
+  return l;
+}
+
 // `--model-cp DTYPE DEVICE [short]` (f64 or f32; cpu or cuda): the whole model's context
 // parallelism (ModelInputs::cp) over this job's ranks against the whole batch run in this process:
 // a model of three KDA layers (4 heads of 32), a dense MLP and MoE layers with the aux loss, and
@@ -565,7 +600,6 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
         const std::vector<int64_t> bounds =
             k.bounds.empty() ? hlm::dist::CpSlice::even_bounds(T, N) : k.bounds;
         const hlm::dist::CpSlice slice(w, seqs, bounds);
-        const int64_t b0 = slice.begin(R), b1 = slice.end(R);
         int64_t lm_norm = 0;
         for (int64_t v : tgt) lm_norm += v != -100;
         for (const hlm::KdaCpMode mode : modes) {
@@ -576,32 +610,10 @@ int model_cp(const std::string& dtype, const std::string& device, bool all_cases
               (stage == hlm::DsaStage::sparse ? ", DSA sparse" : ", DSA dense warm-up");
           auto run = [&](std::vector<double>& l, std::vector<Tensor>& g, std::vector<Tensor>& c) {
             model.zero_grad();
-            hlm::ModelInputs in;
-            in.tokens = tokens.slice(0, b0, b1).contiguous();
-            in.targets = targets.slice(0, b0, b1).contiguous();
-            in.lm_normalizer = lm_norm;
-            in.mtp_normalizer = ow.mtp_count;
-            in.aux_sequences = seqs.num_seqs();
-            in.cp = &slice;
-            in.cp_mode = mode;
-            hlm::HybridModel::SavedPtr s;
-            const hlm::ModelOutput o = model.forward(ctx, in, &s);
-            // The indexer losses are this slice's rows' means: each rank's share is its rows over
-            // the whole batch's (the trainer's rescaling).
-            Tensor rows =
-                Tensor::from_vector<int64_t>({int64_t(o.indexer_rows.size())}, o.indexer_rows);
-            if (rows.numel() > 0) w.allreduce_sum(rows);
-            std::vector<double> scales;
-            double indexer = 0;
-            for (size_t i = 0; i < o.indexer_rows.size(); ++i) {
-              const int64_t all = rows.to_i64_vector()[i];
-              scales.push_back(all > 0 ? double(o.indexer_rows[i]) / double(all) : 0.0);
-              indexer += o.indexer_losses[i] * scales.back();
-            }
-            model.backward(ctx, *s, {}, scales);
+            hlm::ModelOutput o;
             Tensor lt = Tensor::from_vector<double>(
                 {5},
-                {o.loss - o.indexer_loss + indexer, o.lm_loss, o.aux_loss, indexer, o.mtp_loss});
+                cp_step(model, ctx, w, slice, mode, tokens, targets, lm_norm, ow.mtp_count, &o));
             w.allreduce_sum(lt);
             l = lt.to_f64_vector();
             g.clear();
@@ -996,11 +1008,10 @@ int model_tpcp(const std::string& dtype, const std::string& device) {
   const hlm::ModelOutput ow = whole.forward(ctx, all, &sw);
   whole.backward(ctx, *sw);
   sw.reset();
-  const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.mtp_loss, ow.aux_loss, ow.indexer_loss};
+  const std::vector<double> l_ref{ow.loss, ow.lm_loss, ow.aux_loss, ow.indexer_loss, ow.mtp_loss};
   int64_t lm_norm = 0;
   for (int64_t v : targets.to_i64_vector()) lm_norm += v != -100;
   const hlm::dist::CpSlice slice(*cp_comm, seqs, hlm::dist::CpSlice::even_bounds(T, 2));
-  const int64_t b0 = slice.begin(slice.rank()), b1 = slice.end(slice.rank());
   double worst = 0;
   for (const hlm::KdaCpMode mode : {hlm::KdaCpMode::chunkwise, hlm::KdaCpMode::headwise}) {
     const std::string what = mode == hlm::KdaCpMode::headwise ? "headwise" : "chunkwise";
@@ -1012,30 +1023,10 @@ int model_tpcp(const std::string& dtype, const std::string& device) {
     const std::vector<hlm::TpParam> layouts = part.tensor_parallel_params();
     auto run = [&](std::vector<double>& l, std::vector<Tensor>& g) {
       part.zero_grad();
-      hlm::ModelInputs in;
-      in.tokens = tokens.slice(0, b0, b1).contiguous();
-      in.targets = targets.slice(0, b0, b1).contiguous();
-      in.lm_normalizer = lm_norm;
-      in.mtp_normalizer = ow.mtp_count;
-      in.aux_sequences = seqs.num_seqs();
-      in.cp = &slice;
-      in.cp_mode = mode;
-      hlm::HybridModel::SavedPtr s;
-      const hlm::ModelOutput o = part.forward(ctx, in, &s);
-      // The indexer losses: this slice's share of the rows (the tensor ranks share the slice).
-      Tensor rows = Tensor::from_vector<int64_t>({int64_t(o.indexer_rows.size())}, o.indexer_rows);
-      cp_comm->allreduce_sum(rows);
-      std::vector<double> scales;
-      double indexer = 0;
-      for (size_t i = 0; i < o.indexer_rows.size(); ++i) {
-        const int64_t n = rows.to_i64_vector()[i];
-        scales.push_back(n > 0 ? double(o.indexer_rows[i]) / double(n) : 0.0);
-        indexer += o.indexer_losses[i] * scales.back();
-      }
-      part.backward(ctx, *s, {}, scales);
-      hlm::tp_reduce_grads(*tp_comm, part, layouts);
+      // The tensor ranks share their slice: its indexer rows are summed over the context group.
       Tensor lt = Tensor::from_vector<double>(
-          {5}, {o.loss - o.indexer_loss + indexer, o.lm_loss, o.mtp_loss, o.aux_loss, indexer});
+          {5}, cp_step(part, ctx, *cp_comm, slice, mode, tokens, targets, lm_norm, ow.mtp_count));
+      hlm::tp_reduce_grads(*tp_comm, part, layouts);
       cp_comm->allreduce_sum(lt);
       l = lt.to_f64_vector();
       g.clear();
@@ -1062,7 +1053,7 @@ int model_tpcp(const std::string& dtype, const std::string& device) {
       if (e > eg) eg = e, worst_param = p.name;
       same = same && same_bits(g[i], g2[i]);
     }
-    expect(l_ref[2] > 0 && l_ref[3] > 0 && l_ref[4] > 0, what + ": the MTP, aux and indexer losses",
+    expect(l_ref[2] > 0 && l_ref[3] > 0 && l_ref[4] > 0, what + ": the aux, indexer and MTP losses",
            R);
     expect(el <= tol, what + ": the loss terms", R);
     expect(same, what + ": the same bits run again", R);
